@@ -1,0 +1,115 @@
+"""Load HF weights into a live, sharded GPTModel and export it back, at any TP x PP (x VPP)."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_ais.mapping.hf_io import (HFCheckpointReader, global_parameters, hf_tensors_from_shards,
+                                        megatron_shard_from_hf)
+from megatron_ais.mapping.layouts import ShardContext
+from megatron_ais.model import ModelBuildConfig, unwrap_model
+
+
+def shard_context(build: ModelBuildConfig, tp_rank: int) -> ShardContext:
+    """Return the layout context of one TP rank for a model build."""
+    s = build.shape
+    return ShardContext(tp_size=build.tensor_model_parallel_size, tp_rank=tp_rank,
+                        num_attention_heads=s.num_attention_heads, num_key_value_heads=s.num_key_value_heads,
+                        head_dim=s.head_dim, vocab_size=s.vocab_size, padded_vocab_size=build.padded_vocab_size)
+
+
+@torch.no_grad()
+def load_hf_weights(chunks: list, hf_dir: str, build: ModelBuildConfig, tp_rank: int) -> int:
+    """Copy HF safetensors into this rank's model chunks, reading only the tensors they hold; return the count."""
+    reader = HFCheckpointReader(hf_dir)
+    ctx = shard_context(build, tp_rank)
+    loaded = 0
+    for chunk in chunks:
+        for name, layer, param in global_parameters(unwrap_model(chunk)):
+            shard = megatron_shard_from_hf(name, layer, build.shape.model_type, ctx, reader.get,
+                                           build.shape.tie_word_embeddings)
+            if shard.shape != param.shape:
+                raise ValueError(f"{name}: HF tensors give a shard of shape {tuple(shard.shape)}, the model expects "
+                                 f"{tuple(param.shape)} (TP rank {tp_rank} of {ctx.tp_size})")
+            param.copy_(shard)
+            loaded += 1
+    return loaded
+
+
+def gather_tp_shards(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    """Return every TP rank's copy of `tensor` in rank order (all-gather over `group`)."""
+    size = dist.get_world_size(group) if group is not None else 1
+    if size == 1:
+        return [tensor]
+    shards = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(shards, tensor.contiguous(), group=group)
+    return shards
+
+
+@torch.no_grad()
+def export_hf_weights(chunks: list, build: ModelBuildConfig, tp_group) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for the layers of this pipeline stage; every TP rank must iterate together."""
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    ctx = shard_context(build, tp_rank)
+    for chunk in chunks:
+        for name, layer, param in global_parameters(unwrap_model(chunk)):
+            shards = gather_tp_shards(param.detach(), tp_group)
+            yield from hf_tensors_from_shards(name, layer, build.shape.model_type, ctx, shards,
+                                              build.shape.tie_word_embeddings)
+
+
+def stage_file_name(pp_rank: int, pp_size: int) -> str:
+    """Return the safetensors file name one pipeline stage writes."""
+    return f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
+
+
+def save_hf_checkpoint(chunks: list, build: ModelBuildConfig, hf_config: dict, out_dir: str, tp_group, pp_group,
+                       is_stage_writer: bool, dtype: torch.dtype | None = None) -> None:
+    """Write a HF checkpoint: each pipeline stage writes its own file (no stage ships the model to rank 0).
+
+    `is_stage_writer` is True on exactly one rank per pipeline stage (TP rank 0, DP rank 0). The first stage's
+    writer also writes the index and config.json after the stage files exist.
+    """
+    from safetensors.torch import save_file
+
+    pp_rank = dist.get_rank(pp_group) if pp_group is not None else 0
+    pp_size = dist.get_world_size(pp_group) if pp_group is not None else 1
+    tensors = {}
+    for hf_name, tensor in export_hf_weights(chunks, build, tp_group):
+        if is_stage_writer:
+            tensors[hf_name] = (tensor.to(dtype) if dtype is not None else tensor).contiguous()
+    names = sorted(tensors)
+    if is_stage_writer:
+        os.makedirs(out_dir, exist_ok=True)
+        save_file(tensors, os.path.join(out_dir, stage_file_name(pp_rank, pp_size)), metadata={"format": "pt"})
+    gathered: list = [None] * pp_size
+    if pp_group is not None and pp_size > 1:
+        dist.all_gather_object(gathered, names, group=pp_group)
+    else:
+        gathered = [names]
+    if is_stage_writer and pp_rank == 0:
+        weight_map = {n: stage_file_name(r, pp_size) for r, stage_names in enumerate(gathered) for n in stage_names}
+        write_hf_index_and_config(out_dir, weight_map, hf_config)
+
+
+def write_hf_index_and_config(out_dir: str, weight_map: dict[str, str], hf_config: dict) -> None:
+    """Write model.safetensors.index.json and config.json for a set of stage files."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(set(weight_map.values())):
+        with safe_open(os.path.join(out_dir, file), framework="pt") as f:
+            for key in f.keys():
+                t = f.get_slice(key)
+                numel = 1
+                for d in t.get_shape():
+                    numel *= d
+                total += numel * {"F32": 4, "BF16": 2, "F16": 2}.get(t.get_dtype(), 4)
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)

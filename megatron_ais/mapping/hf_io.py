@@ -1,0 +1,90 @@
+"""Read Hugging Face safetensors into Megatron shards and turn Megatron shards back into HF tensors.
+
+Both directions go through `rules.py` (names) and `layouts.py` (TP layout); nothing here knows an architecture.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Iterator
+
+import torch
+
+from megatron_ais.mapping.layouts import ShardContext
+from megatron_ais.mapping.rules import canonical_name, hf_sources, rules_for, split_layer
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+
+
+class HFCheckpointReader:
+    """Lazy reader of a HF safetensors checkpoint (single file or sharded with an index)."""
+
+    def __init__(self, hf_dir: str):
+        from safetensors import safe_open
+
+        self._safe_open = safe_open
+        self.hf_dir = hf_dir
+        index = os.path.join(hf_dir, SAFETENSORS_INDEX)
+        if os.path.isfile(index):
+            with open(index) as f:
+                self.weight_map = json.load(f)["weight_map"]
+        elif os.path.isfile(os.path.join(hf_dir, SAFETENSORS_SINGLE)):
+            with safe_open(os.path.join(hf_dir, SAFETENSORS_SINGLE), framework="pt") as f:
+                self.weight_map = {k: SAFETENSORS_SINGLE for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"{hf_dir} holds neither {SAFETENSORS_SINGLE} nor {SAFETENSORS_INDEX}")
+        self._handles: dict[str, object] = {}
+
+    def names(self) -> list[str]:
+        """Return every tensor name in the checkpoint."""
+        return list(self.weight_map)
+
+    def get(self, name: str) -> torch.Tensor:
+        """Return one tensor, reading only its file entry."""
+        if name not in self.weight_map:
+            raise KeyError(f"tensor {name!r} is missing from the HF checkpoint {self.hf_dir}")
+        file = self.weight_map[name]
+        if file not in self._handles:
+            self._handles[file] = self._safe_open(os.path.join(self.hf_dir, file), framework="pt")
+        return self._handles[file].get_tensor(name)
+
+
+def megatron_shard_from_hf(name: str, layer: int | None, model_type: str, ctx: ShardContext,
+                           read: Callable[[str], torch.Tensor], tie_word_embeddings: bool) -> torch.Tensor:
+    """Return the TP shard of Megatron parameter `name` (canonical, global layer index) built from HF tensors."""
+    _, template = split_layer(name)
+    rule = rules_for(model_type).get(template)
+    if rule is None:
+        raise KeyError(f"Megatron parameter {name!r} has no HF mapping for model_type {model_type!r}")
+    return rule.layout.shard([read(h) for h in hf_sources(rule, layer, tie_word_embeddings)], ctx)
+
+
+def hf_tensors_from_shards(name: str, layer: int | None, model_type: str, ctx: ShardContext,
+                           shards: list[torch.Tensor], tie_word_embeddings: bool
+                           ) -> list[tuple[str, torch.Tensor]]:
+    """Return (HF name, full tensor) pairs for Megatron parameter `name` from its TP shards in rank order.
+
+    A tied output layer returns nothing: the embedding already carries it.
+    """
+    _, template = split_layer(name)
+    rule = rules_for(model_type).get(template)
+    if rule is None:
+        raise KeyError(f"Megatron parameter {name!r} has no HF mapping for model_type {model_type!r}")
+    if tie_word_embeddings and rule.megatron == "output_layer.weight":
+        return []
+    _, hf_names = rule.format(layer)
+    return list(zip(hf_names, rule.layout.merge(shards, ctx)))
+
+
+def global_parameters(gpt_model) -> Iterator[tuple[str, int | None, torch.nn.Parameter]]:
+    """Yield (canonical name with global layer index, global layer or None, parameter) of one GPTModel chunk."""
+    for name, param in gpt_model.named_parameters():
+        name = canonical_name(name)
+        local_layer, template = split_layer(name)
+        if local_layer is None:
+            yield name, None, param
+            continue
+        # layer_number is megatron's 1-based global index; it accounts for PP stages and virtual chunks
+        layer = gpt_model.decoder.layers[local_layer].layer_number - 1
+        yield template.format(layer=layer), layer, param

@@ -1,0 +1,257 @@
+"""Hugging Face config -> megatron-core `TransformerConfig`, layer-spec choice and `GPTModel` build."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron_ais.arguments import ArgumentValidationError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The architecture facts the trainer, mapping and bridge need, read once from a HF config."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelShape":
+        """Return the shape of a supported HF config (see `check_supported_hf_config`)."""
+        check_supported_hf_config(cfg)
+        model_type = cfg["model_type"]
+        heads = cfg["num_attention_heads"]
+        return cls(
+            model_type=model_type,
+            num_layers=cfg["num_hidden_layers"],
+            hidden_size=cfg["hidden_size"],
+            ffn_hidden_size=cfg["intermediate_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta(cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
+        )
+
+    def padded_vocab_size(self, divisible_by: int, tp: int) -> int:
+        """Return the vocabulary padded to a multiple of divisible_by x TP, as Megatron-LM pads it."""
+        multiple = divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+
+def rope_theta(cfg: dict[str, Any]) -> float:
+    """Return RoPE's base from either config style (transformers 4 `rope_theta`, 5 `rope_parameters`)."""
+    params = cfg.get("rope_parameters") or {}
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def check_supported_hf_config(cfg: dict[str, Any]) -> None:
+    """Raise ArgumentValidationError naming the feature when a HF config cannot be represented exactly."""
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ArgumentValidationError(
+            f"model_type {model_type!r} in config.json is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    scaling = cfg.get("rope_scaling") or {}
+    params = cfg.get("rope_parameters") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise ArgumentValidationError(f"rope type {rope_type!r} in config.json is not supported yet (only 'default')")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ArgumentValidationError(f"hidden_act {cfg['hidden_act']!r} is not supported (SwiGLU with silu only)")
+    if model_type in ("llama", "qwen3") and cfg.get("attention_bias"):
+        raise ArgumentValidationError(
+            "attention_bias=true (bias on q/k/v and o_proj) has no megatron-core equivalent; only Qwen2's q/k/v bias is")
+    if cfg.get("mlp_bias"):
+        raise ArgumentValidationError("mlp_bias=true is not supported")
+    if cfg.get("use_sliding_window"):
+        raise ArgumentValidationError("use_sliding_window=true is not supported; set it to false")
+
+
+def te_available() -> bool:
+    """Return True when Transformer Engine imports (its layer spec is then the default)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, RuntimeError):  # RuntimeError: the empty TE meta package
+        return False
+    return True
+
+
+def use_transformer_engine(transformer_impl: str) -> bool:
+    """Resolve --transformer-impl: 'auto' picks TE when it imports."""
+    if transformer_impl == "auto":
+        return te_available()
+    if transformer_impl == "transformer_engine" and not te_available():
+        raise ArgumentValidationError(
+            "--transformer-impl transformer_engine but Transformer Engine does not import; install it (GPU image) "
+            "or use --transformer-impl local")
+    return transformer_impl == "transformer_engine"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelBuildConfig:
+    """Everything `build_gpt_model` needs besides process groups; built once from parsed args."""
+
+    shape: ModelShape
+    precision: str = "bf16"
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    sequence_parallel: bool = False
+    make_vocab_size_divisible_by: int = 128
+    seq_length: int = 256
+    use_te: bool = False
+    init_method_std: float = 0.02
+
+    @classmethod
+    def from_args(cls, args, hf_config: dict[str, Any]) -> "ModelBuildConfig":
+        """Return the build config for parsed, validated args and the model's HF config."""
+        return cls(
+            shape=ModelShape.from_hf_config(hf_config),
+            precision=args.precision,
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+            context_parallel_size=args.context_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+            sequence_parallel=args.sequence_parallel,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            seq_length=args.seq_length,
+            use_te=use_transformer_engine(args.transformer_impl),
+            init_method_std=hf_config.get("initializer_range", 0.02),
+        )
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.precision == "bf16" else torch.float32
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.shape.padded_vocab_size(self.make_vocab_size_divisible_by, self.tensor_model_parallel_size)
+
+
+def transformer_config(build: ModelBuildConfig):
+    """Return the megatron-core TransformerConfig equivalent to the HF architecture."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    s = build.shape
+    dtype = build.params_dtype
+    return TransformerConfig(
+        num_layers=s.num_layers,
+        hidden_size=s.hidden_size,
+        ffn_hidden_size=s.ffn_hidden_size,
+        num_attention_heads=s.num_attention_heads,
+        # fewer KV heads than TP ranks is native in megatron-core: qkv rows split evenly, activations gathered
+        num_query_groups=s.num_key_value_heads,
+        kv_channels=s.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=s.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=s.qkv_bias,
+        qk_layernorm=s.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=build.init_method_std,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        bf16=build.precision == "bf16",
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=build.tensor_model_parallel_size,
+        pipeline_model_parallel_size=build.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=build.virtual_pipeline_model_parallel_size,
+        context_parallel_size=build.context_parallel_size,
+        expert_model_parallel_size=build.expert_model_parallel_size,
+        expert_tensor_parallel_size=build.expert_tensor_parallel_size,
+        sequence_parallel=build.sequence_parallel,
+        # fusions need apex / TE kernels; megatron's own dataclass defaults are already off for most
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=False,
+        cross_entropy_loss_fusion=False,
+    )
+
+
+def layer_spec(build: ModelBuildConfig):
+    """Return the GPT layer spec: Transformer Engine's when selected, the local one otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if build.use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=build.shape.qk_norm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=build.shape.qk_norm, normalization="RMSNorm")
+
+
+def build_gpt_model(build: ModelBuildConfig, pre_process: bool, post_process: bool,
+                    vp_stage: int | None = None):
+    """Return one GPTModel chunk for the calling rank's pipeline stage (not wrapped)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    kwargs = {"vp_stage": vp_stage} if vp_stage is not None else {}
+    return GPTModel(
+        config=transformer_config(build),
+        transformer_layer_spec=layer_spec(build),
+        vocab_size=build.padded_vocab_size,
+        max_sequence_length=build.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=build.shape.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=build.shape.rope_theta,
+        **kwargs,
+    )
+
+
+def build_model_chunks(build: ModelBuildConfig) -> list:
+    """Return this rank's model chunks (one, or one per virtual stage), wrapped in Float16Module for BF16."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.module import Float16Module
+
+    vpp = build.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp is not None else None
+        model = build_gpt_model(
+            build,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            vp_stage=stage,
+        )
+        if build.precision == "bf16":
+            model = Float16Module(model.config, model)
+        chunks.append(model)
+    return chunks
+
+
+def unwrap_model(model):
+    """Return the bare GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model

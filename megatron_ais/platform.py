@@ -1,0 +1,210 @@
+"""Everything that makes megatron-core train on a CPU-only torch build with gloo.
+
+This is the only module that special-cases CPU for megatron. `apply_cpu_compat()` is called once by
+`megatron_ais.initialize` before any model or optimizer is built, and is a strict no-op when CUDA is
+available. Each patch answers one error that megatron-core 0.16.1 raises on CPU (recorded in
+`docs/install.md`, found by leaving the patch out):
+
+  P1 torch.cuda.current_device() -> "cpu"
+     rotary_pos_embedding.get_emb, DDP grad buffers (param_and_grad_buffer.py:800/806), TP mappings and
+     p2p recv buffers allocate on `torch.cuda.current_device()` -> "Torch not compiled with CUDA enabled".
+  P2 torch.cuda.synchronize() -> no-op
+     p2p_communication.py:398 synchronizes after batch_isend_irecv (every PP schedule).
+  P3 Tensor.cuda() -> identity
+     language_module.py:244 moves the tied embedding to CUDA when PP > 1 shares it with the output layer.
+  P4 device="cuda" literals -> cpu
+     optimizer.py:485/907, clip_grads, grad_scaler, schedules.py:596 (token counter), causal-mask helper:
+     the module-global `torch` of those modules is replaced by a proxy whose tensor factories map cuda -> cpu.
+  P5 RNG tracker on the CPU generator
+     tensor_parallel/random.py:235 `CudaRNGStatesTracker.add` calls torch.cuda.get_rng_state(); re-implemented
+     so that model_parallel_cuda_manual_seed() works and TP regions keep their own dropout stream.
+  P6 'torch.cuda.*Tensor' type checks
+     optimizer.py:695 / distrib_optimizer.py:431 raise "Wrapped parameters must be one of torch.cuda.FloatTensor
+     ..." and clip_grads.py:167 asserts cuda grads: Tensor.type() reports cuda names only inside those calls.
+  P7 sequence parallel with the local spec's torch norm
+     torch_norm.py:32 "sequence parallel not supported by torch LayerNorm": build the norm anyway and tag its
+     parameters `sequence_parallel=True` so finalize_model_grads all-reduces their grads over TP.
+  P8 torch.cuda.current_stream() -> null stream
+     megatron-core >= 0.17 DDP start_grad_sync waits on CUDA-graph events unconditionally.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+
+import torch
+
+_applied = False
+
+# megatron modules whose code holds device="cuda" literals on the GPT + TP/PP/DP + optimizer paths (P4).
+_CUDA_LITERAL_MODULES = (
+    "megatron.core.transformer.utils",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.utils",
+)
+
+
+def is_cuda() -> bool:
+    """Return True when the process runs megatron on CUDA (and every patch here is skipped)."""
+    return torch.cuda.is_available()
+
+
+def device() -> torch.device:
+    """Return the device megatron tensors live on: the current CUDA device, or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if is_cuda() else torch.device("cpu")
+
+
+def distributed_backend() -> str:
+    """Return the torch.distributed backend: nccl on CUDA, gloo on CPU."""
+    return "nccl" if is_cuda() else "gloo"
+
+
+class _NullStream:
+    """Stand-in for torch.cuda.Stream on CPU: every method is a no-op."""
+
+    def __getattr__(self, item):
+        return lambda *args, **kwargs: None
+
+
+def _cpu_kwargs(kwargs: dict) -> dict:
+    dev = kwargs.get("device")
+    if dev is not None and str(dev).startswith("cuda"):
+        kwargs["device"] = "cpu"
+    kwargs.pop("pin_memory", None)
+    return kwargs
+
+
+class _TorchProxy:
+    """Stand-in for the `torch` module inside selected megatron modules (P4)."""
+
+    _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like",
+                  "empty_like", "randn", "rand")
+
+    def __init__(self):
+        for name in self._FACTORIES:
+            fn = getattr(torch, name)
+            setattr(self, name, functools.wraps(fn)(
+                lambda *args, _fn=fn, **kwargs: _fn(*args, **_cpu_kwargs(kwargs))))
+
+    def __getattr__(self, item):
+        return getattr(torch, item)
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    original = torch.Tensor.type
+
+    def type_(self, *args, **kwargs):
+        if args or kwargs:
+            return original(self, *args, **kwargs)
+        name = original(self)
+        if self.device.type == "cpu" and name.startswith("torch.") and not name.startswith("torch.cuda."):
+            return "torch.cuda." + name[len("torch."):]
+        return name
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _with_cuda_type_names(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _cuda_type_names():
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+def _patch_rng_tracker() -> None:  # P5
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        saved = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(saved)
+
+    @contextlib.contextmanager
+    def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+    mrandom.CudaRNGStatesTracker.add = add
+    mrandom.CudaRNGStatesTracker.fork = fork
+
+
+def _patch_type_checks() -> None:  # P6
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.optimizer as optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    for cls in (Float16OptimizerWithFloat16Params, DistributedOptimizer):
+        cls.__init__ = _with_cuda_type_names(cls.__init__)
+    clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = clip
+    optimizer.clip_grad_by_total_norm_fp32 = clip  # bound by value there
+
+
+def _patch_torch_norm_sequence_parallel() -> None:  # P7
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, eps, **kwargs)
+        config.sequence_parallel = False
+        try:
+            norm = original_new(cls, config, hidden_size, eps, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
+
+
+def apply_cpu_compat() -> bool:
+    """Patch megatron-core for CPU/gloo once; return True if patches are active (False on CUDA)."""
+    global _applied
+    if is_cuda():
+        return False
+    if _applied:
+        return True
+    _applied = True
+    # P1-P3, P8 are global: on a CPU-only build these calls could only raise.
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.cuda.current_stream = lambda *args, **kwargs: _NullStream()
+    proxy = _TorchProxy()
+    for name in _CUDA_LITERAL_MODULES:
+        importlib.import_module(name).torch = proxy
+    _patch_rng_tracker()
+    _patch_type_checks()
+    _patch_torch_norm_sequence_parallel()
+    return True

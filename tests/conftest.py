@@ -1,0 +1,44 @@
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for path in (ROOT, os.path.join(ROOT, "tools"), os.path.join(ROOT, "tests")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def make_model_dir(root, arch="llama", **overrides) -> str:
+    """Write a small HF model with tools/make_tiny_model.py's code and return its directory."""
+    import make_tiny_model
+
+    flags = dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                 vocab_size=384, initializer_range=0.2, seed=0, dtype="bfloat16")
+    flags.update(overrides)
+    name = arch + "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
+    out = os.path.join(str(root), name)
+    if not os.path.isdir(out):
+        argv = ["--arch", arch, "--out", out]
+        for k, v in flags.items():
+            if v is True:
+                argv.append(f"--{k.replace('_', '-')}")
+            elif v is not False:
+                argv += [f"--{k.replace('_', '-')}", str(v)]
+        make_tiny_model.make_tiny_model(make_tiny_model.build_parser().parse_args(argv))
+    return out
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
