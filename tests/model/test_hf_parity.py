@@ -1,4 +1,6 @@
 """Megatron logits after loading HF weights equal transformers' fp32 forward, at TP1/TP2/PP2/TP2xPP2."""
+import os
+
 import pytest
 import torch
 
@@ -32,21 +34,29 @@ def _pipeline_logits(chunks, tokens):
     return torch.cat(parts, dim=-1)
 
 
-def _parity_worker(cases):
+def _naive_fc1_shard(self, hf, ctx):
+    """A wrong layout (plain concatenation of gate and up, then split) used as a negative control."""
+    return torch.cat(hf).chunk(ctx.tp_size, dim=0)[ctx.tp_rank]
+
+
+def _parity_worker(cases, export_root=None):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
 
     from megatron_ais.arguments import build_parser, validate_args
     from megatron_ais.initialize import ParallelSizes, initialize_distributed, initialize_model_parallel, set_random_seed
-    from megatron_ais.mapping.distributed import load_hf_weights
+    from megatron_ais.mapping import layouts
+    from megatron_ais.mapping.distributed import load_hf_weights, save_hf_checkpoint
     from megatron_ais.model import ModelBuildConfig, build_model_chunks
     from megatron_ais.platform import apply_cpu_compat
 
     apply_cpu_compat()
     initialize_distributed()
     results = []
-    for hf_dir, tp, pp in cases:
+    correct_shard = layouts.GatedFC1.shard
+    for hf_dir, tp, pp, *broken in cases:
+        layouts.GatedFC1.shard = _naive_fc1_shard if broken else correct_shard
         args = build_parser("test").parse_args(
             ["--hf-dir", hf_dir, "--fp32", "--tensor-model-parallel-size", str(tp),
              "--pipeline-model-parallel-size", str(pp), "--seq-length", "16", "--transformer-impl", "local"])
@@ -65,7 +75,14 @@ def _parity_worker(cases):
                 ref = hf(tokens).logits
             diff = (logits[..., : build.shape.vocab_size] - ref).abs().max().item()
             scale = ref.abs().max().item()
-            results.append((hf_dir, tp, pp, diff, scale, logits.shape[-1]))
+            results.append((hf_dir, tp, pp, diff, scale, logits.shape[-1], bool(broken)))
+        if export_root is not None:
+            out = f"{export_root}/{os.path.basename(hf_dir)}-tp{tp}pp{pp}"
+            save_hf_checkpoint(chunks, build, hf_config, out, ps.get_tensor_model_parallel_group(),
+                               ps.get_pipeline_model_parallel_group(),
+                               is_stage_writer=ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0,
+                               dtype=torch.bfloat16)
+            dist.barrier()
         ps.destroy_model_parallel()
     return results
 
@@ -73,7 +90,10 @@ def _parity_worker(cases):
 def _check(results):
     checked = [r for rank in results for r in rank]
     assert checked
-    for hf_dir, tp, pp, diff, scale, padded in checked:
+    for hf_dir, tp, pp, diff, scale, padded, broken in checked:
+        if broken:
+            assert diff > 1e-2, f"negative control: a wrong fc1 layout went unnoticed (diff {diff:.3e})"
+            continue
         assert scale > 1.0, f"{hf_dir}: logits too small ({scale}) for the comparison to mean anything"
         assert diff <= TOLERANCE, f"{hf_dir} TP{tp} PP{pp}: max |logits - HF| = {diff:.3e} (scale {scale:.2f})"
     return checked
@@ -86,16 +106,27 @@ def test_logits_match_transformers_two_ranks(model_root):
     tied = make_model_dir(model_root, "llama", tie_word_embeddings=True)
     cases = [(archs["llama"], 1, 1)]
     cases += [(d, 2, 1) for d in archs.values()] + [(d, 1, 2) for d in archs.values()]
-    cases += [(kv1, 2, 1), (tied, 1, 2), (tied, 2, 1)]
+    cases += [(kv1, 2, 1), (tied, 1, 2), (tied, 2, 1), (archs["llama"], 2, 1, "broken")]
     checked = _check(spawn(2, _parity_worker, cases))
     # TP1 at world 2 runs as DP2: both replicas report; every other case reports from its last stage
-    assert {(c[0], c[1], c[2]) for c in checked} == set(cases)
+    assert {(c[0], c[1], c[2]) for c in checked} == {c[:3] for c in cases}
     assert any(c[5] > 384 for c in checked), "vocab padding was not exercised"
 
 
 @pytest.mark.slow
-def test_logits_match_transformers_tp2_pp2(model_root):
+def test_logits_match_transformers_tp2_pp2_and_export(model_root, tmp_path):
+    from megatron_ais.mapping.hf_io import HFCheckpointReader
+
     cases = [(make_model_dir(model_root, a), 2, 2) for a in ("llama", "qwen2", "qwen3")]
     cases.append((make_model_dir(model_root, "qwen3", num_key_value_heads=1, tie_word_embeddings=True), 2, 2))
-    checked = _check(spawn(4, _parity_worker, cases))
+    checked = _check(spawn(4, _parity_worker, cases, str(tmp_path)))
     assert {(c[0], c[1], c[2]) for c in checked} == set(cases)
+    # the distributed export (one file per PP stage) reproduces the HF tensors bit for bit
+    for hf_dir, _, _ in cases:
+        out = tmp_path / f"{os.path.basename(hf_dir)}-tp2pp2"
+        assert sorted(p.name for p in out.glob("*.safetensors")) == [
+            "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+        source, exported = HFCheckpointReader(hf_dir), HFCheckpointReader(str(out))
+        assert sorted(source.names()) == sorted(exported.names())
+        for name in source.names():
+            assert torch.equal(source.get(name), exported.get(name)), name

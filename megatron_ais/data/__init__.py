@@ -1,0 +1,1 @@
+"""Tasks, prompt files and rewards."""

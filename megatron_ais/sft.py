@@ -1,0 +1,147 @@
+"""Supervised fine-tuning on a task's reference responses with megatron-core (the warm-up before GRPO)."""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from megatron_ais.data.arithmetic import ArithmeticExample
+
+
+def add_sft_args(parser: argparse.ArgumentParser) -> None:
+    """SFT data flags."""
+    g = parser.add_argument_group("sft data")
+    g.add_argument("--num-examples", type=int, default=2048, help="Synthetic arithmetic examples to draw from.")
+    g.add_argument("--max-operand", type=int, default=99, help="Largest operand of the arithmetic task.")
+    g.add_argument("--export-hf-dir", default=None,
+                   help="After training, export the model as a HF checkpoint here (each PP stage writes its file).")
+
+
+def load_tokenizer(path: str):
+    """Return the HF tokenizer stored in a model directory or a checkpoint's hf_assets."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def encode_sft_example(tokenizer, example: ArithmeticExample, seq_length: int) -> dict[str, torch.Tensor]:
+    """Return tokens / labels / loss_mask [seq_length] for one example; loss only on the response."""
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": example.prompt}], tokenize=False,
+                                           add_generation_prompt=True)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(example.response(), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ids = prompt_ids + response_ids
+    if len(ids) - 1 > seq_length:
+        raise ValueError(f"example of {len(ids)} tokens does not fit --seq-length {seq_length}")
+    tokens = torch.full((seq_length,), tokenizer.pad_token_id, dtype=torch.long)
+    labels = torch.full((seq_length,), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros(seq_length)
+    n = len(ids) - 1
+    tokens[:n] = torch.tensor(ids[:-1])
+    labels[:n] = torch.tensor(ids[1:])
+    mask[len(prompt_ids) - 1: n] = 1.0
+    return {"tokens": tokens, "labels": labels, "loss_mask": mask}
+
+
+def micro_batches(encoded: list[dict], indices: list[int], micro_batch_size: int) -> list[dict]:
+    """Return the micro-batches (stacked dicts with position ids) for a list of example indices."""
+    out = []
+    for start in range(0, len(indices), micro_batch_size):
+        rows = [encoded[i] for i in indices[start:start + micro_batch_size]]
+        batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+        seq = batch["tokens"].shape[1]
+        batch["position_ids"] = torch.arange(seq).unsqueeze(0).expand(len(rows), seq).contiguous()
+        out.append(batch)
+    return out
+
+
+def run_sft(args) -> dict:
+    """Train with megatron-core on the synthetic task; return the summary (also written on the logging rank)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_ais.arguments import validate_args
+    from megatron_ais.checkpointing import (check_layout, iteration_dir, load_model_state, load_rank_state,
+                                            read_checkpoint_metadata, read_tracker, save_model_checkpoint)
+    from megatron_ais.data.arithmetic import arithmetic_examples
+    from megatron_ais.initialize import initialize_megatron
+    from megatron_ais.logging import RunLogger
+    from megatron_ais.mapping.distributed import load_hf_weights, save_hf_checkpoint
+    from megatron_ais.model import ModelBuildConfig, build_model_chunks
+    from megatron_ais.training import (OptimizerSettings, build_optimizer, lm_forward_step, reduce_lm_loss,
+                                       train_step, wrap_ddp)
+
+    hf_config = validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    initialize_megatron(args)
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    pp_size = ps.get_pipeline_model_parallel_world_size()
+    is_logger = ps.is_pipeline_last_stage() and tp_rank == 0 and dp_rank == 0
+    log = RunLogger(args.output_dir, args.tensorboard_dir, is_logger)
+
+    build = ModelBuildConfig.from_args(args, hf_config)
+    chunks = build_model_chunks(build)
+    if args.load:
+        check_layout(read_checkpoint_metadata(args.load), build.tensor_model_parallel_size, pp_size, args.load)
+        load_model_state(chunks, load_rank_state(args.load, tp_rank, pp_rank, pp_size))
+        assets = os.path.join(iteration_dir(args.load, read_tracker(args.load)), "hf_assets")
+    else:
+        load_hf_weights(chunks, args.hf_dir, build, tp_rank)
+        assets = args.hf_dir
+    tokenizer = load_tokenizer(assets)
+    ddp_chunks = wrap_ddp(chunks, args.use_distributed_optimizer)
+    optimizer = build_optimizer(ddp_chunks, OptimizerSettings.from_args(args))
+
+    examples = arithmetic_examples(args.num_examples, args.seed, args.max_operand)
+    encoded = [encode_sft_example(tokenizer, e, args.seq_length) for e in examples]
+    global_batch = args.global_batch_size or args.micro_batch_size * dp_size
+    per_rank = global_batch // dp_size
+    order = torch.randperm(len(encoded), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    log.info(f"SFT: {build.shape.model_type} {build.shape.num_layers} layers, TP{build.tensor_model_parallel_size} "
+             f"PP{pp_size} DP{dp_size}, {args.precision}, global batch {global_batch}, {args.train_iters} steps")
+    history = []
+    start = time.time()
+    for step in range(1, args.train_iters + 1):
+        t0 = time.time()
+        first = ((step - 1) * global_batch) % len(order)
+        window = [order[(first + i) % len(order)] for i in range(global_batch)]
+        mine = window[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        batches = micro_batches(encoded, mine, args.micro_batch_size)
+        result = train_step(ddp_chunks, optimizer, lm_forward_step, iter(batches), len(batches), args.seq_length,
+                            args.micro_batch_size)
+        if not result.update_successful:
+            raise RuntimeError(f"step {step}: optimizer skipped the update (non-finite gradients)")
+        loss = reduce_lm_loss(result.losses, ps.get_data_parallel_group()) if ps.is_pipeline_last_stage() else None
+        seconds = time.time() - t0
+        tokens = sum(int(b["loss_mask"].sum()) for b in batches) * dp_size
+        if loss is not None:
+            history.append(loss)
+        if step % args.log_interval == 0 or step == args.train_iters:
+            log.step(step, {"sft/loss": loss, "sft/grad_norm": result.grad_norm, "sft/step_seconds": seconds},
+                     f"step {step:5d}/{args.train_iters} | loss {loss if loss is None else f'{loss:.4f}'} | "
+                     f"grad norm {result.grad_norm:.3f} | {tokens / seconds:8.0f} tok/s | {seconds:.2f}s")
+    if args.save:
+        save_model_checkpoint(
+            args.save, args.train_iters, chunks,
+            {"hf_config": hf_config, "tensor_model_parallel_size": build.tensor_model_parallel_size,
+             "pipeline_model_parallel_size": pp_size, "make_vocab_size_divisible_by": args.make_vocab_size_divisible_by,
+             "padded_vocab_size": build.padded_vocab_size, "iteration": args.train_iters},
+            assets, tp_rank, pp_rank, pp_size, is_writer=dp_rank == 0, is_committer=dist.get_rank() == 0,
+            barrier=dist.barrier)
+    if args.export_hf_dir:
+        save_hf_checkpoint(chunks, build, hf_config, args.export_hf_dir, ps.get_tensor_model_parallel_group(),
+                           ps.get_pipeline_model_parallel_group(), is_stage_writer=tp_rank == 0 and dp_rank == 0,
+                           dtype=torch.bfloat16 if hf_config.get("dtype") == "bfloat16" else None)
+        if dist.get_rank() == 0:
+            from megatron_ais.checkpointing import HF_ASSET_FILES
+            import shutil
+            for name in HF_ASSET_FILES:
+                if os.path.isfile(os.path.join(assets, name)):
+                    shutil.copy2(os.path.join(assets, name), os.path.join(args.export_hf_dir, name))
+    summary = {"loss_first": history[0] if history else None, "loss_last": history[-1] if history else None,
+               "losses": history, "steps": args.train_iters, "wall_s": time.time() - start}
+    log.summary(summary)
+    log.close()
+    return summary

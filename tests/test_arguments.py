@@ -1,0 +1,104 @@
+"""Bad configurations are rejected before anything heavy starts, with messages naming the flag and the fix."""
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, make_model_dir
+from megatron_ais.arguments import ArgumentValidationError, build_parser, validate_args, validate_model_args
+from megatron_ais.checkpointing import CheckpointError
+from megatron_ais.model import ModelShape, check_supported_hf_config
+
+CONFIG = {"model_type": "llama", "num_attention_heads": 6, "num_key_value_heads": 2, "hidden_size": 96,
+          "num_hidden_layers": 4, "intermediate_size": 192, "vocab_size": 300, "max_position_embeddings": 512}
+
+
+def _args(*argv):
+    return build_parser("test").parse_args(list(argv))
+
+
+@pytest.mark.parametrize("argv,config,expected", [
+    (["--tensor-model-parallel-size", "4"], {}, "--num-attention-heads 6 (config.json) is not divisible by "
+                                                "--tensor-model-parallel-size 4"),
+    (["--tensor-model-parallel-size", "3"], {"num_key_value_heads": 2}, "--num-key-value-heads 2"),
+    (["--pipeline-model-parallel-size", "3"], {}, "--num-layers 4 (config.json) is not divisible by "
+                                                  "--pipeline-model-parallel-size 3"),
+    (["--tensor-model-parallel-size", "2"], {"intermediate_size": 191}, "--intermediate-size 191"),
+    (["--seq-length", "1024"], {}, "--seq-length 1024 exceeds max_position_embeddings 512"),
+    (["--tensor-model-parallel-size", "4"], {"num_attention_heads": 4, "num_key_value_heads": 1, "hidden_size": 12,
+                                             "head_dim": 3}, "fused QKV projection has 18 rows"),
+])
+def test_model_shape_errors_name_the_flag(argv, config, expected):
+    with pytest.raises(ArgumentValidationError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        validate_model_args(_args(*argv), {**CONFIG, **config})
+
+
+def test_valid_layouts_pass_including_fewer_kv_heads_than_tp():
+    validate_model_args(_args("--tensor-model-parallel-size", "2"), {**CONFIG, "num_key_value_heads": 1})
+    validate_model_args(_args("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"), CONFIG)
+
+
+@pytest.mark.parametrize("argv,world,expected", [
+    (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible by --tensor-model-parallel-size 2"),
+    (["--virtual-pipeline-model-parallel-size", "2"], 1, "needs --pipeline-model-parallel-size > 1"),
+    (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (["--global-batch-size", "6", "--micro-batch-size", "4"], 2, "--global-batch-size 6 is not divisible"),
+    (["--make-vocab-size-divisible-by", "0"], 1, "--make-vocab-size-divisible-by 0 must be a positive integer"),
+])
+def test_parallel_errors_name_the_flag(argv, world, expected, tmp_path):
+    with open(tmp_path / "config.json", "w") as f:
+        import json
+        json.dump(CONFIG, f)
+    with pytest.raises(ArgumentValidationError, match=expected):
+        validate_args(_args("--hf-dir", str(tmp_path), *argv), world)
+
+
+def test_missing_model_and_checkpoint(tmp_path):
+    with pytest.raises(ArgumentValidationError, match="pass --hf-dir DIR"):
+        validate_args(_args(), 1)
+    with pytest.raises(ArgumentValidationError, match=f"--hf-dir {tmp_path} has no config.json"):
+        validate_args(_args("--hf-dir", str(tmp_path)), 1)
+    with pytest.raises(CheckpointError, match=f"--load {tmp_path} has no latest_checkpointed_iteration.txt"):
+        validate_args(_args("--load", str(tmp_path)), 1)
+
+
+@pytest.mark.parametrize("change,expected", [
+    ({"model_type": "gpt2"}, "model_type 'gpt2'"),
+    ({"rope_scaling": {"rope_type": "yarn"}}, "rope type 'yarn'"),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+])
+def test_unsupported_configs(change, expected):
+    with pytest.raises(ArgumentValidationError, match=expected):
+        check_supported_hf_config({**CONFIG, **change})
+
+
+def test_vocab_padding_matches_megatron_lm():
+    shape = ModelShape.from_hf_config(CONFIG)
+    assert shape.padded_vocab_size(128, 1) == 384
+    assert shape.padded_vocab_size(128, 4) == 512
+    assert shape.padded_vocab_size(1, 3) == 300
+
+
+def test_cli_reports_bad_layout_without_traceback(model_root):
+    hf_dir = make_model_dir(model_root, "llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
+    env = {**os.environ, "WORLD_SIZE": "4"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train_sft.py"), "--hf-dir", hf_dir,
+                           "--tensor-model-parallel-size", "4"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2
+    assert "--num-attention-heads 6" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "hf-to-megatron",
+                           "--hf-dir", hf_dir, "--save", os.path.join(str(model_root), "x"),
+                           "--tensor-model-parallel-size", "4"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--tensor-model-parallel-size 4" in proc.stderr
+
+
+def test_help_documents_every_flag_by_group():
+    text = build_parser("test").format_help()
+    for group in ("model:", "parallelism:", "training:", "checkpointing:", "logging:"):
+        assert group in text
+    for action in build_parser("test")._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, f"{action.option_strings} has no help"

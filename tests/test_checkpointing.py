@@ -1,0 +1,45 @@
+"""Checkpoints are committed atomically: a crash mid-save leaves the previous checkpoint loadable."""
+import os
+
+import pytest
+import torch
+
+from megatron_ais import checkpointing as ckpt
+
+
+def _save(root, iteration, value):
+    stage = ckpt.prepare_staging(root, iteration)
+    ckpt.write_metadata(stage, {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                                "hf_config": {}}, None)
+    ckpt.write_rank_state(stage, 0, 0, 1, {"model": {"w": torch.full((2,), value)}})
+    return ckpt.commit_checkpoint(root, iteration)
+
+
+def test_crash_before_commit_keeps_last_good_checkpoint(tmp_path):
+    root = str(tmp_path)
+    _save(root, 1, 1.0)
+    # a crashed save of iteration 2: staging written, never committed
+    stage = ckpt.prepare_staging(root, 2)
+    ckpt.write_rank_state(stage, 0, 0, 1, {"model": {"w": torch.full((2,), float("nan"))}})
+    assert ckpt.read_tracker(root) == 1
+    assert torch.equal(ckpt.load_rank_state(root, 0, 0, 1)["model"]["w"], torch.ones(2))
+    with pytest.raises(ckpt.CheckpointError, match="has no megatron_ais.json"):
+        ckpt.commit_checkpoint(root, 2)  # an incomplete staging directory is never committed
+    # the next save of the same iteration starts from a clean staging directory and commits
+    _save(root, 2, 2.0)
+    assert ckpt.read_tracker(root) == 2 and not os.path.exists(ckpt.staging_dir(root, 2))
+    assert torch.equal(ckpt.load_rank_state(root, 0, 0, 1)["model"]["w"], torch.full((2,), 2.0))
+    # re-saving an existing iteration replaces it
+    _save(root, 2, 3.0)
+    assert torch.equal(ckpt.load_rank_state(root, 0, 0, 1)["model"]["w"], torch.full((2,), 3.0))
+
+
+def test_layout_mismatch_names_flags_and_fix(tmp_path):
+    meta = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1}
+    with pytest.raises(ckpt.CheckpointError, match="--tensor-model-parallel-size 1 .*convert_checkpoint.py"):
+        ckpt.check_layout(meta, 1, 1, str(tmp_path))
+
+
+def test_rank_directory_names_follow_megatron_lm():
+    assert ckpt.rank_dir_name(1, 0, 1) == "mp_rank_01"
+    assert ckpt.rank_dir_name(1, 2, 4) == "mp_rank_01_002"

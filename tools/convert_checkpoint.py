@@ -1,0 +1,162 @@
+"""Convert between Hugging Face checkpoints and megatron-ais (Megatron-LM layout) checkpoints, in one process.
+
+    python tools/convert_checkpoint.py hf-to-megatron --hf-dir DIR --save DIR \\
+        --tensor-model-parallel-size T --pipeline-model-parallel-size P
+    python tools/convert_checkpoint.py megatron-to-hf --load DIR --save DIR
+
+Both directions use the one Megatron<->HF mapping in megatron_ais/mapping (the trainer's loader and the
+resharding bridge use it too). Tensors keep their dtype, so HF -> Megatron -> HF is bit-exact. To reshard a
+Megatron checkpoint, go through HF: megatron-to-hf, then hf-to-megatron with the new sizes.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from megatron_ais.arguments import ArgumentValidationError, load_hf_config, validate_model_args
+from megatron_ais.checkpointing import (CHECKPOINT_VERSION, CheckpointError, HF_ASSET_FILES, HF_ASSETS, commit_checkpoint,
+                                        iteration_dir, load_rank_state, prepare_staging, read_checkpoint_metadata,
+                                        read_tracker, write_metadata, write_rank_state)
+from megatron_ais.mapping.distributed import shard_context, stage_file_name, write_hf_index_and_config
+from megatron_ais.mapping.hf_io import HFCheckpointReader, hf_tensors_from_shards, megatron_shard_from_hf
+from megatron_ais.mapping.rules import canonical_name, megatron_param_names, split_layer
+from megatron_ais.model import ModelBuildConfig, ModelShape
+
+
+def _build_config(hf_config: dict, tp: int, divisible_by: int) -> ModelBuildConfig:
+    return ModelBuildConfig(shape=ModelShape.from_hf_config(hf_config), tensor_model_parallel_size=tp,
+                            make_vocab_size_divisible_by=divisible_by)
+
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
+    """Return the global layer indices of one pipeline stage (even split, as megatron's default)."""
+    per_stage = num_layers // pp_size
+    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+
+
+def _local_name(name: str, offset: int) -> str:
+    layer, template = split_layer(name)
+    return name if layer is None else template.format(layer=layer - offset)
+
+
+def hf_to_megatron(hf_dir: str, save: str, tp: int, pp: int, divisible_by: int = 128, iteration: int = 0) -> str:
+    """Write a Megatron checkpoint of the HF model at TP x PP; return its iteration directory."""
+    hf_config = load_hf_config(hf_dir)
+    layout = argparse.Namespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                virtual_pipeline_model_parallel_size=None, seq_length=1)
+    validate_model_args(layout, hf_config, f"{hf_dir}/config.json")
+    build = _build_config(hf_config, tp, divisible_by)
+    shape = build.shape
+    reader = HFCheckpointReader(hf_dir)
+    os.makedirs(save, exist_ok=True)
+    stage = prepare_staging(save, iteration)
+    for pp_rank in range(pp):
+        layers = stage_layers(shape.num_layers, pp, pp_rank)
+        names = megatron_param_names(shape.model_type, layers, pp_rank == 0, pp_rank == pp - 1,
+                                     shape.tie_word_embeddings)
+        for tp_rank in range(tp):
+            ctx = shard_context(build, tp_rank)
+            state = {}
+            for name in names:
+                layer, _ = split_layer(name)
+                shard = megatron_shard_from_hf(name, layer, shape.model_type, ctx, reader.get,
+                                               shape.tie_word_embeddings)
+                state[_local_name(name, layers.start)] = shard.clone()
+            write_rank_state(stage, tp_rank, pp_rank, pp,
+                             {"model": state, "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION})
+    write_metadata(stage, {"hf_config": hf_config, "tensor_model_parallel_size": tp,
+                           "pipeline_model_parallel_size": pp, "make_vocab_size_divisible_by": divisible_by,
+                           "padded_vocab_size": build.padded_vocab_size, "iteration": iteration,
+                           "source": os.path.abspath(hf_dir)}, hf_dir)
+    return commit_checkpoint(save, iteration)
+
+
+def megatron_to_hf(load: str, save: str) -> str:
+    """Write a HF model directory (safetensors, config, tokenizer) from a Megatron checkpoint; return it."""
+    import shutil
+
+    iteration = read_tracker(load)
+    meta = read_checkpoint_metadata(load, iteration)
+    hf_config = meta["hf_config"]
+    tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
+    build = _build_config(hf_config, tp, meta["make_vocab_size_divisible_by"])
+    shape = build.shape
+    os.makedirs(save, exist_ok=True)
+    from safetensors.torch import save_file
+
+    weight_map = {}
+    for pp_rank in range(pp):
+        states = [load_rank_state(load, tp_rank, pp_rank, pp, iteration) for tp_rank in range(tp)]
+        if any("model" not in s for s in states):
+            raise CheckpointError("checkpoints saved with --virtual-pipeline-model-parallel-size are not supported "
+                                  "by the converter yet")
+        models = [s["model"] for s in states]
+        offset = stage_layers(shape.num_layers, pp, pp_rank).start
+        tensors = {}
+        for local_name in models[0]:
+            if local_name.endswith("_extra_state"):
+                continue
+            name = canonical_name(local_name)
+            layer, template = split_layer(name)
+            if layer is not None:
+                layer += offset
+                name = template.format(layer=layer)
+            shards = [m[local_name] for m in models]
+            for hf_name, tensor in hf_tensors_from_shards(name, layer, shape.model_type, shard_context(build, 0),
+                                                          shards, shape.tie_word_embeddings):
+                tensors[hf_name] = tensor.contiguous()
+        file = stage_file_name(pp_rank, pp)
+        save_file(tensors, os.path.join(save, file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in tensors})
+    write_hf_index_and_config(save, weight_map, hf_config)
+    assets = os.path.join(iteration_dir(load, iteration), HF_ASSETS)
+    for name in HF_ASSET_FILES:
+        if os.path.isfile(os.path.join(assets, name)):
+            shutil.copy2(os.path.join(assets, name), os.path.join(save, name))
+    return save
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sub = parser.add_subparsers(dest="direction", required=True)
+    to_m = sub.add_parser("hf-to-megatron", help="HF safetensors -> sharded Megatron checkpoint",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    to_m.add_argument("--hf-dir", required=True, help="HF model directory (config.json + safetensors).")
+    to_m.add_argument("--save", required=True, help="Megatron checkpoint directory to write.")
+    to_m.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size of the checkpoint.")
+    to_m.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP size of the checkpoint.")
+    to_m.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                      help="Pad the vocabulary to a multiple of this x TP (must match training).")
+    to_h = sub.add_parser("megatron-to-hf", help="sharded Megatron checkpoint -> HF safetensors",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    to_h.add_argument("--load", required=True, help="Megatron checkpoint directory to read (latest iteration).")
+    to_h.add_argument("--save", required=True, help="HF model directory to write.")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    start = time.time()
+    try:
+        if args.direction == "hf-to-megatron":
+            for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "make_vocab_size_divisible_by"):
+                if getattr(args, flag) < 1:
+                    raise ArgumentValidationError(f"--{flag.replace('_', '-')} must be a positive integer")
+            out = hf_to_megatron(args.hf_dir, args.save, args.tensor_model_parallel_size,
+                                 args.pipeline_model_parallel_size, args.make_vocab_size_divisible_by)
+        else:
+            out = megatron_to_hf(args.load, args.save)
+    except (ArgumentValidationError, FileNotFoundError, KeyError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{args.direction}: wrote {out} in {time.time() - start:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""Supervised warm-up on the synthetic arithmetic task with megatron-core, at any TP x PP x DP.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tools/train_sft.py \\
+        --hf-dir runs/tiny-llama --tensor-model-parallel-size 2 --train-iters 20
+"""
+import sys
+
+from megatron_ais.arguments import ALL_GROUPS, ArgumentValidationError, build_parser
+from megatron_ais.checkpointing import CheckpointError
+from megatron_ais.sft import add_sft_args, run_sft
+
+
+def main(argv=None) -> int:
+    parser = build_parser(__doc__.splitlines()[0], ALL_GROUPS + (add_sft_args,))
+    args = parser.parse_args(argv)
+    try:
+        summary = run_sft(args)
+    except (ArgumentValidationError, CheckpointError) as err:
+        parser.error(str(err))
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"loss_first={summary['loss_first']} loss_last={summary['loss_last']} steps={summary['steps']} "
+              f"wall_s={summary['wall_s']:.1f}")
+    from megatron_ais.initialize import destroy_megatron
+    destroy_megatron()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
