@@ -35,13 +35,15 @@ def test_load_converted_checkpoint_then_save_and_export(model_root, tmp_path):
     losses = [r for r in from_hf + from_load if r]
     assert len(losses) == 4 and all(l == losses[0] for l in losses), losses  # 2 TP ranks x 2 runs
     assert losses[0][-1] < losses[0][0]
-    # the saved checkpoint converts back to exactly what the run exported, and differs from the start
+    # the saved (fp32) checkpoint converts back to what the run exported in the HF model's own dtype (bf16),
+    # and differs from the start
     round_trip = convert_checkpoint.megatron_to_hf(saved, str(tmp_path / "rt"))
     from megatron_ais.mapping.hf_io import HFCheckpointReader
     a, b, start = HFCheckpointReader(round_trip), HFCheckpointReader(exported), HFCheckpointReader(hf_dir)
     assert sorted(a.names()) == sorted(b.names()) == sorted(start.names())
     for name in a.names():
-        assert torch.equal(a.get(name), b.get(name)), name
+        assert b.get(name).dtype == start.get(name).dtype == torch.bfloat16
+        assert torch.equal(a.get(name).to(torch.bfloat16), b.get(name)), name
     assert not torch.equal(a.get("model.embed_tokens.weight"), start.get("model.embed_tokens.weight"))
     assert os.path.isfile(os.path.join(exported, "tokenizer.json"))
     assert os.path.isfile(os.path.join(str(tmp_path / "a"), "summary.json"))
