@@ -32,12 +32,16 @@ $(LAUNCH_STAMP): requirements/launch.txt
 	$(VENV_LAUNCH)/bin/python -c "import nemo_run"
 	touch $@
 
+# Until the GRPO recipe lands: build the tiny model, then a short supervised Megatron job on 2 gloo ranks
+# (TP2), which saves a Megatron checkpoint and exports the trained model back to HF format.
 run: $(STAMP)
 	$(PY) tools/make_tiny_model.py --arch llama --out $(TINY)
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) tools/train_sft.py \
-	    --hf-dir $(TINY) --tensor-model-parallel-size 2 --train-iters 20 --output-dir runs/sft-smoke
+	    --hf-dir $(TINY) --tensor-model-parallel-size 2 --train-iters 30 --micro-batch-size 8 \
+	    --seq-length 64 --lr 3e-3 --output-dir runs/sft-smoke --save runs/sft-smoke/checkpoint \
+	    --export-hf-dir runs/sft-smoke/hf
 
-test: $(STAMP)
+test: $(STAMP) $(LAUNCH_STAMP)
 	$(PY) -m pytest -q tests
 
 clean-venv:

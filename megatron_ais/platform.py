@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import warnings
 
 import torch
 
@@ -196,6 +197,11 @@ def apply_cpu_compat() -> bool:
     if _applied:
         return True
     _applied = True
+    # Without TE/apex (never installed on CPU) megatron warns at every import that it falls back to torch
+    # implementations, and that CUDA_DEVICE_MAX_CONNECTIONS is unset; both are expected here.
+    for message in (".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*",
+                    ".*CUDA_DEVICE_MAX_CONNECTIONS.*"):
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
     # P1-P3, P8 are global: on a CPU-only build these calls could only raise.
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
