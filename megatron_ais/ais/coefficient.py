@@ -1,0 +1,114 @@
+"""λ from the global statistics, its running state, and the per-token correction weights."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron_ais.ais import diagnostics
+from megatron_ais.ais.config import AISConfig
+from megatron_ais.ais.statistics import STAT_NAMES, unit_log_ratios
+
+
+@dataclasses.dataclass
+class AISState:
+    """State carried across rollout batches (EMA of λ, anchored severity); checkpointed with the run."""
+
+    batches: int = 0
+    anchor_sum: float = 0.0
+    anchor_count: int = 0
+    lam_ema: float | None = None
+
+    def anchor_mean(self) -> float | None:
+        """Return D0, the mean severity D over the anchoring batches seen so far (None before the first)."""
+        return self.anchor_sum / self.anchor_count if self.anchor_count else None
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class AISResult:
+    """λ for one rollout batch, the three diagnostics and the logging-only mismatch metrics."""
+
+    lam: float
+    lam_raw: float
+    reliability: float
+    severity: float
+    variance_amplification: float
+    mean_abs_logratio: float
+    ess_ratio_raw: float
+    cv2_applied: float
+    chi2: float
+    k3_kl: float
+    truncated_fraction: float
+    num_units: float
+
+    def metrics(self, prefix: str = "ais/") -> dict[str, float]:
+        """Return the scalars to log, named as in docs/ais-method.md §2.5."""
+        return {prefix + "lambda": self.lam, prefix + "lambda_raw": self.lam_raw,
+                prefix + "reliability": self.reliability, prefix + "severity": self.severity,
+                prefix + "var_amp": self.variance_amplification, prefix + "mean_abs_logratio": self.mean_abs_logratio,
+                prefix + "ess_ratio_raw": self.ess_ratio_raw, prefix + "cv2_applied": self.cv2_applied,
+                prefix + "chi2": self.chi2, prefix + "k3_kl": self.k3_kl,
+                prefix + "frac_truncated": self.truncated_fraction, prefix + "num_units": self.num_units}
+
+
+EMPTY_RESULT = AISResult(lam=0.0, lam_raw=0.0, reliability=1.0, severity=0.0, variance_amplification=1.0,
+                         mean_abs_logratio=0.0, ess_ratio_raw=1.0, cv2_applied=0.0, chi2=0.0, k3_kl=0.0,
+                         truncated_fraction=0.0, num_units=0.0)
+
+
+def ais_coefficient(stats: torch.Tensor, config: AISConfig, state: AISState | None = None) -> AISResult:
+    """Return λ and the diagnostics for globally reduced statistics; advances `state` when given.
+
+    A pure function of (stats, config, state): identical inputs on every rank give a bit-identical λ.
+    """
+    s = dict(zip(STAT_NAMES, stats.double().tolist()))
+    if s["n"] <= 0:
+        return EMPTY_RESULT
+    state = state if state is not None else AISState()
+    d = diagnostics.mean_abs_logratio(s)
+    if config.severity == "anchored" and state.anchor_count < config.anchor_steps:
+        state.anchor_sum += d
+        state.anchor_count += 1
+    severity = diagnostics.SEVERITY[config.severity](s, config, state)
+    reliability = diagnostics.RELIABILITY[config.reliability](s, config, state)
+    variance = diagnostics.VARIANCE[config.variance](s, config, state)
+    lam_raw = diagnostics.COMBINERS[config.combiner](severity, reliability, variance, config)
+    lam = min(max(lam_raw, config.lambda_min), config.lambda_max)
+    if config.ema > 0:
+        lam = lam if state.lam_ema is None else config.ema * state.lam_ema + (1.0 - config.ema) * lam
+        state.lam_ema = lam
+    state.batches += 1
+    n = s["n"]
+    return AISResult(
+        lam=lam, lam_raw=lam_raw, reliability=reliability, severity=severity, variance_amplification=variance,
+        mean_abs_logratio=d, ess_ratio_raw=s["sum_weight"] ** 2 / (n * s["sum_weight_sq"]),
+        cv2_applied=n * s["sum_trunc_weight_sq"] / s["sum_trunc_weight"] ** 2 - 1.0,
+        chi2=s["sum_weight_sq"] / n - 1.0, k3_kl=s["sum_k3"] / n, truncated_fraction=s["n_truncated"] / n,
+        num_units=n)
+
+
+def unit_weights(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                 config: AISConfig) -> torch.Tensor:
+    """Return the raw IS weight w = exp(δ) per token [b, s] (a sequence's weight broadcast to its tokens)."""
+    delta, _ = unit_log_ratios(trainer_logprobs.detach(), rollout_logprobs.detach(), mask, config)
+    w = delta.exp()
+    return w if config.level == "token" else w.unsqueeze(-1).expand_as(mask)
+
+
+def correction_weights(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, result: AISResult,
+                       config: AISConfig, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Return the detached per-token coefficient (1 - λ) + λ · min(w, C), shape [b, s].
+
+    `mask` (default: all tokens) limits which tokens enter a sequence-level ratio.
+    """
+    if mask is None:
+        mask = torch.ones_like(trainer_logprobs, dtype=torch.float32)
+    truncated = unit_weights(trainer_logprobs, rollout_logprobs, mask, config).clamp(max=config.cap)
+    return ((1.0 - result.lam) + result.lam * truncated).detach()

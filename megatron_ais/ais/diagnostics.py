@@ -1,0 +1,89 @@
+"""The three AIS diagnostics and the combiner, each registered by name (docs/ais-method.md §2.3-§2.4).
+
+The paper's exact formulas are not public; replacing one of ours is registering a function here and selecting
+it by flag (`--ais-severity`, `--ais-reliability`, `--ais-variance`, `--ais-combiner`). A diagnostic maps the
+global statistics (a dict of STAT_NAMES -> float), the config and the running state to a float.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from megatron_ais.ais.config import AISConfig
+
+Diagnostic = Callable[[dict, AISConfig, "AISState"], float]
+SEVERITY: dict[str, Diagnostic] = {}
+RELIABILITY: dict[str, Diagnostic] = {}
+VARIANCE: dict[str, Diagnostic] = {}
+COMBINERS: dict[str, Callable[[float, float, float, AISConfig], float]] = {}
+
+
+def register(registry: dict, name: str):
+    """Decorator: add a function to a registry under `name`."""
+    def wrap(fn):
+        registry[name] = fn
+        return fn
+    return wrap
+
+
+def mean_abs_logratio(s: dict) -> float:
+    """D = Σ|δ| / N (nats)."""
+    return s["sum_abs_logratio"] / s["n"]
+
+
+@register(SEVERITY, "mean_abs_logratio")
+def severity_exponential(s, config, state):
+    """s_D = 1 - exp(-D / τ)."""
+    return 1.0 - math.exp(-mean_abs_logratio(s) / config.tau)
+
+
+@register(SEVERITY, "anchored")
+def severity_anchored(s, config, state):
+    """s_D = clip((D - D0) / (κ D0), 0, 1), D0 = mean D over the first anchor_steps batches (kept in state)."""
+    d0 = state.anchor_mean()
+    if d0 is None or d0 <= 0:
+        return 0.0
+    return min(max((mean_abs_logratio(s) - d0) / (config.anchor_kappa * d0), 0.0), 1.0)
+
+
+@register(RELIABILITY, "band_ess")
+def reliability_band_ess(s, config, state):
+    """ρ = (Σw̃)² / (N Σw̃²): ESS ratio of the band-clipped weights, in [4/(C+1/C)², 1]."""
+    return s["sum_band_weight"] ** 2 / (s["n"] * s["sum_band_weight_sq"])
+
+
+@register(RELIABILITY, "raw_ess")
+def reliability_raw_ess(s, config, state):
+    """ESS ratio of the raw weights (collapses on heavy tails; kept as an ablation)."""
+    return s["sum_weight"] ** 2 / (s["n"] * s["sum_weight_sq"])
+
+
+@register(RELIABILITY, "none")
+def reliability_none(s, config, state):
+    return 1.0
+
+
+@register(VARIANCE, "advantage_weighted")
+def variance_advantage_weighted(s, config, state):
+    """Γ = max(1, Σw̄²Â² / ΣÂ²); 1 when every advantage is zero."""
+    if s["sum_adv_sq"] <= 0:
+        return 1.0
+    return max(1.0, s["sum_trunc_weight_sq_adv_sq"] / s["sum_adv_sq"])
+
+
+@register(VARIANCE, "cv")
+def variance_cv(s, config, state):
+    """Γ' = max(1, N Σw̄² / (Σw̄)²) = 1 + CV²(w̄)."""
+    return max(1.0, s["n"] * s["sum_trunc_weight_sq"] / s["sum_trunc_weight"] ** 2)
+
+
+@register(VARIANCE, "none")
+def variance_none(s, config, state):
+    return 1.0
+
+
+@register(COMBINERS, "product")
+def combine_product(severity: float, reliability: float, variance: float, config: AISConfig) -> float:
+    """λ_raw = s_D^a_s · ρ^a_r · Γ^(-a_v)."""
+    return (severity ** config.severity_exponent) * (reliability ** config.reliability_exponent) \
+        * (variance ** -config.variance_exponent)

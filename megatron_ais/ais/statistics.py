@@ -1,0 +1,87 @@
+"""Per-batch sufficient statistics of the rollout/trainer mismatch (docs/ais-method.md §2.2).
+
+Everything here is a sum over valid units (tokens, or sequences at sequence / geometric level), so one
+all-reduce (SUM) over the data-parallel (x context-parallel) group gives statistics of the whole batch that do
+not depend on how it was split over ranks or micro-batches.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_ais.ais.config import AISConfig
+
+STAT_NAMES = (
+    "n",                          # N: valid units
+    "sum_abs_logratio",           # Σ|δ|                      divergence severity
+    "sum_band_weight",            # Σw̃, w̃ = clip(w, 1/C, C)   reliability
+    "sum_band_weight_sq",         # Σw̃²
+    "sum_adv_sq",                 # ΣÂ²                       variance amplification
+    "sum_trunc_weight_sq_adv_sq",  # Σw̄²Â², w̄ = min(w, C)
+    "sum_weight",                 # Σw     (logging only from here on)
+    "sum_weight_sq",              # Σw²
+    "sum_trunc_weight",           # Σw̄
+    "sum_trunc_weight_sq",        # Σw̄²
+    "sum_k3",                     # Σ(w - 1 - δ)
+    "n_truncated",                # #{w > C}
+)
+INDEX = {name: i for i, name in enumerate(STAT_NAMES)}
+
+
+def unit_log_ratios(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                    config: AISConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (δ per unit, unit mask): per token [b, s], or per sequence [b] (sum or mean of token δ).
+
+    Masked positions never contribute, even when they hold NaN or garbage.
+    """
+    valid = mask > 0
+    delta = torch.where(valid, trainer_logprobs.float() - rollout_logprobs.float(), torch.zeros((), dtype=torch.float32))
+    if config.level == "token":
+        return delta.clamp(-config.logratio_clamp, config.logratio_clamp), valid.float()
+    per_seq = delta.sum(dim=-1)
+    counts = valid.float().sum(dim=-1)
+    if config.level == "geometric":
+        per_seq = per_seq / counts.clamp(min=1.0)
+    return per_seq.clamp(-config.logratio_clamp, config.logratio_clamp), (counts > 0).float()
+
+
+def unit_advantages(advantages: torch.Tensor, mask: torch.Tensor, config: AISConfig) -> torch.Tensor:
+    """Return Â per unit: per token, or the sequence's advantage (its masked token mean) per sequence."""
+    valid = mask > 0
+    adv = torch.where(valid, advantages.float(), torch.zeros((), dtype=torch.float32))
+    if config.level == "token":
+        return adv
+    return adv.sum(dim=-1) / valid.float().sum(dim=-1).clamp(min=1.0)
+
+
+def mismatch_statistics(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
+                        mask: torch.Tensor, config: AISConfig) -> torch.Tensor:
+    """Return the fp64 vector of sums in STAT_NAMES order for tensors of shape [batch, seq]."""
+    delta, m = unit_log_ratios(trainer_logprobs.detach(), rollout_logprobs.detach(), mask, config)
+    adv_sq = unit_advantages(advantages.detach(), mask, config).double().pow(2)
+    delta, m = delta.double(), m.double()
+    w = delta.exp()
+    cap = config.cap
+    trunc = w.clamp(max=cap)
+    band = w.clamp(1.0 / cap, cap)
+    terms = (m, delta.abs(), band, band * band, adv_sq, trunc * trunc * adv_sq, w, w * w, trunc, trunc * trunc,
+             w - 1.0 - delta, (w > cap).double())
+    return torch.stack([(m * t).sum() for t in terms])
+
+
+def reduce_statistics(stats: torch.Tensor, group) -> torch.Tensor:
+    """All-reduce (SUM) the statistics over `group` (DP x CP; never TP or PP) in place and return them."""
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+    return stats
+
+
+def max_abs_logratio(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                     config: AISConfig, group=None) -> float:
+    """Return max |δ| over valid units of the whole batch (all-reduce MAX; logging only, never enters λ)."""
+    delta, m = unit_log_ratios(trainer_logprobs.detach(), rollout_logprobs.detach(), mask, config)
+    value = torch.where(m > 0, delta.abs(), torch.zeros((), dtype=delta.dtype)).max().double().reshape(1) \
+        if delta.numel() else torch.zeros(1, dtype=torch.float64)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return value.item()

@@ -1,0 +1,198 @@
+"""One GRPO optimizer phase for a rollout batch: old log-probs, mismatch correction (λ once per batch), PPO-clip
+updates over mini-batches and epochs through megatron's pipeline schedule."""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron_ais.ais import (AISConfig, AISResult, AISState, ais_coefficient, apply_correction,
+                              check_trainer_logprobs, exclude_invalid_sequences, max_abs_logratio,
+                              mismatch_statistics, reduce_statistics)
+from megatron_ais.ais.coefficient import EMPTY_RESULT
+from megatron_ais.grpo.advantages import group_advantages
+from megatron_ais.grpo.logprobs import vocab_parallel_logprobs
+from megatron_ais.grpo.loss import PolicyLossConfig, aggregate, global_normalizer, megatron_loss_scale, token_losses
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """A rollout batch, identical on every rank; per-token tensors are aligned with `labels` (next tokens).
+
+    tokens/labels [B, S] (right padded), mask [B, S] (1 on response tokens), rollout_logprobs [B, S] (the
+    engine's log-probs of the sampled tokens), rewards [B]; consecutive groups of `group_size` share a prompt.
+    """
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    rewards: torch.Tensor
+    group_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """Everything a GRPO phase needs besides the model: loss, correction, batching and advantage options."""
+
+    loss: PolicyLossConfig
+    correction: AISConfig
+    vocab_size: int
+    micro_batch_size: int = 2
+    num_minibatches: int = 1
+    ppo_epochs: int = 1
+    advantage_normalize_std: bool = True
+    advantage_leave_one_out: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelGroups:
+    """Process groups and positions, taken from megatron's parallel state at the call site."""
+
+    data_parallel_group: object
+    tensor_parallel_group: object
+    data_parallel_rank: int
+    data_parallel_size: int
+    is_last_stage: bool
+
+    @classmethod
+    def from_parallel_state(cls) -> "ParallelGroups":
+        from megatron.core import parallel_state as ps
+
+        return cls(data_parallel_group=ps.get_data_parallel_group(with_context_parallel=True),
+                   tensor_parallel_group=ps.get_tensor_model_parallel_group(),
+                   data_parallel_rank=ps.get_data_parallel_rank(),
+                   data_parallel_size=ps.get_data_parallel_world_size(),
+                   is_last_stage=ps.is_pipeline_last_stage())
+
+
+@dataclasses.dataclass
+class GRPOStepResult:
+    """What one rollout batch's update reports (λ and metrics are identical on every rank that logs)."""
+
+    skipped: bool
+    ais: AISResult
+    metrics: dict
+
+
+def _micro_batches(rows: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+    count = next(iter(rows.values())).shape[0]
+    out = []
+    for start in range(0, count, micro_batch_size):
+        mb = {k: v[start:start + micro_batch_size] for k, v in rows.items()}
+        seq = mb["tokens"].shape[1]
+        mb["position_ids"] = torch.arange(seq).unsqueeze(0).expand(mb["tokens"].shape[0], seq).contiguous()
+        out.append(mb)
+    return out
+
+
+def compute_logprobs(ddp_chunks: list, micro_batches: list[dict], seq_length: int, micro_batch_size: int,
+                     groups: ParallelGroups, vocab_size: int) -> torch.Tensor | None:
+    """Return the trainer's log-probs [B_local, S] of the labels (last pipeline stage; None elsewhere)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        output = model(mb["tokens"], mb["position_ids"], attention_mask=None)
+
+        def loss_func(logits):
+            logprobs, _ = vocab_parallel_logprobs(logits, mb["labels"], groups.tensor_parallel_group, vocab_size)
+            return logits.sum() * 0.0, {"logprobs": logprobs.detach()}
+
+        return output, loss_func
+
+    with torch.no_grad():
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches) if len(ddp_chunks) == 1
+            else [iter(micro_batches) for _ in ddp_chunks], model=ddp_chunks if len(ddp_chunks) > 1 else ddp_chunks[0],
+            num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=micro_batch_size,
+            forward_only=True)
+    if not groups.is_last_stage:
+        return None
+    return torch.cat([o["logprobs"] for o in out])
+
+
+def _policy_forward_step(config: GRPOConfig, groups: ParallelGroups, normalizer: float, scale: float,
+                         data_iterator, model):
+    mb = next(data_iterator)
+    output = model(mb["tokens"], mb["position_ids"], attention_mask=None)
+
+    def loss_func(logits):
+        logprobs, entropy = vocab_parallel_logprobs(logits, mb["labels"], groups.tensor_parallel_group,
+                                                    config.vocab_size, with_entropy=config.loss.entropy_coef > 0)
+        per_token, parts = token_losses(logprobs, mb["old_logprobs"], mb["advantages"], mb["coefficient"],
+                                        config.loss, entropy=entropy)
+        loss = aggregate(per_token, mb["keep"], config.loss.loss_agg, normalizer)
+        keep = mb["keep"]
+        report = torch.stack([loss.detach().double(), (parts["clipped"] * keep).sum().double(), keep.sum().double()])
+        return loss * scale, {"report": report}
+
+    return output, loss_func
+
+
+def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GRPOConfig, state: AISState,
+                    groups: ParallelGroups) -> GRPOStepResult:
+    """Update the policy on one rollout batch; λ is computed once here and held for all mini-batches/epochs."""
+    from megatron_ais.training import train_step
+
+    total = batch.tokens.shape[0]
+    if total % groups.data_parallel_size:
+        raise ValueError(f"rollout batch of {total} sequences does not split over {groups.data_parallel_size} DP ranks")
+    per_rank = total // groups.data_parallel_size
+    rows = slice(groups.data_parallel_rank * per_rank, (groups.data_parallel_rank + 1) * per_rank)
+    advantages = group_advantages(batch.rewards, batch.group_size, config.advantage_normalize_std,
+                                  config.advantage_leave_one_out)
+    mask, excluded = exclude_invalid_sequences(batch.rollout_logprobs[rows], batch.mask[rows].float())
+    counts = torch.tensor([float(excluded), float(mask.sum())], dtype=torch.float64)
+    dist.all_reduce(counts, group=groups.data_parallel_group)
+    metrics = {"guard/excluded_sequences": counts[0].item(), "guard/valid_tokens": counts[1].item()}
+    if counts[1].item() == 0:
+        return GRPOStepResult(skipped=True, ais=EMPTY_RESULT, metrics=metrics)
+    rollout_lp = torch.where(mask > 0, batch.rollout_logprobs[rows], torch.zeros(()))
+    local = {"tokens": batch.tokens[rows], "labels": batch.labels[rows],
+             "advantages": advantages[rows].unsqueeze(-1) * mask}
+    seq_length = batch.tokens.shape[1]
+    old_logprobs = compute_logprobs(ddp_chunks, _micro_batches(local, config.micro_batch_size), seq_length,
+                                    config.micro_batch_size, groups, config.vocab_size)
+    result, coefficient, keep = EMPTY_RESULT, torch.ones_like(mask), mask
+    if groups.is_last_stage:
+        check_trainer_logprobs(old_logprobs, mask)
+        stats = reduce_statistics(mismatch_statistics(old_logprobs, rollout_lp, local["advantages"], mask,
+                                                      config.correction), groups.data_parallel_group)
+        result = ais_coefficient(stats, config.correction, state)
+        metrics["ais/max_abs_logratio"] = max_abs_logratio(old_logprobs, rollout_lp, mask, config.correction,
+                                                           groups.data_parallel_group)
+        correction = apply_correction(old_logprobs, rollout_lp, mask, config.correction, result)
+        coefficient, keep = correction.coefficient, correction.keep
+        metrics["guard/rejected_fraction"] = 1.0 - global_normalizer(keep, "token-mean", groups.data_parallel_group) \
+            / metrics["guard/valid_tokens"]
+        local["old_logprobs"] = old_logprobs
+    else:
+        local["old_logprobs"] = torch.zeros_like(mask)
+    local.update(coefficient=coefficient, keep=keep)
+    reports, grad_norms = [], []
+    minibatch = per_rank // config.num_minibatches
+    for _ in range(config.ppo_epochs):
+        for start in range(0, per_rank, minibatch):
+            part = {k: v[start:start + minibatch] for k, v in local.items()}
+            normalizer = global_normalizer(part["keep"], config.loss.loss_agg, groups.data_parallel_group) \
+                if groups.is_last_stage else 0.0
+            micro = _micro_batches(part, config.micro_batch_size)
+            scale = megatron_loss_scale(len(micro), groups.data_parallel_size)
+            step = train_step(ddp_chunks, optimizer, partial(_policy_forward_step, config, groups, normalizer, scale),
+                              iter(micro), len(micro), seq_length, config.micro_batch_size)
+            if not step.update_successful:
+                raise FloatingPointError("optimizer skipped the update: non-finite gradients")
+            grad_norms.append(step.grad_norm)
+            reports += [o["report"] for o in step.losses]
+    if groups.is_last_stage:
+        report = torch.stack(reports).sum(0)
+        dist.all_reduce(report, group=groups.data_parallel_group)
+        updates = config.ppo_epochs * config.num_minibatches
+        metrics.update({"train/policy_loss": report[0].item() / updates,
+                        "train/clip_fraction": report[1].item() / max(report[2].item(), 1.0)})
+    metrics["train/grad_norm"] = grad_norms[-1]
+    metrics.update(result.metrics())
+    return GRPOStepResult(skipped=False, ais=result, metrics=metrics)

@@ -1,0 +1,172 @@
+"""AIS statistics, λ, correction weights and baselines against closed forms and hand-computed examples."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_ais.ais import (AISConfig, AISState, ais_coefficient, apply_correction, correction_weights,
+                              exclude_invalid_sequences, mismatch_statistics)
+from megatron_ais.ais.statistics import INDEX
+from megatron_ais.grpo.loss import PolicyLossConfig, aggregate, token_losses
+
+
+def _batch(seed=0, b=4, s=6, scale=0.1):
+    g = torch.Generator().manual_seed(seed)
+    trainer = -torch.rand(b, s, generator=g) * 3
+    rollout = trainer + scale * torch.randn(b, s, generator=g)
+    adv = torch.randn(b, 1, generator=g).expand(b, s).clone()
+    mask = (torch.rand(b, s, generator=g) > 0.2).float()
+    return trainer, rollout, adv, mask
+
+
+def reference_lambda(trainer, rollout, adv, mask, c=2.0, tau=0.05):
+    """λ of docs/ais-method.md §2.4 computed token by token in plain python (independent of the module)."""
+    d = [max(min(float(t - r), 20.0), -20.0) for t, r, m in zip(trainer.flatten(), rollout.flatten(), mask.flatten()) if m > 0]
+    a = [float(x) for x, m in zip(adv.flatten(), mask.flatten()) if m > 0]
+    n = len(d)
+    w = [math.exp(x) for x in d]
+    band = [min(max(x, 1 / c), c) for x in w]
+    rho = sum(band) ** 2 / (n * sum(x * x for x in band))
+    s_d = 1 - math.exp(-(sum(abs(x) for x in d) / n) / tau)
+    qa = sum(x * x for x in a)
+    qw = sum(min(x, c) ** 2 * y * y for x, y in zip(w, a))
+    gamma = max(1.0, qw / qa) if qa > 0 else 1.0
+    return min(max(s_d * rho / gamma, 0.0), 1.0)
+
+
+def test_lambda_matches_closed_form():
+    trainer, rollout, adv, mask = _batch()
+    cfg = AISConfig()
+    result = ais_coefficient(mismatch_statistics(trainer, rollout, adv, mask, cfg), cfg)
+    assert result.lam == pytest.approx(reference_lambda(trainer, rollout, adv, mask), rel=1e-12)
+    assert 0 < result.lam < 1
+
+
+def test_zero_mismatch_gives_lambda_zero_and_uncorrected_loss():
+    trainer, _, adv, mask = _batch()
+    cfg = AISConfig()
+    result = ais_coefficient(mismatch_statistics(trainer, trainer, adv, mask, cfg), cfg)
+    assert (result.lam, result.reliability, result.variance_amplification, result.mean_abs_logratio) == (0, 1, 1, 0)
+    coef = apply_correction(trainer, trainer, mask, cfg, result).coefficient
+    new_lp = trainer + 0.05
+    loss_cfg = PolicyLossConfig()
+    ais_loss = aggregate(token_losses(new_lp, trainer, adv, coef, loss_cfg)[0], mask, "token-mean", 10.0)
+    plain = aggregate(token_losses(new_lp, trainer, adv, torch.ones_like(coef), loss_cfg)[0], mask, "token-mean", 10.0)
+    assert torch.equal(ais_loss, plain)
+
+
+def test_zero_advantages_give_no_nan():
+    trainer, rollout, _, mask = _batch()
+    cfg = AISConfig()
+    result = ais_coefficient(mismatch_statistics(trainer, rollout, torch.zeros_like(trainer), mask, cfg), cfg)
+    assert result.variance_amplification == 1.0 and math.isfinite(result.lam)
+    empty = ais_coefficient(mismatch_statistics(trainer, rollout, torch.zeros_like(trainer), mask * 0, cfg), cfg)
+    assert empty.lam == 0.0
+
+
+def test_masked_positions_never_matter_even_when_nan():
+    trainer, rollout, adv, mask = _batch()
+    cfg = AISConfig()
+    garbage = rollout.clone()
+    garbage[mask == 0] = float("nan")
+    assert torch.equal(mismatch_statistics(trainer, rollout, adv, mask, cfg),
+                       mismatch_statistics(trainer, garbage, adv, mask, cfg))
+
+
+def test_ais_gradient_interpolates_uncorrected_and_tis():
+    trainer, rollout, adv, mask = _batch(scale=0.3)
+    cfg = AISConfig()
+    result = ais_coefficient(mismatch_statistics(trainer, rollout, adv, mask, cfg), cfg)
+    lam = result.lam
+    loss_cfg = PolicyLossConfig()
+
+    def grad(coef):
+        lp = (trainer + 0.1 * torch.randn(trainer.shape, generator=torch.Generator().manual_seed(1))).double()
+        lp.requires_grad_(True)
+        loss = aggregate(token_losses(lp, trainer.double(), adv.double(), coef.double(), loss_cfg)[0], mask,
+                         "token-mean", float(mask.sum()))
+        loss.backward()
+        return lp.grad
+
+    g_ais = grad(correction_weights(trainer, rollout, result, cfg))
+    g_none = grad(torch.ones_like(trainer))
+    g_tis = grad(apply_correction(trainer, rollout, mask, AISConfig(correction="tis"), result).coefficient)
+    # exact up to the fp32 rounding of the coefficients
+    assert torch.allclose(g_ais, (1 - lam) * g_none + lam * g_tis, atol=1e-9, rtol=1e-6)
+    assert not torch.allclose(g_ais, g_none, atol=1e-4)
+
+
+def test_baselines_on_a_hand_computed_example():
+    trainer = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5]]))
+    rollout = torch.log(torch.tensor([[0.5, 0.1, 0.4, 0.9]]))  # w = 1, 5, 1.25, 0.5556
+    mask = torch.ones(1, 4)
+    result = ais_coefficient(torch.zeros(12, dtype=torch.float64), AISConfig())
+    w = torch.tensor([[1.0, 5.0, 1.25, 0.5 / 0.9]])
+
+    def run(**kw):
+        out = apply_correction(trainer, rollout, mask, AISConfig(**kw), result)
+        return out.coefficient, out.keep
+
+    coef, keep = run(correction="tis")
+    assert torch.allclose(coef, torch.tensor([[1.0, 2.0, 1.25, 0.5 / 0.9]])) and torch.equal(keep, mask)
+    coef, keep = run(correction="mis")  # band [0.5, 2]: token 2 rejected from loss and normaliser
+    assert torch.equal(keep, torch.tensor([[1.0, 0.0, 1.0, 1.0]]))
+    assert torch.allclose(coef, w * keep)
+    coef, keep = run(correction="icepop", icepop_low=0.6, icepop_high=4.0)  # 5 and 0.556 out of band, kept in Z
+    assert torch.allclose(coef, torch.tensor([[1.0, 0.0, 1.25, 0.0]])) and torch.equal(keep, mask)
+    coef, _ = run(correction="tis", level="sequence")  # product 3.47 -> capped at 2 for every token
+    assert torch.allclose(coef, torch.full((1, 4), 2.0))
+    coef, _ = run(correction="tis", level="geometric")  # geometric mean of w
+    assert torch.allclose(coef, torch.full((1, 4), float(w.log().mean().exp())))
+    coef, _ = run(correction="none")
+    assert torch.equal(coef, torch.ones(1, 4))
+
+
+def test_sequence_level_statistics_count_sequences():
+    trainer, rollout, adv, mask = _batch()
+    cfg = AISConfig(level="sequence")
+    stats = mismatch_statistics(trainer, rollout, adv, mask, cfg)
+    assert stats[INDEX["n"]].item() == float((mask.sum(-1) > 0).sum())
+    expected = (((trainer - rollout) * mask).sum(-1)).abs().sum().item()
+    assert stats[INDEX["sum_abs_logratio"]].item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_anchored_severity_and_ema_state_round_trip():
+    trainer, rollout, adv, mask = _batch(scale=0.05)
+    cfg = AISConfig(severity="anchored", anchor_steps=2, ema=0.5)
+    state = AISState()
+    small = mismatch_statistics(trainer, rollout, adv, mask, cfg)
+    large = mismatch_statistics(trainer, trainer + 3 * (rollout - trainer), adv, mask, cfg)
+    assert ais_coefficient(small, cfg, state).severity == 0.0
+    ais_coefficient(small, cfg, state)
+    saved = state.state_dict()
+    later = ais_coefficient(large, cfg, state)
+    assert later.severity == 1.0  # D tripled relative to the anchor: (3D0 - D0) / D0 clipped to 1
+    restored = AISState()
+    restored.load_state_dict(saved)
+    assert ais_coefficient(large, cfg, restored) == later
+
+
+def test_nan_rollout_sequences_are_excluded_and_counted():
+    _, rollout, _, mask = _batch()
+    mask = torch.ones_like(mask)
+    rollout[1, 2] = float("nan")
+    rollout[3, 0] = float("-inf")
+    cleaned, excluded = exclude_invalid_sequences(rollout, mask)
+    assert excluded == 2 and cleaned[1].sum() == 0 and cleaned[3].sum() == 0 and cleaned[0].sum() == mask.shape[1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), cut=st.integers(1, 7), level=st.sampled_from(["token", "sequence", "geometric"]))
+def test_statistics_are_invariant_to_permutation_and_splitting(seed, cut, level):
+    trainer, rollout, adv, mask = _batch(seed=seed, b=8, s=5, scale=0.3)
+    cfg = AISConfig(level=level)
+    whole = mismatch_statistics(trainer, rollout, adv, mask, cfg)
+    perm = torch.randperm(8, generator=torch.Generator().manual_seed(seed))
+    permuted = mismatch_statistics(trainer[perm], rollout[perm], adv[perm], mask[perm], cfg)
+    split = mismatch_statistics(trainer[:cut], rollout[:cut], adv[:cut], mask[:cut], cfg) + \
+        mismatch_statistics(trainer[cut:], rollout[cut:], adv[cut:], mask[cut:], cfg)
+    assert torch.allclose(whole, permuted, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(whole, split, rtol=1e-12, atol=1e-12)

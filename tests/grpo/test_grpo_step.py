@@ -1,0 +1,104 @@
+"""A GRPO + AIS update on megatron at DP2 and at TP2: λ and the first policy loss equal a single-process
+reference built on transformers' log-probs, the gradient does not depend on the split, and the metrics reach
+tensorboard."""
+import os
+
+import pytest
+import torch
+
+from conftest import make_model_dir
+from distributed import spawn
+
+B, S, GROUP = 8, 16, 4
+
+
+def _rollout_batch(hf_dir):
+    """A synthetic rollout batch: random responses, 'engine' log-probs = HF fp32 log-probs + FP8-like noise."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_ais.grpo.step import RolloutBatch
+
+    g = torch.Generator().manual_seed(5)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    seq = torch.randint(0, model.config.vocab_size, (B, S + 1), generator=g)
+    tokens, labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    mask = torch.zeros(B, S)
+    for i in range(B):  # prompts of 4 tokens, responses of different lengths (unequal per DP rank)
+        mask[i, 3:3 + 2 + (i * 5) % 11] = 1.0
+    with torch.no_grad():
+        logp = torch.log_softmax(model(tokens).logits.double(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    rollout = (logp + 0.15 * torch.randn(B, S, generator=g, dtype=torch.float64)).float() * mask
+    rewards = torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1])
+    return RolloutBatch(tokens, labels, mask, rollout, rewards, GROUP), logp.float()
+
+
+def _worker(hf_dir, tp, log_dir):
+    from megatron.core import parallel_state as ps
+
+    from megatron_ais.ais import AISConfig, AISState
+    from megatron_ais.arguments import build_parser, validate_args
+    from megatron_ais.grpo.loss import PolicyLossConfig
+    from megatron_ais.grpo.step import GRPOConfig, ParallelGroups, grpo_train_step
+    from megatron_ais.initialize import initialize_megatron
+    from megatron_ais.logging import RunLogger
+    from megatron_ais.mapping.distributed import load_hf_weights
+    from megatron_ais.model import ModelBuildConfig, build_model_chunks
+    from megatron_ais.training import OptimizerSettings, build_optimizer, wrap_ddp
+
+    args = build_parser("test").parse_args(["--hf-dir", hf_dir, "--fp32", "--seq-length", str(S),
+                                            "--tensor-model-parallel-size", str(tp), "--lr", "1e-3"])
+    hf_config = validate_args(args, 2)
+    initialize_megatron(args)
+    build = ModelBuildConfig.from_args(args, hf_config)
+    chunks = build_model_chunks(build)
+    load_hf_weights(chunks, hf_dir, build, ps.get_tensor_model_parallel_rank())
+    ddp = wrap_ddp(chunks, False)
+    optimizer = build_optimizer(ddp, OptimizerSettings.from_args(args))
+    batch, _ = _rollout_batch(hf_dir)
+    config = GRPOConfig(loss=PolicyLossConfig(), correction=AISConfig(), vocab_size=build.shape.vocab_size,
+                        micro_batch_size=2)
+    result = grpo_train_step(ddp, optimizer, batch, config, AISState(), ParallelGroups.from_parallel_state())
+    groups = ParallelGroups.from_parallel_state()
+    logger = RunLogger(log_dir, None, enabled=groups.data_parallel_rank == 0
+                       and ps.get_tensor_model_parallel_rank() == 0)
+    logger.step(1, result.metrics, f"lambda {result.ais.lam:.4f}")
+    logger.close()
+    return result.ais.lam.hex(), result.metrics
+
+
+def _reference(hf_dir):
+    from megatron_ais.ais import AISConfig, ais_coefficient, apply_correction, mismatch_statistics
+    from megatron_ais.grpo.advantages import group_advantages
+    from megatron_ais.grpo.loss import PolicyLossConfig, aggregate, token_losses
+
+    batch, old = _rollout_batch(hf_dir)
+    adv = group_advantages(batch.rewards, GROUP).unsqueeze(-1) * batch.mask
+    cfg = AISConfig()
+    result = ais_coefficient(mismatch_statistics(old, batch.rollout_logprobs, adv, batch.mask, cfg), cfg)
+    coef = apply_correction(old, batch.rollout_logprobs, batch.mask, cfg, result).coefficient
+    per_token, _ = token_losses(old, old, adv, coef, PolicyLossConfig())
+    return result.lam, aggregate(per_token, batch.mask, "token-mean", float(batch.mask.sum())).item()
+
+
+@pytest.mark.slow
+def test_grpo_ais_step_dp2_and_tp2_match_reference(model_root, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    hf_dir = make_model_dir(model_root, "qwen3")
+    ref_lam, ref_loss = _reference(hf_dir)
+    dp2 = spawn(2, _worker, hf_dir, 1, str(tmp_path / "dp2"))
+    tp2 = spawn(2, _worker, hf_dir, 2, str(tmp_path / "tp2"))
+    for lam_hex, metrics in dp2 + tp2:
+        assert float.fromhex(lam_hex) == pytest.approx(ref_lam, rel=1e-4)
+        assert metrics["train/policy_loss"] == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
+    assert dp2[0][0] == dp2[1][0], "λ must be bit-identical on both DP ranks"
+    assert 0 < ref_lam < 1
+    # the normaliser is global: DP2 (unequal tokens per rank) and TP2 (one replica) give the same gradient
+    assert dp2[0][1]["train/grad_norm"] == pytest.approx(tp2[0][1]["train/grad_norm"], rel=1e-4)
+    events = EventAccumulator(str(tmp_path / "dp2" / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("ais/lambda", "ais/severity", "ais/reliability", "ais/var_amp", "ais/k3_kl", "ais/chi2",
+                "ais/ess_ratio_raw", "ais/max_abs_logratio", "ais/frac_truncated", "guard/excluded_sequences"):
+        assert tag in tags, tag
+    assert events.Scalars("ais/lambda")[0].value == pytest.approx(ref_lam, rel=1e-4)
