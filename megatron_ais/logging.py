@@ -45,3 +45,17 @@ class RunLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def grpo_console_line(step: int, metrics: dict[str, float]) -> str:
+    """Return the one-line GRPO summary: λ and its diagnostics, mismatch and guard counters, loss."""
+    def get(name, fmt=".4f"):
+        value = metrics.get(name)
+        return "-" if value is None else format(value, fmt)
+
+    return (f"step {step:5d} | λ {get('ais/lambda')} (sev {get('ais/severity', '.3f')} rel {get('ais/reliability', '.3f')} "
+            f"var {get('ais/var_amp', '.3f')}) | |δ| mean {get('ais/mean_abs_logratio')} max "
+            f"{get('ais/max_abs_logratio', '.3f')} | k3 {get('ais/k3_kl', '.2e')} χ² {get('ais/chi2', '.2e')} "
+            f"ess {get('ais/ess_ratio_raw', '.3f')} trunc {get('ais/frac_truncated', '.3f')} | excluded "
+            f"{get('guard/excluded_sequences', '.0f')} | loss {get('train/policy_loss')} "
+            f"grad {get('train/grad_norm', '.3f')}")

@@ -40,7 +40,7 @@ def _worker(hf_dir, tp, log_dir):
     from megatron_ais.grpo.loss import PolicyLossConfig
     from megatron_ais.grpo.step import GRPOConfig, ParallelGroups, grpo_train_step
     from megatron_ais.initialize import initialize_megatron
-    from megatron_ais.logging import RunLogger
+    from megatron_ais.logging import RunLogger, grpo_console_line
     from megatron_ais.mapping.distributed import load_hf_weights
     from megatron_ais.model import ModelBuildConfig, build_model_chunks
     from megatron_ais.training import OptimizerSettings, build_optimizer, wrap_ddp
@@ -61,9 +61,21 @@ def _worker(hf_dir, tp, log_dir):
     groups = ParallelGroups.from_parallel_state()
     logger = RunLogger(log_dir, None, enabled=groups.data_parallel_rank == 0
                        and ps.get_tensor_model_parallel_rank() == 0)
-    logger.step(1, result.metrics, f"lambda {result.ais.lam:.4f}")
+    line = grpo_console_line(1, result.metrics)
+    logger.step(1, result.metrics, line)
     logger.close()
-    return result.ais.lam.hex(), result.metrics
+    guards = None
+    if tp == 1:  # guards: a NaN / -inf rollout log-prob excludes its sequence; an all-invalid batch is skipped
+        batch.rollout_logprobs[0, 4] = float("nan")
+        batch.rollout_logprobs[6, 5] = float("-inf")
+        partial_result = grpo_train_step(ddp, optimizer, batch, config, AISState(), groups)
+        batch.rollout_logprobs[:] = float("nan")
+        before = [p.detach().clone() for p in chunks[0].parameters()]
+        skipped = grpo_train_step(ddp, optimizer, batch, config, AISState(), groups)
+        unchanged = all(torch.equal(a, p) for a, p in zip(before, chunks[0].parameters()))
+        guards = (partial_result.skipped, partial_result.metrics["guard/excluded_sequences"], skipped.skipped,
+                  unchanged)
+    return result.ais.lam.hex(), result.metrics, line, guards
 
 
 def _reference(hf_dir):
@@ -88,13 +100,16 @@ def test_grpo_ais_step_dp2_and_tp2_match_reference(model_root, tmp_path):
     ref_lam, ref_loss = _reference(hf_dir)
     dp2 = spawn(2, _worker, hf_dir, 1, str(tmp_path / "dp2"))
     tp2 = spawn(2, _worker, hf_dir, 2, str(tmp_path / "tp2"))
-    for lam_hex, metrics in dp2 + tp2:
+    for lam_hex, metrics, line, _ in dp2 + tp2:
+        assert f"λ {float.fromhex(lam_hex):.4f}" in line and "excluded 0" in line
         assert float.fromhex(lam_hex) == pytest.approx(ref_lam, rel=1e-4)
         assert metrics["train/policy_loss"] == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
     assert dp2[0][0] == dp2[1][0], "λ must be bit-identical on both DP ranks"
     assert 0 < ref_lam < 1
     # the normaliser is global: DP2 (unequal tokens per rank) and TP2 (one replica) give the same gradient
     assert dp2[0][1]["train/grad_norm"] == pytest.approx(tp2[0][1]["train/grad_norm"], rel=1e-4)
+    assert dp2[0][1]["ais/max_abs_logratio"] == tp2[0][1]["ais/max_abs_logratio"] > 0
+    assert dp2[0][3] == (False, 2.0, True, True)
     events = EventAccumulator(str(tmp_path / "dp2" / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])

@@ -1,0 +1,60 @@
+"""Run a function on N local gloo processes (torch.multiprocessing spawn), for tests and CPU benchmarks."""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, target, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    import torch
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, "ok", target(*args)))
+    except BaseException:  # report every failure to the parent with its traceback
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(world_size: int, target, *args, timeout: float = 600.0) -> list:
+    """Run `target(*args)` on `world_size` local ranks (env set as torchrun does); return results in rank order.
+
+    Raises with the failing rank's traceback if any rank fails.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, target, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors = []
+    try:
+        for _ in range(world_size):
+            rank, status, value = queue.get(timeout=timeout)
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 60)
+            if p.is_alive():
+                p.terminate()
+    if errors:
+        raise RuntimeError("distributed worker failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]

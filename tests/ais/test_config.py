@@ -1,0 +1,46 @@
+"""Correction flags build an AISConfig; impossible values are rejected naming the flag."""
+import argparse
+
+import pytest
+
+from megatron_ais.ais import CORRECTIONS, AISConfig, add_correction_args
+from megatron_ais.ais import diagnostics
+from megatron_ais.grpo.loss import PolicyLossConfig, add_grpo_args
+
+
+def _parse(*argv):
+    parser = argparse.ArgumentParser()
+    add_correction_args(parser)
+    add_grpo_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_defaults_follow_ais_method_section_2_4():
+    cfg = AISConfig.from_args(_parse())
+    assert (cfg.correction, cfg.level, cfg.cap, cfg.tau, cfg.lambda_min, cfg.lambda_max, cfg.ema,
+            cfg.logratio_clamp) == ("ais", "token", 2.0, 0.05, 0.0, 1.0, 0.0, 20.0)
+    assert (cfg.severity_exponent, cfg.reliability_exponent, cfg.variance_exponent) == (1.0, 1.0, 1.0)
+    assert cfg.mis_band == (0.5, 2.0)
+    loss = PolicyLossConfig.from_args(_parse("--clip-high", "0.3", "--loss-agg", "seq-mean-token-mean"))
+    assert (loss.clip_low, loss.clip_high, loss.loss_agg) == (0.2, 0.3, "seq-mean-token-mean")
+
+
+def test_every_choice_is_registered():
+    assert set(CORRECTIONS) == {"none", "tis", "mis", "icepop", "ais"}
+    for flag, registry in (("--ais-severity", diagnostics.SEVERITY), ("--ais-reliability", diagnostics.RELIABILITY),
+                           ("--ais-variance", diagnostics.VARIANCE), ("--ais-combiner", diagnostics.COMBINERS)):
+        for name in registry:
+            AISConfig.from_args(_parse(flag, name))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--is-cap", "1.0"], "--is-cap 1.0 must be > 1"),
+    (["--ais-tau", "0"], "--ais-tau 0.0 must be positive"),
+    (["--ais-lambda-min", "0.8", "--ais-lambda-max", "0.5"], "--ais-lambda-min 0.8"),
+    (["--ais-ema", "1.0"], "--ais-ema 1.0 must be in"),
+    (["--is-mask-low", "3.0"], "--is-mask-low/--is-mask-high"),
+    (["--icepop-low", "6"], "--icepop-low 6.0 must be below --icepop-high"),
+])
+def test_bad_values_name_the_flag(argv, message):
+    with pytest.raises(ValueError, match=message):
+        AISConfig.from_args(_parse(*argv))
