@@ -21,6 +21,7 @@ def test_training_environment_pins():
     for stub in ("torchvision", "torchaudio", "torchcodec"):
         assert importlib.util.find_spec(stub) is None, f"{stub} must be a metadata-only stub on CPU"
     assert importlib.util.find_spec("transformer_engine") is None or torch.cuda.is_available()
+    assert importlib.util.find_spec("triton.language") is not None, "the real triton (interpreter) is needed"
     out = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
                          text=True)
     assert out.returncode == 0 and out.stdout.strip().endswith("0.32.0"), out.stderr[-2000:]

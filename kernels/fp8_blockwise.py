@@ -1,0 +1,111 @@
+"""Blockwise FP8 (e4m3) weight quantization in the DeepSeek-V3 / vLLM `weight_scale_inv` format.
+
+`w` [M, N] is cut into block_size x block_size blocks (edge blocks partial); each block b gets
+`scale_inv[b] = amax(|w_b|) / 448` (fp32) and `q_b = w_b / scale_inv[b]` cast to float8_e4m3fn, so that
+`q.float() * scale_inv` (each scale broadcast over its block) reconstructs `w`. A torch reference runs
+everywhere; the Triton kernel is used automatically for CUDA tensors and is tested against the reference.
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_E4M3_MAX = 448.0
+# an all-zero block keeps a tiny finite scale (its codes are all zero either way)
+AMAX_EPS = 1e-10
+
+
+def _check(w: torch.Tensor, block_size: int, name: str) -> None:
+    if w.dim() != 2:
+        raise ValueError(f"{name}: blockwise FP8 needs a 2-D tensor, got shape {tuple(w.shape)}")
+    if block_size < 1:
+        raise ValueError(f"block_size {block_size} must be positive")
+    if not bool(torch.isfinite(w).all()):
+        bad = int((~torch.isfinite(w)).sum())
+        raise ValueError(f"{name}: {bad} NaN/Inf values; refusing to quantize a corrupt weight")
+
+
+def scale_shape(shape: tuple[int, int], block_size: int = 128) -> tuple[int, int]:
+    """Return the shape of `scale_inv` for a weight of `shape`: (ceil(M / bs), ceil(N / bs))."""
+    return (-(-shape[0] // block_size), -(-shape[1] // block_size))
+
+
+def _expand_scales(scale_inv: torch.Tensor, shape: tuple[int, int], block_size: int) -> torch.Tensor:
+    full = scale_inv.repeat_interleave(block_size, dim=0).repeat_interleave(block_size, dim=1)
+    return full[: shape[0], : shape[1]]
+
+
+def blockwise_fp8_quantize_reference(w: torch.Tensor, block_size: int = 128, pow2_scale: bool = False,
+                                     name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference: return (q float8_e4m3fn [M, N], scale_inv float32 [ceil(M/bs), ceil(N/bs)])."""
+    _check(w, block_size, name)
+    m, n = w.shape
+    mb, nb = scale_shape((m, n), block_size)
+    padded = torch.zeros(mb * block_size, nb * block_size, dtype=torch.float32, device=w.device)
+    padded[:m, :n] = w.float()
+    blocks = padded.view(mb, block_size, nb, block_size)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=AMAX_EPS)
+    scale_inv = amax / FP8_E4M3_MAX
+    if pow2_scale:  # UE8M0: round the scale up to a power of two so that no value overflows
+        scale_inv = torch.exp2(torch.ceil(torch.log2(scale_inv)))
+    q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    q = q.view(mb * block_size, nb * block_size)[:m, :n].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale_inv.float().contiguous()
+
+
+def blockwise_fp8_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block_size: int = 128,
+                             dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Return q * scale_inv (scales broadcast over their blocks) in `dtype`."""
+    expected = scale_shape(tuple(q.shape), block_size)
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"scale_inv shape {tuple(scale_inv.shape)} does not match {expected} for a "
+                         f"{tuple(q.shape)} weight with block size {block_size}")
+    return (q.float() * _expand_scales(scale_inv.float(), tuple(q.shape), block_size)).to(dtype)
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU images ship a metadata-only triton stub or none
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _blockwise_fp8_quantize_kernel(w_ptr, q_ptr, s_ptr, m, n, stride_wm, stride_qm, n_blocks_n,
+                                       BLOCK: tl.constexpr, POW2: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rows = pid_m * BLOCK + tl.arange(0, BLOCK)
+        cols = pid_n * BLOCK + tl.arange(0, BLOCK)
+        inside = (rows[:, None] < m) & (cols[None, :] < n)
+        x = tl.load(w_ptr + rows[:, None] * stride_wm + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(x)), 1e-10)
+        scale = amax / 448.0
+        if POW2:
+            scale = tl.exp2(tl.ceil(tl.log2(scale)))
+        q = tl.clamp(x / scale, -448.0, 448.0)
+        tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(tl.float8e4nv), mask=inside)
+        tl.store(s_ptr + pid_m * n_blocks_n + pid_n, scale)
+
+
+def blockwise_fp8_quantize_triton(w: torch.Tensor, block_size: int = 128, pow2_scale: bool = False,
+                                  name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton kernel (one program per block); same contract as the reference."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    _check(w, block_size, name)
+    w = w.contiguous()
+    m, n = w.shape
+    mb, nb = scale_shape((m, n), block_size)
+    q = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=w.device)
+    scale_inv = torch.empty((mb, nb), dtype=torch.float32, device=w.device)
+    _blockwise_fp8_quantize_kernel[(mb, nb)](w, q, scale_inv, m, n, w.stride(0), q.stride(0), nb,
+                                             BLOCK=block_size, POW2=pow2_scale)
+    return q, scale_inv
+
+
+def blockwise_fp8_quantize(w: torch.Tensor, block_size: int = 128, pow2_scale: bool = False,
+                           name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (q, scale_inv): the Triton kernel for CUDA tensors, the torch reference otherwise."""
+    if w.is_cuda and triton is not None:
+        return blockwise_fp8_quantize_triton(w, block_size, pow2_scale, name)
+    return blockwise_fp8_quantize_reference(w, block_size, pow2_scale, name)

@@ -1,0 +1,101 @@
+"""Blockwise FP8 quantization: reference against closed forms; Triton kernel against the reference (under the
+interpreter on CPU for indexing, masks and scales; bit for bit on GPU)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.fp8_blockwise import (FP8_E4M3_MAX, blockwise_fp8_dequantize, blockwise_fp8_quantize,
+                                   blockwise_fp8_quantize_reference, scale_shape)
+
+E4M3_SUBNORMAL_STEP = 2.0 ** -9
+
+
+def _within_fp8_bound(w, q, s, block, relative):
+    """|q·s − w| ≤ relative·|w| + s·2^-9 for every element (rounding bound of e4m3 with 3 mantissa bits)."""
+    full_s = s.repeat_interleave(block, 0).repeat_interleave(block, 1)[: w.shape[0], : w.shape[1]]
+    err = (blockwise_fp8_dequantize(q, s, block, torch.float32) - w.float()).abs()
+    return bool((err <= relative * w.float().abs() + full_s * E4M3_SUBNORMAL_STEP).all())
+
+
+@settings(max_examples=30, deadline=None)
+@given(m=st.integers(1, 300), n=st.integers(1, 300), block=st.sampled_from([32, 64, 128]),
+       seed=st.integers(0, 1000), pow2=st.booleans())
+def test_reference_contract(m, n, block, seed, pow2):
+    w = torch.randn(m, n, generator=torch.Generator().manual_seed(seed)) * 3
+    q, s = blockwise_fp8_quantize_reference(w, block, pow2_scale=pow2)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape
+    assert s.dtype == torch.float32 and tuple(s.shape) == scale_shape((m, n), block)
+    blocks = torch.zeros(s.shape[0] * block, s.shape[1] * block)
+    blocks[:m, :n] = w
+    amax = blocks.view(s.shape[0], block, s.shape[1], block).abs().amax((1, 3))
+    if pow2:
+        assert torch.equal(s, torch.exp2(torch.ceil(torch.log2(amax.clamp(min=1e-10) / FP8_E4M3_MAX))))
+    else:
+        assert torch.equal(s, amax.clamp(min=1e-10) / FP8_E4M3_MAX)
+    assert _within_fp8_bound(w, q, s, block, relative=2.0 ** -4)
+
+
+def test_edges_zero_block_and_errors():
+    w = torch.zeros(130, 5)
+    w[129, 4] = 7.0
+    q, s = blockwise_fp8_quantize(w, 128)
+    assert s.shape == (2, 1) and torch.isfinite(s).all() and s[0, 0] > 0
+    assert torch.count_nonzero(q[:128].float()) == 0
+    assert q[129, 4].float() * s[1, 0] == 7.0  # the block's amax is represented exactly
+    bad = torch.ones(4, 4)
+    bad[1, 1] = float("nan")
+    with pytest.raises(ValueError, match="layers.0.mlp.down_proj.weight: 1 NaN/Inf"):
+        blockwise_fp8_quantize(bad, name="layers.0.mlp.down_proj.weight")
+    with pytest.raises(ValueError, match="does not match"):
+        blockwise_fp8_dequantize(q, s[:1], 128)
+
+
+INTERPRETER_CHECK = """
+import torch
+from kernels.fp8_blockwise import blockwise_fp8_quantize_reference, blockwise_fp8_quantize_triton
+results = []
+for m, n, block, pow2 in [(300, 200, 128, False), (77, 129, 64, True), (128, 128, 128, False), (5, 3, 32, False)]:
+    w = torch.randn(m, n, generator=torch.Generator().manual_seed(m * n)) * 4
+    w[:min(m, 32), :min(n, 32)] = 0.0
+    q_ref, s_ref = blockwise_fp8_quantize_reference(w, block, pow2)
+    q, s = blockwise_fp8_quantize_triton(w, block, pow2)
+    full_s = s.repeat_interleave(block, 0).repeat_interleave(block, 1)[:m, :n]
+    err = (q.float() * full_s - w).abs()
+    results.append((torch.equal(s, s_ref), q.shape == w.shape,
+                    float((q.float() == q_ref.float()).float().mean()),
+                    int(torch.count_nonzero(q[:min(m, 32), :min(n, 32)].float())),
+                    bool((err <= 0.5 * w.abs() + full_s * 2.0 ** -9).all())))
+print(results)
+"""
+
+
+def test_triton_kernel_under_interpreter_matches_reference():
+    pytest.importorskip("triton.language")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
+    out = subprocess.run([sys.executable, "-c", INTERPRETER_CHECK], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = eval(out.stdout.strip().splitlines()[-1])
+    for scales_equal, shape_ok, code_match, zero_codes, within_factor_two in results:
+        # Scales, indexing and masks are exact. The interpreter's cast to float8e4nv is not torch's
+        # round-to-nearest-even: a few percent of codes land one binade low (docs/install.md), so codes are
+        # compared bit for bit only on GPU (test_triton_kernel_bit_exact_on_gpu).
+        assert scales_equal and shape_ok and zero_codes == 0 and within_factor_two
+        assert code_match >= 0.9
+
+
+@pytest.mark.gpu
+def test_triton_kernel_bit_exact_on_gpu():
+    from kernels.fp8_blockwise import blockwise_fp8_quantize_triton
+
+    for m, n, pow2 in [(4096, 1024, False), (1000, 333, True)]:
+        w = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        q, s = blockwise_fp8_quantize_triton(w, 128, pow2)
+        q_ref, s_ref = blockwise_fp8_quantize_reference(w, 128, pow2)
+        assert torch.equal(s, s_ref)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
