@@ -1,0 +1,83 @@
+"""Which HF tensors the rollout engine receives in blockwise FP8, and the engine's quantization_config.
+
+Attention and MLP linear weights become FP8 + `<name>_scale_inv` (vLLM's blockwise FP8 checkpoint names, as
+in DeepSeek-V3 / Qwen3-FP8); embeddings, lm_head, norms and biases stay BF16. Patterns are configurable.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Iterable, Iterator
+
+import torch
+
+from kernels.fp8_blockwise import blockwise_fp8_quantize
+
+LINEAR_WEIGHT = re.compile(r"^(?P<prefix>model\.layers\.\d+)\.(?P<module>self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
+                           r"\.weight$")
+DEFAULT_FP8_INCLUDE = (r"\.self_attn\.[qkvo]_proj\.weight$", r"\.mlp\.(gate|up|down)_proj\.weight$")
+# vLLM fuses these HF projections into one layer, which must share one quantization scheme
+FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+SCALE_SUFFIX = "_scale_inv"
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationPolicy:
+    """precision 'fp8' quantizes names matching an include pattern and no exclude pattern; 'bf16'/'fp32' cast."""
+
+    precision: str = "fp8"
+    include: tuple[str, ...] = DEFAULT_FP8_INCLUDE
+    exclude: tuple[str, ...] = ()
+    block_size: int = 128
+    pow2_scale: bool = False
+
+    def quantizes(self, name: str) -> bool:
+        """Return True when the tensor `name` is sent as FP8 + scale_inv."""
+        if self.precision != "fp8" or LINEAR_WEIGHT.match(name) is None:
+            return False
+        return any(re.search(p, name) for p in self.include) and not any(re.search(p, name) for p in self.exclude)
+
+    @property
+    def dense_dtype(self) -> torch.dtype:
+        return torch.float32 if self.precision == "fp32" else torch.bfloat16
+
+
+def quantize_for_engine(named_tensors: Iterable[tuple[str, torch.Tensor]], policy: QuantizationPolicy
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the engine's tensors: (name, fp8) and (name_scale_inv, fp32) for quantized weights, casts otherwise."""
+    for name, tensor in named_tensors:
+        if policy.quantizes(name):
+            q, scale_inv = blockwise_fp8_quantize(tensor, policy.block_size, policy.pow2_scale, name=name)
+            yield name, q
+            yield name + SCALE_SUFFIX, scale_inv
+        else:
+            if not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"{name}: NaN/Inf values; refusing to send a corrupt weight to the engine")
+            yield name, tensor.to(policy.dense_dtype)
+
+
+def engine_quantization_config(policy: QuantizationPolicy, hf_names: Iterable[str]) -> dict | None:
+    """Return the config.json `quantization_config` for the engine (None unless FP8).
+
+    Linear layers the policy keeps in BF16 are listed in `ignored_layers`; projections vLLM fuses must agree.
+    """
+    if policy.precision != "fp8":
+        return None
+    decisions: dict[str, bool] = {}
+    for name in hf_names:
+        match = LINEAR_WEIGHT.match(name)
+        if match:
+            decisions[f"{match['prefix']}.{match['module']}"] = policy.quantizes(name)
+    for module in decisions:
+        prefix = module.rsplit(".", 2)[0]
+        for group in FUSED_GROUPS:
+            members = [f"{prefix}.{m}" for m in group if f"{prefix}.{m}" in decisions]
+            if len({decisions[m] for m in members}) > 1:
+                raise ValueError(f"the FP8 policy splits {members}: vLLM fuses them into one layer, quantize all "
+                                 "or none (adjust --bridge-fp8-exclude)")
+    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": [policy.block_size, policy.block_size]}
+    ignored = sorted(m for m, quantized in decisions.items() if not quantized)
+    if ignored:
+        config["ignored_layers"] = ignored
+    return config
