@@ -90,8 +90,10 @@ def check_supported_hf_config(cfg: dict[str, Any]) -> None:
 
 def te_available() -> bool:
     """Return True when Transformer Engine imports (its layer spec is then the default)."""
+    import importlib
+
     try:
-        import transformer_engine.pytorch  # noqa: F401
+        importlib.import_module("transformer_engine.pytorch")
     except (ImportError, RuntimeError):  # RuntimeError: the empty TE meta package
         return False
     return True

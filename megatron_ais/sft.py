@@ -63,15 +63,12 @@ def run_sft(args) -> dict:
     from megatron.core import parallel_state as ps
 
     from megatron_ais.arguments import validate_args
-    from megatron_ais.checkpointing import (check_layout, iteration_dir, load_model_state, load_rank_state,
-                                            read_checkpoint_metadata, read_tracker, save_model_checkpoint)
+    from megatron_ais.checkpointing import save_model_checkpoint
     from megatron_ais.data.arithmetic import arithmetic_examples
     from megatron_ais.initialize import initialize_megatron
     from megatron_ais.logging import RunLogger
-    from megatron_ais.mapping.distributed import load_hf_weights, save_hf_checkpoint
-    from megatron_ais.model import ModelBuildConfig, build_model_chunks
-    from megatron_ais.training import (OptimizerSettings, build_optimizer, lm_forward_step, reduce_lm_loss,
-                                       train_step, wrap_ddp)
+    from megatron_ais.mapping.distributed import save_hf_checkpoint
+    from megatron_ais.training import lm_forward_step, reduce_lm_loss, setup_model_and_optimizer, train_step
 
     hf_config = validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     initialize_megatron(args)
@@ -81,18 +78,10 @@ def run_sft(args) -> dict:
     is_logger = ps.is_pipeline_last_stage() and tp_rank == 0 and dp_rank == 0
     log = RunLogger(args.output_dir, args.tensorboard_dir, is_logger)
 
-    build = ModelBuildConfig.from_args(args, hf_config)
-    chunks = build_model_chunks(build)
-    if args.load:
-        check_layout(read_checkpoint_metadata(args.load), build.tensor_model_parallel_size, pp_size, args.load)
-        load_model_state(chunks, load_rank_state(args.load, tp_rank, pp_rank, pp_size))
-        assets = os.path.join(iteration_dir(args.load, read_tracker(args.load)), "hf_assets")
-    else:
-        load_hf_weights(chunks, args.hf_dir, build, tp_rank)
-        assets = args.hf_dir
+    setup = setup_model_and_optimizer(args, hf_config)
+    build, chunks, ddp_chunks, optimizer, assets = (setup.build, setup.chunks, setup.ddp_chunks, setup.optimizer,
+                                                    setup.assets_dir)
     tokenizer = load_tokenizer(assets)
-    ddp_chunks = wrap_ddp(chunks, args.use_distributed_optimizer)
-    optimizer = build_optimizer(ddp_chunks, OptimizerSettings.from_args(args))
 
     examples = arithmetic_examples(args.num_examples, args.seed, args.max_operand)
     encoded = [encode_sft_example(tokenizer, e, args.seq_length) for e in examples]

@@ -1,5 +1,4 @@
 """Bad configurations are rejected before anything heavy starts, with messages naming the flag and the fix."""
-import argparse
 import os
 import subprocess
 import sys

@@ -21,7 +21,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def _bench_worker(hf_dir: str, sequences: int, seq_length: int, repeats: int) -> dict:
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from megatron_ais.ais import (AISConfig, AISState, ais_coefficient, apply_correction, max_abs_logratio,
                                   mismatch_statistics, reduce_statistics)
@@ -29,18 +28,13 @@ def _bench_worker(hf_dir: str, sequences: int, seq_length: int, repeats: int) ->
     from megatron_ais.grpo.loss import PolicyLossConfig
     from megatron_ais.grpo.step import GRPOConfig, ParallelGroups, RolloutBatch, grpo_train_step
     from megatron_ais.initialize import initialize_megatron
-    from megatron_ais.mapping.distributed import load_hf_weights
-    from megatron_ais.model import ModelBuildConfig, build_model_chunks
-    from megatron_ais.training import OptimizerSettings, build_optimizer, wrap_ddp
+    from megatron_ais.training import setup_model_and_optimizer
 
     args = build_parser("bench").parse_args(["--hf-dir", hf_dir, "--bf16", "--seq-length", str(seq_length)])
     hf_config = validate_args(args, dist.get_world_size() if dist.is_initialized() else 2)
     initialize_megatron(args)
-    build = ModelBuildConfig.from_args(args, hf_config)
-    chunks = build_model_chunks(build)
-    load_hf_weights(chunks, hf_dir, build, ps.get_tensor_model_parallel_rank())
-    ddp = wrap_ddp(chunks, False)
-    optimizer = build_optimizer(ddp, OptimizerSettings.from_args(args))
+    setup = setup_model_and_optimizer(args, hf_config)
+    build, ddp, optimizer = setup.build, setup.ddp_chunks, setup.optimizer
     groups = ParallelGroups.from_parallel_state()
     g = torch.Generator().manual_seed(0)
     vocab = build.shape.vocab_size

@@ -15,8 +15,6 @@ import os
 import sys
 import time
 
-import torch
-
 from megatron_ais.arguments import ArgumentValidationError, load_hf_config, validate_model_args
 from megatron_ais.checkpointing import (CHECKPOINT_VERSION, CheckpointError, HF_ASSET_FILES, HF_ASSETS, commit_checkpoint,
                                         iteration_dir, load_rank_state, prepare_staging, read_checkpoint_metadata,

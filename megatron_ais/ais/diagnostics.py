@@ -7,9 +7,12 @@ global statistics (a dict of STAT_NAMES -> float), the config and the running st
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from megatron_ais.ais.config import AISConfig
+
+if TYPE_CHECKING:
+    from megatron_ais.ais.coefficient import AISState
 
 Diagnostic = Callable[[dict, AISConfig, "AISState"], float]
 SEVERITY: dict[str, Diagnostic] = {}

