@@ -14,12 +14,25 @@ FP8_E4M3_MAX = 448.0
 AMAX_EPS = 1e-10
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Return True when every element is finite.
+
+    Fast path: an fp32-accumulated sum is finite only if no element is NaN/Inf (it is ~40x faster than
+    torch.isfinite on bf16); a non-finite sum (which huge finite values could also cause) is re-checked exactly.
+    """
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    if bool(torch.isfinite(torch.sum(t, dtype=torch.float32))):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
 def _check(w: torch.Tensor, block_size: int, name: str) -> None:
     if w.dim() != 2:
         raise ValueError(f"{name}: blockwise FP8 needs a 2-D tensor, got shape {tuple(w.shape)}")
     if block_size < 1:
         raise ValueError(f"block_size {block_size} must be positive")
-    if not bool(torch.isfinite(w).all()):
+    if not all_finite(w):
         bad = int((~torch.isfinite(w)).sum())
         raise ValueError(f"{name}: {bad} NaN/Inf values; refusing to quantize a corrupt weight")
 
@@ -40,14 +53,19 @@ def blockwise_fp8_quantize_reference(w: torch.Tensor, block_size: int = 128, pow
     _check(w, block_size, name)
     m, n = w.shape
     mb, nb = scale_shape((m, n), block_size)
-    padded = torch.zeros(mb * block_size, nb * block_size, dtype=torch.float32, device=w.device)
-    padded[:m, :n] = w.float()
+    if m % block_size or n % block_size:
+        padded = torch.zeros(mb * block_size, nb * block_size, dtype=w.dtype, device=w.device)
+        padded[:m, :n] = w
+    else:
+        padded = w.contiguous()
     blocks = padded.view(mb, block_size, nb, block_size)
-    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=AMAX_EPS)
+    # amax over the contiguous dim first, in the input dtype (max/min are exact in any float format)
+    amax = torch.maximum(blocks.amax(dim=3), -blocks.amin(dim=3)).amax(dim=1).float().clamp(min=AMAX_EPS)
     scale_inv = amax / FP8_E4M3_MAX
     if pow2_scale:  # UE8M0: round the scale up to a power of two so that no value overflows
         scale_inv = torch.exp2(torch.ceil(torch.log2(scale_inv)))
-    q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    # |w / scale| <= 448 up to fp32 rounding; the clamp keeps a 448.00003 from becoming NaN in e4m3fn
+    q = torch.div(blocks, scale_inv[:, None, :, None]).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     q = q.view(mb * block_size, nb * block_size)[:m, :n].to(torch.float8_e4m3fn)
     return q.contiguous(), scale_inv.float().contiguous()
 

@@ -20,16 +20,16 @@ class ManifestEntry:
     crc32: int
 
 
-def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """Return the tensor's raw bytes (any dtype, fp8 included)."""
+def tensor_bytes(tensor: torch.Tensor):
+    """Return the tensor's raw bytes as a uint8 numpy view (no copy on CPU; any dtype, fp8 included)."""
     flat = tensor.detach().contiguous().view(-1)
-    return flat.view(torch.uint8).cpu().numpy().tobytes() if flat.numel() else b""
+    return flat.view(torch.uint8).cpu().numpy()
 
 
 def manifest_entry(name: str, tensor: torch.Tensor) -> ManifestEntry:
     """Return the manifest entry of one tensor."""
     data = tensor_bytes(tensor)
-    return ManifestEntry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), len(data),
+    return ManifestEntry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), int(data.nbytes),
                          zlib.crc32(data))
 
 

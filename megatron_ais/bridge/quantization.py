@@ -11,7 +11,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from kernels.fp8_blockwise import blockwise_fp8_quantize
+from kernels.fp8_blockwise import all_finite, blockwise_fp8_quantize
 
 LINEAR_WEIGHT = re.compile(r"^(?P<prefix>model\.layers\.\d+)\.(?P<module>self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
                            r"\.weight$")
@@ -51,7 +51,7 @@ def quantize_for_engine(named_tensors: Iterable[tuple[str, torch.Tensor]], polic
             yield name, q
             yield name + SCALE_SUFFIX, scale_inv
         else:
-            if not bool(torch.isfinite(tensor).all()):
+            if not all_finite(tensor):
                 raise ValueError(f"{name}: NaN/Inf values; refusing to send a corrupt weight to the engine")
             yield name, tensor.to(policy.dense_dtype)
 

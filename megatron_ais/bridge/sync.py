@@ -59,7 +59,7 @@ def send_stage_weights(chunks: list, build, config: BridgeConfig, tp_group, sync
     transport (the others take part in the TP gathers and drop the result)."""
     start = time.perf_counter()
     stats = SyncStats()
-    stream = export_hf_weights(chunks, build, tp_group)
+    stream = export_hf_weights(chunks, build, tp_group, to_first_rank=True)
     if transport is None:
         for _ in stream:
             pass

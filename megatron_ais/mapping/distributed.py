@@ -40,24 +40,43 @@ def load_hf_weights(chunks: list, hf_dir: str, build: ModelBuildConfig, tp_rank:
     return loaded
 
 
-def gather_tp_shards(tensor: torch.Tensor, group) -> list[torch.Tensor]:
-    """Return every TP rank's copy of `tensor` in rank order (all-gather over `group`)."""
+def gather_tp_shards(tensor: torch.Tensor, group, to_first_rank: bool = False) -> list[torch.Tensor] | None:
+    """Return every TP rank's copy of `tensor` in rank order: on all ranks (all-gather), or with
+    `to_first_rank` only on TP rank 0 (gather; None elsewhere), which halves the traffic at TP2."""
     size = dist.get_world_size(group) if group is not None else 1
     if size == 1:
         return [tensor]
-    shards = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(shards, tensor.contiguous(), group=group)
+    if not to_first_rank:
+        shards = [torch.empty_like(tensor) for _ in range(size)]
+        dist.all_gather(shards, tensor.contiguous(), group=group)
+        return shards
+    first = dist.get_global_rank(group, 0)
+    shards = [torch.empty_like(tensor) for _ in range(size)] if dist.get_rank() == first else None
+    dist.gather(tensor.contiguous(), shards, dst=first, group=group)
     return shards
 
 
 @torch.no_grad()
-def export_hf_weights(chunks: list, build: ModelBuildConfig, tp_group) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) for the layers of this pipeline stage; every TP rank must iterate together."""
+def export_hf_weights(chunks: list, build: ModelBuildConfig, tp_group, to_first_rank: bool = False
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for the layers of this pipeline stage; every TP rank must iterate together.
+
+    With `to_first_rank`, only TP rank 0 receives (and yields) the tensors; the other ranks yield nothing.
+    """
+    from megatron_ais.mapping.layouts import Replicated
+    from megatron_ais.mapping.rules import rules_for, split_layer
+
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
     ctx = shard_context(build, tp_rank)
+    rules = rules_for(build.shape.model_type)
     for chunk in chunks:
         for name, layer, param in global_parameters(unwrap_model(chunk)):
-            shards = gather_tp_shards(param.detach(), tp_group)
+            rule = rules.get(split_layer(name)[1])
+            # replicated tensors (norms) are identical on every TP rank: no gather needed
+            replicated = rule is not None and isinstance(rule.layout, Replicated)
+            shards = [param.detach()] if replicated else gather_tp_shards(param.detach(), tp_group, to_first_rank)
+            if shards is None or (replicated and to_first_rank and tp_rank != 0):
+                continue
             yield from hf_tensors_from_shards(name, layer, build.shape.model_type, ctx, shards,
                                               build.shape.tie_word_embeddings)
 

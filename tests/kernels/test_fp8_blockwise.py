@@ -99,3 +99,16 @@ def test_triton_kernel_bit_exact_on_gpu():
         q_ref, s_ref = blockwise_fp8_quantize_reference(w, 128, pow2)
         assert torch.equal(s, s_ref)
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_all_finite_fast_path_is_exact():
+    from kernels.fp8_blockwise import all_finite
+
+    huge = torch.full((64,), 3.0e38)  # finite values whose sum overflows
+    assert all_finite(huge) and all_finite(huge.to(torch.bfloat16))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.zeros(1000, dtype=torch.bfloat16)
+        t[517] = bad
+        assert not all_finite(t)
+    q, s = blockwise_fp8_quantize(huge.view(8, 8))
+    assert torch.isfinite(s).all() and torch.equal(q.float() * s[0, 0], huge.view(8, 8).float())

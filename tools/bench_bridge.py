@@ -1,0 +1,120 @@
+"""Bridge sync speed at TP2 (gloo, CPU): BF16 and FP8 syncs of a ~100M-parameter model into an in-process
+receiver, against a plain copy of the same bytes measured in the same processes.
+
+    .venv/bin/python tools/bench_bridge.py [--hidden-size 768 --num-layers 10 --vocab-size 16384] [--repeats 5]
+
+Prints a table and, as its last line,
+`bridge_sync_ratio=<x> fp8_quant_gbps=<x> bf16_sync_s=<y> fp8_sync_s=<z>` (ratio = BF16 sync seconds ÷ seconds of
+a plain copy of the same bytes).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float) -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from kernels.fp8_blockwise import blockwise_fp8_quantize
+    from megatron_ais.arguments import build_parser, validate_args
+    from megatron_ais.bridge.quantization import QuantizationPolicy
+    from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, sync_weights_to_engine
+    from megatron_ais.bridge.transport import SyncReceiver
+    from megatron_ais.initialize import initialize_megatron
+    from megatron_ais.mapping.distributed import load_hf_weights
+    from megatron_ais.model import ModelBuildConfig, build_model_chunks
+
+    args = build_parser("bench").parse_args(["--hf-dir", hf_dir, "--bf16", "--tensor-model-parallel-size", "2",
+                                             "--seq-length", "64"])
+    hf_config = validate_args(args, 2)
+    initialize_megatron(args)
+    build = ModelBuildConfig.from_args(args, hf_config)
+    chunks = build_model_chunks(build)
+    load_hf_weights(chunks, hf_dir, build, ps.get_tensor_model_parallel_rank())
+    layout = BridgeLayout.from_parallel_state()
+    tp_group = ps.get_tensor_model_parallel_group()
+    result = {"params": sum(p.numel() for p in chunks[0].parameters()) * 2}
+    for precision in ("bf16", "fp8"):
+        config = BridgeConfig(bucket_size_mb=bucket_mb, policy=QuantizationPolicy(precision=precision))
+        times, moved = [], 0
+        for sync_id in range(repeats + 1):
+            receiver = SyncReceiver(apply=lambda tensors: None) if layout.rank == 0 else None
+            dist.barrier()
+            t0 = time.perf_counter()
+            stats = sync_weights_to_engine(chunks, build, config, tp_group, layout, sync_id, receiver)
+            dist.barrier()
+            if sync_id:
+                times.append(time.perf_counter() - t0)
+            moved = stats.bytes or moved
+        result[precision] = {"seconds": statistics.median(times), "bytes": moved}
+    # baseline: a plain copy of the BF16 sync's bytes, in buffers the size of one bucket
+    total = result["bf16"]["bytes"] if layout.rank == 0 else 0
+    src = torch.empty(int(bucket_mb * (1 << 20)), dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    copies = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        left = total
+        while left > 0:
+            n = min(left, src.numel())
+            dst[:n].copy_(src[:n])
+            left -= n
+        copies.append(time.perf_counter() - t0)
+    result["copy_seconds"] = statistics.median(copies)
+    weight = torch.randn(4096, 4096, dtype=torch.bfloat16)
+    quant = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        blockwise_fp8_quantize(weight)
+        quant.append(time.perf_counter() - t0)
+    result["quant_gbps"] = weight.numel() * weight.element_size() / statistics.median(quant) / 1e9
+    result["threads"] = torch.get_num_threads()
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden-size", type=int, default=768)
+    parser.add_argument("--num-layers", type=int, default=10)
+    parser.add_argument("--intermediate-size", type=int, default=2048)
+    parser.add_argument("--vocab-size", type=int, default=16384)
+    parser.add_argument("--bucket-size-mb", type=float, default=64.0)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    import make_tiny_model
+    from megatron_ais.launch import spawn
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = make_tiny_model.make_tiny_model(make_tiny_model.build_parser().parse_args([
+            "--arch", "qwen3", "--out", os.path.join(tmp, "model"), "--hidden-size", str(args.hidden_size),
+            "--num-layers", str(args.num_layers), "--intermediate-size", str(args.intermediate_size),
+            "--vocab-size", str(args.vocab_size), "--num-attention-heads", "12", "--num-key-value-heads", "4",
+            "--head-dim", "64"]))
+        results = spawn(2, _bench_worker, hf_dir, args.repeats, args.bucket_size_mb)
+    r = results[0]
+    bf16, fp8 = r["bf16"], r["fp8"]
+    print(f"| TP2 gloo, {r['threads']} thread/rank, {r['params'] / 1e6:.0f}M params | bytes moved | seconds "
+          "(median) | GB/s |")
+    print("|---|---|---|---|")
+    for name, row in (("BF16 sync", bf16), ("FP8 sync", fp8)):
+        print(f"| {name} | {row['bytes'] / 1e6:.1f} MB | {row['seconds']:.3f} | {row['bytes'] / row['seconds'] / 1e9:.3f} |")
+    print(f"| plain copy of the BF16 bytes | {bf16['bytes'] / 1e6:.1f} MB | {r['copy_seconds']:.4f} | "
+          f"{bf16['bytes'] / r['copy_seconds'] / 1e9:.3f} |")
+    print(f"| FP8 quantize (4096x4096 bf16, torch reference) | | | {r['quant_gbps']:.3f} |")
+    print(f"bridge_sync_ratio={bf16['seconds'] / r['copy_seconds']:.2f} fp8_quant_gbps={r['quant_gbps']:.3f} "
+          f"bf16_sync_s={bf16['seconds']:.3f} fp8_sync_s={fp8['seconds']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
