@@ -45,6 +45,8 @@ class GRPOConfig:
     ppo_epochs: int = 1
     advantage_normalize_std: bool = True
     advantage_leave_one_out: bool = False
+    # the rollout's sampling temperature: trainer log-probs are those of the same tempered distribution
+    temperature: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +91,9 @@ def _micro_batches(rows: dict[str, torch.Tensor], micro_batch_size: int) -> list
 
 
 def compute_logprobs(ddp_chunks: list, micro_batches: list[dict], seq_length: int, micro_batch_size: int,
-                     groups: ParallelGroups, vocab_size: int) -> torch.Tensor | None:
-    """Return the trainer's log-probs [B_local, S] of the labels (last pipeline stage; None elsewhere)."""
+                     groups: ParallelGroups, vocab_size: int, temperature: float = 1.0) -> torch.Tensor | None:
+    """Return the trainer's log-probs [B_local, S] of the labels under log_softmax(logits / temperature)
+    (last pipeline stage; None elsewhere)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, model):
@@ -98,7 +101,8 @@ def compute_logprobs(ddp_chunks: list, micro_batches: list[dict], seq_length: in
         output = model(mb["tokens"], mb["position_ids"], attention_mask=None)
 
         def loss_func(logits):
-            logprobs, _ = vocab_parallel_logprobs(logits, mb["labels"], groups.tensor_parallel_group, vocab_size)
+            logprobs, _ = vocab_parallel_logprobs(logits / temperature, mb["labels"], groups.tensor_parallel_group,
+                                                  vocab_size)
             return logits.sum() * 0.0, {"logprobs": logprobs.detach()}
 
         return output, loss_func
@@ -120,7 +124,8 @@ def _policy_forward_step(config: GRPOConfig, groups: ParallelGroups, normalizer:
     output = model(mb["tokens"], mb["position_ids"], attention_mask=None)
 
     def loss_func(logits):
-        logprobs, entropy = vocab_parallel_logprobs(logits, mb["labels"], groups.tensor_parallel_group,
+        logprobs, entropy = vocab_parallel_logprobs(logits / config.temperature, mb["labels"],
+                                                    groups.tensor_parallel_group,
                                                     config.vocab_size, with_entropy=config.loss.entropy_coef > 0)
         per_token, parts = token_losses(logprobs, mb["old_logprobs"], mb["advantages"], mb["coefficient"],
                                         config.loss, entropy=entropy)
@@ -155,7 +160,7 @@ def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GR
              "advantages": advantages[rows].unsqueeze(-1) * mask}
     seq_length = batch.tokens.shape[1]
     old_logprobs = compute_logprobs(ddp_chunks, _micro_batches(local, config.micro_batch_size), seq_length,
-                                    config.micro_batch_size, groups, config.vocab_size)
+                                    config.micro_batch_size, groups, config.vocab_size, config.temperature)
     result, coefficient, keep = EMPTY_RESULT, torch.ones_like(mask), mask
     if groups.is_last_stage:
         check_trainer_logprobs(old_logprobs, mask)

@@ -13,6 +13,34 @@ PRECISIONS = ("bf16", "fp8", "fp32")
 
 
 @dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Per-rollout sampling: n samples per prompt, temperature, top-p, length and stop tokens."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One sampled response: its prompt, token ids, per-token log-probs of the sampling distribution
+    (temperature and top-p applied), and why it stopped ('stop' or 'length')."""
+
+    prompt_index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """How the engine is built: precision, KV cache, memory and length limits."""
 
@@ -110,6 +138,25 @@ class RolloutEngine:
         _repack_tied_lm_head(self.model)
         self.version += 1
         return self.version
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, progress: bool | None = None
+                 ) -> list[Rollout]:
+        """Return n rollouts per prompt, grouped consecutively by prompt, with sampled-token log-probs."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                                max_tokens=sampling.max_new_tokens, stop_token_ids=list(sampling.stop_token_ids),
+                                logprobs=0, seed=sampling.seed)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                    use_tqdm=len(prompts) * sampling.n >= 64 if progress is None else progress)
+        rollouts = []
+        for index, out in enumerate(outputs):
+            for completion in out.outputs:
+                ids = list(completion.token_ids)
+                logprobs = [completion.logprobs[i][t].logprob for i, t in enumerate(ids)]
+                rollouts.append(Rollout(index, list(out.prompt_token_ids), ids, logprobs,
+                                        completion.finish_reason or "length"))
+        return rollouts
 
     def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
         """Return the engine's teacher-forced log-probs of token_ids[1:] (for refit verification)."""
