@@ -104,4 +104,8 @@ def test_bridge_into_real_vllm_engine(model_root, tmp_path, precision):
         assert torch.allclose(after, reference, atol=1e-4)
     assert (before - reference).abs().mean() > 10 * (after - reference).abs().mean(), "the sync was not applied"
     assert refused is not None and "down_proj.weight" in refused and applied == 1
+    from megatron_ais.rollout.verify import RefitVerificationError, verify_refit
+    assert verify_refit(after, reference, precision).passed
+    with pytest.raises(RefitVerificationError, match="stale or corrupt"):
+        verify_refit(before, reference, precision)
     assert torch.equal(still, after), "a refused sync must leave the engine's weights untouched"
