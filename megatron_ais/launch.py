@@ -24,9 +24,23 @@ def _worker(rank: int, world_size: int, port: int, target, args, queue) -> None:
     except BaseException:  # report every failure to the parent with its traceback
         queue.put((rank, "error", traceback.format_exc()))
     finally:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _teardown_distributed()
+
+
+def _teardown_distributed() -> None:
+    import sys
+
+    import torch.distributed as dist
+
+    if "vllm.distributed.parallel_state" in sys.modules:
+        # a colocated vLLM engine owns the process group: let vLLM tear down its own groups first, or its exit
+        # handler fails on groups that are already gone
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def spawn(world_size: int, target, *args, timeout: float = 600.0) -> list:

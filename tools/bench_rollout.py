@@ -1,0 +1,82 @@
+"""Rollout throughput of the FP8 engine against the BF16 engine on the same prompts, and in-place weight-update
+latency, measured in one run (colocated engines, one at a time, in a fresh process each).
+
+    .venv/bin/python tools/bench_rollout.py [--prompts 32 --n 4 --max-new-tokens 64 --repeats 3]
+
+Prints a table and, as its last line, `fp8_over_bf16_tokens_per_s=<ratio> weight_update_ms=<median>`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def _engine_worker(hf_dir: str, precision: str, work: str, prompts: int, n: int, max_new: int, repeats: int) -> dict:
+    import torch
+
+    from megatron_ais.bridge.quantization import QuantizationPolicy, quantize_for_engine
+    from megatron_ais.mapping.hf_io import HFCheckpointReader
+    from megatron_ais.rollout.engine import EngineConfig, RolloutEngine, SamplingConfig
+
+    engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision=precision, kv_cache_gb=1.0,
+                                        max_num_seqs=prompts * n), work)
+    g = torch.Generator().manual_seed(0)
+    batch = [torch.randint(10, 400, (16,), generator=g).tolist() for _ in range(prompts)]
+    sampling = SamplingConfig(n=n, max_new_tokens=max_new, seed=0)
+    engine.generate(batch, sampling, progress=False)  # warm up the batch shapes
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        rollouts = engine.generate(batch, sampling, progress=False)
+        rates.append(sum(r.length for r in rollouts) / (time.perf_counter() - t0))
+    reader = HFCheckpointReader(hf_dir)
+    tensors = list(quantize_for_engine(((k, reader.get(k)) for k in reader.names()),
+                                       QuantizationPolicy(precision=precision)))
+    updates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        engine.update_weights(tensors)
+        updates.append(time.perf_counter() - t0)
+    return {"tokens_per_s": statistics.median(rates), "update_ms": 1000 * statistics.median(updates),
+            "tokens": sum(r.length for r in rollouts), "threads": torch.get_num_threads()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hidden-size", type=int, default=512)
+    parser.add_argument("--num-layers", type=int, default=8)
+    args = parser.parse_args(argv)
+    import make_tiny_model
+    from megatron_ais.launch import spawn
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = make_tiny_model.make_tiny_model(make_tiny_model.build_parser().parse_args([
+            "--arch", "qwen3", "--out", os.path.join(tmp, "model"), "--hidden-size", str(args.hidden_size),
+            "--num-layers", str(args.num_layers), "--intermediate-size", str(4 * args.hidden_size),
+            "--num-attention-heads", str(args.hidden_size // 64), "--num-key-value-heads", "2",
+            "--head-dim", "64", "--vocab-size", "1024"]))
+        results = {p: spawn(1, _engine_worker, hf_dir, p, os.path.join(tmp, p), args.prompts, args.n,
+                            args.max_new_tokens, args.repeats)[0] for p in ("bf16", "fp8")}
+    bf16, fp8 = results["bf16"], results["fp8"]
+    print(f"| engine (colocated, {bf16['threads']} threads, hidden {args.hidden_size} x {args.num_layers} layers, "
+          f"{args.prompts} prompts x {args.n}) | tokens/s | weight update ms |")
+    print("|---|---|---|")
+    for name, row in (("BF16", bf16), ("FP8 blockwise", fp8)):
+        print(f"| {name} | {row['tokens_per_s']:.0f} | {row['update_ms']:.1f} |")
+    print(f"fp8_over_bf16_tokens_per_s={fp8['tokens_per_s'] / bf16['tokens_per_s']:.3f} "
+          f"weight_update_ms={fp8['update_ms']:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
