@@ -217,3 +217,29 @@ class RolloutEngine:
         except Exception:  # a crashed engine may fail to shut down cleanly; its processes are gone anyway
             pass
         del llm
+
+
+def add_rollout_args(parser) -> None:
+    """Rollout-engine flags."""
+    g = parser.add_argument_group("rollout")
+    g.add_argument("--rollout-precision", choices=PRECISIONS, default="fp8",
+                   help="fp8: blockwise FP8 linear layers (128x128, weight_scale_inv) fed by the bridge; bf16; fp32 "
+                        "(exact comparisons with the trainer).")
+    g.add_argument("--rollout-kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="KV-cache dtype of the engine (fp8 = e4m3).")
+    g.add_argument("--rollout-placement", choices=PLACEMENTS, default="separate",
+                   help="colocated: engine inside the trainer process (single-rank trainers only, vLLM then owns "
+                        "torch.distributed); separate: engine processes fed through shared memory.")
+    g.add_argument("--rollout-kv-cache-gb", type=float, default=1.0, help="KV-cache memory of the engine (GiB).")
+    g.add_argument("--rollout-max-num-seqs", type=int, default=64, help="Sequences the engine batches at once.")
+    g.add_argument("--rollout-max-model-len", type=int, default=512, help="Longest prompt + response the engine serves.")
+    g.add_argument("--verify-refit-interval", type=int, default=1,
+                   help="Score the probe sequence and compare with the trainer every this many syncs (0 = never).")
+
+
+def engine_config_from_args(args, model_dir: str) -> EngineConfig:
+    """Return the EngineConfig named by the rollout flags for a model directory."""
+    return EngineConfig(model_dir=model_dir, precision=args.rollout_precision,
+                        kv_cache_dtype=args.rollout_kv_cache_dtype, kv_cache_gb=args.rollout_kv_cache_gb,
+                        max_model_len=args.rollout_max_model_len, max_num_seqs=args.rollout_max_num_seqs,
+                        seed=args.seed)

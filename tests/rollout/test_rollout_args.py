@@ -1,0 +1,54 @@
+"""Rollout and bridge flags build their configs; the engine's model directory follows the FP8 policy."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import make_model_dir
+from megatron_ais.arguments import build_parser
+from megatron_ais.bridge.sync import BridgeConfig, add_bridge_args
+from megatron_ais.rollout.batch import rollouts_to_batch
+from megatron_ais.rollout.engine import EngineConfig, Rollout, add_rollout_args, engine_config_from_args, \
+    prepare_engine_dir
+
+
+def _args(*argv):
+    return build_parser("t", (add_rollout_args, add_bridge_args, lambda p: p.add_argument("--seed", type=int,
+                                                                                          default=3))).parse_args(argv)
+
+
+def test_flags_to_configs():
+    args = _args("--rollout-precision", "bf16", "--bridge-bucket-size-mb", "8", "--bridge-fp8-exclude", "layers\\.0\\.")
+    engine = engine_config_from_args(args, "/m")
+    assert (engine.precision, engine.kv_cache_gb, engine.seed) == ("bf16", 1.0, 3)
+    bridge = BridgeConfig.from_args(args)
+    assert bridge.bucket_bytes == 8 << 20 and bridge.policy.precision == "bf16"
+    assert bridge.policy.exclude == ("layers\\.0\\.",)
+    with pytest.raises(ValueError, match="--rollout-precision 'int4'"):
+        EngineConfig(model_dir="/m", precision="int4")
+
+
+def test_engine_dir_layout(model_root, tmp_path):
+    hf_dir = make_model_dir(model_root, "qwen3", hidden_size=128, intermediate_size=256)
+    out = prepare_engine_dir(EngineConfig(model_dir=hf_dir, precision="fp8"), str(tmp_path / "e"))
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    with safe_open(os.path.join(out, "model.safetensors"), framework="pt") as f:
+        assert f.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.float8_e4m3fn
+        assert f.get_tensor("model.layers.0.mlp.up_proj.weight_scale_inv").dtype == torch.float32
+        assert f.get_tensor("model.norm.weight").dtype == torch.bfloat16
+    assert os.path.isfile(os.path.join(out, "tokenizer.json"))
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        prepare_engine_dir(EngineConfig(model_dir=str(tmp_path), precision="fp8"), str(tmp_path / "x"))
+
+
+def test_rollouts_align_with_next_token_labels():
+    rollouts = [Rollout(0, [1, 2, 3], [7, 8], [-0.5, -0.25], "stop"), Rollout(0, [1, 2, 3], [9], [-1.0], "length")]
+    batch = rollouts_to_batch(rollouts, [1.0, 0.0], 2, 6, pad_token_id=0)
+    assert batch.tokens[0].tolist() == [1, 2, 3, 7, 0, 0] and batch.labels[0].tolist() == [2, 3, 7, 8, 0, 0]
+    assert batch.mask[0].tolist() == [0, 0, 1, 1, 0, 0] and batch.rollout_logprobs[0, 2:4].tolist() == [-0.5, -0.25]
+    assert batch.mask[1].tolist() == [0, 0, 1, 0, 0, 0] and batch.labels[1, 2].item() == 9
+    with pytest.raises(ValueError, match="--seq-length 3"):
+        rollouts_to_batch(rollouts, [1.0, 0.0], 2, 3, pad_token_id=0)
