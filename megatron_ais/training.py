@@ -129,9 +129,8 @@ class TrainingSetup:
     assets_dir: str
 
 
-def setup_model_and_optimizer(args, hf_config: dict) -> TrainingSetup:
-    """Build this rank's model chunks, load --load (Megatron checkpoint) or --hf-dir weights, wrap in DDP and
-    build the optimizer. Parallel state must be initialised."""
+def build_loaded_chunks(args, build) -> tuple[list, str]:
+    """Return (this rank's model chunks with the --load or --hf-dir weights, directory of the tokenizer)."""
     import os
 
     from megatron.core import parallel_state as ps
@@ -139,19 +138,35 @@ def setup_model_and_optimizer(args, hf_config: dict) -> TrainingSetup:
     from megatron_ais.checkpointing import (HF_ASSETS, check_layout, iteration_dir, load_model_state,
                                             load_rank_state, read_checkpoint_metadata, read_tracker)
     from megatron_ais.mapping.distributed import load_hf_weights
-    from megatron_ais.model import ModelBuildConfig, build_model_chunks
+    from megatron_ais.model import build_model_chunks
 
-    build = ModelBuildConfig.from_args(args, hf_config)
     chunks = build_model_chunks(build)
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     pp_size = ps.get_pipeline_model_parallel_world_size()
     if args.load:
         check_layout(read_checkpoint_metadata(args.load), build.tensor_model_parallel_size, pp_size, args.load)
         load_model_state(chunks, load_rank_state(args.load, tp_rank, pp_rank, pp_size))
-        assets = os.path.join(iteration_dir(args.load, read_tracker(args.load)), HF_ASSETS)
-    else:
-        load_hf_weights(chunks, args.hf_dir, build, tp_rank)
-        assets = args.hf_dir
+        return chunks, os.path.join(iteration_dir(args.load, read_tracker(args.load)), HF_ASSETS)
+    load_hf_weights(chunks, args.hf_dir, build, tp_rank)
+    return chunks, args.hf_dir
+
+
+def build_reference_chunks(args, build) -> list:
+    """Return a frozen copy of the initial policy (for the KL penalty), in the trainer's layout."""
+    chunks, _ = build_loaded_chunks(args, build)
+    for chunk in chunks:
+        chunk.requires_grad_(False)
+        chunk.eval()
+    return chunks
+
+
+def setup_model_and_optimizer(args, hf_config: dict) -> TrainingSetup:
+    """Build this rank's model chunks, load --load (Megatron checkpoint) or --hf-dir weights, wrap in DDP and
+    build the optimizer. Parallel state must be initialised."""
+    from megatron_ais.model import ModelBuildConfig
+
+    build = ModelBuildConfig.from_args(args, hf_config)
+    chunks, assets = build_loaded_chunks(args, build)
     ddp_chunks = wrap_ddp(chunks, args.use_distributed_optimizer)
     optimizer = build_optimizer(ddp_chunks, OptimizerSettings.from_args(args))
     return TrainingSetup(build, chunks, ddp_chunks, optimizer, assets)

@@ -128,19 +128,27 @@ def _policy_forward_step(config: GRPOConfig, groups: ParallelGroups, normalizer:
                                                     groups.tensor_parallel_group,
                                                     config.vocab_size, with_entropy=config.loss.entropy_coef > 0)
         per_token, parts = token_losses(logprobs, mb["old_logprobs"], mb["advantages"], mb["coefficient"],
-                                        config.loss, entropy=entropy)
+                                        config.loss, ref_logprobs=mb.get("ref_logprobs"), entropy=entropy)
         loss = aggregate(per_token, mb["keep"], config.loss.loss_agg, normalizer)
         keep = mb["keep"]
-        report = torch.stack([loss.detach().double(), (parts["clipped"] * keep).sum().double(), keep.sum().double()])
+        kl = (parts["kl"] * keep).sum().double() if "kl" in parts else torch.zeros((), dtype=torch.float64)
+        report = torch.stack([loss.detach().double(), (parts["clipped"] * keep).sum().double(), keep.sum().double(),
+                              kl])
         return loss * scale, {"report": report}
 
     return output, loss_func
 
 
 def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GRPOConfig, state: AISState,
-                    groups: ParallelGroups) -> GRPOStepResult:
-    """Update the policy on one rollout batch; λ is computed once here and held for all mini-batches/epochs."""
+                    groups: ParallelGroups, reference_chunks: list | None = None) -> GRPOStepResult:
+    """Update the policy on one rollout batch; λ is computed once here and held for all mini-batches/epochs.
+
+    `reference_chunks` (a frozen copy of the initial policy, same layout) is needed when --kl-coef > 0.
+    """
     from megatron_ais.training import train_step
+
+    if config.loss.kl_coef and reference_chunks is None:
+        raise ValueError("--kl-coef > 0 needs a reference policy (reference_chunks)")
 
     total = batch.tokens.shape[0]
     if total % groups.data_parallel_size:
@@ -176,6 +184,10 @@ def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GR
         local["old_logprobs"] = old_logprobs
     else:
         local["old_logprobs"] = torch.zeros_like(mask)
+    if config.loss.kl_coef:
+        ref_logprobs = compute_logprobs(reference_chunks, _micro_batches(local, config.micro_batch_size), seq_length,
+                                        config.micro_batch_size, groups, config.vocab_size, config.temperature)
+        local["ref_logprobs"] = ref_logprobs if groups.is_last_stage else torch.zeros_like(mask)
     local.update(coefficient=coefficient, keep=keep)
     reports, grad_norms = [], []
     minibatch = per_rank // config.num_minibatches
@@ -198,6 +210,8 @@ def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GR
         updates = config.ppo_epochs * config.num_minibatches
         metrics.update({"train/policy_loss": report[0].item() / updates,
                         "train/clip_fraction": report[1].item() / max(report[2].item(), 1.0)})
+        if config.loss.kl_coef:
+            metrics["train/kl"] = report[3].item() / max(report[2].item(), 1.0)
     metrics["train/grad_norm"] = grad_norms[-1]
     metrics.update(result.metrics())
     return GRPOStepResult(skipped=False, ais=result, metrics=metrics)

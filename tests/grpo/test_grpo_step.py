@@ -39,7 +39,7 @@ def _worker(hf_dir, tp, log_dir):
     from megatron_ais.grpo.step import GRPOConfig, ParallelGroups, grpo_train_step
     from megatron_ais.initialize import initialize_megatron
     from megatron_ais.logging import RunLogger, grpo_console_line
-    from megatron_ais.training import setup_model_and_optimizer
+    from megatron_ais.training import build_reference_chunks, setup_model_and_optimizer
 
     args = build_parser("test").parse_args(["--hf-dir", hf_dir, "--fp32", "--seq-length", str(S),
                                             "--tensor-model-parallel-size", str(tp), "--lr", "1e-3"])
@@ -48,9 +48,13 @@ def _worker(hf_dir, tp, log_dir):
     setup = setup_model_and_optimizer(args, hf_config)
     build, chunks, ddp, optimizer = setup.build, setup.chunks, setup.ddp_chunks, setup.optimizer
     batch, _ = _rollout_batch(hf_dir)
-    config = GRPOConfig(loss=PolicyLossConfig(), correction=AISConfig(), vocab_size=build.shape.vocab_size,
-                        micro_batch_size=2)
-    result = grpo_train_step(ddp, optimizer, batch, config, AISState(), ParallelGroups.from_parallel_state())
+    # DP2 adds a KL penalty to the initial policy: at the first step it is exactly zero and changes nothing
+    kl_coef = 0.1 if tp == 1 else 0.0
+    reference = build_reference_chunks(args, build) if kl_coef else None
+    config = GRPOConfig(loss=PolicyLossConfig(kl_coef=kl_coef), correction=AISConfig(),
+                        vocab_size=build.shape.vocab_size, micro_batch_size=2)
+    result = grpo_train_step(ddp, optimizer, batch, config, AISState(), ParallelGroups.from_parallel_state(),
+                             reference)
     groups = ParallelGroups.from_parallel_state()
     logger = RunLogger(log_dir, None, enabled=groups.data_parallel_rank == 0
                        and ps.get_tensor_model_parallel_rank() == 0)
@@ -61,13 +65,13 @@ def _worker(hf_dir, tp, log_dir):
     if tp == 1:  # guards: a NaN / -inf rollout log-prob excludes its sequence; an all-invalid batch is skipped
         batch.rollout_logprobs[0, 4] = float("nan")
         batch.rollout_logprobs[6, 5] = float("-inf")
-        partial_result = grpo_train_step(ddp, optimizer, batch, config, AISState(), groups)
+        partial_result = grpo_train_step(ddp, optimizer, batch, config, AISState(), groups, reference)
         batch.rollout_logprobs[:] = float("nan")
         before = [p.detach().clone() for p in chunks[0].parameters()]
-        skipped = grpo_train_step(ddp, optimizer, batch, config, AISState(), groups)
+        skipped = grpo_train_step(ddp, optimizer, batch, config, AISState(), groups, reference)
         unchanged = all(torch.equal(a, p) for a, p in zip(before, chunks[0].parameters()))
         guards = (partial_result.skipped, partial_result.metrics["guard/excluded_sequences"], skipped.skipped,
-                  unchanged)
+                  unchanged, result.metrics["train/kl"], partial_result.metrics["train/kl"])
     return result.ais.lam.hex(), result.metrics, line, guards
 
 
@@ -102,7 +106,9 @@ def test_grpo_ais_step_dp2_and_tp2_match_reference(model_root, tmp_path):
     # the normaliser is global: DP2 (unequal tokens per rank) and TP2 (one replica) give the same gradient
     assert dp2[0][1]["train/grad_norm"] == pytest.approx(tp2[0][1]["train/grad_norm"], rel=1e-4)
     assert dp2[0][1]["ais/max_abs_logratio"] == tp2[0][1]["ais/max_abs_logratio"] > 0
-    assert dp2[0][3] == (False, 2.0, True, True)
+    assert dp2[0][3][:4] == (False, 2.0, True, True)
+    kl_first, kl_later = dp2[0][3][4:]
+    assert kl_first == 0.0 and kl_later > 0.0  # the policy moved away from the reference after one update
     events = EventAccumulator(str(tmp_path / "dp2" / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
