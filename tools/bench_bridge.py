@@ -31,16 +31,15 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float) -> dict:
     from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, sync_weights_to_engine
     from megatron_ais.bridge.transport import SyncReceiver
     from megatron_ais.initialize import initialize_megatron
-    from megatron_ais.mapping.distributed import load_hf_weights
-    from megatron_ais.model import ModelBuildConfig, build_model_chunks
+    from megatron_ais.model import ModelBuildConfig
+    from megatron_ais.training import build_loaded_chunks
 
     args = build_parser("bench").parse_args(["--hf-dir", hf_dir, "--bf16", "--tensor-model-parallel-size", "2",
                                              "--seq-length", "64"])
     hf_config = validate_args(args, 2)
     initialize_megatron(args)
     build = ModelBuildConfig.from_args(args, hf_config)
-    chunks = build_model_chunks(build)
-    load_hf_weights(chunks, hf_dir, build, ps.get_tensor_model_parallel_rank())
+    chunks, _ = build_loaded_chunks(args, build)
     layout = BridgeLayout.from_parallel_state()
     tp_group = ps.get_tensor_model_parallel_group()
     result = {"params": sum(p.numel() for p in chunks[0].parameters()) * 2}

@@ -30,8 +30,8 @@ def _engine_worker(old_dir, new_dir, precision, work):
     from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, sync_weights_to_engine
     from megatron_ais.bridge.transport import SyncError, SyncReceiver
     from megatron_ais.initialize import initialize_megatron
-    from megatron_ais.mapping.distributed import load_hf_weights
-    from megatron_ais.model import ModelBuildConfig, build_model_chunks
+    from megatron_ais.model import ModelBuildConfig
+    from megatron_ais.training import build_loaded_chunks
     from megatron_ais.rollout.engine import EngineConfig, RolloutEngine
 
     engine = RolloutEngine(EngineConfig(model_dir=old_dir, precision=precision, kv_cache_gb=0.25), work)
@@ -42,8 +42,7 @@ def _engine_worker(old_dir, new_dir, precision, work):
     hf_config = validate_args(args, 1)
     initialize_megatron(args)
     build = ModelBuildConfig.from_args(args, hf_config)
-    chunks = build_model_chunks(build)
-    load_hf_weights(chunks, new_dir, build, 0)
+    chunks, _ = build_loaded_chunks(args, build)
     layout = BridgeLayout.from_parallel_state()
     applied = []
 

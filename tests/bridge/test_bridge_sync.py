@@ -21,8 +21,8 @@ def _bridge_worker(cases):
     from megatron_ais.bridge.transport import SyncReceiver
     from megatron_ais.initialize import initialize_distributed, initialize_model_parallel, set_random_seed
     from megatron_ais.initialize import ParallelSizes
-    from megatron_ais.mapping.distributed import load_hf_weights
-    from megatron_ais.model import ModelBuildConfig, build_model_chunks
+    from megatron_ais.model import ModelBuildConfig
+    from megatron_ais.training import build_loaded_chunks
     from megatron_ais.platform import apply_cpu_compat
 
     apply_cpu_compat()
@@ -35,8 +35,7 @@ def _bridge_worker(cases):
         initialize_model_parallel(ParallelSizes.from_args(args))
         set_random_seed(0)
         build = ModelBuildConfig.from_args(args, hf_config)
-        chunks = build_model_chunks(build)
-        load_hf_weights(chunks, hf_dir, build, ps.get_tensor_model_parallel_rank())
+        chunks, _ = build_loaded_chunks(args, build)
         layout = BridgeLayout.from_parallel_state()
         for sync_id, precision in enumerate(("bf16", "fp8")):
             applied = []
@@ -111,15 +110,14 @@ def _memory_worker(hf_dir):
     from megatron_ais.bridge.quantization import QuantizationPolicy
     from megatron_ais.bridge.sync import BridgeConfig, send_stage_weights
     from megatron_ais.initialize import initialize_megatron
-    from megatron_ais.mapping.distributed import load_hf_weights
-    from megatron_ais.model import ModelBuildConfig, build_model_chunks
+    from megatron_ais.model import ModelBuildConfig
+    from megatron_ais.training import build_loaded_chunks
 
     args = build_parser("test").parse_args(["--hf-dir", hf_dir, "--seq-length", "16"])
     hf_config = validate_args(args, 1)
     initialize_megatron(args)
     build = ModelBuildConfig.from_args(args, hf_config)
-    chunks = build_model_chunks(build)
-    load_hf_weights(chunks, hf_dir, build, 0)
+    chunks, _ = build_loaded_chunks(args, build)
 
     class DroppingTransport:
         """Records, at every send, the bytes of earlier buckets still alive anywhere in the process."""

@@ -19,8 +19,8 @@ def _worker(hf_dir, work):
     from megatron_ais.bridge.transport import SyncReceiver
     from megatron_ais.grpo.step import ParallelGroups, _micro_batches, compute_logprobs
     from megatron_ais.initialize import initialize_megatron
-    from megatron_ais.mapping.distributed import load_hf_weights
-    from megatron_ais.model import ModelBuildConfig, build_model_chunks
+    from megatron_ais.model import ModelBuildConfig
+    from megatron_ais.training import build_loaded_chunks
     from megatron_ais.rollout.batch import rollouts_to_batch
     from megatron_ais.rollout.engine import EngineConfig, RolloutEngine, SamplingConfig
 
@@ -30,8 +30,7 @@ def _worker(hf_dir, work):
     hf_config = validate_args(args, 1)
     initialize_megatron(args)
     build = ModelBuildConfig.from_args(args, hf_config)
-    chunks = build_model_chunks(build)
-    load_hf_weights(chunks, hf_dir, build, 0)
+    chunks, _ = build_loaded_chunks(args, build)
     layout, groups = BridgeLayout.from_parallel_state(), ParallelGroups.from_parallel_state()
     receiver = SyncReceiver(apply=engine.update_weights)
     config = BridgeConfig(bucket_size_mb=1.0, policy=QuantizationPolicy(precision="fp32"))

@@ -33,16 +33,15 @@ def _worker(old_dir, new_dir, work):
     from megatron_ais.bridge.transport import SyncReceiver
     from megatron_ais.grpo.step import ParallelGroups
     from megatron_ais.initialize import initialize_megatron
-    from megatron_ais.mapping.distributed import load_hf_weights
-    from megatron_ais.model import ModelBuildConfig, build_model_chunks
+    from megatron_ais.model import ModelBuildConfig
+    from megatron_ais.training import build_loaded_chunks
     from megatron_ais.rollout.engine import EngineConfig, RolloutEngine
 
     args = build_parser("test").parse_args(["--hf-dir", new_dir, "--fp32", "--seq-length", "32"])
     hf_config = validate_args(args, 1)
     initialize_megatron(args)  # the trainer owns torch.distributed; the engine lives in its own processes
     build = ModelBuildConfig.from_args(args, hf_config)
-    chunks = build_model_chunks(build)
-    load_hf_weights(chunks, new_dir, build, 0)
+    chunks, _ = build_loaded_chunks(args, build)
     layout, groups = BridgeLayout.from_parallel_state(), ParallelGroups.from_parallel_state()
     engine = RolloutEngine(EngineConfig(model_dir=old_dir, precision="fp32", kv_cache_gb=0.25), work,
                            placement="separate")
