@@ -35,10 +35,12 @@ class SyncReceiver:
     staged: list = dataclasses.field(default_factory=list)
     finished_senders: dict = dataclasses.field(default_factory=dict)
     received_buckets: dict = dataclasses.field(default_factory=dict)
+    staged_bytes: int = 0
     peak_staged_bytes: int = 0
 
     def begin(self, sync_id: int) -> None:
         self.sync_id, self.staged, self.finished_senders, self.received_buckets = sync_id, [], {}, {}
+        self.staged_bytes = 0
 
     def receive(self, sync_id: int, sender: int, bucket: list[tuple[str, torch.Tensor]],
                 manifest: list[ManifestEntry]) -> None:
@@ -53,8 +55,8 @@ class SyncReceiver:
             raise SyncError(f"sync {sync_id} refused, engine keeps its weights: {err}") from err
         self.staged.extend(bucket)
         self.received_buckets[sender] = self.received_buckets.get(sender, 0) + 1
-        self.peak_staged_bytes = max(self.peak_staged_bytes, sum(e.nbytes for e in manifest) + sum(
-            t.numel() * t.element_size() for _, t in self.staged[:-len(bucket) or None]))
+        self.staged_bytes += sum(e.nbytes for e in manifest)
+        self.peak_staged_bytes = max(self.peak_staged_bytes, self.staged_bytes)
 
     def finish(self, sync_id: int, sender: int, num_buckets: int) -> bool:
         """Record that `sender` sent `num_buckets`; apply once every sender has finished. Return True if applied."""
@@ -65,7 +67,7 @@ class SyncReceiver:
         self.finished_senders[sender] = num_buckets
         if len(self.finished_senders) < self.num_senders:
             return False
-        staged, self.staged = self.staged, []
+        staged, self.staged, self.staged_bytes = self.staged, [], 0
         names = [n for n, _ in staged]
         if len(set(names)) != len(names):
             raise SyncError(f"sync {sync_id}: duplicate tensor names {sorted({n for n in names if names.count(n) > 1})[:4]}")
@@ -74,7 +76,7 @@ class SyncReceiver:
         return True
 
     def abort(self) -> None:
-        self.staged, self.sync_id = [], None
+        self.staged, self.sync_id, self.staged_bytes = [], None, 0
 
 
 class Transport(Protocol):

@@ -79,7 +79,8 @@ class GRPOStepResult:
     metrics: dict
 
 
-def _micro_batches(rows: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+def split_micro_batches(rows: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """Return micro-batches of `micro_batch_size` rows, each with its position ids."""
     count = next(iter(rows.values())).shape[0]
     out = []
     for start in range(0, count, micro_batch_size):
@@ -167,7 +168,7 @@ def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GR
     local = {"tokens": batch.tokens[rows], "labels": batch.labels[rows],
              "advantages": advantages[rows].unsqueeze(-1) * mask}
     seq_length = batch.tokens.shape[1]
-    old_logprobs = compute_logprobs(ddp_chunks, _micro_batches(local, config.micro_batch_size), seq_length,
+    old_logprobs = compute_logprobs(ddp_chunks, split_micro_batches(local, config.micro_batch_size), seq_length,
                                     config.micro_batch_size, groups, config.vocab_size, config.temperature)
     result, coefficient, keep = EMPTY_RESULT, torch.ones_like(mask), mask
     if groups.is_last_stage:
@@ -185,7 +186,7 @@ def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GR
     else:
         local["old_logprobs"] = torch.zeros_like(mask)
     if config.loss.kl_coef:
-        ref_logprobs = compute_logprobs(reference_chunks, _micro_batches(local, config.micro_batch_size), seq_length,
+        ref_logprobs = compute_logprobs(reference_chunks, split_micro_batches(local, config.micro_batch_size), seq_length,
                                         config.micro_batch_size, groups, config.vocab_size, config.temperature)
         local["ref_logprobs"] = ref_logprobs if groups.is_last_stage else torch.zeros_like(mask)
     local.update(coefficient=coefficient, keep=keep)
@@ -196,7 +197,7 @@ def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GR
             part = {k: v[start:start + minibatch] for k, v in local.items()}
             normalizer = global_normalizer(part["keep"], config.loss.loss_agg, groups.data_parallel_group) \
                 if groups.is_last_stage else 0.0
-            micro = _micro_batches(part, config.micro_batch_size)
+            micro = split_micro_batches(part, config.micro_batch_size)
             scale = megatron_loss_scale(len(micro), groups.data_parallel_size)
             step = train_step(ddp_chunks, optimizer, partial(_policy_forward_step, config, groups, normalizer, scale),
                               iter(micro), len(micro), seq_length, config.micro_batch_size)

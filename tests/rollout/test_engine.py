@@ -17,7 +17,7 @@ def _worker(hf_dir, work):
     from megatron_ais.bridge.quantization import QuantizationPolicy
     from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, sync_weights_to_engine
     from megatron_ais.bridge.transport import SyncReceiver
-    from megatron_ais.grpo.step import ParallelGroups, _micro_batches, compute_logprobs
+    from megatron_ais.grpo.step import ParallelGroups, split_micro_batches, compute_logprobs
     from megatron_ais.initialize import initialize_megatron
     from megatron_ais.model import ModelBuildConfig
     from megatron_ais.training import build_loaded_chunks
@@ -46,7 +46,7 @@ def _worker(hf_dir, work):
                                                                seed=update))
             batch = rollouts_to_batch(rollouts, [0.0] * len(rollouts), 2, 40, 0)
             rows = {"tokens": batch.tokens, "labels": batch.labels}
-            trainer = compute_logprobs(chunks, _micro_batches(rows, 2), 40, 2, groups, build.shape.vocab_size,
+            trainer = compute_logprobs(chunks, split_micro_batches(rows, 2), 40, 2, groups, build.shape.vocab_size,
                                        temperature)
             diff = ((trainer - batch.rollout_logprobs).abs() * batch.mask).max().item()
             diffs.append((update, temperature, diff, int(batch.mask.sum()), engine.version))

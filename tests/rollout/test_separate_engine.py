@@ -12,13 +12,13 @@ PROMPTS = [[5, 17, 42, 99], [7, 8, 9]]
 
 
 def _max_diff(engine, chunks, build, groups):
-    from megatron_ais.grpo.step import _micro_batches, compute_logprobs
+    from megatron_ais.grpo.step import split_micro_batches, compute_logprobs
     from megatron_ais.rollout.batch import rollouts_to_batch
     from megatron_ais.rollout.engine import SamplingConfig
 
     rollouts = engine.generate(PROMPTS, SamplingConfig(n=2, max_new_tokens=12, seed=3))
     batch = rollouts_to_batch(rollouts, [0.0] * len(rollouts), 2, 32, 0)
-    trainer = compute_logprobs(chunks, _micro_batches({"tokens": batch.tokens, "labels": batch.labels}, 2), 32, 2,
+    trainer = compute_logprobs(chunks, split_micro_batches({"tokens": batch.tokens, "labels": batch.labels}, 2), 32, 2,
                                groups, build.shape.vocab_size)
     return ((trainer - batch.rollout_logprobs).abs() * batch.mask).max().item()
 
