@@ -1,0 +1,157 @@
+"""The GRPO + AIS training loop behind pretrain_grpo_ais.py: rollouts on vLLM, rewards, the megatron update with
+the mismatch correction, the bridge sync into the engine, refit verification, evaluation and logging."""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def add_recipe_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of the RL loop."""
+    g = parser.add_argument_group("grpo loop")
+    g.add_argument("--task", choices=("arithmetic",), default="arithmetic", help="Verifiable task.")
+    g.add_argument("--max-operand", type=int, default=20, help="Largest operand of the arithmetic task.")
+    g.add_argument("--grpo-steps", type=int, default=10, help="Rollout batches (GRPO steps) to train on.")
+    g.add_argument("--prompts-per-step", type=int, default=16, help="Prompts per rollout batch.")
+    g.add_argument("--group-size", type=int, default=4, help="Responses sampled per prompt (the GRPO group).")
+    g.add_argument("--max-new-tokens", type=int, default=16, help="Longest response.")
+    g.add_argument("--temperature", type=float, default=1.0, help="Rollout sampling temperature.")
+    g.add_argument("--top-p", type=float, default=1.0, help="Rollout nucleus sampling.")
+    g.add_argument("--num-minibatches", type=int, default=1, help="Optimizer steps per rollout batch.")
+    g.add_argument("--ppo-epochs", type=int, default=1, help="Passes over each rollout batch.")
+    g.add_argument("--eval-interval", type=int, default=5, help="Evaluate held-out accuracy every this many steps.")
+    g.add_argument("--eval-prompts", type=int, default=64, help="Held-out prompts (greedy decoding).")
+
+
+def _prompt_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
+    out = []
+    for prompt in prompts:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                            add_generation_prompt=True)
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def _accuracy(engine, tokenizer, task, max_new_tokens: int) -> float:
+    from megatron_ais.rollout.engine import SamplingConfig
+
+    rollouts = engine.generate(_prompt_ids(tokenizer, [e.prompt for e in task.eval]),
+                               SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens,
+                                              stop_token_ids=(tokenizer.eos_token_id,)), progress=False)
+    rewards = [task.reward(tokenizer.decode(r.token_ids, skip_special_tokens=True), e.answer)
+               for r, e in zip(rollouts, task.eval)]
+    return sum(rewards) / len(rewards)
+
+
+def run_grpo(args) -> dict:
+    """Run the loop; return the summary (written by the logging rank)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ais.ais import AISConfig, AISState
+    from megatron_ais.arguments import validate_args
+    from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, sync_weights_to_engine
+    from megatron_ais.bridge.transport import SyncReceiver
+    from megatron_ais.data.tasks import TASKS
+    from megatron_ais.grpo.loss import PolicyLossConfig
+    from megatron_ais.grpo.step import GRPOConfig, ParallelGroups, compute_logprobs, grpo_train_step, \
+        split_micro_batches
+    from megatron_ais.initialize import initialize_megatron
+    from megatron_ais.logging import RunLogger, grpo_console_line
+    from megatron_ais.mapping.distributed import save_hf_checkpoint
+    from megatron_ais.rollout.batch import rollouts_to_batch
+    from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig, engine_config_from_args
+    from megatron_ais.rollout.verify import probe_tokens, verify_refit
+    from megatron_ais.sft import load_tokenizer
+    from megatron_ais.training import build_reference_chunks, setup_model_and_optimizer
+
+    start = time.time()
+    hf_config = validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    if args.rollout_placement == "colocated" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from megatron_ais.arguments import ArgumentValidationError
+        raise ArgumentValidationError("--rollout-placement colocated needs a single-rank trainer (an in-process vLLM "
+                                      "engine owns torch.distributed); use --rollout-placement separate")
+    initialize_megatron(args)
+    setup = setup_model_and_optimizer(args, hf_config)
+    build, groups = setup.build, ParallelGroups.from_parallel_state()
+    layout = BridgeLayout.from_parallel_state()
+    is_engine_rank = layout.rank == layout.engine_rank
+    tp_group = ps.get_tensor_model_parallel_group()
+    reference = build_reference_chunks(args, build) if args.kl_coef else None
+    tokenizer = load_tokenizer(setup.assets_dir)
+    task = TASKS[args.task](args.seed, args.max_operand, eval_size=args.eval_prompts)
+    log = RunLogger(args.output_dir, args.tensorboard_dir, is_engine_rank)
+    # the engine starts from an HF export of the initial policy, written one file per pipeline stage
+    init_dir = os.path.join(args.output_dir, "engine_init")
+    save_hf_checkpoint(setup.chunks, build, hf_config, init_dir, tp_group, ps.get_pipeline_model_parallel_group(),
+                       is_stage_writer=layout.is_sender)
+    engine = None
+    if is_engine_rank:
+        import shutil
+
+        from megatron_ais.checkpointing import HF_ASSET_FILES
+        for name in HF_ASSET_FILES:
+            if os.path.isfile(os.path.join(setup.assets_dir, name)):
+                shutil.copy2(os.path.join(setup.assets_dir, name), os.path.join(init_dir, name))
+        engine = RolloutEngine(engine_config_from_args(args, init_dir), os.path.join(args.output_dir, "engine"),
+                               placement=args.rollout_placement)
+    dist.barrier()
+    bridge = BridgeConfig.from_args(args)
+    grpo = GRPOConfig(loss=PolicyLossConfig.from_args(args), correction=AISConfig.from_args(args),
+                      vocab_size=build.shape.vocab_size, micro_batch_size=args.micro_batch_size,
+                      num_minibatches=args.num_minibatches, ppo_epochs=args.ppo_epochs,
+                      advantage_normalize_std=not args.advantage_no_std,
+                      advantage_leave_one_out=args.advantage_leave_one_out, temperature=args.temperature)
+    state = AISState()
+    probe = probe_tokens(build.shape.vocab_size)
+    sampling = SamplingConfig(n=args.group_size, temperature=args.temperature, top_p=args.top_p,
+                              max_new_tokens=args.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
+    history = []
+    accuracy_before = _accuracy(engine, tokenizer, task, args.max_new_tokens) if is_engine_rank else None
+    for step in range(1, args.grpo_steps + 1):
+        t0 = time.time()
+        payload = [None]
+        if is_engine_rank:
+            rng = random.Random(args.seed * 100003 + step)
+            examples = rng.sample(task.train, args.prompts_per_step)
+            rollouts = engine.generate(_prompt_ids(tokenizer, [e.prompt for e in examples]), sampling)
+            rewards = [task.reward(tokenizer.decode(r.token_ids, skip_special_tokens=True), examples[r.prompt_index].answer)
+                       for r in rollouts]
+            payload = [rollouts_to_batch(rollouts, rewards, args.group_size, args.seq_length, tokenizer.pad_token_id)]
+        dist.broadcast_object_list(payload, src=layout.engine_rank)
+        batch = payload[0]
+        t_rollout = time.time() - t0
+        result = grpo_train_step(setup.ddp_chunks, setup.optimizer, batch, grpo, state, groups, reference)
+        t_train = time.time() - t0 - t_rollout
+        receiver = SyncReceiver(apply=engine.update_weights) if is_engine_rank else None
+        sync_weights_to_engine(setup.chunks, build, bridge, tp_group, layout, step, receiver)
+        if args.verify_refit_interval and step % args.verify_refit_interval == 0 and groups.is_last_stage:
+            row = {"tokens": torch.tensor([probe[:-1]]), "labels": torch.tensor([probe[1:]])}
+            trainer_lp = compute_logprobs(setup.ddp_chunks, split_micro_batches(row, 1), len(probe) - 1, 1, groups,
+                                          build.shape.vocab_size)
+            if is_engine_rank:
+                verify_refit(engine.prompt_logprobs(probe), trainer_lp[0], args.rollout_precision)
+        t_sync = time.time() - t0 - t_rollout - t_train
+        metrics = dict(result.metrics)
+        metrics.update({"rollout/reward": float(batch.rewards.mean()), "time/rollout_s": t_rollout,
+                        "time/train_s": t_train, "time/sync_s": t_sync,
+                        "rollout/tokens_per_s": float(batch.mask.sum()) / max(t_rollout, 1e-9)})
+        if is_engine_rank and (step % args.eval_interval == 0 or step == args.grpo_steps):
+            metrics["eval/accuracy"] = _accuracy(engine, tokenizer, task, args.max_new_tokens)
+        history.append({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+        log.step(step, metrics, f"{grpo_console_line(step, metrics)} | reward {metrics['rollout/reward']:.3f} "
+                                f"acc {metrics.get('eval/accuracy', float('nan')):.3f} | "
+                                f"{metrics['rollout/tokens_per_s']:.0f} tok/s | rollout {t_rollout:.1f}s train "
+                                f"{t_train:.1f}s sync {t_sync:.1f}s")
+    summary = {"accuracy_before": accuracy_before,
+               "accuracy_after": history[-1].get("eval/accuracy") if history else accuracy_before,
+               "steps": args.grpo_steps, "wall_s": time.time() - start, "history": history}
+    log.summary(summary)
+    log.close()
+    if engine is not None:
+        engine.shutdown()
+    return summary
