@@ -64,7 +64,7 @@ def run_sft(args) -> dict:
 
     from megatron_ais.arguments import validate_args
     from megatron_ais.checkpointing import save_model_checkpoint
-    from megatron_ais.data.arithmetic import arithmetic_examples
+    from megatron_ais.data.tasks import arithmetic_task
     from megatron_ais.initialize import initialize_megatron
     from megatron_ais.logging import RunLogger
     from megatron_ais.mapping.distributed import save_hf_checkpoint
@@ -83,7 +83,7 @@ def run_sft(args) -> dict:
                                                     setup.assets_dir)
     tokenizer = load_tokenizer(assets)
 
-    examples = arithmetic_examples(args.num_examples, args.seed, args.max_operand)
+    examples = arithmetic_task(args.seed, args.max_operand, train_size=args.num_examples).train
     encoded = [encode_sft_example(tokenizer, e, args.seq_length) for e in examples]
     global_batch = args.global_batch_size or args.micro_batch_size * dp_size
     per_rank = global_batch // dp_size

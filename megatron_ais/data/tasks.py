@@ -34,11 +34,17 @@ class Task:
 
 
 def arithmetic_task(seed: int, max_operand: int, train_size: int = 4096, eval_size: int = 64) -> Task:
-    """Arithmetic with a held-out split drawn from a different seed stream (no overlap with training prompts)."""
-    train = arithmetic_examples(train_size, seed, max_operand)
-    seen = {e.prompt for e in train}
-    pool = arithmetic_examples(eval_size * 20, seed + 7919, max_operand)
-    held_out = [e for e in pool if e.prompt not in seen][:eval_size]
+    """Arithmetic split by problem: the held-out problems never appear in the training split (SFT or RL)."""
+    import random
+
+    pool = arithmetic_examples(max(train_size, 4 * (max_operand + 1) ** 2), seed, max_operand)
+    unique = list({e.prompt: e for e in pool}.values())
+    random.Random(seed).shuffle(unique)
+    if len(unique) < 2 * eval_size:
+        raise ValueError(f"--max-operand {max_operand} gives {len(unique)} distinct problems, too few for "
+                         f"{eval_size} held-out prompts; raise --max-operand or lower --eval-prompts")
+    held_out, train_problems = unique[:eval_size], unique[eval_size:]
+    train = [train_problems[i % len(train_problems)] for i in range(train_size)]
     return Task(train=train, eval=held_out, reward=exact_answer_reward)
 
 
