@@ -5,7 +5,7 @@ VENV_LAUNCH := .venv-launch
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 LAUNCH_STAMP := $(VENV_LAUNCH)/.installed
-TINY := runs/tiny-llama
+TINY := runs/tiny-qwen3
 NPROC ?= 2
 
 .PHONY: run test venv venv-launch clean-venv
@@ -32,14 +32,18 @@ $(LAUNCH_STAMP): requirements/launch.txt
 	$(VENV_LAUNCH)/bin/python -c "import nemo_run"
 	touch $@
 
-# Until the GRPO recipe lands: build the tiny model, then a short supervised Megatron job on 2 gloo ranks
-# (TP2), which saves a Megatron checkpoint and exports the trained model back to HF format.
+# The default recipe on 2 gloo ranks (DP2): tiny Qwen3 model and tokenizer, a supervised warm-up on the
+# arithmetic task (Megatron checkpoint), then GRPO + AIS with FP8 rollouts in a separate vLLM engine.
+RUN_DIR ?= runs/default
 run: $(STAMP)
-	$(PY) tools/make_tiny_model.py --arch llama --out $(TINY)
+	$(PY) tools/make_tiny_model.py --arch qwen3 --out $(TINY)
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) tools/train_sft.py \
-	    --hf-dir $(TINY) --tensor-model-parallel-size 2 --train-iters 30 --micro-batch-size 8 \
-	    --seq-length 64 --lr 3e-3 --output-dir runs/sft-smoke --save runs/sft-smoke/checkpoint \
-	    --export-hf-dir runs/sft-smoke/hf
+	    --hf-dir $(TINY) --train-iters 150 --micro-batch-size 16 --global-batch-size 32 --seq-length 64 \
+	    --lr 3e-3 --max-operand 9 --output-dir $(RUN_DIR)/sft --save $(RUN_DIR)/sft/checkpoint
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) pretrain_grpo_ais.py \
+	    --load $(RUN_DIR)/sft/checkpoint --seq-length 64 --max-operand 9 --grpo-steps 40 --eval-interval 10 \
+	    --micro-batch-size 16 --lr 5e-4 --prompts-per-step 16 --group-size 8 --rollout-precision fp8 \
+	    --is-correction ais --rollout-kv-cache-gb 0.5 --output-dir $(RUN_DIR)
 
 test: $(STAMP) $(LAUNCH_STAMP)
 	$(PY) -m pytest -q tests

@@ -59,3 +59,38 @@ def grpo_console_line(step: int, metrics: dict[str, float]) -> str:
             f"ess {get('ais/ess_ratio_raw', '.3f')} trunc {get('ais/frac_truncated', '.3f')} | excluded "
             f"{get('guard/excluded_sequences', '.0f')} | loss {get('train/policy_loss')} "
             f"grad {get('train/grad_norm', '.3f')}")
+
+
+def plot_run(history: list[dict[str, float]], path: str) -> str:
+    """Write a PNG with reward and accuracy, λ and the three diagnostics, and the mismatch k3 KL per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = list(range(1, len(history) + 1))
+
+    def series(name):
+        return [h.get(name, float("nan")) for h in history]
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot(steps, series("rollout/reward"), label="train reward")
+    evaluated = [(s, h["eval/accuracy"]) for s, h in zip(steps, history) if "eval/accuracy" in h]
+    if evaluated:
+        axes[0].plot(*zip(*evaluated), "o-", label="held-out accuracy")
+    axes[0].set_title("reward / accuracy")
+    for name, label in (("ais/lambda", "λ"), ("ais/severity", "severity"), ("ais/reliability", "reliability"),
+                        ("ais/var_amp", "variance amplification")):
+        axes[1].plot(steps, series(name), label=label)
+    axes[1].set_title("AIS λ and diagnostics")
+    axes[2].plot(steps, series("ais/k3_kl"), label="k3 KL (trainer ‖ engine)")
+    axes[2].plot(steps, series("ais/mean_abs_logratio"), label="mean |δ|")
+    axes[2].set_yscale("log")
+    axes[2].set_title("rollout/trainer mismatch")
+    for ax in axes:
+        ax.set_xlabel("GRPO step")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -151,6 +151,9 @@ def run_grpo(args) -> dict:
                "accuracy_after": history[-1].get("eval/accuracy") if history else accuracy_before,
                "steps": args.grpo_steps, "wall_s": time.time() - start, "history": history}
     log.summary(summary)
+    if is_engine_rank and history:
+        from megatron_ais.logging import plot_run
+        plot_run(history, os.path.join(args.output_dir, "run.png"))
     log.close()
     if engine is not None:
         engine.shutdown()

@@ -34,5 +34,6 @@ def test_two_grpo_steps_end_to_end(model_root, tmp_path):
     assert 0.0 <= first["ais/lambda"] <= 1.0 and first["ais/num_units"] > 0
     assert "eval/accuracy" in summary["history"][1]
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(out / "tensorboard"))
+    assert (out / "run.png").stat().st_size > 10_000
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 2 and "λ" in steps[0] and "rollout" in steps[0]

@@ -2,8 +2,9 @@
 the trainer's on the same weights, within a tolerance per engine precision.
 
 Tolerances were calibrated on the tiny models (docs/rollout.md): fp32 engine vs fp32 trainer max |Δ| 1.7e-5;
-FP8 engine (bf16 activations) vs fp32 on the dequantized weights mean |Δ| 0.05, max 0.14; bf16 engine mean
-|Δ| 0.015-0.02 (shared/docs). A stale or half-applied update gives mean |Δ| of order 1 or more.
+bf16 engine mean |Δ| 0.015-0.02. The FP8 engine is compared with the BF16 trainer, so its check includes the
+quantization mismatch itself: 0.05 on a random model, 0.12 after 300 SFT steps on the random-token probe; its
+bound (0.5) catches wrong or badly stale weights (mean |Δ| of order 1), not small staleness.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import dataclasses
 import torch
 
 # (statistic, bound): fp32 is checked on the max, the low-precision engines on the mean
-TOLERANCES = {"fp32": ("max", 1e-4), "bf16": ("mean", 0.06), "fp8": ("mean", 0.12)}
+TOLERANCES = {"fp32": ("max", 1e-4), "bf16": ("mean", 0.06), "fp8": ("mean", 0.5)}
 
 
 class RefitVerificationError(RuntimeError):
@@ -44,6 +45,6 @@ def verify_refit(engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, 
     if not report.passed and raise_on_failure:
         raise RefitVerificationError(
             f"refit verification failed for the {precision} engine: {statistic} |engine - trainer| log-prob "
-            f"{value:.3e} > {bound:.0e} (worst at probe position {report.worst_position}, |Δ| "
+            f"{value:.3e} > {bound:.3g} (worst at probe position {report.worst_position}, |Δ| "
             f"{report.max_abs_diff:.3e}); the engine's weights are stale or corrupt, stopping")
     return report
