@@ -85,17 +85,21 @@ def write_rank_state(stage: str, tp_rank: int, pp_rank: int, pp_size: int, state
     os.replace(path + ".tmp", path)
 
 
+def copy_hf_assets(src_dir: str, dst_dir: str) -> None:
+    """Copy the non-weight files of a HF model directory (tokenizer, chat template, generation config)."""
+    os.makedirs(dst_dir, exist_ok=True)
+    for name in HF_ASSET_FILES:
+        src = os.path.join(src_dir, name)
+        if os.path.isfile(src):
+            shutil.copy2(src, os.path.join(dst_dir, name))
+
+
 def write_metadata(stage: str, metadata: dict[str, Any], hf_assets_from: str | None) -> None:
     """Write the metadata and copy the HF tokenizer / generation config into a staging directory."""
     os.makedirs(stage, exist_ok=True)
     _atomic_write_text(os.path.join(stage, METADATA), json.dumps(metadata, indent=2))
     if hf_assets_from:
-        assets = os.path.join(stage, HF_ASSETS)
-        os.makedirs(assets, exist_ok=True)
-        for name in HF_ASSET_FILES:
-            src = os.path.join(hf_assets_from, name)
-            if os.path.isfile(src):
-                shutil.copy2(src, os.path.join(assets, name))
+        copy_hf_assets(hf_assets_from, os.path.join(stage, HF_ASSETS))
 
 
 def prepare_staging(root: str, iteration: int) -> str:

@@ -88,15 +88,9 @@ def run_grpo(args) -> dict:
     # the engine starts from an HF export of the initial policy, written one file per pipeline stage
     init_dir = os.path.join(args.output_dir, "engine_init")
     save_hf_checkpoint(setup.chunks, build, hf_config, init_dir, tp_group, ps.get_pipeline_model_parallel_group(),
-                       is_stage_writer=layout.is_sender)
+                       is_stage_writer=layout.is_sender, assets_from=setup.assets_dir)
     engine = None
     if is_engine_rank:
-        import shutil
-
-        from megatron_ais.checkpointing import HF_ASSET_FILES
-        for name in HF_ASSET_FILES:
-            if os.path.isfile(os.path.join(setup.assets_dir, name)):
-                shutil.copy2(os.path.join(setup.assets_dir, name), os.path.join(init_dir, name))
         engine = RolloutEngine(engine_config_from_args(args, init_dir), os.path.join(args.output_dir, "engine"),
                                placement=args.rollout_placement)
     dist.barrier()

@@ -122,13 +122,7 @@ def run_sft(args) -> dict:
     if args.export_hf_dir:
         save_hf_checkpoint(chunks, build, hf_config, args.export_hf_dir, ps.get_tensor_model_parallel_group(),
                            ps.get_pipeline_model_parallel_group(), is_stage_writer=tp_rank == 0 and dp_rank == 0,
-                           dtype=torch.bfloat16 if hf_config.get("dtype") == "bfloat16" else None)
-        if dist.get_rank() == 0:
-            from megatron_ais.checkpointing import HF_ASSET_FILES
-            import shutil
-            for name in HF_ASSET_FILES:
-                if os.path.isfile(os.path.join(assets, name)):
-                    shutil.copy2(os.path.join(assets, name), os.path.join(args.export_hf_dir, name))
+                           dtype=torch.bfloat16 if hf_config.get("dtype") == "bfloat16" else None, assets_from=assets)
     summary = {"loss_first": history[0] if history else None, "loss_last": history[-1] if history else None,
                "losses": history, "steps": args.train_iters, "wall_s": time.time() - start}
     log.summary(summary)

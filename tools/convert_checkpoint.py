@@ -16,7 +16,7 @@ import sys
 import time
 
 from megatron_ais.arguments import ArgumentValidationError, load_hf_config, validate_model_args
-from megatron_ais.checkpointing import (CHECKPOINT_VERSION, CheckpointError, HF_ASSET_FILES, HF_ASSETS, commit_checkpoint,
+from megatron_ais.checkpointing import (CHECKPOINT_VERSION, CheckpointError, HF_ASSETS, commit_checkpoint,
                                         iteration_dir, load_rank_state, prepare_staging, read_checkpoint_metadata,
                                         read_tracker, write_metadata, write_rank_state)
 from megatron_ais.mapping.distributed import shard_context, stage_file_name, write_hf_index_and_config
@@ -75,7 +75,6 @@ def hf_to_megatron(hf_dir: str, save: str, tp: int, pp: int, divisible_by: int =
 
 def megatron_to_hf(load: str, save: str) -> str:
     """Write a HF model directory (safetensors, config, tokenizer) from a Megatron checkpoint; return it."""
-    import shutil
 
     iteration = read_tracker(load)
     meta = read_checkpoint_metadata(load, iteration)
@@ -110,11 +109,7 @@ def megatron_to_hf(load: str, save: str) -> str:
         file = stage_file_name(pp_rank, pp)
         save_file(tensors, os.path.join(save, file), metadata={"format": "pt"})
         weight_map.update({n: file for n in tensors})
-    write_hf_index_and_config(save, weight_map, hf_config)
-    assets = os.path.join(iteration_dir(load, iteration), HF_ASSETS)
-    for name in HF_ASSET_FILES:
-        if os.path.isfile(os.path.join(assets, name)):
-            shutil.copy2(os.path.join(assets, name), os.path.join(save, name))
+    write_hf_index_and_config(save, weight_map, hf_config, os.path.join(iteration_dir(load, iteration), HF_ASSETS))
     return save
 
 

@@ -7,7 +7,6 @@ import argparse
 import dataclasses
 import time
 
-import torch
 
 from megatron_ais.bridge.buckets import bucketize
 from megatron_ais.bridge.quantization import QuantizationPolicy, quantize_for_engine

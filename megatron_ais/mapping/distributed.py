@@ -87,11 +87,13 @@ def stage_file_name(pp_rank: int, pp_size: int) -> str:
 
 
 def save_hf_checkpoint(chunks: list, build: ModelBuildConfig, hf_config: dict, out_dir: str, tp_group, pp_group,
-                       is_stage_writer: bool, dtype: torch.dtype | None = None) -> None:
+                       is_stage_writer: bool, dtype: torch.dtype | None = None,
+                       assets_from: str | None = None) -> None:
     """Write a HF checkpoint: each pipeline stage writes its own file (no stage ships the model to rank 0).
 
     `is_stage_writer` is True on exactly one rank per pipeline stage (TP rank 0, DP rank 0). The first stage's
-    writer also writes the index and config.json after the stage files exist.
+    writer also writes the index and config.json after the stage files exist, and copies the tokenizer files
+    from `assets_from`.
     """
     from safetensors.torch import save_file
 
@@ -112,11 +114,15 @@ def save_hf_checkpoint(chunks: list, build: ModelBuildConfig, hf_config: dict, o
         gathered = [names]
     if is_stage_writer and pp_rank == 0:
         weight_map = {n: stage_file_name(r, pp_size) for r, stage_names in enumerate(gathered) for n in stage_names}
-        write_hf_index_and_config(out_dir, weight_map, hf_config)
+        write_hf_index_and_config(out_dir, weight_map, hf_config, assets_from)
 
 
-def write_hf_index_and_config(out_dir: str, weight_map: dict[str, str], hf_config: dict) -> None:
-    """Write model.safetensors.index.json and config.json for a set of stage files."""
+def write_hf_index_and_config(out_dir: str, weight_map: dict[str, str], hf_config: dict,
+                              assets_from: str | None = None) -> None:
+    """Write model.safetensors.index.json and config.json for a set of stage files (and the tokenizer files
+    of `assets_from`), completing a HF model directory."""
+    from megatron_ais.checkpointing import copy_hf_assets
+
     from safetensors import safe_open
 
     total = 0
@@ -132,3 +138,5 @@ def write_hf_index_and_config(out_dir: str, weight_map: dict[str, str], hf_confi
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
+    if assets_from:
+        copy_hf_assets(assets_from, out_dir)

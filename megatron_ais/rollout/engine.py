@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 
 import torch
 
@@ -65,7 +64,7 @@ def prepare_engine_dir(config: EngineConfig, out_dir: str) -> str:
     from safetensors.torch import save_file
 
     from megatron_ais.bridge.quantization import QuantizationPolicy, engine_quantization_config, quantize_for_engine
-    from megatron_ais.checkpointing import HF_ASSET_FILES
+    from megatron_ais.checkpointing import copy_hf_assets
     from megatron_ais.mapping.hf_io import HFCheckpointReader
 
     if not os.path.isfile(os.path.join(config.model_dir, "config.json")):
@@ -85,9 +84,7 @@ def prepare_engine_dir(config: EngineConfig, out_dir: str) -> str:
     hf_config["dtype"] = "float32" if config.precision == "fp32" else "bfloat16"
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
-    for name in HF_ASSET_FILES:
-        if os.path.isfile(os.path.join(config.model_dir, name)):
-            shutil.copy2(os.path.join(config.model_dir, name), os.path.join(out_dir, name))
+    copy_hf_assets(config.model_dir, out_dir)
     return out_dir
 
 
