@@ -80,8 +80,16 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load", default=None,
                    help="Megatron checkpoint directory to start from (written by tools/convert_checkpoint.py or "
                         "a previous run). Overrides the weights of --hf-dir.")
-    g.add_argument("--save", default=None, help="Directory to write checkpoints to.")
+    g.add_argument("--save", default=None,
+                   help="Directory to write checkpoints to (model, optimizer, RNG states, run state; atomic, with "
+                        "a checksum per file). Point --load at it to resume.")
     g.add_argument("--save-interval", type=int, default=None, help="Save a checkpoint every this many steps.")
+    g.add_argument("--keep-checkpoints", type=int, default=2,
+                   help="Committed iterations kept under --save (older ones are removed); more than one lets a "
+                        "corrupted newest checkpoint fall back to the previous one.")
+    g.add_argument("--finetune", action="store_true",
+                   help="Take only the weights of --load: fresh optimizer, RNG and step counter (like Megatron-LM). "
+                        "Implied for weights-only checkpoints (converted from HF or written by SFT runs).")
 
 
 def add_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -217,4 +225,6 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> di
     validate_model_args(args, hf_config, source)
     if getattr(args, "save_interval", None) is not None and not args.save:
         raise ArgumentValidationError("--save-interval needs --save DIR")
+    if getattr(args, "keep_checkpoints", 1) < 1:
+        raise ArgumentValidationError(f"--keep-checkpoints {args.keep_checkpoints} must be at least 1")
     return hf_config

@@ -3,17 +3,26 @@
     ROOT/latest_checkpointed_iteration.txt              "N", replaced atomically after the directory is complete
     ROOT/iter_000000N/megatron_ais.json                 layout and the HF config of the model
     ROOT/iter_000000N/hf_assets/                        tokenizer and generation config, for export
-    ROOT/iter_000000N/mp_rank_TT[_PPP]/model_optim_rng.pt
+    ROOT/iter_000000N/checksums.json                    size and sha256 of every rank file, written before commit
+    ROOT/iter_000000N/mp_rank_TT[_PPP]/model_optim_rng.pt      model, optimizer, RNG of every DP rank, run state
+    ROOT/iter_000000N/mp_rank_TT[_PPP]/distrib_optim_dpDDD.pt  distributed-optimizer shard of DP rank DDD
 
 Every rank writes into ROOT/iter_000000N.staging; once all ranks are done, one rank renames it into place and
-only then moves the tracker. A crash at any point leaves the previous checkpoint and tracker untouched.
+only then moves the tracker. A crash at any point leaves the previous checkpoint and tracker untouched. On load
+every rank verifies the files it reads against checksums.json; a truncated or corrupted checkpoint is refused
+with the reason and the newest older one that verifies is used instead (`--keep-checkpoints` keeps them).
 Parameter names are stored with local-spec names and stage-local layer indices, as Megatron-LM stores them.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
+import random
+import re
 import shutil
+import sys
 from typing import Any
 
 import torch
@@ -22,6 +31,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "megatron_ais.json"
 HF_ASSETS = "hf_assets"
 RANK_FILE = "model_optim_rng.pt"
+CHECKSUMS = "checksums.json"
+ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
 CHECKPOINT_VERSION = 3.0
 # files of a HF model directory that are not weights and travel with a checkpoint
 HF_ASSET_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -57,14 +68,81 @@ def read_tracker(root: str) -> int:
         return int(f.read().strip())
 
 
-def read_checkpoint_metadata(root: str, iteration: int | None = None) -> dict[str, Any]:
-    """Return the layout / HF-config metadata of a checkpoint (the latest one by default)."""
-    iteration = read_tracker(root) if iteration is None else iteration
+def _read_metadata(root: str, iteration: int) -> dict[str, Any]:
     path = os.path.join(iteration_dir(root, iteration), METADATA)
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {iteration_dir(root, iteration)} has no {METADATA}; it is incomplete")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (ValueError, OSError) as err:
+        raise CheckpointError(f"{path} is unreadable ({err})") from err
+
+
+def committed_iterations(root: str) -> list[int]:
+    """Return the committed iterations under root, newest first (staging and replaced copies excluded)."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted((int(m.group(1)) for m in map(ITERATION_DIR.match, names) if m), reverse=True)
+
+
+def checkpoint_problem(root: str, iteration: int) -> str | None:
+    """Return why a committed checkpoint cannot be used (metadata unreadable, checksum list missing, a rank
+    file missing or of the wrong size), or None. Checksums themselves are checked by the ranks that read them."""
+    try:
+        _read_metadata(root, iteration)
+    except CheckpointError as err:
+        return str(err)
+    directory = iteration_dir(root, iteration)
+    path = os.path.join(directory, CHECKSUMS)
+    if not os.path.isfile(path):
+        return None  # a weights-only checkpoint written by tools/convert_checkpoint.py
+    try:
+        with open(path) as f:
+            checksums = json.load(f)
+    except ValueError as err:
+        return f"{path} is unreadable ({err})"
+    for name, entry in checksums.items():
+        file = os.path.join(directory, name)
+        if not os.path.isfile(file):
+            return f"{file} is missing"
+        if os.path.getsize(file) != entry["size"]:
+            return f"{file} has {os.path.getsize(file)} bytes, checksums.json says {entry['size']} (truncated?)"
+    return None
+
+
+def _warn(message: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"WARNING: {message}", file=sys.stderr, flush=True)
+
+
+def usable_iterations(root: str) -> list[int]:
+    """Return the iterations --load may use, best first: the tracker's, then older committed ones, each passing
+    `checkpoint_problem`. Refused ones are reported; none usable raises a CheckpointError with every reason."""
+    latest = read_tracker(root)
+    usable, reasons = [], []
+    for iteration in [latest] + [i for i in committed_iterations(root) if i < latest]:
+        problem = checkpoint_problem(root, iteration)
+        if problem is None:
+            usable.append(iteration)
+        else:
+            reasons.append(problem)
+            _warn(f"refusing checkpoint iteration {iteration}: {problem}")
+    if not usable:
+        raise CheckpointError(f"--load {root}: no usable checkpoint: " + "; ".join(reasons))
+    return usable
+
+
+def read_checkpoint_metadata(root: str, iteration: int | None = None) -> dict[str, Any]:
+    """Return the layout / HF-config metadata of a checkpoint (the newest usable one by default)."""
+    return _read_metadata(root, usable_iterations(root)[0] if iteration is None else iteration)
+
+
+def checkpoint_metadata(args, build, hf_config: dict, iteration: int) -> dict[str, Any]:
+    """Return the metadata every checkpoint of a run carries: HF config, parallel layout, vocabulary padding."""
+    return {"hf_config": hf_config, "tensor_model_parallel_size": build.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+            "make_vocab_size_divisible_by": args.make_vocab_size_divisible_by,
+            "padded_vocab_size": build.padded_vocab_size, "iteration": iteration}
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -130,8 +208,8 @@ def commit_checkpoint(root: str, iteration: int) -> str:
 
 
 def load_rank_state(root: str, tp_rank: int, pp_rank: int, pp_size: int, iteration: int | None = None) -> dict:
-    """Return one rank's saved state."""
-    iteration = read_tracker(root) if iteration is None else iteration
+    """Return one rank's saved state (the newest usable iteration by default)."""
+    iteration = usable_iterations(root)[0] if iteration is None else iteration
     path = os.path.join(iteration_dir(root, iteration), rank_dir_name(tp_rank, pp_rank, pp_size), RANK_FILE)
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} is missing")
@@ -183,23 +261,271 @@ def load_model_state(chunks: list, state: dict) -> None:
             raise CheckpointError(f"checkpoint has parameters the model lacks: {sorted(saved)[:5]}")
 
 
-def save_model_checkpoint(root: str, iteration: int, chunks: list, metadata: dict[str, Any],
-                          hf_assets_from: str | None, tp_rank: int, pp_rank: int, pp_size: int,
-                          is_writer: bool, is_committer: bool, barrier) -> str:
-    """Save model parameters atomically from a distributed run; `barrier()` synchronises all ranks.
 
-    `is_writer`: this rank writes its shard (DP rank 0 of each TP x PP position); `is_committer`: exactly one rank.
-    """
+
+def file_digest(path: str) -> dict[str, Any]:
+    """Return the size and sha256 of a file."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return {"size": os.path.getsize(path), "sha256": digest.hexdigest()}
+
+
+def rng_state() -> dict[str, Any]:
+    """Return this rank's Python, NumPy, torch (and CUDA + megatron tracker) random states."""
+    import numpy as np
+
+    state = {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        from megatron.core import tensor_parallel
+
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["rng_tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore the random states returned by `rng_state`."""
+    import numpy as np
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        torch.cuda.set_rng_state(state["cuda"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker"])
+
+
+def _sub_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _is_distributed(optimizer) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(o, DistributedOptimizer) for o in _sub_optimizers(optimizer))
+
+
+def distributed_optimizer_shard(optimizer) -> list:
+    """Return this DP rank's distributed-optimizer state (fp32 main params, Adam moments and step), per
+    sub-optimizer in megatron's bucket order."""
+    return [o.get_parameter_state_dp_reshardable() for o in _sub_optimizers(optimizer)]
+
+
+@torch.no_grad()
+def load_distributed_optimizer_shard(optimizer, shard: list) -> None:
+    """Copy a `distributed_optimizer_shard` back into an optimizer of the same layout."""
+    subs = _sub_optimizers(optimizer)
+    if len(subs) != len(shard):
+        raise CheckpointError(f"distributed optimizer has {len(subs)} parts, the checkpoint {len(shard)}")
+    for opt, state in zip(subs, shard):
+        if state["per_bucket_numel_unpadded"] != opt.per_bucket_numel_unpadded:
+            raise CheckpointError("distributed-optimizer buckets differ from the checkpoint's (saved with another "
+                                  "data-parallel size or bucket size); resume with the saved layout")
+        for gbuf_idx, range_maps in enumerate(opt.gbuf_ranges):
+            for dtype, buckets in range_maps.items():
+                for bucket_idx, range_map in enumerate(buckets):
+                    saved = state[gbuf_idx][dtype][bucket_idx]
+                    for tensors, model_param in zip(saved, range_map["param_map"]):
+                        opt._set_main_param_and_optimizer_states(
+                            model_param, {k: v for k, v in tensors.items() if not k.startswith("gbuf_local")})
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRanks:
+    """Where this rank sits: its shard directory (TP, PP), its DP rank, and whether it commits."""
+
+    tp_rank: int = 0
+    pp_rank: int = 0
+    pp_size: int = 1
+    dp_rank: int = 0
+    is_committer: bool = True
+
+    @classmethod
+    def from_parallel_state(cls) -> "CheckpointRanks":
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        return cls(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                   ps.get_pipeline_model_parallel_world_size(), ps.get_data_parallel_rank(), dist.get_rank() == 0)
+
+    @property
+    def shard_dir(self) -> str:
+        return rank_dir_name(self.tp_rank, self.pp_rank, self.pp_size)
+
+    def distrib_optim_file(self) -> str:
+        return os.path.join(self.shard_dir, f"distrib_optim_dp{self.dp_rank:03d}.pt")
+
+    def rank_file(self) -> str:
+        return os.path.join(self.shard_dir, RANK_FILE)
+
+
+def _gather(obj, group=None) -> list:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def prune_checkpoints(root: str, keep: int) -> None:
+    """Remove all but the newest `keep` committed iterations (the tracker's is always kept)."""
+    latest = read_tracker(root)
+    for iteration in committed_iterations(root)[keep:]:
+        if iteration != latest:
+            shutil.rmtree(iteration_dir(root, iteration), ignore_errors=True)
+
+
+def save_checkpoint(root: str, iteration: int, chunks: list, metadata: dict[str, Any], hf_assets_from: str | None,
+                    ranks: CheckpointRanks, optimizer=None, run_state: dict | None = None, dp_group=None,
+                    keep: int | None = None) -> str:
+    """Save model, optimizer, every DP rank's RNG state and the run state atomically; collective over all ranks.
+
+    DP rank 0 of each (TP, PP) position writes the shard file; with the distributed optimizer every rank also
+    writes its optimizer shard. Writers report sizes and sha256 to the committer, which records them in
+    checksums.json, commits, moves the tracker and keeps the newest `keep` iterations."""
     stage = staging_dir(root, iteration)
-    if is_committer:
+    if ranks.is_committer:
         prepare_staging(root, iteration)
         write_metadata(stage, metadata, hf_assets_from)
-    barrier()
-    if is_writer:
-        write_rank_state(stage, tp_rank, pp_rank, pp_size,
-                         {**model_state(chunks), "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION})
-    barrier()
-    if is_committer:
+    _barrier()
+    rng_states = _gather(rng_state(), dp_group)
+    written = {}
+    distributed = optimizer is not None and _is_distributed(optimizer)
+    if ranks.dp_rank == 0:
+        state = {**model_state(chunks), "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
+                 "rng_state": rng_states, "run_state": run_state}
+        if optimizer is not None:
+            state["optimizer"] = optimizer.state_dict()
+        write_rank_state(stage, ranks.tp_rank, ranks.pp_rank, ranks.pp_size, state)
+        written[ranks.rank_file()] = file_digest(os.path.join(stage, ranks.rank_file()))
+    if distributed:
+        path = os.path.join(stage, ranks.distrib_optim_file())
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(distributed_optimizer_shard(optimizer), path + ".tmp")
+        os.replace(path + ".tmp", path)
+        written[ranks.distrib_optim_file()] = file_digest(path)
+    checksums = {name: entry for part in _gather(written) for name, entry in part.items()}
+    if ranks.is_committer:
+        _atomic_write_text(os.path.join(stage, CHECKSUMS), json.dumps(checksums, indent=1, sort_keys=True))
         commit_checkpoint(root, iteration)
-    barrier()
+        if keep:
+            prune_checkpoints(root, keep)
+    _barrier()
     return iteration_dir(root, iteration)
+
+
+@dataclasses.dataclass
+class LoadedCheckpoint:
+    """What --load gives one rank: the iteration used, its metadata, the shard state and optimizer shard."""
+
+    root: str
+    iteration: int
+    metadata: dict[str, Any]
+    state: dict
+    distrib_optim: list | None
+
+    @property
+    def assets_dir(self) -> str:
+        return os.path.join(iteration_dir(self.root, self.iteration), HF_ASSETS)
+
+    @property
+    def run_state(self) -> dict | None:
+        return self.state.get("run_state")
+
+
+def _verify_own_files(root: str, iteration: int, files: list[str]) -> str | None:
+    directory = iteration_dir(root, iteration)
+    path = os.path.join(directory, CHECKSUMS)
+    checksums = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            checksums = json.load(f)
+    for name in files:
+        file = os.path.join(directory, name)
+        if not os.path.isfile(file):
+            return f"{file} is missing"
+        if name in checksums and file_digest(file) != checksums[name]:
+            return f"{file} does not match its sha256 in {CHECKSUMS} (corrupted)"
+    return None
+
+
+def newest_verified_iteration(root: str) -> int:
+    """Return the newest iteration whose every file matches checksums.json (offline tools read all shards)."""
+    for iteration in usable_iterations(root):
+        path = os.path.join(iteration_dir(root, iteration), CHECKSUMS)
+        names = list(json.load(open(path))) if os.path.isfile(path) else []
+        problem = _verify_own_files(root, iteration, names)
+        if problem is None:
+            return iteration
+        _warn(f"refusing checkpoint iteration {iteration}: {problem}; trying an older one")
+    raise CheckpointError(f"{root}: every checkpoint failed verification (see the warnings above)")
+
+
+def load_checkpoint(root: str, ranks: CheckpointRanks, distributed_optimizer: bool = False) -> LoadedCheckpoint:
+    """Load this rank's part of the newest checkpoint that every rank verifies; collective when distributed.
+
+    A checkpoint any rank finds truncated or corrupted is refused (with the reason) and the next older usable
+    one is tried."""
+    import torch.distributed as dist
+
+    for iteration in usable_iterations(root):
+        metadata = _read_metadata(root, iteration)
+        files = [ranks.rank_file()]
+        has_distrib = os.path.isfile(os.path.join(iteration_dir(root, iteration), ranks.distrib_optim_file()))
+        if distributed_optimizer and has_distrib:
+            files.append(ranks.distrib_optim_file())
+        problem = _verify_own_files(root, iteration, files)
+        if problem is None:
+            try:
+                state = torch.load(os.path.join(iteration_dir(root, iteration), files[0]), map_location="cpu",
+                                   weights_only=False)
+                distrib = (torch.load(os.path.join(iteration_dir(root, iteration), files[1]), map_location="cpu",
+                                      weights_only=False) if len(files) > 1 else None)
+            except Exception as err:  # an unpicklable file is as corrupt as a bad checksum
+                problem = f"{files[0]} cannot be read ({type(err).__name__}: {err})"
+        problems = _gather(problem) if dist.is_initialized() else [problem]
+        bad = [p for p in problems if p]
+        if not bad:
+            return LoadedCheckpoint(root, iteration, metadata, state, distrib)
+        _warn(f"refusing checkpoint iteration {iteration}: {bad[0]}; trying an older one")
+    raise CheckpointError(f"--load {root}: every checkpoint failed verification (see the warnings above)")
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    # megatron's DistributedOptimizer.load_state_dict (without Apex/TE) gives every parameter's state the same
+    # `step` tensor; torch Adam increments it in place once per parameter, so the bias correction would be wrong
+    for sub in _sub_optimizers(optimizer):
+        inner = getattr(sub, "optimizer", None)
+        for state in (inner.state.values() if inner is not None else ()):
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+
+def restore_training_state(loaded: LoadedCheckpoint, optimizer, dp_rank: int) -> None:
+    """Restore optimizer state (and distributed-optimizer shard) and this DP rank's RNG state."""
+    if "optimizer" not in loaded.state:
+        raise CheckpointError(f"checkpoint {iteration_dir(loaded.root, loaded.iteration)} holds no optimizer "
+                              "state (weights only); start from it with --finetune")
+    optimizer.load_state_dict(loaded.state["optimizer"])
+    _unshare_adam_steps(optimizer)
+    if _is_distributed(optimizer):
+        if loaded.distrib_optim is None:
+            raise CheckpointError(f"checkpoint {iteration_dir(loaded.root, loaded.iteration)} was saved without "
+                                  "--use-distributed-optimizer; resume without it, or with --finetune")
+        load_distributed_optimizer_shard(optimizer, loaded.distrib_optim)
+    states = loaded.state.get("rng_state") or []
+    if dp_rank < len(states):
+        set_rng_state(states[dp_rank])

@@ -120,53 +120,70 @@ def reduce_lm_loss(losses: list, dp_group) -> float | None:
 
 @dataclasses.dataclass
 class TrainingSetup:
-    """A built, loaded and wrapped model with its optimizer; `assets_dir` holds the tokenizer."""
+    """A built, loaded and wrapped model with its optimizer; `assets_dir` holds the tokenizer; `loaded` is the
+    --load checkpoint (None when starting from --hf-dir); `run_state` is what a resumed run continues from
+    (None for a fresh start or --finetune)."""
 
     build: object
     chunks: list
     ddp_chunks: list
     optimizer: object
     assets_dir: str
+    loaded: object = None
+    run_state: dict | None = None
 
 
-def build_loaded_chunks(args, build) -> tuple[list, str]:
-    """Return (this rank's model chunks with the --load or --hf-dir weights, directory of the tokenizer)."""
-    import os
-
+def build_loaded_chunks(args, build):
+    """Return (this rank's model chunks with the --load or --hf-dir weights, directory of the tokenizer,
+    the LoadedCheckpoint or None)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_ais.checkpointing import (HF_ASSETS, check_layout, iteration_dir, load_model_state,
-                                            load_rank_state, read_checkpoint_metadata, read_tracker)
+    from megatron_ais.checkpointing import CheckpointRanks, check_layout, load_checkpoint, load_model_state
     from megatron_ais.mapping.distributed import load_hf_weights
     from megatron_ais.model import build_model_chunks
 
     chunks = build_model_chunks(build)
-    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    pp_size = ps.get_pipeline_model_parallel_world_size()
     if args.load:
-        check_layout(read_checkpoint_metadata(args.load), build.tensor_model_parallel_size, pp_size, args.load)
-        load_model_state(chunks, load_rank_state(args.load, tp_rank, pp_rank, pp_size))
-        return chunks, os.path.join(iteration_dir(args.load, read_tracker(args.load)), HF_ASSETS)
-    load_hf_weights(chunks, args.hf_dir, build, tp_rank)
-    return chunks, args.hf_dir
+        ranks = CheckpointRanks.from_parallel_state()
+        loaded = load_checkpoint(args.load, ranks, args.use_distributed_optimizer)
+        check_layout(loaded.metadata, build.tensor_model_parallel_size, ranks.pp_size, args.load)
+        load_model_state(chunks, loaded.state)
+        return chunks, loaded.assets_dir, loaded
+    load_hf_weights(chunks, args.hf_dir, build, ps.get_tensor_model_parallel_rank())
+    return chunks, args.hf_dir, None
 
 
-def build_reference_chunks(args, build) -> list:
-    """Return a frozen copy of the initial policy (for the KL penalty), in the trainer's layout."""
-    chunks, _ = build_loaded_chunks(args, build)
+def build_reference_chunks(args, build, source: dict | None = None) -> list:
+    """Return a frozen copy of a policy for the KL penalty, in the trainer's layout: `source` is
+    {"load": checkpoint dir} or {"hf_dir": HF dir}; default the run's own --load / --hf-dir."""
+    import argparse
+
+    if source is not None:
+        args = argparse.Namespace(**{**vars(args), "load": source.get("load"), "hf_dir": source.get("hf_dir")})
+    chunks, _, _ = build_loaded_chunks(args, build)
     for chunk in chunks:
         chunk.requires_grad_(False)
         chunk.eval()
     return chunks
 
 
-def setup_model_and_optimizer(args, hf_config: dict) -> TrainingSetup:
+def setup_model_and_optimizer(args, hf_config: dict, run_kind: str | None = None) -> TrainingSetup:
     """Build this rank's model chunks, load --load (Megatron checkpoint) or --hf-dir weights, wrap in DDP and
-    build the optimizer. Parallel state must be initialised."""
+    build the optimizer. A --load checkpoint whose run state was saved by a run of kind `run_kind` is resumed:
+    optimizer, RNG and run state are restored, unless --finetune asks for its weights only. Parallel state must
+    be initialised."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ais.checkpointing import restore_training_state
     from megatron_ais.model import ModelBuildConfig
 
     build = ModelBuildConfig.from_args(args, hf_config)
-    chunks, assets = build_loaded_chunks(args, build)
+    chunks, assets, loaded = build_loaded_chunks(args, build)
     ddp_chunks = wrap_ddp(chunks, args.use_distributed_optimizer)
     optimizer = build_optimizer(ddp_chunks, OptimizerSettings.from_args(args))
-    return TrainingSetup(build, chunks, ddp_chunks, optimizer, assets)
+    run_state = None
+    saved_kind = (loaded.run_state or {}).get("kind") if loaded is not None else None
+    if saved_kind is not None and saved_kind == run_kind and not args.finetune:
+        restore_training_state(loaded, optimizer, ps.get_data_parallel_rank())
+        run_state = loaded.run_state
+    return TrainingSetup(build, chunks, ddp_chunks, optimizer, assets, loaded, run_state)

@@ -39,7 +39,7 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float) -> dict:
     hf_config = validate_args(args, 2)
     initialize_megatron(args)
     build = ModelBuildConfig.from_args(args, hf_config)
-    chunks, _ = build_loaded_chunks(args, build)
+    chunks, _, _ = build_loaded_chunks(args, build)
     layout = BridgeLayout.from_parallel_state()
     tp_group = ps.get_tensor_model_parallel_group()
     result = {"params": sum(p.numel() for p in chunks[0].parameters()) * 2}

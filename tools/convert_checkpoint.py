@@ -18,7 +18,7 @@ import time
 from megatron_ais.arguments import ArgumentValidationError, load_hf_config, validate_model_args
 from megatron_ais.checkpointing import (CHECKPOINT_VERSION, CheckpointError, HF_ASSETS, commit_checkpoint,
                                         iteration_dir, load_rank_state, prepare_staging, read_checkpoint_metadata,
-                                        read_tracker, write_metadata, write_rank_state)
+                                        newest_verified_iteration, write_metadata, write_rank_state)
 from megatron_ais.mapping.distributed import shard_context, stage_file_name, write_hf_index_and_config
 from megatron_ais.mapping.hf_io import HFCheckpointReader, hf_tensors_from_shards, megatron_shard_from_hf
 from megatron_ais.mapping.rules import canonical_name, megatron_param_names, split_layer
@@ -76,7 +76,7 @@ def hf_to_megatron(hf_dir: str, save: str, tp: int, pp: int, divisible_by: int =
 def megatron_to_hf(load: str, save: str) -> str:
     """Write a HF model directory (safetensors, config, tokenizer) from a Megatron checkpoint; return it."""
 
-    iteration = read_tracker(load)
+    iteration = newest_verified_iteration(load)
     meta = read_checkpoint_metadata(load, iteration)
     hf_config = meta["hf_config"]
     tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]

@@ -42,7 +42,7 @@ def _engine_worker(old_dir, new_dir, precision, work):
     hf_config = validate_args(args, 1)
     initialize_megatron(args)
     build = ModelBuildConfig.from_args(args, hf_config)
-    chunks, _ = build_loaded_chunks(args, build)
+    chunks, _, _ = build_loaded_chunks(args, build)
     layout = BridgeLayout.from_parallel_state()
     applied = []
 

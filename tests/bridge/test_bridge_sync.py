@@ -35,7 +35,7 @@ def _bridge_worker(cases):
         initialize_model_parallel(ParallelSizes.from_args(args))
         set_random_seed(0)
         build = ModelBuildConfig.from_args(args, hf_config)
-        chunks, _ = build_loaded_chunks(args, build)
+        chunks, _, _ = build_loaded_chunks(args, build)
         layout = BridgeLayout.from_parallel_state()
         for sync_id, precision in enumerate(("bf16", "fp8")):
             applied = []
@@ -117,7 +117,7 @@ def _memory_worker(hf_dir):
     hf_config = validate_args(args, 1)
     initialize_megatron(args)
     build = ModelBuildConfig.from_args(args, hf_config)
-    chunks, _ = build_loaded_chunks(args, build)
+    chunks, _, _ = build_loaded_chunks(args, build)
 
     class DroppingTransport:
         """Records, at every send, the bytes of earlier buckets still alive anywhere in the process."""

@@ -30,7 +30,7 @@ def _worker(hf_dir, work):
     hf_config = validate_args(args, 1)
     initialize_megatron(args)
     build = ModelBuildConfig.from_args(args, hf_config)
-    chunks, _ = build_loaded_chunks(args, build)
+    chunks, _, _ = build_loaded_chunks(args, build)
     layout, groups = BridgeLayout.from_parallel_state(), ParallelGroups.from_parallel_state()
     receiver = SyncReceiver(apply=engine.update_weights)
     config = BridgeConfig(bucket_size_mb=1.0, policy=QuantizationPolicy(precision="fp32"))

@@ -41,7 +41,7 @@ def _worker(old_dir, new_dir, work):
     hf_config = validate_args(args, 1)
     initialize_megatron(args)  # the trainer owns torch.distributed; the engine lives in its own processes
     build = ModelBuildConfig.from_args(args, hf_config)
-    chunks, _ = build_loaded_chunks(args, build)
+    chunks, _, _ = build_loaded_chunks(args, build)
     layout, groups = BridgeLayout.from_parallel_state(), ParallelGroups.from_parallel_state()
     engine = RolloutEngine(EngineConfig(model_dir=old_dir, precision="fp32", kv_cache_gb=0.25), work,
                            placement="separate")

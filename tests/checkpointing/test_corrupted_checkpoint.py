@@ -1,0 +1,93 @@
+"""A truncated or corrupted checkpoint is refused with the reason, and the previous good one is loaded."""
+import os
+
+import pytest
+import torch
+
+from megatron_ais import checkpointing as ckpt
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self, value):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.full((4, 4), float(value)))
+
+
+def _save(root, iteration, value, keep=None):
+    model = _Tiny(value)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model.weight.grad = torch.ones(4, 4)
+    optimizer.step()
+    meta = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "hf_config": {}}
+    ckpt.save_checkpoint(root, iteration, [model], meta, None, ckpt.CheckpointRanks(), optimizer=optimizer,
+                         run_state={"kind": "test", "step": iteration}, keep=keep)
+    return model.weight.detach().clone()
+
+
+def _rank_file(root, iteration):
+    return os.path.join(ckpt.iteration_dir(root, iteration), "mp_rank_00", ckpt.RANK_FILE)
+
+
+def test_checksums_written_and_clean_load(tmp_path):
+    root = str(tmp_path)
+    weight = _save(root, 1, 1.0)
+    loaded = ckpt.load_checkpoint(root, ckpt.CheckpointRanks())
+    assert loaded.iteration == 1 and loaded.run_state == {"kind": "test", "step": 1}
+    assert torch.equal(loaded.state["model"]["weight"], weight)
+    assert "mp_rank_00/model_optim_rng.pt" in open(os.path.join(ckpt.iteration_dir(root, 1), ckpt.CHECKSUMS)).read()
+
+
+def test_flipped_byte_falls_back_to_previous(tmp_path, capfd):
+    root = str(tmp_path)
+    first = _save(root, 1, 1.0)
+    _save(root, 2, 2.0)
+    path = _rank_file(root, 2)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    loaded = ckpt.load_checkpoint(root, ckpt.CheckpointRanks())
+    assert loaded.iteration == 1 and torch.equal(loaded.state["model"]["weight"], first)
+    assert "refusing checkpoint iteration 2" in capfd.readouterr().err
+
+
+def test_truncated_file_and_broken_metadata_are_refused(tmp_path, capfd):
+    root = str(tmp_path)
+    _save(root, 1, 1.0)
+    _save(root, 2, 2.0)
+    _save(root, 3, 3.0)
+    path = _rank_file(root, 3)
+    os.truncate(path, os.path.getsize(path) // 3)
+    open(os.path.join(ckpt.iteration_dir(root, 2), ckpt.METADATA), "w").write("{not json")
+    assert ckpt.usable_iterations(root) == [1]
+    err = capfd.readouterr().err
+    assert "truncated" in err and "unreadable" in err
+    assert ckpt.load_checkpoint(root, ckpt.CheckpointRanks()).iteration == 1
+    assert ckpt.read_checkpoint_metadata(root)["tensor_model_parallel_size"] == 1
+
+
+def test_nothing_usable_is_a_clear_error(tmp_path):
+    root = str(tmp_path)
+    _save(root, 1, 1.0)
+    os.truncate(_rank_file(root, 1), 10)
+    with pytest.raises(ckpt.CheckpointError, match="no usable checkpoint.*truncated"):
+        ckpt.load_checkpoint(root, ckpt.CheckpointRanks())
+    with pytest.raises(ckpt.CheckpointError, match="latest_checkpointed_iteration.txt"):
+        ckpt.load_checkpoint(str(tmp_path / "empty"), ckpt.CheckpointRanks())
+
+
+def test_keep_prunes_old_iterations(tmp_path):
+    root = str(tmp_path)
+    for iteration in range(1, 5):
+        _save(root, iteration, iteration, keep=2)
+    assert ckpt.committed_iterations(root) == [4, 3]
+
+
+def test_restore_refuses_weights_only_checkpoint(tmp_path):
+    root = str(tmp_path)
+    stage = ckpt.prepare_staging(root, 1)
+    ckpt.write_metadata(stage, {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}, None)
+    ckpt.write_rank_state(stage, 0, 0, 1, {"model": {"weight": torch.zeros(4, 4)}, "run_state": {"kind": "x"}})
+    ckpt.commit_checkpoint(root, 1)
+    loaded = ckpt.load_checkpoint(root, ckpt.CheckpointRanks())
+    with pytest.raises(ckpt.CheckpointError, match="--finetune"):
+        ckpt.restore_training_state(loaded, torch.optim.Adam(_Tiny(0).parameters()), 0)

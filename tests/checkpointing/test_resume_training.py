@@ -1,0 +1,68 @@
+"""Resuming from a checkpoint continues training exactly: at DP2, with megatron's plain optimizer (fp32) and the
+distributed optimizer (bf16), two steps after a save-and-resume equal the same two steps of an uninterrupted run
+bit for bit (losses and every parameter), so the optimizer moments, Adam's step count and RNG all came back."""
+import hashlib
+
+import pytest
+
+from conftest import make_model_dir
+from distributed import spawn
+
+GLOBAL_BATCH, MICRO_BATCH, SEQ = 8, 2, 48
+
+
+def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume):
+    import random
+
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from megatron_ais.arguments import build_parser, validate_args
+    from megatron_ais.checkpointing import CheckpointRanks, checkpoint_metadata, save_checkpoint
+    from megatron_ais.data.tasks import arithmetic_task
+    from megatron_ais.initialize import initialize_megatron
+    from megatron_ais.sft import encode_sft_example, load_tokenizer, micro_batches
+    from megatron_ais.training import lm_forward_step, reduce_lm_loss, setup_model_and_optimizer, train_step
+
+    argv = ["--hf-dir", hf_dir, f"--{precision}", "--seq-length", str(SEQ), "--lr", "3e-3",
+            "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(GLOBAL_BATCH)]
+    argv += ["--use-distributed-optimizer"] if distributed_optimizer else []
+    argv += ["--load", save_dir] if resume else []
+    args = build_parser("test").parse_args(argv)
+    hf_config = validate_args(args, 2)
+    initialize_megatron(args)
+    setup = setup_model_and_optimizer(args, hf_config, run_kind="test")
+    start = setup.run_state["step"] if resume else 0
+    tokenizer = load_tokenizer(hf_dir)
+    examples = arithmetic_task(11, 99, train_size=GLOBAL_BATCH * 4, eval_size=8).train
+    dp_rank = ps.get_data_parallel_rank()
+    per_rank = GLOBAL_BATCH // 2
+    losses, draws = [], []
+    for step in range(start, 4):
+        rows = examples[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH][dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        encoded = [encode_sft_example(tokenizer, e, SEQ) for e in rows]
+        mbs = micro_batches(encoded, list(range(per_rank)), MICRO_BATCH)
+        result = train_step(setup.ddp_chunks, setup.optimizer, lm_forward_step, iter(mbs), len(mbs), SEQ, MICRO_BATCH)
+        losses.append(reduce_lm_loss(result.losses, ps.get_data_parallel_group()))
+        draws.append((random.random(), torch.rand(1).item()))  # RNG streams must continue across the resume
+        if step == 1 and not resume:
+            save_checkpoint(save_dir, 2, setup.chunks, checkpoint_metadata(args, setup.build, hf_config, 2),
+                            hf_dir, CheckpointRanks.from_parallel_state(), optimizer=setup.optimizer,
+                            run_state={"kind": "test", "step": 2}, dp_group=ps.get_data_parallel_group())
+    digest = hashlib.sha1()
+    for _, p in setup.chunks[0].named_parameters():
+        digest.update(p.detach().float().numpy().tobytes())
+    return losses[-2:], draws[-2:], digest.hexdigest()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision,distributed_optimizer", [("fp32", False), ("bf16", True)])
+def test_resume_is_bit_exact_dp2(model_root, tmp_path, precision, distributed_optimizer):
+    hf_dir = make_model_dir(model_root, "qwen2")
+    save_dir = str(tmp_path / "ckpt")
+    uninterrupted = spawn(2, _worker, hf_dir, precision, distributed_optimizer, save_dir, False)
+    resumed = spawn(2, _worker, hf_dir, precision, distributed_optimizer, save_dir, True)
+    for rank in range(2):
+        assert resumed[rank][0] == uninterrupted[rank][0], "losses after the resume differ"
+        assert resumed[rank][1] == uninterrupted[rank][1], "RNG streams were not restored"
+        assert resumed[rank][2] == uninterrupted[rank][2], "parameters after the resume differ"
