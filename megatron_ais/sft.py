@@ -7,14 +7,12 @@ import time
 
 import torch
 
-from megatron_ais.data.arithmetic import ArithmeticExample
+from megatron_ais.data.tasks import Example
 
 
 def add_sft_args(parser: argparse.ArgumentParser) -> None:
     """SFT data flags."""
-    g = parser.add_argument_group("sft data")
-    g.add_argument("--num-examples", type=int, default=2048, help="Synthetic arithmetic examples to draw from.")
-    g.add_argument("--max-operand", type=int, default=99, help="Largest operand of the arithmetic task.")
+    g = parser.add_argument_group("sft")
     g.add_argument("--export-hf-dir", default=None,
                    help="After training, export the model as a HF checkpoint here (each PP stage writes its file).")
 
@@ -26,7 +24,7 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def encode_sft_example(tokenizer, example: ArithmeticExample, seq_length: int) -> dict[str, torch.Tensor]:
+def encode_sft_example(tokenizer, example: Example, seq_length: int) -> dict[str, torch.Tensor]:
     """Return tokens / labels / loss_mask [seq_length] for one example; loss only on the response."""
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": example.prompt}], tokenize=False,
                                            add_generation_prompt=True)
@@ -63,14 +61,15 @@ def run_sft(args) -> dict:
     from megatron.core import parallel_state as ps
 
     from megatron_ais.arguments import validate_args
-    from megatron_ais.checkpointing import save_model_checkpoint
-    from megatron_ais.data.tasks import arithmetic_task
+    from megatron_ais.checkpointing import CheckpointRanks, checkpoint_metadata, save_checkpoint
+    from megatron_ais.data.tasks import build_task
     from megatron_ais.initialize import initialize_megatron
     from megatron_ais.logging import RunLogger
     from megatron_ais.mapping.distributed import save_hf_checkpoint
     from megatron_ais.training import lm_forward_step, reduce_lm_loss, setup_model_and_optimizer, train_step
 
     hf_config = validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    examples = build_task(args).train  # bad task flags or prompt files fail before anything heavy starts
     initialize_megatron(args)
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -83,7 +82,6 @@ def run_sft(args) -> dict:
                                                     setup.assets_dir)
     tokenizer = load_tokenizer(assets)
 
-    examples = arithmetic_task(args.seed, args.max_operand, train_size=args.num_examples).train
     encoded = [encode_sft_example(tokenizer, e, args.seq_length) for e in examples]
     global_batch = args.global_batch_size or args.micro_batch_size * dp_size
     per_rank = global_batch // dp_size
@@ -112,13 +110,12 @@ def run_sft(args) -> dict:
                      f"step {step:5d}/{args.train_iters} | loss {loss if loss is None else f'{loss:.4f}'} | "
                      f"grad norm {result.grad_norm:.3f} | {tokens / seconds:8.0f} tok/s | {seconds:.2f}s")
     if args.save:
-        save_model_checkpoint(
+        save_checkpoint(
             args.save, args.train_iters, chunks,
-            {"hf_config": hf_config, "tensor_model_parallel_size": build.tensor_model_parallel_size,
-             "pipeline_model_parallel_size": pp_size, "make_vocab_size_divisible_by": args.make_vocab_size_divisible_by,
-             "padded_vocab_size": build.padded_vocab_size, "iteration": args.train_iters},
-            assets, tp_rank, pp_rank, pp_size, is_writer=dp_rank == 0, is_committer=dist.get_rank() == 0,
-            barrier=dist.barrier)
+            checkpoint_metadata(args, build, hf_config, args.train_iters),
+            assets, CheckpointRanks.from_parallel_state(), optimizer=optimizer,
+            run_state={"kind": "sft", "step": args.train_iters}, dp_group=ps.get_data_parallel_group(),
+            keep=args.keep_checkpoints)
     if args.export_hf_dir:
         save_hf_checkpoint(chunks, build, hf_config, args.export_hf_dir, ps.get_tensor_model_parallel_group(),
                            ps.get_pipeline_model_parallel_group(), is_stage_writer=tp_rank == 0 and dp_rank == 0,

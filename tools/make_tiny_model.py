@@ -22,7 +22,8 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 _WORDS = ("the answer is what plus minus times equals number sum result compute solve step first then use "
-          "each exactly once target reach make from numbers question think final because so we get").split()
+          "each exactly once target reach make from numbers question think final because so we get Sort digits "
+          "Use with to").split()
 
 
 def training_corpus(seed: int, lines: int = 4000) -> list[str]:

@@ -1,4 +1,4 @@
-"""Supervised warm-up on the synthetic arithmetic task with megatron-core, at any TP x PP x DP.
+"""Supervised warm-up on a verifiable task's reference responses with megatron-core, at any TP x PP x DP.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tools/train_sft.py \\
         --hf-dir runs/tiny-llama --tensor-model-parallel-size 2 --train-iters 20
@@ -7,15 +7,16 @@ import sys
 
 from megatron_ais.arguments import ALL_GROUPS, ArgumentValidationError, build_parser
 from megatron_ais.checkpointing import CheckpointError
+from megatron_ais.data.tasks import TaskError, add_task_args
 from megatron_ais.sft import add_sft_args, run_sft
 
 
 def main(argv=None) -> int:
-    parser = build_parser(__doc__.splitlines()[0], ALL_GROUPS + (add_sft_args,))
+    parser = build_parser(__doc__.splitlines()[0], ALL_GROUPS + (add_task_args, add_sft_args))
     args = parser.parse_args(argv)
     try:
         summary = run_sft(args)
-    except (ArgumentValidationError, CheckpointError) as err:
+    except (ArgumentValidationError, CheckpointError, TaskError) as err:
         parser.error(str(err))
     import torch.distributed as dist
     if not dist.is_initialized() or dist.get_rank() == 0:

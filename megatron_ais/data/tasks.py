@@ -1,51 +1,256 @@
 """Verifiable tasks: prompts with exact answers and a reward that checks the model's `<answer>...</answer>`.
 
-Tasks are registered by name (`--task`); the default is the locally generated arithmetic task.
+Tasks are registered by name (`--task`) and built from the task flags (`add_task_args`):
+
+- `digit_sort` (default): sort a list of digits; algorithmic, so a tiny model generalises to unseen lists.
+- `arithmetic`: `a + b` / `a - b` with operands up to `--max-operand`.
+- `countdown`: combine `--countdown-numbers` numbers with + - * to reach a target; exact checker.
+- `jsonl`: prompts from `--prompt-file` (GSM8K-style math scored with math-verify, see `docs/data.md`).
+
+Every task splits by problem: held-out prompts never appear in the training split (SFT or RL).
 """
 from __future__ import annotations
 
+import argparse
+import ast
 import dataclasses
+import json
+import os
+import random
 import re
+import sys
 from typing import Callable
 
-from megatron_ais.data.arithmetic import ArithmeticExample, arithmetic_examples
+ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
-ANSWER = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
+
+class TaskError(ValueError):
+    """The task flags describe an impossible task (the message names the flag and the fix)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One problem: the user prompt, its answer (what the checker compares against) and the reference response
+    used by the supervised warm-up."""
+
+    prompt: str
+    answer: str
+    solution: str | None = None
+
+    def response(self) -> str:
+        """Return the reference response in the task's answer format."""
+        return f"<answer>{self.solution if self.solution is not None else self.answer}</answer>"
+
+
+def answer_text(response: str) -> str | None:
+    """Return the text inside the first <answer>...</answer> (stripped), or None."""
+    match = ANSWER.search(response)
+    return match.group(1).strip() if match else None
 
 
 def extract_answer(response: str) -> int | None:
     """Return the integer inside the first <answer>...</answer>, or None."""
-    match = ANSWER.search(response)
-    return int(match.group(1)) if match else None
+    text = answer_text(response)
+    return int(text) if text is not None and re.fullmatch(r"-?\d+", text) else None
 
 
-def exact_answer_reward(response: str, answer: int) -> float:
-    """1.0 when the response's <answer> equals the exact answer, else 0.0."""
-    return 1.0 if extract_answer(response) == answer else 0.0
+def exact_answer_reward(response: str, answer) -> float:
+    """1.0 when the response's <answer> equals the answer (integers compared as numbers, text with whitespace
+    collapsed), else 0.0."""
+    text = answer_text(response)
+    if text is None:
+        return 0.0
+    if isinstance(answer, int) or re.fullmatch(r"-?\d+", str(answer)):
+        return 1.0 if extract_answer(response) == int(answer) else 0.0
+    return 1.0 if " ".join(text.split()) == " ".join(str(answer).split()) else 0.0
+
+
+_BINARY = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
+
+
+def _countdown_value(node, used: list[int]) -> int:
+    if isinstance(node, ast.Expression):
+        return _countdown_value(node.body, used)
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        return _BINARY[type(node.op)](_countdown_value(node.left, used), _countdown_value(node.right, used))
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        used.append(node.value)
+        return node.value
+    raise ValueError("only integers, + - * and parentheses are allowed")
+
+
+def countdown_reward(response: str, answer: str) -> float:
+    """1.0 when <answer> holds an expression of + - * and parentheses that uses exactly the given numbers
+    (each once) and equals the target; `answer` is "target:n1,n2,...". Never evaluates anything but arithmetic."""
+    text = answer_text(response)
+    target, numbers = answer.split(":")
+    if text is None or len(text) > 200:
+        return 0.0
+    used: list[int] = []
+    try:
+        value = _countdown_value(ast.parse(text, mode="eval"), used)
+    except (SyntaxError, ValueError, RecursionError):
+        return 0.0
+    return 1.0 if value == int(target) and sorted(used) == sorted(int(n) for n in numbers.split(",")) else 0.0
+
+
+def math_verify_reward(response: str, answer: str) -> float:
+    """1.0 when math-verify finds the <answer> (or, without one, the response) equal to the gold answer."""
+    from math_verify import parse, verify
+
+    text = answer_text(response)
+    gold = parse(f"${answer}$")
+    guess = parse(f"${text}$" if text is not None else response)
+    try:
+        return 1.0 if gold and guess and verify(gold, guess) else 0.0
+    except Exception:  # math-verify raises on unparsable input; that is a wrong answer, not a crash
+        return 0.0
 
 
 @dataclasses.dataclass(frozen=True)
 class Task:
     """A train/eval split of examples and its reward."""
 
-    train: list[ArithmeticExample]
-    eval: list[ArithmeticExample]
-    reward: Callable[[str, int], float]
+    train: list[Example]
+    eval: list[Example]
+    reward: Callable[[str, str], float]
+    skipped: int = 0
+
+
+def split_by_problem(examples: list[Example], seed: int, eval_size: int, train_size: int, flag: str) -> tuple:
+    """Deduplicate by prompt, hold out `eval_size` problems, and cycle the rest to `train_size` examples."""
+    unique = list({e.prompt: e for e in examples}.values())
+    random.Random(seed).shuffle(unique)
+    if len(unique) < 2 * eval_size:
+        raise TaskError(f"{flag} gives {len(unique)} distinct problems, too few for {eval_size} held-out prompts; "
+                         f"make the task larger or lower --eval-prompts")
+    held_out, train_problems = unique[:eval_size], unique[eval_size:]
+    return [train_problems[i % len(train_problems)] for i in range(train_size)], held_out
 
 
 def arithmetic_task(seed: int, max_operand: int, train_size: int = 4096, eval_size: int = 64) -> Task:
-    """Arithmetic split by problem: the held-out problems never appear in the training split (SFT or RL)."""
-    import random
-
-    pool = arithmetic_examples(max(train_size, 4 * (max_operand + 1) ** 2), seed, max_operand)
-    unique = list({e.prompt: e for e in pool}.values())
-    random.Random(seed).shuffle(unique)
-    if len(unique) < 2 * eval_size:
-        raise ValueError(f"--max-operand {max_operand} gives {len(unique)} distinct problems, too few for "
-                         f"{eval_size} held-out prompts; raise --max-operand or lower --eval-prompts")
-    held_out, train_problems = unique[:eval_size], unique[eval_size:]
-    train = [train_problems[i % len(train_problems)] for i in range(train_size)]
+    """`a op b` with operands in [0, max_operand]."""
+    rng = random.Random(seed)
+    pool = []
+    for _ in range(max(train_size, 4 * (max_operand + 1) ** 2)):
+        a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice("+-")
+        pool.append(Example(f"What is {a} {op} {b}?", str(a + b if op == "+" else a - b)))
+    train, held_out = split_by_problem(pool, seed, eval_size, train_size, f"--max-operand {max_operand}")
     return Task(train=train, eval=held_out, reward=exact_answer_reward)
 
 
-TASKS: dict[str, Callable[..., Task]] = {"arithmetic": arithmetic_task}
+def digit_sort_task(seed: int, length: int, train_size: int = 4096, eval_size: int = 64) -> Task:
+    """Sort `length` random digits ascending; the answer is the digits separated by spaces."""
+    rng = random.Random(seed)
+    pool = []
+    for _ in range(max(train_size, 2 * eval_size + 1024)):
+        digits = [rng.randint(0, 9) for _ in range(length)]
+        pool.append(Example(f"Sort the digits: {' '.join(map(str, digits))}", " ".join(map(str, sorted(digits)))))
+    train, held_out = split_by_problem(pool, seed, eval_size, train_size, f"--sort-length {length}")
+    return Task(train=train, eval=held_out, reward=exact_answer_reward)
+
+
+def _countdown_problem(rng: random.Random, count: int, max_number: int) -> Example:
+    numbers = [rng.randint(1, max_number) for _ in range(count)]
+    expr, value = str(numbers[0]), numbers[0]
+    for n in numbers[1:]:
+        op = rng.choice("+-*")
+        expr, value = f"({expr}) {op} {n}" if op == "*" and " " in expr else f"{expr} {op} {n}", \
+            {"+": value + n, "-": value - n, "*": value * n}[op]
+    shown = sorted(numbers)
+    return Example(f"Use {', '.join(map(str, shown))} once each with + - * to make {value}.",
+                   f"{value}:{','.join(map(str, shown))}", solution=expr)
+
+
+def countdown_task(seed: int, count: int, max_number: int, train_size: int = 4096, eval_size: int = 64) -> Task:
+    """Countdown: reach the target with every given number once; any correct expression scores 1."""
+    rng = random.Random(seed)
+    pool = [_countdown_problem(rng, count, max_number) for _ in range(max(train_size, 2 * eval_size + 1024))]
+    train, held_out = split_by_problem(pool, seed, eval_size, train_size,
+                                       f"--countdown-numbers {count} --countdown-max {max_number}")
+    return Task(train=train, eval=held_out, reward=countdown_reward)
+
+
+class PromptFileError(TaskError):
+    """A --prompt-file line is malformed (the message names the file and line)."""
+
+
+def parse_prompt_line(line: str) -> Example:
+    """Parse one JSONL record: {"prompt", "answer"} (optional "solution"), or GSM8K's {"question", "answer"}
+    whose answer ends with "#### <final answer>"."""
+    record = json.loads(line)
+    if not isinstance(record, dict):
+        raise ValueError("a record must be a JSON object")
+    prompt = record.get("prompt", record.get("question"))
+    answer = record.get("answer")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError('missing "prompt" (or "question") string')
+    if answer is None or isinstance(answer, (dict, list, bool)):
+        raise ValueError('missing "answer" (a string or a number)')
+    answer, solution = str(answer), record.get("solution")
+    if "####" in answer:  # GSM8K: reasoning, then the final answer after ####
+        answer = answer.rsplit("####", 1)[1].strip().replace(",", "")
+    if not answer:
+        raise ValueError('"answer" is empty')
+    return Example(prompt, answer, solution)
+
+
+def read_prompt_file(path: str, skip_bad_samples: bool) -> tuple[list[Example], int]:
+    """Read a prompt JSONL file; return (examples, skipped lines). Malformed lines raise a PromptFileError naming
+    every bad line, unless `skip_bad_samples`, which counts them (and reports them on stderr)."""
+    examples, bad = [], []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                examples.append(parse_prompt_line(line))
+            except ValueError as err:  # json.JSONDecodeError is a ValueError
+                bad.append(f"{path}:{number}: {err}")
+    if bad and not skip_bad_samples:
+        raise PromptFileError(f"{len(bad)} malformed line(s) in --prompt-file (fix them or pass --skip-bad-samples):"
+                              "\n  " + "\n  ".join(bad[:20]))
+    for message in bad[:20]:
+        print(f"skipping {message}", file=sys.stderr)
+    return examples, len(bad)
+
+
+def jsonl_task(path: str, seed: int, skip_bad_samples: bool, eval_size: int, train_size: int = 4096) -> Task:
+    """Prompts from a JSONL file, scored with math-verify (GSM8K-style answers)."""
+    examples, skipped = read_prompt_file(path, skip_bad_samples)
+    train, held_out = split_by_problem(examples, seed, eval_size, train_size, f"--prompt-file {path}")
+    return Task(train=train, eval=held_out, reward=math_verify_reward, skipped=skipped)
+
+
+TASKS = ("digit_sort", "arithmetic", "countdown", "jsonl")
+
+
+def add_task_args(parser: argparse.ArgumentParser) -> None:
+    """Task and data flags, shared by the supervised warm-up and the GRPO loop."""
+    g = parser.add_argument_group("task")
+    g.add_argument("--task", choices=TASKS, default="digit_sort", help="Verifiable task (see megatron_ais/data).")
+    g.add_argument("--sort-length", type=int, default=5, help="digit_sort: digits per list.")
+    g.add_argument("--max-operand", type=int, default=20, help="arithmetic: largest operand.")
+    g.add_argument("--countdown-numbers", type=int, default=3, help="countdown: numbers per problem.")
+    g.add_argument("--countdown-max", type=int, default=9, help="countdown: largest number.")
+    g.add_argument("--prompt-file", default=None,
+                   help='jsonl: one JSON object per line, {"prompt": ..., "answer": ...} or GSM8K\'s '
+                        '{"question": ..., "answer": "... #### 42"} (docs/data.md).')
+    g.add_argument("--skip-bad-samples", action="store_true",
+                   help="jsonl: skip and count malformed lines instead of stopping with their line numbers.")
+    g.add_argument("--num-examples", type=int, default=4096, help="Training examples drawn from the task.")
+    g.add_argument("--eval-prompts", type=int, default=64, help="Held-out prompts (never trained on).")
+
+
+def build_task(args) -> Task:
+    """Return the task named by the task flags (seeded by --seed)."""
+    if args.task == "digit_sort":
+        return digit_sort_task(args.seed, args.sort_length, args.num_examples, args.eval_prompts)
+    if args.task == "arithmetic":
+        return arithmetic_task(args.seed, args.max_operand, args.num_examples, args.eval_prompts)
+    if args.task == "countdown":
+        return countdown_task(args.seed, args.countdown_numbers, args.countdown_max, args.num_examples,
+                              args.eval_prompts)
+    if not args.prompt_file or not os.path.isfile(args.prompt_file):
+        raise TaskError(f"--task jsonl needs --prompt-file FILE (an existing JSONL file; got {args.prompt_file!r})")
+    return jsonl_task(args.prompt_file, args.seed, args.skip_bad_samples, args.eval_prompts, args.num_examples)

@@ -12,11 +12,11 @@ GLOBAL_BATCH, MICRO_BATCH, SEQ = 8, 2, 48
 
 
 def _global_batch(hf_dir, step):
-    from megatron_ais.data.arithmetic import arithmetic_examples
+    from megatron_ais.data.tasks import arithmetic_task
     from megatron_ais.sft import encode_sft_example, load_tokenizer, micro_batches
 
     tokenizer = load_tokenizer(hf_dir)
-    examples = arithmetic_examples(GLOBAL_BATCH * 3, seed=11)[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]
+    examples = arithmetic_task(11, 99, train_size=GLOBAL_BATCH * 3, eval_size=8).train[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]
     encoded = [encode_sft_example(tokenizer, e, SEQ) for e in examples]
     return micro_batches(encoded, list(range(GLOBAL_BATCH)), GLOBAL_BATCH)[0]
 
