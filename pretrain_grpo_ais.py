@@ -10,6 +10,7 @@ from megatron_ais.ais import add_correction_args
 from megatron_ais.arguments import ALL_GROUPS, ArgumentValidationError, build_parser
 from megatron_ais.bridge.sync import add_bridge_args
 from megatron_ais.checkpointing import CheckpointError
+from megatron_ais.data.tasks import TaskError, add_task_args
 from megatron_ais.grpo.loss import add_grpo_args
 from megatron_ais.recipe import add_recipe_args, run_grpo
 from megatron_ais.rollout.engine import add_rollout_args
@@ -17,7 +18,7 @@ from megatron_ais.rollout.engine import add_rollout_args
 
 def build_grpo_parser():
     """Return the parser of every pretrain_grpo_ais.py flag, grouped by concern."""
-    return build_parser(__doc__.splitlines()[0], ALL_GROUPS + (add_grpo_args, add_correction_args,
+    return build_parser(__doc__.splitlines()[0], ALL_GROUPS + (add_task_args, add_grpo_args, add_correction_args,
                                                                add_rollout_args, add_bridge_args, add_recipe_args))
 
 
@@ -26,7 +27,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         summary = run_grpo(args)
-    except (ArgumentValidationError, CheckpointError) as err:
+    except (ArgumentValidationError, CheckpointError, TaskError) as err:
         parser.error(str(err))
     import torch.distributed as dist
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -21,12 +21,14 @@ class RunLogger:
             self.writer = SummaryWriter(tensorboard_dir or os.path.join(output_dir, "tensorboard"))
 
     def step(self, step: int, scalars: dict[str, float], line: str) -> None:
-        """Write the step's scalars to tensorboard and print its console line."""
+        """Write the step's scalars to tensorboard and metrics.jsonl, and print its console line."""
         if not self.enabled:
             return
         for name, value in scalars.items():
             if value is not None:
                 self.writer.add_scalar(name, value, step)
+        with open(os.path.join(self.output_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, **{k: v for k, v in scalars.items() if v is not None}}) + "\n")
         print(line, flush=True)
 
     def info(self, message: str) -> None:
@@ -61,21 +63,40 @@ def grpo_console_line(step: int, metrics: dict[str, float]) -> str:
             f"grad {get('train/grad_norm', '.3f')}")
 
 
-def plot_run(history: list[dict[str, float]], path: str) -> str:
-    """Write a PNG with reward and accuracy, λ and the three diagnostics, and the mismatch k3 KL per step."""
+def step_figure(columns: int):
+    """Return (pyplot, figure, axes) for `columns` per-step panels (headless backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = list(range(1, len(history) + 1))
+    fig, axes = plt.subplots(1, columns, figsize=(5.3 * columns, 4.2))
+    return plt, fig, axes
+
+
+def save_step_figure(plt, fig, axes, path: str) -> str:
+    """Label the step axes, add legends and write the figure as a PNG."""
+    for ax in axes:
+        ax.set_xlabel("GRPO step")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_run(history: list[dict[str, float]], path: str, accuracy_before: float | None = None) -> str:
+    """Write a PNG with reward and held-out accuracy (from `accuracy_before` at step 0), λ and the three
+    diagnostics, and the mismatch k3 KL per step."""
+    plt, fig, axes = step_figure(3)
+    steps = [h.get("step", i + 1) for i, h in enumerate(history)]
 
     def series(name):
         return [h.get(name, float("nan")) for h in history]
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     axes[0].plot(steps, series("rollout/reward"), label="train reward")
-    evaluated = [(s, h["eval/accuracy"]) for s, h in zip(steps, history) if "eval/accuracy" in h]
+    evaluated = [(0, accuracy_before)] if accuracy_before is not None else []
+    evaluated += [(s, h["eval/accuracy"]) for s, h in zip(steps, history) if "eval/accuracy" in h]
     if evaluated:
         axes[0].plot(*zip(*evaluated), "o-", label="held-out accuracy")
     axes[0].set_title("reward / accuracy")
@@ -87,10 +108,4 @@ def plot_run(history: list[dict[str, float]], path: str) -> str:
     axes[2].plot(steps, series("ais/mean_abs_logratio"), label="mean |δ|")
     axes[2].set_yscale("log")
     axes[2].set_title("rollout/trainer mismatch")
-    for ax in axes:
-        ax.set_xlabel("GRPO step")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_step_figure(plt, fig, axes, path)

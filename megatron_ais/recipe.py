@@ -3,6 +3,7 @@ the mismatch correction, the bridge sync into the engine, refit verification, ev
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import time
@@ -14,8 +15,6 @@ import torch.distributed as dist
 def add_recipe_args(parser: argparse.ArgumentParser) -> None:
     """Flags of the RL loop."""
     g = parser.add_argument_group("grpo loop")
-    g.add_argument("--task", choices=("arithmetic",), default="arithmetic", help="Verifiable task.")
-    g.add_argument("--max-operand", type=int, default=20, help="Largest operand of the arithmetic task.")
     g.add_argument("--grpo-steps", type=int, default=10, help="Rollout batches (GRPO steps) to train on.")
     g.add_argument("--prompts-per-step", type=int, default=16, help="Prompts per rollout batch.")
     g.add_argument("--group-size", type=int, default=4, help="Responses sampled per prompt (the GRPO group).")
@@ -24,8 +23,16 @@ def add_recipe_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="Rollout nucleus sampling.")
     g.add_argument("--num-minibatches", type=int, default=1, help="Optimizer steps per rollout batch.")
     g.add_argument("--ppo-epochs", type=int, default=1, help="Passes over each rollout batch.")
+    g.add_argument("--rollout-seed", type=int, default=None,
+                   help="Seed of the rollout sampling (per step: derived from it and the step; default --seed). "
+                        "Saved in checkpoints, so a resumed run samples what the uninterrupted run would have.")
+    g.add_argument("--ref-load", default=None,
+                   help="Checkpoint of the frozen reference policy for --kl-coef (default: the initial --load or "
+                        "--hf-dir; a resumed run keeps the reference of its first start).")
     g.add_argument("--eval-interval", type=int, default=5, help="Evaluate held-out accuracy every this many steps.")
-    g.add_argument("--eval-prompts", type=int, default=64, help="Held-out prompts (greedy decoding).")
+    g.add_argument("--eval-samples", type=int, default=8,
+                   help="Samples per held-out prompt at the rollout temperature: eval/accuracy is their mean reward "
+                        "(avg@k, what the policy actually does); eval/greedy_accuracy is reported beside it.")
 
 
 def _prompt_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
@@ -37,15 +44,43 @@ def _prompt_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
     return out
 
 
-def _accuracy(engine, tokenizer, task, max_new_tokens: int) -> float:
+def _mean_reward(engine, tokenizer, examples, task, sampling) -> float:
+    rollouts = engine.generate(_prompt_ids(tokenizer, [e.prompt for e in examples]), sampling, progress=False)
+    rewards = [task.reward(tokenizer.decode(r.token_ids, skip_special_tokens=True), examples[r.prompt_index].answer)
+               for r in rollouts]
+    return sum(rewards) / len(rewards)
+
+
+def evaluate(engine, tokenizer, task, args) -> dict[str, float]:
+    """Held-out accuracy: mean reward of --eval-samples samples per prompt at the rollout temperature (fixed
+    seed, so evaluations are comparable across steps), and greedy accuracy."""
     from megatron_ais.rollout.engine import SamplingConfig
 
-    rollouts = engine.generate(_prompt_ids(tokenizer, [e.prompt for e in task.eval]),
-                               SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens,
-                                              stop_token_ids=(tokenizer.eos_token_id,)), progress=False)
-    rewards = [task.reward(tokenizer.decode(r.token_ids, skip_special_tokens=True), e.answer)
-               for r, e in zip(rollouts, task.eval)]
-    return sum(rewards) / len(rewards)
+    stop = (tokenizer.eos_token_id,)
+    sampled = SamplingConfig(n=args.eval_samples, temperature=args.temperature, top_p=args.top_p,
+                             max_new_tokens=args.max_new_tokens, stop_token_ids=stop, seed=args.seed)
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=args.max_new_tokens, stop_token_ids=stop)
+    return {"eval/accuracy": _mean_reward(engine, tokenizer, task.eval, task, sampled),
+            "eval/greedy_accuracy": _mean_reward(engine, tokenizer, task.eval, task, greedy)}
+
+
+# flags that may change between a run and its resumption without changing what it computes
+RESUME_FREE_FLAGS = ("load", "save", "grpo_steps", "output_dir", "tensorboard_dir", "save_interval", "log_interval",
+                     "keep_checkpoints", "eval_interval")
+
+
+def changed_flags(saved: dict, args) -> list[str]:
+    """Return `--flag saved -> now` for every flag that differs from the saved run (resume-free flags aside)."""
+    current = vars(args)
+    return [f"--{k.replace('_', '-')} {v!r} -> {current.get(k)!r}" for k, v in sorted(saved.items())
+            if k not in RESUME_FREE_FLAGS and current.get(k) != v]
+
+
+def _reference_source(args) -> dict:
+    """Where the frozen KL reference comes from: --ref-load, else what this run started from."""
+    if args.ref_load:
+        return {"load": args.ref_load}
+    return {"load": args.load} if args.load else {"hf_dir": args.hf_dir}
 
 
 def run_grpo(args) -> dict:
@@ -56,7 +91,8 @@ def run_grpo(args) -> dict:
     from megatron_ais.arguments import validate_args
     from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, sync_weights_to_engine
     from megatron_ais.bridge.transport import SyncReceiver
-    from megatron_ais.data.tasks import TASKS
+    from megatron_ais.checkpointing import CheckpointRanks, checkpoint_metadata, save_checkpoint
+    from megatron_ais.data.tasks import build_task
     from megatron_ais.grpo.loss import PolicyLossConfig
     from megatron_ais.grpo.step import GRPOConfig, ParallelGroups, compute_logprobs, grpo_train_step, \
         split_micro_batches
@@ -75,15 +111,23 @@ def run_grpo(args) -> dict:
         from megatron_ais.arguments import ArgumentValidationError
         raise ArgumentValidationError("--rollout-placement colocated needs a single-rank trainer (an in-process vLLM "
                                       "engine owns torch.distributed); use --rollout-placement separate")
+    task = build_task(args)  # bad task flags or prompt files fail before anything heavy starts
     initialize_megatron(args)
-    setup = setup_model_and_optimizer(args, hf_config)
+    setup = setup_model_and_optimizer(args, hf_config, run_kind="grpo")
+    resumed = setup.run_state or {}
+    start_step = resumed.get("step", 0)
+    data_seed = resumed.get("data_seed", args.seed)
+    rollout_seed = resumed.get("rollout_seed", args.seed if args.rollout_seed is None else args.rollout_seed)
+    reference_source = resumed.get("reference_source") or _reference_source(args)
     build, groups = setup.build, ParallelGroups.from_parallel_state()
+    ranks = CheckpointRanks.from_parallel_state()
     layout = BridgeLayout.from_parallel_state()
     is_engine_rank = layout.rank == layout.engine_rank
     tp_group = ps.get_tensor_model_parallel_group()
-    reference = build_reference_chunks(args, build) if args.kl_coef else None
+    reference = build_reference_chunks(args, build, reference_source) if args.kl_coef else None
     tokenizer = load_tokenizer(setup.assets_dir)
-    task = TASKS[args.task](args.seed, args.max_operand, eval_size=args.eval_prompts)
+    if data_seed != args.seed:
+        task = build_task(argparse.Namespace(**{**vars(args), "seed": data_seed}))
     log = RunLogger(args.output_dir, args.tensorboard_dir, is_engine_rank)
     # the engine starts from an HF export of the initial policy, written one file per pipeline stage
     init_dir = os.path.join(args.output_dir, "engine_init")
@@ -101,18 +145,31 @@ def run_grpo(args) -> dict:
                       advantage_normalize_std=not args.advantage_no_std,
                       advantage_leave_one_out=args.advantage_leave_one_out, temperature=args.temperature)
     state = AISState()
+    state.load_state_dict(resumed.get("ais_state", {}))
     probe = probe_tokens(build.shape.vocab_size)
     sampling = SamplingConfig(n=args.group_size, temperature=args.temperature, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
-    history = []
-    accuracy_before = _accuracy(engine, tokenizer, task, args.max_new_tokens) if is_engine_rank else None
-    for step in range(1, args.grpo_steps + 1):
+    history = list(resumed.get("history", []))
+    if setup.run_state is not None:
+        log.info(f"resuming GRPO at step {start_step + 1} from {args.load} (iteration {setup.loaded.iteration})")
+        changed = changed_flags(resumed.get("args", {}), args)
+        if changed:
+            log.info("flags that differ from the saved run: " + ", ".join(changed))
+        before = resumed.get("eval_before", {})
+        # the engine holds what the bridge would have sent after the saved step
+        receiver = SyncReceiver(apply=engine.update_weights) if is_engine_rank else None
+        sync_weights_to_engine(setup.chunks, build, bridge, tp_group, layout, start_step, receiver)
+    else:
+        before = evaluate(engine, tokenizer, task, args) if is_engine_rank else {}
+    accuracy_before = before.get("eval/accuracy")
+    for step in range(start_step + 1, args.grpo_steps + 1):
         t0 = time.time()
         payload = [None]
         if is_engine_rank:
-            rng = random.Random(args.seed * 100003 + step)
-            examples = rng.sample(task.train, args.prompts_per_step)
-            rollouts = engine.generate(_prompt_ids(tokenizer, [e.prompt for e in examples]), sampling)
+            # prompts and sampling depend only on the seeds and the step: a resumed run continues the same stream
+            examples = random.Random(data_seed * 100003 + step).sample(task.train, args.prompts_per_step)
+            rollouts = engine.generate(_prompt_ids(tokenizer, [e.prompt for e in examples]),
+                                       dataclasses.replace(sampling, seed=rollout_seed * 100003 + step))
             rewards = [task.reward(tokenizer.decode(r.token_ids, skip_special_tokens=True), examples[r.prompt_index].answer)
                        for r in rollouts]
             payload = [rollouts_to_batch(rollouts, rewards, args.group_size, args.seq_length, tokenizer.pad_token_id)]
@@ -135,19 +192,28 @@ def run_grpo(args) -> dict:
                         "time/train_s": t_train, "time/sync_s": t_sync,
                         "rollout/tokens_per_s": float(batch.mask.sum()) / max(t_rollout, 1e-9)})
         if is_engine_rank and (step % args.eval_interval == 0 or step == args.grpo_steps):
-            metrics["eval/accuracy"] = _accuracy(engine, tokenizer, task, args.max_new_tokens)
-        history.append({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+            metrics.update(evaluate(engine, tokenizer, task, args))
+        history.append({"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
         log.step(step, metrics, f"{grpo_console_line(step, metrics)} | reward {metrics['rollout/reward']:.3f} "
                                 f"acc {metrics.get('eval/accuracy', float('nan')):.3f} | "
                                 f"{metrics['rollout/tokens_per_s']:.0f} tok/s | rollout {t_rollout:.1f}s train "
                                 f"{t_train:.1f}s sync {t_sync:.1f}s")
-    summary = {"accuracy_before": accuracy_before,
+        if args.save and (step == args.grpo_steps or (args.save_interval and step % args.save_interval == 0)):
+            run_state = {"kind": "grpo", "step": step, "ais_state": state.state_dict(), "data_seed": data_seed,
+                         "rollout_seed": rollout_seed, "consumed_prompts": step * args.prompts_per_step,
+                         "reference_source": reference_source, "history": history, "eval_before": before,
+                         "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}}
+            save_checkpoint(args.save, step, setup.chunks, checkpoint_metadata(args, build, hf_config, step),
+                            setup.assets_dir, ranks, optimizer=setup.optimizer, run_state=run_state,
+                            dp_group=ps.get_data_parallel_group(), keep=args.keep_checkpoints)
+            log.info(f"saved checkpoint {args.save} iteration {step}")
+    summary = {"accuracy_before": accuracy_before, "greedy_accuracy_before": before.get("eval/greedy_accuracy"),
                "accuracy_after": history[-1].get("eval/accuracy") if history else accuracy_before,
                "steps": args.grpo_steps, "wall_s": time.time() - start, "history": history}
     log.summary(summary)
     if is_engine_rank and history:
         from megatron_ais.logging import plot_run
-        plot_run(history, os.path.join(args.output_dir, "run.png"))
+        plot_run(history, os.path.join(args.output_dir, "run.png"), accuracy_before)
     log.close()
     if engine is not None:
         engine.shutdown()

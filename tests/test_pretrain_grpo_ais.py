@@ -1,30 +1,45 @@
-"""pretrain_grpo_ais.py end to end on 2 gloo ranks (DP2): SFT checkpoint -> FP8 rollouts in a separate vLLM
-engine -> rewards -> GRPO + AIS update -> bridge sync -> refit verification -> logs and the last line."""
+"""pretrain_grpo_ais.py end to end on 2 gloo ranks (DP2): Megatron checkpoint -> FP8 rollouts in a separate vLLM
+engine -> rewards -> GRPO + AIS update -> bridge sync -> refit verification -> logs, checkpoints, the last line;
+and a run SIGKILLed in the middle of a step resumes to exactly the metrics of an uninterrupted run."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from conftest import ROOT, make_model_dir
 
+TIME_KEYS = ("time/", "rollout/tokens_per_s")
 
-@pytest.mark.slow
-def test_two_grpo_steps_end_to_end(model_root, tmp_path):
+
+def _converted_checkpoint(model_root, tmp_path):
     import convert_checkpoint
 
     hf_dir = make_model_dir(model_root, "qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=4,
                             num_key_value_heads=2, vocab_size=512, initializer_range=0.02)
     checkpoint = str(tmp_path / "megatron")
     convert_checkpoint.hf_to_megatron(hf_dir, checkpoint, 1, 1)
+    return checkpoint
+
+
+def _command(load, out, steps, *extra):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            os.path.join(ROOT, "pretrain_grpo_ais.py"), "--load", load, "--seq-length", "64", "--task", "arithmetic",
+            "--max-operand", "9", "--grpo-steps", str(steps), "--eval-interval", "2", "--eval-prompts", "8",
+            "--eval-samples", "2", "--prompts-per-step", "4", "--group-size", "4", "--micro-batch-size", "4",
+            "--rollout-kv-cache-gb", "0.25", "--output-dir", str(out), *extra]
+
+
+@pytest.mark.slow
+def test_two_grpo_steps_end_to_end(model_root, tmp_path):
+    checkpoint = _converted_checkpoint(model_root, tmp_path)
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "pretrain_grpo_ais.py"), "--load", checkpoint, "--seq-length", "64",
-           "--grpo-steps", "2", "--eval-interval", "2", "--eval-prompts", "8", "--prompts-per-step", "4",
-           "--group-size", "4", "--micro-batch-size", "4", "--rollout-kv-cache-gb", "0.25",
-           "--output-dir", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    proc = subprocess.run(_command(checkpoint, out, 2), capture_output=True, text=True, timeout=600,
+                          cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("accuracy_before=") and " steps=2 " in last and "wall_s=" in last
@@ -32,8 +47,77 @@ def test_two_grpo_steps_end_to_end(model_root, tmp_path):
     assert len(summary["history"]) == 2
     first = summary["history"][0]
     assert 0.0 <= first["ais/lambda"] <= 1.0 and first["ais/num_units"] > 0
-    assert "eval/accuracy" in summary["history"][1]
+    assert "eval/accuracy" in summary["history"][1] and "eval/greedy_accuracy" in summary["history"][1]
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(out / "tensorboard"))
     assert (out / "run.png").stat().st_size > 10_000
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 2 and "λ" in steps[0] and "rollout" in steps[0]
+
+
+def _comparable(history):
+    return {h["step"]: {k: v for k, v in h.items() if not k.startswith(TIME_KEYS)} for h in history}
+
+
+def _descendants(pid):
+    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(c) for c in children] + [d for c in children for d in _descendants(int(c))]
+
+
+def _run_until_killed(cmd, cwd, save_dir):
+    """Start a run; SIGKILL torchrun, its ranks (torchrun starts them in their own sessions) and the vLLM
+    engine processes at once, in the middle of step 3 (after the step-2 checkpoint is committed). Return the
+    output it printed."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    deadline = time.time() + 600
+    while not any("saved checkpoint" in line and "iteration 2" in line for line in lines):
+        assert proc.poll() is None and time.time() < deadline, "".join(lines)[-4000:]
+        time.sleep(0.05)
+    time.sleep(0.1)  # step 3 (rollout, update, sync: about 1 s with 16 prompts) is under way
+    assert proc.poll() is None, "".join(lines)[-4000:]
+    victims = [proc.pid] + _descendants(proc.pid)
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    reader.join(timeout=10)
+    time.sleep(1.0)
+    survivors = [pid for pid in victims if os.path.exists(f"/proc/{pid}") and
+                 open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
+    assert not survivors, f"processes left after the kill: {survivors}"
+    return "".join(lines)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_step_then_resume_equals_uninterrupted(model_root, tmp_path):
+    checkpoint = _converted_checkpoint(model_root, tmp_path)
+    full_out, cut_out = tmp_path / "full", tmp_path / "cut"
+    bigger = ("--prompts-per-step", "16", "--max-new-tokens", "24")  # a step long enough to be killed inside
+    full = subprocess.run(_command(checkpoint, full_out, 4, "--save", str(full_out / "ckpt"), "--save-interval", "2",
+                                   *bigger), capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert full.returncode == 0, full.stderr[-4000:]
+
+    save = str(cut_out / "ckpt")
+    printed = _run_until_killed(_command(checkpoint, cut_out, 4, "--save", save, "--save-interval", "2", *bigger),
+                                str(tmp_path), save)
+    assert "step     3 |" not in printed, "the kill came after step 3 finished"
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "2"
+
+    resumed = subprocess.run(_command(save, cut_out, 4, "--save", save, "--save-interval", "2", *bigger),
+                             capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resuming GRPO at step 3" in resumed.stderr
+    expected = _comparable(json.load(open(full_out / "summary.json"))["history"])
+    got = _comparable(json.load(open(cut_out / "summary.json"))["history"])
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert got[step] == expected[step], f"step {step} after the resume differs from the uninterrupted run"
+
+    # the trained policy exports to a HF directory that transformers loads
+    import convert_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    exported = convert_checkpoint.megatron_to_hf(save, str(tmp_path / "hf"))
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    assert model.config.num_hidden_layers == 2

@@ -52,10 +52,13 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = True
     block_size: int = 128
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise ValueError(f"--rollout-precision {self.precision!r} must be one of {PRECISIONS}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--rollout-tensor-parallel-size {self.tensor_parallel_size} must be at least 1")
 
 
 def prepare_engine_dir(config: EngineConfig, out_dir: str) -> str:
@@ -99,8 +102,13 @@ class RolloutEngine:
     def __init__(self, config: EngineConfig, work_dir: str, placement: str = "colocated"):
         if placement not in PLACEMENTS:
             raise ValueError(f"--rollout-placement {placement!r} must be one of {PLACEMENTS}")
+        if placement == "colocated" and config.tensor_parallel_size > 1:
+            raise ValueError("--rollout-tensor-parallel-size > 1 needs --rollout-placement separate (vLLM's own "
+                             "worker processes form the engine's tensor-parallel group)")
         self.config, self.placement, self.work_dir = config, placement, work_dir
         self.engine_dir = prepare_engine_dir(config, os.path.join(work_dir, "engine_model"))
+        if placement == "separate" and os.path.isdir("/proc"):
+            self._remove_stale_sync_files(self._sync_directory())
         self.version = 0
         self.llm = None
         self._start()
@@ -116,6 +124,7 @@ class RolloutEngine:
         self.llm = LLM(model=self.engine_dir, dtype="float32" if config.precision == "fp32" else "bfloat16",
                        enforce_eager=config.enforce_eager, max_model_len=config.max_model_len,
                        max_num_seqs=config.max_num_seqs, seed=config.seed,
+                       tensor_parallel_size=config.tensor_parallel_size,
                        kv_cache_memory_bytes=int(config.kv_cache_gb * (1 << 30)),
                        logprobs_mode="processed_logprobs",
                        worker_extension_cls="megatron_ais.rollout.worker_extension.WeightSyncExtension", **kwargs)
@@ -138,16 +147,30 @@ class RolloutEngine:
             apply_weights_in_worker(self._worker(), named_tensors)
         else:
             self._apply_through_shared_memory(named_tensors)
+        # KV blocks cached for shared prompt prefixes were computed with the old weights
+        self.llm.reset_prefix_cache()
         self.version += 1
         return self.version
+
+    @staticmethod
+    def _remove_stale_sync_files(directory: str) -> None:
+        # a run killed during a sync leaves its shared-memory file behind; /dev/shm is RAM
+        import re
+
+        for name in os.listdir(directory):
+            match = re.fullmatch(r"megatron-ais-(\d+)-sync\.safetensors(\.tmp)?", name)
+            if match and not os.path.exists(f"/proc/{match.group(1)}"):
+                os.remove(os.path.join(directory, name))
+
+    def _sync_directory(self) -> str:
+        return "/dev/shm" if os.path.isdir("/dev/shm") else self.work_dir
 
     def _apply_through_shared_memory(self, named_tensors) -> None:
         from safetensors.torch import save_file
 
         from megatron_ais.bridge.buckets import manifest_entry
 
-        directory = "/dev/shm" if os.path.isdir("/dev/shm") else self.work_dir
-        path = os.path.join(directory, f"megatron-ais-{os.getpid()}-sync.safetensors")
+        path = os.path.join(self._sync_directory(), f"megatron-ais-{os.getpid()}-sync.safetensors")
         manifest = json.dumps([dataclasses.asdict(manifest_entry(n, t)) for n, t in named_tensors])
         try:
             save_file({n: t.contiguous() for n, t in named_tensors}, path + ".tmp", metadata={"format": "pt"})
@@ -227,6 +250,9 @@ def add_rollout_args(parser) -> None:
     g.add_argument("--rollout-placement", choices=PLACEMENTS, default="separate",
                    help="colocated: engine inside the trainer process (single-rank trainers only, vLLM then owns "
                         "torch.distributed); separate: engine processes fed through shared memory.")
+    g.add_argument("--rollout-tensor-parallel-size", type=int, default=1,
+                   help="vLLM tensor-parallel size of the engine (its own ranks, independent of the trainer's TP; "
+                        "separate placement). Blockwise FP8 needs q/k/MLP sizes per rank divisible by 128.")
     g.add_argument("--rollout-kv-cache-gb", type=float, default=1.0, help="KV-cache memory of the engine (GiB).")
     g.add_argument("--rollout-max-num-seqs", type=int, default=64, help="Sequences the engine batches at once.")
     g.add_argument("--rollout-max-model-len", type=int, default=512, help="Longest prompt + response the engine serves.")
@@ -239,4 +265,4 @@ def engine_config_from_args(args, model_dir: str) -> EngineConfig:
     return EngineConfig(model_dir=model_dir, precision=args.rollout_precision,
                         kv_cache_dtype=args.rollout_kv_cache_dtype, kv_cache_gb=args.rollout_kv_cache_gb,
                         max_model_len=args.rollout_max_model_len, max_num_seqs=args.rollout_max_num_seqs,
-                        seed=args.seed)
+                        seed=args.seed, tensor_parallel_size=args.rollout_tensor_parallel_size)

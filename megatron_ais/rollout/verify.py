@@ -2,7 +2,9 @@
 the trainer's on the same weights, within a tolerance per engine precision.
 
 Tolerances were calibrated on the tiny models (docs/rollout.md): fp32 engine vs fp32 trainer max |Δ| 1.7e-5;
-bf16 engine mean |Δ| 0.015-0.02. The FP8 engine is compared with the BF16 trainer, so its check includes the
+bf16 engine mean |Δ| 0.015-0.02 on a random model, 0.073 after 150 SFT steps on digit sort (a trained model is
+confident, and the random-token probe then has log-probs far in the tail, where bf16 rounding is largest), so
+its bound is 0.25. The FP8 engine is compared with the BF16 trainer, so its check includes the
 quantization mismatch itself: 0.05 on a random model, 0.12 after 300 SFT steps on the random-token probe; its
 bound (0.5) catches wrong or badly stale weights (mean |Δ| of order 1), not small staleness.
 """
@@ -13,7 +15,7 @@ import dataclasses
 import torch
 
 # (statistic, bound): fp32 is checked on the max, the low-precision engines on the mean
-TOLERANCES = {"fp32": ("max", 1e-4), "bf16": ("mean", 0.06), "fp8": ("mean", 0.5)}
+TOLERANCES = {"fp32": ("max", 1e-4), "bf16": ("mean", 0.25), "fp8": ("mean", 0.5)}
 
 
 class RefitVerificationError(RuntimeError):
