@@ -1,0 +1,122 @@
+"""Launch GRPO + AIS as a nemo-run experiment, the way a login node or a laptop submits jobs.
+
+Runs in the launcher environment `.venv-launch` (nemo-run cannot share the training venv, see docs/install.md);
+the job itself runs with the training environment.
+
+    # this machine: a tiny-model job through the training venv's torchrun (CPU, gloo)
+    .venv-launch/bin/python examples/nemo_run_grpo_ais.py --executor local --grpo-steps 2
+
+    # Slurm, multi-node H100: submits examples/qwen3_8b_grpo_ais.sh (one task per node, torchrun inside) in the
+    # container built from our Dockerfile; --dryrun prints the sbatch script instead of submitting
+    .venv-launch/bin/python examples/nemo_run_grpo_ais.py --executor slurm --account ACCT --partition batch \\
+        --nodes 4 --gpus-per-node 8 --container-image registry/megatron-ais:latest \\
+        --container-mounts /lustre/models:/models /lustre/data:/data /lustre/ckpt:/checkpoints --dryrun
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--executor", choices=("local", "slurm"), default="local", help="Where the job runs.")
+    parser.add_argument("--dryrun", action="store_true", help="Print what would run (the sbatch script on Slurm).")
+    parser.add_argument("--name", default="grpo-ais", help="Experiment name.")
+    local = parser.add_argument_group("local executor (tiny model, CPU)")
+    local.add_argument("--nproc-per-node", type=int, default=2, help="Trainer ranks (torchrun --nproc-per-node).")
+    local.add_argument("--hf-dir", default=os.path.join(REPO, "runs", "tiny-qwen3"),
+                       help="HF model to train; made by tools/make_tiny_model.py when missing.")
+    local.add_argument("--grpo-steps", type=int, default=2, help="GRPO steps of the local job.")
+    local.add_argument("--output-dir", default=os.path.join(REPO, "runs", "nemo-run-local"), help="Run directory.")
+    slurm = parser.add_argument_group("slurm executor (multi-node H100)")
+    slurm.add_argument("--account", default=None, help="Slurm account (required with --executor slurm).")
+    slurm.add_argument("--partition", default=None, help="Slurm partition.")
+    slurm.add_argument("--nodes", type=int, default=1, help="Nodes (1-4 for Qwen3-8B).")
+    slurm.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node.")
+    slurm.add_argument("--time", default="04:00:00", help="Wall-clock limit.")
+    slurm.add_argument("--container-image", default="megatron-ais:latest", help="Image built from our Dockerfile.")
+    slurm.add_argument("--container-mounts", nargs="*", default=[], help="host:container mounts (models, data, ckpt).")
+    slurm.add_argument("--job-dir", default=os.path.join(REPO, "runs", "nemo-run-jobs"),
+                       help="Where nemo-run writes sbatch scripts and logs (shared filesystem on a cluster).")
+    slurm.add_argument("--code-dir", default="/workspace/megatron-ais", help="The repository inside the image.")
+    slurm.add_argument("--hf-model", default="/models/Qwen3-8B", help="HF_MODEL inside the container.")
+    slurm.add_argument("--prompt-file", default="/data/gsm8k/train.jsonl", help="PROMPT_FILE inside the container.")
+    slurm.add_argument("--checkpoint-path", default="/checkpoints/qwen3-8b-grpo-ais",
+                       help="CHECKPOINT_PATH (resumed automatically when it holds a checkpoint).")
+    slurm.add_argument("--results-dir", default="/results/qwen3-8b-grpo-ais", help="OUTPUT_DIR inside the container.")
+    args = parser.parse_args(argv)
+    if args.executor == "slurm" and not args.account:
+        parser.error("--executor slurm needs --account ACCOUNT")
+    return args
+
+
+def local_command(args) -> str:
+    """The local job: make the tiny model if needed, then torchrun the recipe with the training venv."""
+    python = os.path.join(REPO, ".venv", "bin", "python")
+    make_model = (f"test -f {shlex.quote(os.path.join(args.hf_dir, 'config.json'))} || {python} "
+                  f"tools/make_tiny_model.py --arch qwen3 --out {shlex.quote(args.hf_dir)}")
+    recipe = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc_per_node),
+              "pretrain_grpo_ais.py", "--hf-dir", args.hf_dir, "--seq-length", "64", "--grpo-steps",
+              str(args.grpo_steps), "--eval-interval", str(args.grpo_steps), "--eval-prompts", "8",
+              "--eval-samples", "2", "--prompts-per-step", "4", "--group-size", "4", "--micro-batch-size", "4",
+              "--rollout-kv-cache-gb", "0.25", "--output-dir", args.output_dir]
+    return f"cd {shlex.quote(REPO)} && {make_model} && {shlex.join(recipe)}"
+
+
+def slurm_environment(args) -> dict[str, str]:
+    """What examples/qwen3_8b_grpo_ais.sh reads (NNODES / NODE_RANK / MASTER_ADDR come from Slurm)."""
+    return {"GPUS_PER_NODE": str(args.gpus_per_node), "HF_MODEL": args.hf_model, "PROMPT_FILE": args.prompt_file,
+            "CHECKPOINT_PATH": args.checkpoint_path, "OUTPUT_DIR": args.results_dir,
+            # nemo-run's sbatch script resolves the head node before these exports; scontrol may be absent in
+            # the container, so the rendezvous address is passed in
+            "MASTER_ADDR": "$head_node_ip", "MASTER_PORT": "6000",
+            "TORCH_NCCL_AVOID_RECORD_STREAMS": "1", "NCCL_NVLS_ENABLE": "0"}
+
+
+def build_experiment(args):
+    """Return (task, executor) for the chosen executor."""
+    import nemo_run as run
+
+    if args.executor == "local":
+        return run.Script(inline=local_command(args)), run.LocalExecutor()
+    task = run.Script(inline=f"cd {shlex.quote(args.code_dir)} && bash examples/qwen3_8b_grpo_ais.sh")
+    executor = run.SlurmExecutor(
+        account=args.account, partition=args.partition, nodes=args.nodes,
+        ntasks_per_node=1,  # one torchrun per node, which starts --gpus-per-node ranks
+        gpus_per_node=args.gpus_per_node, time=args.time, exclusive=True,
+        container_image=args.container_image, container_mounts=list(args.container_mounts),
+        env_vars=slurm_environment(args),
+        packager=run.Packager(),  # the code is in the image (Dockerfile), nothing to ship
+        tunnel=run.LocalTunnel(job_dir=args.job_dir))
+    return task, executor
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import nemo_run as run
+
+    task, executor = build_experiment(args)
+    with run.Experiment(args.name, executor=executor, log_level="WARN") as experiment:
+        experiment.add(task, name=args.name)
+        if args.dryrun:
+            print(f"job command: {task.inline}", flush=True)
+            experiment.dryrun()
+            return 0
+        experiment.run(sequential=True, detach=args.executor == "slurm", tail_logs=args.executor == "local")
+    if args.executor == "local":
+        status = experiment.status(return_dict=True) or {}
+        states = [str(info.get("status", "")) for info in status.values()]
+        if not states or any("SUCCEEDED" not in s for s in states):
+            print(f"job did not succeed: {status}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+#!/bin/bash
+# GRPO + AIS for Qwen3-8B on 1-4 nodes of 8x H100 80GB: BF16 Megatron-Core trainer, FP8 vLLM rollouts,
+# adaptive importance sampling against the FP8/BF16 mismatch. Megatron-LM style: one array per concern.
+#
+#   single node:  bash examples/qwen3_8b_grpo_ais.sh
+#   Slurm:        srun --nodes 4 --ntasks-per-node 1 --gpus-per-node 8 bash examples/qwen3_8b_grpo_ais.sh
+#                 (or examples/nemo_run_grpo_ais.py --executor slurm, which submits exactly this script)
+#   print only:   PRINT_ARGS=1 bash examples/qwen3_8b_grpo_ais.sh   (one pretrain_grpo_ais.py flag per line)
+#
+# Inputs (environment): HF_MODEL (Qwen3-8B HF directory), PROMPT_FILE (GSM8K-style JSONL, docs/data.md),
+# CHECKPOINT_PATH (resumes automatically when it holds a checkpoint), OUTPUT_DIR.
+set -euo pipefail
+
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+NNODES=${NNODES:-${SLURM_NNODES:-1}}
+NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
+if [[ -z "${MASTER_ADDR:-}" ]]; then
+    if [[ -n "${SLURM_JOB_NODELIST:-}" ]] && command -v scontrol >/dev/null; then
+        MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+    else
+        MASTER_ADDR=localhost
+    fi
+fi
+MASTER_PORT=${MASTER_PORT:-6000}
+WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
+
+HF_MODEL=${HF_MODEL:-/models/Qwen3-8B}
+PROMPT_FILE=${PROMPT_FILE:-/data/gsm8k/train.jsonl}
+CHECKPOINT_PATH=${CHECKPOINT_PATH:-/checkpoints/qwen3-8b-grpo-ais}
+OUTPUT_DIR=${OUTPUT_DIR:-/results/qwen3-8b-grpo-ais}
+
+# 8B dense, 36 layers, 32 query / 8 KV heads: TP4 keeps 2 KV heads per rank (no KV replication) and one
+# node holds two model replicas; PP stays 1 up to 4 nodes (the whole model fits at TP4 with the distributed
+# optimizer), so DP = WORLD_SIZE / 4 = 2, 4, 6 or 8 replicas.
+TP=${TP:-4}
+PP=${PP:-1}
+# Rollouts: FP8 Qwen3-8B (about 9 GB of weights) fits one H100 with room for a large KV cache, so each
+# engine is TP1; vLLM's continuous batching prefers more independent engines to wider ones at this size.
+ROLLOUT_TP=${ROLLOUT_TP:-1}
+
+DISTRIBUTED_ARGS=(
+    --nproc-per-node "$GPUS_PER_NODE"
+    --nnodes "$NNODES"
+    --node-rank "$NODE_RANK"
+    --master-addr "$MASTER_ADDR"
+    --master-port "$MASTER_PORT"
+)
+
+GPT_MODEL_ARGS=(
+    --hf-dir "$HF_MODEL"          # architecture, tokenizer and initial weights (Qwen3: QK-norm, no bias)
+    --bf16
+    --seq-length 4096             # prompt + response; the rotary table length
+    --transformer-impl auto       # Transformer Engine when importable
+    --make-vocab-size-divisible-by 128
+)
+
+TRAINING_ARGS=(
+    --seed 1234
+    --micro-batch-size 2
+    --lr 1e-6
+    --weight-decay 0.01
+    --adam-beta1 0.9
+    --adam-beta2 0.98
+    --clip-grad 1.0
+    --grpo-steps 500
+    --prompts-per-step 256        # x 8 samples = 2048 sequences per rollout batch
+    --group-size 8
+    --num-minibatches 4           # 4 optimizer steps per rollout batch (off-policy within the batch)
+    --ppo-epochs 1
+    --clip-low 0.2
+    --clip-high 0.28              # asymmetric (DAPO-style) clip
+    --loss-agg token-mean
+    --kl-coef 0.0
+)
+
+MODEL_PARALLEL_ARGS=(
+    --tensor-model-parallel-size "$TP"
+    --pipeline-model-parallel-size "$PP"
+    --sequence-parallel
+    --use-distributed-optimizer
+)
+
+ROLLOUT_ARGS=(
+    --rollout-precision fp8               # blockwise FP8 (128x128, weight_scale_inv) from the bridge
+    --rollout-kv-cache-dtype auto
+    --rollout-placement separate
+    --rollout-tensor-parallel-size "$ROLLOUT_TP"
+    --rollout-kv-cache-gb 20
+    --rollout-max-num-seqs 256
+    --rollout-max-model-len 4096
+    --max-new-tokens 3072
+    --temperature 1.0
+    --top-p 1.0
+    --bridge-bucket-size-mb 512
+    --verify-refit-interval 10            # probe-sequence refit check every 10 syncs
+)
+
+AIS_ARGS=(
+    --is-correction ais
+    --is-level token
+    --is-cap 2.0
+    --ais-severity anchored
+    --ais-reliability band_ess
+    --ais-variance advantage_weighted
+    --ais-combiner product
+    --ais-ema 0.9
+)
+
+DATA_ARGS=(
+    --task jsonl
+    --prompt-file "$PROMPT_FILE"
+    --eval-prompts 256
+    --eval-samples 4
+    --eval-interval 20
+)
+
+CHECKPOINT_ARGS=(
+    --save "$CHECKPOINT_PATH"
+    --save-interval 20
+    --keep-checkpoints 2
+)
+# resume when the checkpoint directory already holds a run (Megatron-LM convention: --load = --save)
+if [[ -f "$CHECKPOINT_PATH/latest_checkpointed_iteration.txt" ]]; then
+    CHECKPOINT_ARGS+=(--load "$CHECKPOINT_PATH")
+fi
+
+LOGGING_ARGS=(
+    --output-dir "$OUTPUT_DIR"
+    --log-interval 1
+)
+
+ALL_ARGS=("${GPT_MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}"
+          "${AIS_ARGS[@]}" "${DATA_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" "${LOGGING_ARGS[@]}")
+
+if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
+    printf '%s\n' "${ALL_ARGS[@]}"
+    exit 0
+fi
+
+echo "Qwen3-8B GRPO+AIS: ${NNODES} node(s) x ${GPUS_PER_NODE} GPUs, TP${TP} PP${PP} DP$((WORLD_SIZE / (TP * PP)))," \
+     "rollout TP${ROLLOUT_TP}, node rank ${NODE_RANK}, master ${MASTER_ADDR}:${MASTER_PORT}"
+cd "$(dirname "$0")/.."
+exec torchrun "${DISTRIBUTED_ARGS[@]}" pretrain_grpo_ais.py "${ALL_ARGS[@]}"
