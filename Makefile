@@ -32,18 +32,20 @@ $(LAUNCH_STAMP): requirements/launch.txt
 	$(VENV_LAUNCH)/bin/python -c "import nemo_run"
 	touch $@
 
-# The default recipe on 2 gloo ranks (DP2): tiny Qwen3 model and tokenizer, a supervised warm-up on the
-# arithmetic task (Megatron checkpoint), then GRPO + AIS with FP8 rollouts in a separate vLLM engine.
+# The default recipe on 2 gloo ranks (DP2): tiny Qwen3 model and tokenizer, a supervised warm-up on the digit-sort
+# task (Megatron checkpoint), then GRPO + AIS with FP8 rollouts in a separate vLLM engine, checkpointed.
 RUN_DIR ?= runs/default
 run: $(STAMP)
+	rm -rf $(RUN_DIR)
 	$(PY) tools/make_tiny_model.py --arch qwen3 --out $(TINY)
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) tools/train_sft.py \
-	    --hf-dir $(TINY) --train-iters 150 --micro-batch-size 16 --global-batch-size 32 --seq-length 64 \
-	    --lr 3e-3 --max-operand 9 --output-dir $(RUN_DIR)/sft --save $(RUN_DIR)/sft/checkpoint
+	    --hf-dir $(TINY) --task digit_sort --train-iters 150 --micro-batch-size 16 --global-batch-size 32 \
+	    --seq-length 64 --lr 3e-3 --log-interval 10 --output-dir $(RUN_DIR)/sft --save $(RUN_DIR)/sft/checkpoint
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) pretrain_grpo_ais.py \
-	    --load $(RUN_DIR)/sft/checkpoint --seq-length 64 --max-operand 9 --grpo-steps 40 --eval-interval 10 \
-	    --micro-batch-size 16 --lr 5e-4 --prompts-per-step 16 --group-size 8 --rollout-precision fp8 \
-	    --is-correction ais --rollout-kv-cache-gb 0.5 --output-dir $(RUN_DIR)
+	    --load $(RUN_DIR)/sft/checkpoint --task digit_sort --seq-length 64 --grpo-steps 50 --eval-interval 10 \
+	    --eval-prompts 128 --micro-batch-size 16 --lr 3e-4 --prompts-per-step 32 --group-size 8 \
+	    --rollout-precision fp8 --is-correction ais --rollout-kv-cache-gb 0.5 \
+	    --save $(RUN_DIR)/checkpoint --save-interval 25 --output-dir $(RUN_DIR)
 
 test: $(STAMP) $(LAUNCH_STAMP)
 	$(PY) -m pytest -q tests
