@@ -76,6 +76,40 @@ def changed_flags(saved: dict, args) -> list[str]:
             if k not in RESUME_FREE_FLAGS and current.get(k) != v]
 
 
+def from_last_stage(obj):
+    """Return the last pipeline stage's `obj` on every stage (log-probs, λ and losses exist only there; the
+    logging rank is on the first stage)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return obj
+    payload = [obj if ps.is_pipeline_last_stage() else None]
+    dist.broadcast_object_list(payload, src=ps.get_pipeline_model_parallel_last_rank(),
+                               group=ps.get_pipeline_model_parallel_group())
+    return payload[0]
+
+
+def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups, vocab_size: int, precision: str,
+                              engine_rank: int) -> None:
+    """Score the probe on the trainer (every stage runs the pipeline schedule; the last stage's log-probs go to
+    the first) and on the engine; a failed check raises on every rank, so no rank waits in the next collective."""
+    from megatron_ais.grpo.step import compute_logprobs, split_micro_batches
+    from megatron_ais.rollout.verify import RefitVerificationError, verify_refit
+
+    row = {"tokens": torch.tensor([probe[:-1]]), "labels": torch.tensor([probe[1:]])}
+    trainer = compute_logprobs(ddp_chunks, split_micro_batches(row, 1), len(probe) - 1, 1, groups, vocab_size)
+    trainer = from_last_stage(trainer[0] if trainer is not None else None)
+    error = [None]
+    if engine is not None:
+        try:
+            verify_refit(engine.prompt_logprobs(probe), trainer, precision)
+        except RefitVerificationError as err:
+            error = [str(err)]
+    dist.broadcast_object_list(error, src=engine_rank)
+    if error[0]:
+        raise RefitVerificationError(error[0])
+
+
 def _reference_source(args) -> dict:
     """Where the frozen KL reference comes from: --ref-load, else what this run started from."""
     if args.ref_load:
@@ -94,14 +128,13 @@ def run_grpo(args) -> dict:
     from megatron_ais.checkpointing import CheckpointRanks, checkpoint_metadata, save_checkpoint
     from megatron_ais.data.tasks import build_task
     from megatron_ais.grpo.loss import PolicyLossConfig
-    from megatron_ais.grpo.step import GRPOConfig, ParallelGroups, compute_logprobs, grpo_train_step, \
-        split_micro_batches
+    from megatron_ais.grpo.step import GRPOConfig, ParallelGroups, grpo_train_step
     from megatron_ais.initialize import initialize_megatron
     from megatron_ais.logging import RunLogger, grpo_console_line
     from megatron_ais.mapping.distributed import save_hf_checkpoint
     from megatron_ais.rollout.batch import rollouts_to_batch
     from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig, engine_config_from_args
-    from megatron_ais.rollout.verify import probe_tokens, verify_refit
+    from megatron_ais.rollout.verify import probe_tokens
     from megatron_ais.sft import load_tokenizer
     from megatron_ais.training import build_reference_chunks, setup_model_and_optimizer
 
@@ -180,14 +213,11 @@ def run_grpo(args) -> dict:
         t_train = time.time() - t0 - t_rollout
         receiver = SyncReceiver(apply=engine.update_weights) if is_engine_rank else None
         sync_weights_to_engine(setup.chunks, build, bridge, tp_group, layout, step, receiver)
-        if args.verify_refit_interval and step % args.verify_refit_interval == 0 and groups.is_last_stage:
-            row = {"tokens": torch.tensor([probe[:-1]]), "labels": torch.tensor([probe[1:]])}
-            trainer_lp = compute_logprobs(setup.ddp_chunks, split_micro_batches(row, 1), len(probe) - 1, 1, groups,
-                                          build.shape.vocab_size)
-            if is_engine_rank:
-                verify_refit(engine.prompt_logprobs(probe), trainer_lp[0], args.rollout_precision)
+        if args.verify_refit_interval and step % args.verify_refit_interval == 0:
+            verify_refit_on_all_ranks(engine, setup.ddp_chunks, probe, groups, build.shape.vocab_size,
+                                      args.rollout_precision, layout.engine_rank)
         t_sync = time.time() - t0 - t_rollout - t_train
-        metrics = dict(result.metrics)
+        metrics = from_last_stage(dict(result.metrics))
         metrics.update({"rollout/reward": float(batch.rewards.mean()), "time/rollout_s": t_rollout,
                         "time/train_s": t_train, "time/sync_s": t_sync,
                         "rollout/tokens_per_s": float(batch.mask.sum()) / max(t_rollout, 1e-9)})

@@ -16,13 +16,13 @@ from conftest import ROOT, make_model_dir
 TIME_KEYS = ("time/", "rollout/tokens_per_s")
 
 
-def _converted_checkpoint(model_root, tmp_path):
+def _converted_checkpoint(model_root, tmp_path, pp=1):
     import convert_checkpoint
 
     hf_dir = make_model_dir(model_root, "qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=4,
                             num_key_value_heads=2, vocab_size=512, initializer_range=0.02)
     checkpoint = str(tmp_path / "megatron")
-    convert_checkpoint.hf_to_megatron(hf_dir, checkpoint, 1, 1)
+    convert_checkpoint.hf_to_megatron(hf_dir, checkpoint, 1, pp)
     return checkpoint
 
 
@@ -35,11 +35,13 @@ def _command(load, out, steps, *extra):
 
 
 @pytest.mark.slow
-def test_two_grpo_steps_end_to_end(model_root, tmp_path):
-    checkpoint = _converted_checkpoint(model_root, tmp_path)
+@pytest.mark.parametrize("layout", ["dp2", "pp2"])
+def test_two_grpo_steps_end_to_end(model_root, tmp_path, layout):
+    pp = 2 if layout == "pp2" else 1
+    checkpoint = _converted_checkpoint(model_root, tmp_path, pp)
     out = tmp_path / "run"
-    proc = subprocess.run(_command(checkpoint, out, 2), capture_output=True, text=True, timeout=600,
-                          cwd=str(tmp_path))
+    proc = subprocess.run(_command(checkpoint, out, 2, "--pipeline-model-parallel-size", str(pp)),
+                          capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("accuracy_before=") and " steps=2 " in last and "wall_s=" in last
