@@ -92,9 +92,11 @@ def from_last_stage(obj):
 def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups, vocab_size: int, precision: str,
                               engine_rank: int) -> None:
     """Score the probe on the trainer (every stage runs the pipeline schedule; the last stage's log-probs go to
-    the first) and on the engine; a failed check raises on every rank, so no rank waits in the next collective."""
+    the first) and on the engine; a failed check names the first decoder layer whose output differs and raises
+    on every rank, so no rank waits in the next collective."""
     from megatron_ais.grpo.step import compute_logprobs, split_micro_batches
-    from megatron_ais.rollout.verify import RefitVerificationError, verify_refit
+    from megatron_ais.rollout.verify import (RefitVerificationError, layer_diagnosis, layer_errors,
+                                             trainer_layer_states, verify_refit)
 
     row = {"tokens": torch.tensor([probe[:-1]]), "labels": torch.tensor([probe[1:]])}
     trainer = compute_logprobs(ddp_chunks, split_micro_batches(row, 1), len(probe) - 1, 1, groups, vocab_size)
@@ -107,7 +109,15 @@ def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups
             error = [str(err)]
     dist.broadcast_object_list(error, src=engine_rank)
     if error[0]:
-        raise RefitVerificationError(error[0])
+        # where does the engine's forward leave the trainer's? every rank takes part, the engine rank compares
+        parts = [None] * dist.get_world_size() if dist.get_rank() == engine_rank else None
+        dist.gather_object(trainer_layer_states(ddp_chunks, probe, groups, vocab_size), parts, dst=engine_rank)
+        if engine is not None:
+            trainer_states = {i: state for part in parts for i, state in part.items()}
+            errors = layer_errors(engine.probe_layer_states(probe), [trainer_states[i] for i in sorted(trainer_states)])
+            error = [error[0] + layer_diagnosis(errors, precision)]
+        dist.broadcast_object_list(error, src=engine_rank)
+        raise RefitVerificationError(error[0] + "; stopping")
 
 
 def _reference_source(args) -> dict:

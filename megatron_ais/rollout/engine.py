@@ -225,6 +225,14 @@ class RolloutEngine:
                                 use_tqdm=False)[0]
         return torch.tensor([entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], token_ids[1:])])
 
+    def probe_layer_states(self, token_ids: list[int]) -> list[torch.Tensor]:
+        """Return each decoder layer's output [len(token_ids), hidden] for a teacher-forced probe (diagnosis of a
+        failed refit check: where the engine's forward leaves the trainer's)."""
+        self.llm.collective_rpc("megatron_ais_capture_layer_states")
+        self.llm.reset_prefix_cache()  # every layer must run on every probe position
+        self.prompt_logprobs(token_ids)
+        return [torch.from_numpy(a) for a in self.llm.collective_rpc("megatron_ais_collect_layer_states")[0]]
+
     def shutdown(self) -> None:
         """Stop the engine and its processes."""
         llm, self.llm = self.llm, None

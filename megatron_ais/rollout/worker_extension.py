@@ -32,8 +32,44 @@ def apply_weights_in_worker(worker, named_tensors: list[tuple[str, torch.Tensor]
     return len(named_tensors)
 
 
+class LayerStateCapture:
+    """Forward hooks on the engine's decoder layers that keep each layer's output residual stream (vLLM layers
+    return (mlp_out, residual); their sum is what the HF / Megatron layer returns) for the next forward only."""
+
+    def __init__(self, model):
+        self.layers = list(model.model.layers)
+        self.states: dict[int, torch.Tensor] = {}
+        self.handles = [layer.register_forward_hook(self._hook(i)) for i, layer in enumerate(self.layers)]
+
+    def _hook(self, index: int):
+        def hook(module, inputs, output):
+            if index in self.states:
+                return
+            if isinstance(output, tuple):
+                hidden, residual = output[0], output[1] if len(output) > 1 else None
+                output = hidden if residual is None else hidden + residual
+            self.states[index] = output.detach().float().cpu().clone()
+        return hook
+
+    def collect(self) -> list:
+        """Remove the hooks; return each layer's [tokens, hidden] output as a NumPy array (None if not run)."""
+        for handle in self.handles:
+            handle.remove()
+        return [self.states[i].numpy() if i in self.states else None for i in range(len(self.layers))]
+
+
 class WeightSyncExtension:
     """Worker methods callable through collective_rpc by name."""
+
+    def megatron_ais_capture_layer_states(self) -> int:
+        """Record every decoder layer's output during the next forward; return the number of layers."""
+        self._megatron_ais_capture = LayerStateCapture(self.model_runner.model)
+        return len(self._megatron_ais_capture.layers)
+
+    def megatron_ais_collect_layer_states(self) -> list:
+        """Return what `megatron_ais_capture_layer_states` recorded (NumPy arrays pickle through the RPC)."""
+        capture, self._megatron_ais_capture = self._megatron_ais_capture, None
+        return capture.collect()
 
     def megatron_ais_apply_weights(self, path: str, manifest_json: str) -> int:
         from safetensors.torch import load_file
