@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import random
 import time
@@ -76,6 +77,20 @@ def changed_flags(saved: dict, args) -> list[str]:
             if k not in RESUME_FREE_FLAGS and current.get(k) != v]
 
 
+def collect_rollouts(engine, tokenizer, task, sampling, args, step: int, data_seed: int, rollout_seed: int):
+    """Sample this step's prompts, generate the group of responses per prompt and score them; return the
+    RolloutBatch. Prompts and sampling depend only on the seeds and the step, so a resumed (or restarted) run
+    continues the same stream."""
+    from megatron_ais.rollout.batch import rollouts_to_batch
+
+    examples = random.Random(data_seed * 100003 + step).sample(task.train, args.prompts_per_step)
+    rollouts = engine.generate(_prompt_ids(tokenizer, [e.prompt for e in examples]),
+                               dataclasses.replace(sampling, seed=rollout_seed * 100003 + step))
+    rewards = [task.reward(tokenizer.decode(r.token_ids, skip_special_tokens=True), examples[r.prompt_index].answer)
+               for r in rollouts]
+    return rollouts_to_batch(rollouts, rewards, args.group_size, args.seq_length, tokenizer.pad_token_id)
+
+
 def from_last_stage(obj):
     """Return the last pipeline stage's `obj` on every stage (log-probs, λ and losses exist only there; the
     logging rank is on the first stage)."""
@@ -142,7 +157,6 @@ def run_grpo(args) -> dict:
     from megatron_ais.initialize import initialize_megatron
     from megatron_ais.logging import RunLogger, grpo_console_line
     from megatron_ais.mapping.distributed import save_hf_checkpoint
-    from megatron_ais.rollout.batch import rollouts_to_batch
     from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig, engine_config_from_args
     from megatron_ais.rollout.verify import probe_tokens
     from megatron_ais.sft import load_tokenizer
@@ -207,21 +221,40 @@ def run_grpo(args) -> dict:
     accuracy_before = before.get("eval/accuracy")
     for step in range(start_step + 1, args.grpo_steps + 1):
         t0 = time.time()
-        payload = [None]
-        if is_engine_rank:
-            # prompts and sampling depend only on the seeds and the step: a resumed run continues the same stream
-            examples = random.Random(data_seed * 100003 + step).sample(task.train, args.prompts_per_step)
-            rollouts = engine.generate(_prompt_ids(tokenizer, [e.prompt for e in examples]),
-                                       dataclasses.replace(sampling, seed=rollout_seed * 100003 + step))
-            rewards = [task.reward(tokenizer.decode(r.token_ids, skip_special_tokens=True), examples[r.prompt_index].answer)
-                       for r in rollouts]
-            payload = [rollouts_to_batch(rollouts, rewards, args.group_size, args.seq_length, tokenizer.pad_token_id)]
-        dist.broadcast_object_list(payload, src=layout.engine_rank)
-        batch = payload[0]
+        batch = None
+        for attempt in range(2):
+            outcome, failure = [None], None
+            if is_engine_rank:
+                try:
+                    outcome = [collect_rollouts(engine, tokenizer, task, sampling, args, step, data_seed,
+                                                rollout_seed)]
+                except Exception as err:  # vLLM raises many kinds of errors when its engine core dies
+                    failure = err
+                    if attempt == 0 and not engine.health_check():
+                        log.info(f"step {step}: the rollout engine died ({type(err).__name__}: {err}); restarting "
+                                 "it and re-syncing the current weights")
+                        engine.restart()
+                        outcome = ["restarted"]
+                    else:
+                        outcome = [f"step {step}: rollout generation failed: {type(err).__name__}: {err}"]
+            # every rank learns the outcome, so a failure stops all of them instead of leaving them in a collective
+            dist.broadcast_object_list(outcome, src=layout.engine_rank)
+            if not isinstance(outcome[0], str):
+                batch = outcome[0]
+                break
+            if outcome[0] != "restarted":
+                raise RuntimeError(outcome[0]) from failure
+            receiver = SyncReceiver(apply=engine.update_weights) if is_engine_rank else None
+            sync_weights_to_engine(setup.chunks, build, bridge, tp_group, layout, step - 1, receiver)
         t_rollout = time.time() - t0
         result = grpo_train_step(setup.ddp_chunks, setup.optimizer, batch, grpo, state, groups, reference)
         t_train = time.time() - t0 - t_rollout
-        receiver = SyncReceiver(apply=engine.update_weights) if is_engine_rank else None
+        receiver = None
+        if is_engine_rank:
+            def restarting(err, step=step):
+                log.info(f"step {step}: the rollout engine died during the weight sync ({type(err).__name__}: "
+                         f"{err}); restarting it and re-syncing the current weights")
+            receiver = SyncReceiver(apply=functools.partial(engine.update_weights_or_restart, on_restart=restarting))
         sync_weights_to_engine(setup.chunks, build, bridge, tp_group, layout, step, receiver)
         if args.verify_refit_interval and step % args.verify_refit_interval == 0:
             verify_refit_on_all_ranks(engine, setup.ddp_chunks, probe, groups, build.shape.vocab_size,
@@ -232,7 +265,13 @@ def run_grpo(args) -> dict:
                         "time/train_s": t_train, "time/sync_s": t_sync,
                         "rollout/tokens_per_s": float(batch.mask.sum()) / max(t_rollout, 1e-9)})
         if is_engine_rank and (step % args.eval_interval == 0 or step == args.grpo_steps):
-            metrics.update(evaluate(engine, tokenizer, task, args))
+            try:
+                metrics.update(evaluate(engine, tokenizer, task, args))
+            except Exception as err:  # a dead engine is restarted (and re-synced) at the next rollout
+                if engine.health_check():
+                    raise
+                log.info(f"step {step}: the rollout engine died during evaluation ({type(err).__name__}); "
+                         "skipping this evaluation")
         history.append({"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
         log.step(step, metrics, f"{grpo_console_line(step, metrics)} | reward {metrics['rollout/reward']:.3f} "
                                 f"acc {metrics.get('eval/accuracy', float('nan')):.3f} | "
@@ -248,7 +287,8 @@ def run_grpo(args) -> dict:
                             dp_group=ps.get_data_parallel_group(), keep=args.keep_checkpoints)
             log.info(f"saved checkpoint {args.save} iteration {step}")
     summary = {"accuracy_before": accuracy_before, "greedy_accuracy_before": before.get("eval/greedy_accuracy"),
-               "accuracy_after": history[-1].get("eval/accuracy") if history else accuracy_before,
+               "accuracy_after": next((h["eval/accuracy"] for h in reversed(history) if "eval/accuracy" in h),
+                                      accuracy_before),
                "steps": args.grpo_steps, "wall_s": time.time() - start, "history": history}
     log.summary(summary)
     if is_engine_rank and history:

@@ -1,6 +1,7 @@
-"""pretrain_grpo_ais.py end to end on 2 gloo ranks (DP2): Megatron checkpoint -> FP8 rollouts in a separate vLLM
-engine -> rewards -> GRPO + AIS update -> bridge sync -> refit verification -> logs, checkpoints, the last line;
-and a run SIGKILLed in the middle of a step resumes to exactly the metrics of an uninterrupted run."""
+"""pretrain_grpo_ais.py end to end on 2 gloo ranks (DP2 and PP2): Megatron checkpoint -> FP8 rollouts in a separate
+vLLM engine -> rewards -> GRPO + AIS update -> bridge sync -> refit verification -> logs, checkpoints, the last
+line; a run SIGKILLed in the middle of a step resumes to exactly the metrics of an uninterrupted run; a vLLM
+engine killed mid-run is restarted, re-synced and the run completes."""
 import json
 import os
 import signal
@@ -74,12 +75,14 @@ def _run_until_killed(cmd, cwd, save_dir):
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
     deadline = time.time() + 600
-    while not any("saved checkpoint" in line and "iteration 2" in line for line in lines):
+    while not any(line.startswith("step     1 |") for line in lines):
         assert proc.poll() is None and time.time() < deadline, "".join(lines)[-4000:]
         time.sleep(0.05)
+    victims = [proc.pid] + _descendants(proc.pid)  # the process tree is complete once step 1 ran
+    while not any("saved checkpoint" in line and "iteration 2" in line for line in lines):
+        assert proc.poll() is None and time.time() < deadline, "".join(lines)[-4000:]
+        time.sleep(0.01)
     time.sleep(0.1)  # step 3 (rollout, update, sync: about 1 s with 16 prompts) is under way
-    assert proc.poll() is None, "".join(lines)[-4000:]
-    victims = [proc.pid] + _descendants(proc.pid)
     for pid in victims:
         os.kill(pid, signal.SIGKILL)
     proc.wait(timeout=60)
@@ -123,3 +126,32 @@ def test_sigkill_mid_step_then_resume_equals_uninterrupted(model_root, tmp_path)
     exported = convert_checkpoint.megatron_to_hf(save, str(tmp_path / "hf"))
     model = AutoModelForCausalLM.from_pretrained(exported)
     assert model.config.num_hidden_layers == 2
+
+
+@pytest.mark.slow
+def test_engine_killed_mid_run_is_restarted_and_resynced(model_root, tmp_path):
+    import psutil
+
+    checkpoint = _converted_checkpoint(model_root, tmp_path)
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_command(checkpoint, out, 3), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=str(tmp_path))
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    deadline = time.time() + 600
+    while not any(line.startswith("step     1 |") for line in lines):
+        assert proc.poll() is None and time.time() < deadline, "".join(lines)[-4000:]
+        time.sleep(0.05)
+    engines = [p for p in psutil.Process(proc.pid).children(recursive=True)
+               if any("EngineCore" in part for part in [p.name()] + p.cmdline())]
+    assert engines, "no vLLM engine process found"
+    for engine in engines:
+        engine.kill()
+    assert proc.wait(timeout=600) == 0, "".join(lines)[-4000:]
+    reader.join(timeout=10)
+    printed = "".join(lines)
+    # the kill lands in step 2's rollout or in its weight sync; either path restarts the engine and re-syncs
+    assert "the rollout engine died" in printed and "restarting it and re-syncing" in printed
+    summary = json.load(open(out / "summary.json"))
+    assert [h["step"] for h in summary["history"]] == [1, 2, 3]  # the refit check passed after the re-sync

@@ -162,6 +162,19 @@ class RolloutEngine:
             if match and not os.path.exists(f"/proc/{match.group(1)}"):
                 os.remove(os.path.join(directory, name))
 
+    def update_weights_or_restart(self, named_tensors: list[tuple[str, torch.Tensor]], on_restart=None) -> int:
+        """update_weights; if the engine died, restart it and apply the same complete set of weights again
+        (`on_restart(error)` is told first). An error of a live engine is raised."""
+        try:
+            return self.update_weights(named_tensors)
+        except Exception as err:  # vLLM raises many kinds of errors when its engine core dies
+            if self.health_check():
+                raise
+            if on_restart is not None:
+                on_restart(err)
+            self.restart()
+            return self.update_weights(named_tensors)
+
     def _sync_directory(self) -> str:
         return "/dev/shm" if os.path.isdir("/dev/shm") else self.work_dir
 
@@ -186,10 +199,36 @@ class RolloutEngine:
         from vllm import SamplingParams, TokensPrompt
 
         try:
-            self.llm.generate([TokensPrompt(prompt_token_ids=[0])], SamplingParams(max_tokens=1), use_tqdm=False)
+            self._generate([TokensPrompt(prompt_token_ids=[0])], SamplingParams(max_tokens=1), use_tqdm=False)
         except Exception:  # any failure means the engine is not usable
             return False
         return True
+
+    def _generate(self, *args, **kwargs):
+        """llm.generate, made to raise when a separate engine core dies mid-request: vLLM's sync client marks
+        the engine dead and stops its output thread without waking the caller waiting on the output queue, so a
+        watchdog puts the error there itself."""
+        client = getattr(self.llm.llm_engine, "engine_core", None)
+        resources, outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
+        if self.placement == "colocated" or resources is None or outputs is None:
+            return self.llm.generate(*args, **kwargs)
+        import threading
+
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        done = threading.Event()
+
+        def watch():
+            while not done.wait(0.5):
+                if getattr(resources, "engine_dead", False):
+                    outputs.put_nowait(EngineDeadError())
+                    return
+
+        threading.Thread(target=watch, daemon=True, name="megatron-ais-engine-watch").start()
+        try:
+            return self.llm.generate(*args, **kwargs)
+        finally:
+            done.set()
 
     def restart(self) -> None:
         """Replace a crashed engine by a fresh one (initial weights: the caller re-syncs the current ones)."""
@@ -205,7 +244,7 @@ class RolloutEngine:
         params = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                                 max_tokens=sampling.max_new_tokens, stop_token_ids=list(sampling.stop_token_ids),
                                 logprobs=0, seed=sampling.seed)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+        outputs = self._generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     use_tqdm=len(prompts) * sampling.n >= 64 if progress is None else progress)
         rollouts = []
         for index, out in enumerate(outputs):
@@ -220,7 +259,7 @@ class RolloutEngine:
         """Return the engine's teacher-forced log-probs of token_ids[1:] (for refit verification)."""
         from vllm import SamplingParams, TokensPrompt
 
-        out = self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))],
+        out = self._generate([TokensPrompt(prompt_token_ids=list(token_ids))],
                                 SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0),
                                 use_tqdm=False)[0]
         return torch.tensor([entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], token_ids[1:])])
