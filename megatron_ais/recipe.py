@@ -9,7 +9,6 @@ import os
 import random
 import time
 
-import torch
 import torch.distributed as dist
 
 
@@ -109,13 +108,10 @@ def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups
     """Score the probe on the trainer (every stage runs the pipeline schedule; the last stage's log-probs go to
     the first) and on the engine; a failed check names the first decoder layer whose output differs and raises
     on every rank, so no rank waits in the next collective."""
-    from megatron_ais.grpo.step import compute_logprobs, split_micro_batches
     from megatron_ais.rollout.verify import (RefitVerificationError, layer_diagnosis, layer_errors,
-                                             trainer_layer_states, verify_refit)
+                                             trainer_layer_states, trainer_probe_logprobs, verify_refit)
 
-    row = {"tokens": torch.tensor([probe[:-1]]), "labels": torch.tensor([probe[1:]])}
-    trainer = compute_logprobs(ddp_chunks, split_micro_batches(row, 1), len(probe) - 1, 1, groups, vocab_size)
-    trainer = from_last_stage(trainer[0] if trainer is not None else None)
+    trainer = from_last_stage(trainer_probe_logprobs(ddp_chunks, probe, groups, vocab_size))
     error = [None]
     if engine is not None:
         try:
@@ -207,6 +203,17 @@ def run_grpo(args) -> dict:
     sampling = SamplingConfig(n=args.group_size, temperature=args.temperature, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
     history = list(resumed.get("history", []))
+
+    def sync_engine(sync_id: int) -> None:
+        """Bridge the current policy into the engine (collective); an engine that died meanwhile is restarted
+        and given the same complete set of weights."""
+        receiver = None
+        if is_engine_rank:
+            def restarting(err):
+                log.info(f"sync {sync_id}: the rollout engine died during the weight sync ({type(err).__name__}: "
+                         f"{err}); restarting it and re-syncing the current weights")
+            receiver = SyncReceiver(apply=functools.partial(engine.update_weights_or_restart, on_restart=restarting))
+        sync_weights_to_engine(setup.chunks, build, bridge, tp_group, layout, sync_id, receiver)
     if setup.run_state is not None:
         log.info(f"resuming GRPO at step {start_step + 1} from {args.load} (iteration {setup.loaded.iteration})")
         changed = changed_flags(resumed.get("args", {}), args)
@@ -214,8 +221,7 @@ def run_grpo(args) -> dict:
             log.info("flags that differ from the saved run: " + ", ".join(changed))
         before = resumed.get("eval_before", {})
         # the engine holds what the bridge would have sent after the saved step
-        receiver = SyncReceiver(apply=engine.update_weights) if is_engine_rank else None
-        sync_weights_to_engine(setup.chunks, build, bridge, tp_group, layout, start_step, receiver)
+        sync_engine(start_step)
     else:
         before = evaluate(engine, tokenizer, task, args) if is_engine_rank else {}
     accuracy_before = before.get("eval/accuracy")
@@ -244,18 +250,11 @@ def run_grpo(args) -> dict:
                 break
             if outcome[0] != "restarted":
                 raise RuntimeError(outcome[0]) from failure
-            receiver = SyncReceiver(apply=engine.update_weights) if is_engine_rank else None
-            sync_weights_to_engine(setup.chunks, build, bridge, tp_group, layout, step - 1, receiver)
+            sync_engine(step - 1)
         t_rollout = time.time() - t0
         result = grpo_train_step(setup.ddp_chunks, setup.optimizer, batch, grpo, state, groups, reference)
         t_train = time.time() - t0 - t_rollout
-        receiver = None
-        if is_engine_rank:
-            def restarting(err, step=step):
-                log.info(f"step {step}: the rollout engine died during the weight sync ({type(err).__name__}: "
-                         f"{err}); restarting it and re-syncing the current weights")
-            receiver = SyncReceiver(apply=functools.partial(engine.update_weights_or_restart, on_restart=restarting))
-        sync_weights_to_engine(setup.chunks, build, bridge, tp_group, layout, step, receiver)
+        sync_engine(step)
         if args.verify_refit_interval and step % args.verify_refit_interval == 0:
             verify_refit_on_all_ranks(engine, setup.ddp_chunks, probe, groups, build.shape.vocab_size,
                                       args.rollout_precision, layout.engine_rank)

@@ -56,8 +56,8 @@ def micro_batches(encoded: list[dict], indices: list[int], micro_batch_size: int
 
 
 def run_sft(args) -> dict:
-    """Train with megatron-core on the synthetic task; return the summary (also written on the logging rank)."""
-    import torch.distributed as dist
+    """Train with megatron-core on the task's reference responses; return the summary (also written on the
+    logging rank)."""
     from megatron.core import parallel_state as ps
 
     from megatron_ais.arguments import validate_args
@@ -71,7 +71,7 @@ def run_sft(args) -> dict:
     hf_config = validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     examples = build_task(args).train  # bad task flags or prompt files fail before anything heavy starts
     initialize_megatron(args)
-    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    tp_rank = ps.get_tensor_model_parallel_rank()
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     pp_size = ps.get_pipeline_model_parallel_world_size()
     is_logger = ps.is_pipeline_last_stage() and tp_rank == 0 and dp_rank == 0

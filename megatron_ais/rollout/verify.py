@@ -80,6 +80,16 @@ def layer_diagnosis(errors: list[float], precision: str) -> str:
             f"{bound:g}; per layer: {listing})")
 
 
+def trainer_probe_logprobs(ddp_chunks: list, probe: list[int], groups, vocab_size: int) -> torch.Tensor | None:
+    """The trainer's teacher-forced log-probs of probe[1:] through the pipeline schedule (every stage calls it;
+    the result is on the last stage, None elsewhere)."""
+    from megatron_ais.grpo.step import compute_logprobs, split_micro_batches
+
+    row = {"tokens": torch.tensor([probe[:-1]]), "labels": torch.tensor([probe[1:]])}
+    logprobs = compute_logprobs(ddp_chunks, split_micro_batches(row, 1), len(probe) - 1, 1, groups, vocab_size)
+    return None if logprobs is None else logprobs[0]
+
+
 def trainer_layer_states(ddp_chunks: list, probe: list[int], groups, vocab_size: int) -> dict[int, torch.Tensor]:
     """Run the probe through the trainer's pipeline schedule with hooks on the decoder layers; return
     {global layer index: output [tokens, hidden]} for this rank's layers (TP rank 0 and DP rank 0 only;
@@ -87,7 +97,6 @@ def trainer_layer_states(ddp_chunks: list, probe: list[int], groups, vocab_size:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-    from megatron_ais.grpo.step import compute_logprobs, split_micro_batches
     from megatron_ais.model import unwrap_model
 
     states: dict[int, torch.Tensor] = {}
@@ -103,8 +112,7 @@ def trainer_layer_states(ddp_chunks: list, probe: list[int], groups, vocab_size:
     handles = [layer.register_forward_hook(hook(layer)) for chunk in ddp_chunks
                for layer in unwrap_model(chunk).decoder.layers]
     try:
-        row = {"tokens": torch.tensor([probe[:-1]]), "labels": torch.tensor([probe[1:]])}
-        compute_logprobs(ddp_chunks, split_micro_batches(row, 1), len(probe) - 1, 1, groups, vocab_size)
+        trainer_probe_logprobs(ddp_chunks, probe, groups, vocab_size)
     finally:
         for handle in handles:
             handle.remove()

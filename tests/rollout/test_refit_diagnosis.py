@@ -2,7 +2,6 @@
 an engine given a corrupted layer-1 MLP (behind the bridge's back) fails, and the error names model.layers.1
 while layer 0 still agrees (fp32 engine and trainer, colocated, through the recipe's collective check)."""
 import pytest
-import torch
 
 from conftest import make_model_dir
 from distributed import spawn
