@@ -66,32 +66,47 @@ def _descendants(pid):
     return [int(c) for c in children] + [d for c in children for d in _descendants(int(c))]
 
 
-def _run_until_killed(cmd, cwd, save_dir):
+class _LiveRun:
+    """A run whose output is read line by line while it goes."""
+
+    def __init__(self, cmd, cwd):
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
+        self.lines = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
+        self.deadline = time.time() + 600
+
+    def wait_for(self, predicate, poll=0.05):
+        while not any(predicate(line) for line in self.lines):
+            assert self.proc.poll() is None and time.time() < self.deadline, self.output()[-4000:]
+            time.sleep(poll)
+
+    def finish(self, timeout):
+        code = self.proc.wait(timeout=timeout)
+        self.reader.join(timeout=10)
+        return code
+
+    def output(self):
+        return "".join(self.lines)
+
+
+def _run_until_killed(cmd, cwd):
     """Start a run; SIGKILL torchrun, its ranks (torchrun starts them in their own sessions) and the vLLM
     engine processes at once, in the middle of step 3 (after the step-2 checkpoint is committed). Return the
     output it printed."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
-    lines = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    deadline = time.time() + 600
-    while not any(line.startswith("step     1 |") for line in lines):
-        assert proc.poll() is None and time.time() < deadline, "".join(lines)[-4000:]
-        time.sleep(0.05)
-    victims = [proc.pid] + _descendants(proc.pid)  # the process tree is complete once step 1 ran
-    while not any("saved checkpoint" in line and "iteration 2" in line for line in lines):
-        assert proc.poll() is None and time.time() < deadline, "".join(lines)[-4000:]
-        time.sleep(0.01)
+    run = _LiveRun(cmd, cwd)
+    run.wait_for(lambda line: line.startswith("step     1 |"))
+    victims = [run.proc.pid] + _descendants(run.proc.pid)  # the process tree is complete once step 1 ran
+    run.wait_for(lambda line: "saved checkpoint" in line and "iteration 2" in line, poll=0.01)
     time.sleep(0.1)  # step 3 (rollout, update, sync: about 1 s with 16 prompts) is under way
     for pid in victims:
         os.kill(pid, signal.SIGKILL)
-    proc.wait(timeout=60)
-    reader.join(timeout=10)
+    run.finish(timeout=60)
     time.sleep(1.0)
     survivors = [pid for pid in victims if os.path.exists(f"/proc/{pid}") and
                  open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
     assert not survivors, f"processes left after the kill: {survivors}"
-    return "".join(lines)
+    return run.output()
 
 
 @pytest.mark.slow
@@ -105,7 +120,7 @@ def test_sigkill_mid_step_then_resume_equals_uninterrupted(model_root, tmp_path)
 
     save = str(cut_out / "ckpt")
     printed = _run_until_killed(_command(checkpoint, cut_out, 4, "--save", save, "--save-interval", "2", *bigger),
-                                str(tmp_path), save)
+                                str(tmp_path))
     assert "step     3 |" not in printed, "the kill came after step 3 finished"
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "2"
 
@@ -117,7 +132,10 @@ def test_sigkill_mid_step_then_resume_equals_uninterrupted(model_root, tmp_path)
     got = _comparable(json.load(open(cut_out / "summary.json"))["history"])
     assert sorted(got) == [1, 2, 3, 4]
     for step in (3, 4):
-        assert got[step] == expected[step], f"step {step} after the resume differs from the uninterrupted run"
+        # equal up to float noise of the vLLM CPU engine's log-probs (once seen at 1e-6 relative on a loaded
+        # machine); the trainer state itself is restored bit for bit (tests/checkpointing/test_resume_training.py)
+        assert got[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-9), \
+            f"step {step} after the resume differs from the uninterrupted run"
 
     # the trained policy exports to a HF directory that transformers loads
     import convert_checkpoint
@@ -134,23 +152,15 @@ def test_engine_killed_mid_run_is_restarted_and_resynced(model_root, tmp_path):
 
     checkpoint = _converted_checkpoint(model_root, tmp_path)
     out = tmp_path / "run"
-    proc = subprocess.Popen(_command(checkpoint, out, 3), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, cwd=str(tmp_path))
-    lines = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    deadline = time.time() + 600
-    while not any(line.startswith("step     1 |") for line in lines):
-        assert proc.poll() is None and time.time() < deadline, "".join(lines)[-4000:]
-        time.sleep(0.05)
-    engines = [p for p in psutil.Process(proc.pid).children(recursive=True)
+    run = _LiveRun(_command(checkpoint, out, 3), str(tmp_path))
+    run.wait_for(lambda line: line.startswith("step     1 |"))
+    engines = [p for p in psutil.Process(run.proc.pid).children(recursive=True)
                if any("EngineCore" in part for part in [p.name()] + p.cmdline())]
     assert engines, "no vLLM engine process found"
     for engine in engines:
         engine.kill()
-    assert proc.wait(timeout=600) == 0, "".join(lines)[-4000:]
-    reader.join(timeout=10)
-    printed = "".join(lines)
+    assert run.finish(timeout=600) == 0, run.output()[-4000:]
+    printed = run.output()
     # the kill lands in step 2's rollout or in its weight sync; either path restarts the engine and re-syncs
     assert "the rollout engine died" in printed and "restarting it and re-syncing" in printed
     summary = json.load(open(out / "summary.json"))
