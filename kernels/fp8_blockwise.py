@@ -3,7 +3,8 @@
 `w` [M, N] is cut into block_size x block_size blocks (edge blocks partial); each block b gets
 `scale_inv[b] = amax(|w_b|) / 448` (fp32) and `q_b = w_b / scale_inv[b]` cast to float8_e4m3fn, so that
 `q.float() * scale_inv` (each scale broadcast over its block) reconstructs `w`. A torch reference runs
-everywhere; the Triton kernel is used automatically for CUDA tensors and is tested against the reference.
+everywhere; the Triton kernel is used automatically for CUDA tensors and the C kernel of `cpu_bridge.py` for CPU
+tensors, both tested against the reference.
 """
 from __future__ import annotations
 
@@ -15,16 +16,11 @@ AMAX_EPS = 1e-10
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """Return True when every element is finite.
-
-    Fast path: an fp32-accumulated sum is finite only if no element is NaN/Inf (it is ~40x faster than
-    torch.isfinite on bf16); a non-finite sum (which huge finite values could also cause) is re-checked exactly.
-    """
+    """Return True when every element is finite (one min/max pass: both propagate NaN, Inf is an extreme)."""
     if not t.is_floating_point() or t.numel() == 0:
         return True
-    if bool(torch.isfinite(torch.sum(t, dtype=torch.float32))):
-        return True
-    return bool(torch.isfinite(t).all())
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def _check(w: torch.Tensor, block_size: int, name: str) -> None:
@@ -40,6 +36,13 @@ def _check(w: torch.Tensor, block_size: int, name: str) -> None:
 def scale_shape(shape: tuple[int, int], block_size: int = 128) -> tuple[int, int]:
     """Return the shape of `scale_inv` for a weight of `shape`: (ceil(M / bs), ceil(N / bs))."""
     return (-(-shape[0] // block_size), -(-shape[1] // block_size))
+
+
+def round_up_to_power_of_two(x: torch.Tensor) -> torch.Tensor:
+    """UE8M0 scales: the smallest power of two >= x (x > 0), exactly. exp2(ceil(log2(x))) is not exact: for
+    x = 2^k (1 + 2^-23) with large k, fp32 log2 rounds to k and the scale would round down, saturating values."""
+    mantissa, exponent = torch.frexp(x)  # x = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return torch.ldexp(torch.ones_like(x), exponent - (mantissa == 0.5).to(exponent.dtype))
 
 
 def _expand_scales(scale_inv: torch.Tensor, shape: tuple[int, int], block_size: int) -> torch.Tensor:
@@ -62,8 +65,8 @@ def blockwise_fp8_quantize_reference(w: torch.Tensor, block_size: int = 128, pow
     # amax over the contiguous dim first, in the input dtype (max/min are exact in any float format)
     amax = torch.maximum(blocks.amax(dim=3), -blocks.amin(dim=3)).amax(dim=1).float().clamp(min=AMAX_EPS)
     scale_inv = amax / FP8_E4M3_MAX
-    if pow2_scale:  # UE8M0: round the scale up to a power of two so that no value overflows
-        scale_inv = torch.exp2(torch.ceil(torch.log2(scale_inv)))
+    if pow2_scale:
+        scale_inv = round_up_to_power_of_two(scale_inv)
     # |w / scale| <= 448 up to fp32 rounding; the clamp keeps a 448.00003 from becoming NaN in e4m3fn
     q = torch.div(blocks, scale_inv[:, None, :, None]).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     q = q.view(mb * block_size, nb * block_size)[:m, :n].to(torch.float8_e4m3fn)
@@ -98,8 +101,10 @@ if triton is not None:
         x = tl.load(w_ptr + rows[:, None] * stride_wm + cols[None, :], mask=inside, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x)), 1e-10)
         scale = amax / 448.0
-        if POW2:
-            scale = tl.exp2(tl.ceil(tl.log2(scale)))
+        if POW2:  # round up to a power of two on the bits: clear the mantissa, bump the exponent if it was not 0
+            bits = scale.to(tl.int32, bitcast=True)
+            bits = tl.where((bits & 0x7FFFFF) != 0, (bits & 0x7F800000) + 0x800000, bits)
+            scale = bits.to(tl.float32, bitcast=True)
         q = tl.clamp(x / scale, -448.0, 448.0)
         tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(tl.float8e4nv), mask=inside)
         tl.store(s_ptr + pid_m * n_blocks_n + pid_n, scale)
@@ -123,7 +128,12 @@ def blockwise_fp8_quantize_triton(w: torch.Tensor, block_size: int = 128, pow2_s
 
 def blockwise_fp8_quantize(w: torch.Tensor, block_size: int = 128, pow2_scale: bool = False,
                            name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (q, scale_inv): the Triton kernel for CUDA tensors, the torch reference otherwise."""
+    """Return (q, scale_inv): the Triton kernel for CUDA tensors, the C kernel (`kernels/cpu_bridge.py`) for CPU
+    tensors it takes, the torch reference otherwise; all three give the same bits."""
+    from kernels.cpu_bridge import fp8_blockwise_quantize_cpu, supports_quantize
+
     if w.is_cuda and triton is not None:
         return blockwise_fp8_quantize_triton(w, block_size, pow2_scale, name)
+    if supports_quantize(w):
+        return fp8_blockwise_quantize_cpu(w, block_size, pow2_scale, name)
     return blockwise_fp8_quantize_reference(w, block_size, pow2_scale, name)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import os
 import random
 import time
@@ -144,7 +143,7 @@ def run_grpo(args) -> dict:
 
     from megatron_ais.ais import AISConfig, AISState
     from megatron_ais.arguments import validate_args
-    from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, sync_weights_to_engine
+    from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, WeightBridge
     from megatron_ais.bridge.transport import SyncReceiver
     from megatron_ais.checkpointing import CheckpointRanks, checkpoint_metadata, save_checkpoint
     from megatron_ais.data.tasks import build_task
@@ -191,7 +190,6 @@ def run_grpo(args) -> dict:
         engine = RolloutEngine(engine_config_from_args(args, init_dir), os.path.join(args.output_dir, "engine"),
                                placement=args.rollout_placement)
     dist.barrier()
-    bridge = BridgeConfig.from_args(args)
     grpo = GRPOConfig(loss=PolicyLossConfig.from_args(args), correction=AISConfig.from_args(args),
                       vocab_size=build.shape.vocab_size, micro_batch_size=args.micro_batch_size,
                       num_minibatches=args.num_minibatches, ppo_epochs=args.ppo_epochs,
@@ -204,16 +202,25 @@ def run_grpo(args) -> dict:
                               max_new_tokens=args.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
     history = list(resumed.get("history", []))
 
-    def sync_engine(sync_id: int) -> None:
-        """Bridge the current policy into the engine (collective); an engine that died meanwhile is restarted
-        and given the same complete set of weights."""
-        receiver = None
-        if is_engine_rank:
+    receiver = None
+    if is_engine_rank:
+        def apply(named_tensors, shared=None):
+            # an engine that died meanwhile is restarted and given the same complete set of weights
             def restarting(err):
-                log.info(f"sync {sync_id}: the rollout engine died during the weight sync ({type(err).__name__}: "
-                         f"{err}); restarting it and re-syncing the current weights")
-            receiver = SyncReceiver(apply=functools.partial(engine.update_weights_or_restart, on_restart=restarting))
-        sync_weights_to_engine(setup.chunks, build, bridge, tp_group, layout, sync_id, receiver)
+                log.info(f"the rollout engine died during a weight sync ({type(err).__name__}: {err}); restarting "
+                         "it and re-syncing the current weights")
+            return engine.update_weights_or_restart(named_tensors, on_restart=restarting, shared=shared)
+        receiver = SyncReceiver(apply=apply, apply_shared=(lambda path, entries: apply(None, (path, entries)))
+                                if engine.placement == "separate" else None)
+    weight_bridge = WeightBridge(setup.chunks, build, BridgeConfig.from_args(args), tp_group, layout, receiver)
+
+    def sync_engine(sync_id: int) -> None:
+        """Bridge the current policy into the engine (collective on every rank)."""
+        stats = weight_bridge.sync(sync_id)
+        if layout.is_sender and weight_bridge.completed == 1:
+            log.info(f"bridge: {stats.tensors} tensors in {stats.buckets} buckets, {stats.bytes / 1e6:.1f} MB from "
+                     f"this stage by {stats.transport}, {stats.seconds:.2f} s")
+
     if setup.run_state is not None:
         log.info(f"resuming GRPO at step {start_step + 1} from {args.load} (iteration {setup.loaded.iteration})")
         changed = changed_flags(resumed.get("args", {}), args)
@@ -294,6 +301,8 @@ def run_grpo(args) -> dict:
         from megatron_ais.logging import plot_run
         plot_run(history, os.path.join(args.output_dir, "run.png"), accuracy_before)
     log.close()
+    weight_bridge.close()
     if engine is not None:
         engine.shutdown()
+        receiver.close()
     return summary

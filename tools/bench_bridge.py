@@ -21,14 +21,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float) -> dict:
+def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from kernels.fp8_blockwise import blockwise_fp8_quantize
+    from kernels.cpu_bridge import fp8_blockwise_quantize_cpu, library
+    from kernels.fp8_blockwise import blockwise_fp8_quantize_reference
     from megatron_ais.arguments import build_parser, validate_args
     from megatron_ais.bridge.quantization import QuantizationPolicy
-    from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, sync_weights_to_engine
+    from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, WeightBridge
     from megatron_ais.bridge.transport import SyncReceiver
     from megatron_ais.initialize import initialize_megatron
     from megatron_ais.model import ModelBuildConfig
@@ -44,18 +45,23 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float) -> dict:
     tp_group = ps.get_tensor_model_parallel_group()
     result = {"params": sum(p.numel() for p in chunks[0].parameters()) * 2}
     for precision in ("bf16", "fp8"):
-        config = BridgeConfig(bucket_size_mb=bucket_mb, policy=QuantizationPolicy(precision=precision))
+        config = BridgeConfig(bucket_size_mb=bucket_mb, policy=QuantizationPolicy(precision=precision),
+                              transport=transport)
+        receiver = SyncReceiver(apply=lambda tensors: None) if layout.rank == 0 else None
+        bridge = WeightBridge(chunks, build, config, tp_group, layout, receiver)
         times, moved = [], 0
-        for sync_id in range(repeats + 1):
-            receiver = SyncReceiver(apply=lambda tensors: None) if layout.rank == 0 else None
+        for sync_id in range(repeats + 1):  # the first sync maps the shared buffers
             dist.barrier()
             t0 = time.perf_counter()
-            stats = sync_weights_to_engine(chunks, build, config, tp_group, layout, sync_id, receiver)
+            stats = bridge.sync(sync_id)
             dist.barrier()
             if sync_id:
                 times.append(time.perf_counter() - t0)
             moved = stats.bytes or moved
         result[precision] = {"seconds": statistics.median(times), "bytes": moved}
+        bridge.close()
+        if receiver is not None:
+            receiver.close()
     # baseline: a plain copy of the BF16 sync's bytes, in buffers the size of one bucket
     total = result["bf16"]["bytes"] if layout.rank == 0 else 0
     src = torch.empty(int(bucket_mb * (1 << 20)), dtype=torch.uint8).random_()
@@ -71,12 +77,17 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float) -> dict:
         copies.append(time.perf_counter() - t0)
     result["copy_seconds"] = statistics.median(copies)
     weight = torch.randn(4096, 4096, dtype=torch.bfloat16)
-    quant = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        blockwise_fp8_quantize(weight)
-        quant.append(time.perf_counter() - t0)
-    result["quant_gbps"] = weight.numel() * weight.element_size() / statistics.median(quant) / 1e9
+    quantizers = {"torch reference": blockwise_fp8_quantize_reference}
+    if library() is not None:
+        quantizers["C kernel"] = fp8_blockwise_quantize_cpu
+    result["quant_gbps"] = {}
+    for name, quantize in quantizers.items():
+        quant = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            quantize(weight)
+            quant.append(time.perf_counter() - t0)
+        result["quant_gbps"][name] = weight.numel() * weight.element_size() / statistics.median(quant) / 1e9
     result["threads"] = torch.get_num_threads()
     return result
 
@@ -89,6 +100,8 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab-size", type=int, default=16384)
     parser.add_argument("--bucket-size-mb", type=float, default=64.0)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--transport", choices=("auto", "shm", "distributed"), default="auto",
+                        help="--bridge-transport of the measured syncs (auto = shm on one machine)")
     args = parser.parse_args(argv)
     import make_tiny_model
     from megatron_ais.launch import spawn
@@ -97,20 +110,22 @@ def main(argv=None) -> int:
         hf_dir = make_tiny_model.make_tiny_model(make_tiny_model.build_parser().parse_args([
             "--arch", "qwen3", "--out", os.path.join(tmp, "model"), "--hidden-size", str(args.hidden_size),
             "--num-layers", str(args.num_layers), "--intermediate-size", str(args.intermediate_size),
-            "--vocab-size", str(args.vocab_size), "--num-attention-heads", "12", "--num-key-value-heads", "4",
-            "--head-dim", "64"]))
-        results = spawn(2, _bench_worker, hf_dir, args.repeats, args.bucket_size_mb)
+            "--vocab-size", str(args.vocab_size), "--num-attention-heads", "6", "--num-key-value-heads", "2",
+            "--head-dim", "128"]))
+        results = spawn(2, _bench_worker, hf_dir, args.repeats, args.bucket_size_mb, args.transport)
     r = results[0]
     bf16, fp8 = r["bf16"], r["fp8"]
-    print(f"| TP2 gloo, {r['threads']} thread/rank, {r['params'] / 1e6:.0f}M params | bytes moved | seconds "
+    print(f"| TP2, {args.transport}, {r['threads']} thread/rank, {r['params'] / 1e6:.0f}M params | bytes moved | seconds "
           "(median) | GB/s |")
     print("|---|---|---|---|")
     for name, row in (("BF16 sync", bf16), ("FP8 sync", fp8)):
         print(f"| {name} | {row['bytes'] / 1e6:.1f} MB | {row['seconds']:.3f} | {row['bytes'] / row['seconds'] / 1e9:.3f} |")
     print(f"| plain copy of the BF16 bytes | {bf16['bytes'] / 1e6:.1f} MB | {r['copy_seconds']:.4f} | "
           f"{bf16['bytes'] / r['copy_seconds'] / 1e9:.3f} |")
-    print(f"| FP8 quantize (4096x4096 bf16, torch reference) | | | {r['quant_gbps']:.3f} |")
-    print(f"bridge_sync_ratio={bf16['seconds'] / r['copy_seconds']:.2f} fp8_quant_gbps={r['quant_gbps']:.3f} "
+    for name, gbps in r["quant_gbps"].items():
+        print(f"| FP8 quantize (4096x4096 bf16, {name}) | | | {gbps:.3f} |")
+    quant = max(r["quant_gbps"].values())
+    print(f"bridge_sync_ratio={bf16['seconds'] / r['copy_seconds']:.2f} fp8_quant_gbps={quant:.3f} "
           f"bf16_sync_s={bf16['seconds']:.3f} fp8_sync_s={fp8['seconds']:.3f}")
     return 0
 

@@ -1,36 +1,44 @@
-"""Group a stream of named tensors into buckets of bounded size, each with a manifest that the receiver
-verifies before it applies anything (names, dtypes, shapes, byte counts, CRC32 checksums)."""
+"""Manifests: what the receiver must find for every tensor of a bucket (name, dtype, shape, place, byte count,
+64-bit checksum), checked before anything is applied."""
 from __future__ import annotations
 
 import dataclasses
-import zlib
-from typing import Iterable, Iterator
-
 import torch
+
+from kernels.cpu_bridge import checksum
 
 
 @dataclasses.dataclass(frozen=True)
 class ManifestEntry:
-    """What the receiver must find for one tensor."""
+    """One tensor of a bucket; `offset` is its byte offset in the sender's stage layout."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
+    offset: int
     nbytes: int
-    crc32: int
+    checksum: int
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ManifestEntry":
+        return cls(d["name"], d["dtype"], tuple(d["shape"]), d["offset"], d["nbytes"], d["checksum"])
 
 
-def tensor_bytes(tensor: torch.Tensor):
-    """Return the tensor's raw bytes as a uint8 numpy view (no copy on CPU; any dtype, fp8 included)."""
-    flat = tensor.detach().contiguous().view(-1)
-    return flat.view(torch.uint8).cpu().numpy()
-
-
-def manifest_entry(name: str, tensor: torch.Tensor) -> ManifestEntry:
+def manifest_entry(name: str, tensor: torch.Tensor, offset: int = 0) -> ManifestEntry:
     """Return the manifest entry of one tensor."""
-    data = tensor_bytes(tensor)
-    return ManifestEntry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), int(data.nbytes),
-                         zlib.crc32(data))
+    tensor = tensor.detach()
+    flat = tensor.contiguous() if tensor.device.type == "cpu" else tensor.cpu().contiguous()
+    return ManifestEntry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset,
+                         flat.numel() * flat.element_size(), checksum(flat))
+
+
+def verify_tensor(entry: ManifestEntry, tensor: torch.Tensor) -> None:
+    """Raise ValueError when `tensor` is not what `entry` describes."""
+    got = manifest_entry(entry.name, tensor, entry.offset)
+    if got != entry:
+        field = next(f.name for f in dataclasses.fields(entry) if getattr(got, f.name) != getattr(entry, f.name))
+        raise ValueError(f"{entry.name}: {field} is {getattr(got, field)!r} but the manifest says "
+                         f"{getattr(entry, field)!r}")
 
 
 def verify_bucket(bucket: list[tuple[str, torch.Tensor]], manifest: list[ManifestEntry]) -> None:
@@ -38,23 +46,5 @@ def verify_bucket(bucket: list[tuple[str, torch.Tensor]], manifest: list[Manifes
     if [n for n, _ in bucket] != [e.name for e in manifest]:
         raise ValueError(f"bucket names {[n for n, _ in bucket][:4]}... differ from the manifest "
                          f"{[e.name for e in manifest][:4]}...")
-    for (name, tensor), expected in zip(bucket, manifest):
-        got = manifest_entry(name, tensor)
-        if got != expected:
-            raise ValueError(f"{name}: received {got} but the manifest says {expected}")
-
-
-def bucketize(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-              ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yield consecutive groups whose bytes stay within bucket_bytes (a larger tensor travels alone)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+    for (_, tensor), expected in zip(bucket, manifest):
+        verify_tensor(expected, tensor)

@@ -1,25 +1,34 @@
-"""Trainer side of a weight sync: TP gather per pipeline stage -> HF names -> engine precision -> buckets ->
-transport. Only one stream of tensors is alive at a time, so a sender holds about one bucket plus the largest
-tensor, never a model copy."""
+"""Trainer side of a weight sync: every TP rank of the sending data-parallel replica writes its own pieces of
+each HF tensor (quantized to blockwise FP8 where the policy says so) into the engine's staging arena or into its
+stage's bucket buffer; the stage's sender checksums each bucket and delivers its manifest (and bytes, when
+shipped); the engine's rank verifies and commits. No rank gathers a full tensor, let alone the model."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import socket
 import time
 
+import torch
+import torch.distributed as dist
 
-from megatron_ais.bridge.buckets import bucketize
-from megatron_ais.bridge.quantization import QuantizationPolicy, quantize_for_engine
-from megatron_ais.bridge.transport import SyncReceiver, manifest_for
-from megatron_ais.mapping.distributed import export_hf_weights
+from kernels.cpu_bridge import checksum, copy_check_finite, fp8_blockwise_quantize_cpu, supports_quantize
+from kernels.fp8_blockwise import all_finite, blockwise_fp8_quantize
+from megatron_ais.bridge.arena import SharedBuffer
+from megatron_ais.bridge.buckets import ManifestEntry
+from megatron_ais.bridge.plan import HFTarget, StagePlan, hf_targets, plan_stage
+from megatron_ais.bridge.quantization import SCALE_SUFFIX, QuantizationPolicy
+from megatron_ais.bridge.transport import TRANSPORTS, SyncError, SyncReceiver, receive_stage, send_end, send_manifest
+from megatron_ais.mapping.distributed import shard_context
 
 
 @dataclasses.dataclass(frozen=True)
 class BridgeConfig:
-    """Bucket size and the engine-precision policy."""
+    """Bucket size, transport and the engine-precision policy."""
 
     bucket_size_mb: float = 512.0
     policy: QuantizationPolicy = QuantizationPolicy()
+    transport: str = "auto"
 
     @property
     def bucket_bytes(self) -> int:
@@ -27,7 +36,7 @@ class BridgeConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "BridgeConfig":
-        return cls(bucket_size_mb=args.bridge_bucket_size_mb,
+        return cls(bucket_size_mb=args.bridge_bucket_size_mb, transport=args.bridge_transport,
                    policy=QuantizationPolicy(precision=args.rollout_precision,
                                              exclude=tuple(args.bridge_fp8_exclude or ())))
 
@@ -36,94 +45,323 @@ def add_bridge_args(parser: argparse.ArgumentParser) -> None:
     """Resharding-bridge flags."""
     g = parser.add_argument_group("bridge")
     g.add_argument("--bridge-bucket-size-mb", type=float, default=512.0,
-                   help="Bytes per bucket streamed to the engine; bounds the sender's extra memory.")
+                   help="Bytes per bucket: the unit that is checksummed, delivered and verified, and the size of "
+                        "a stage's send buffer when buckets are shipped over torch.distributed.")
+    g.add_argument("--bridge-transport", choices=TRANSPORTS, default="auto",
+                   help="How trainer ranks deliver weights to the engine's shared-memory staging arena: 'shm' = "
+                        "ranks on the engine's node write their shards into it directly; 'distributed' = each "
+                        "pipeline stage's sender ships buckets point-to-point (gloo/NCCL); 'auto' = shm for "
+                        "stages on the engine's node, distributed for the others.")
     g.add_argument("--bridge-fp8-exclude", nargs="*", default=None, metavar="REGEX",
                    help="HF tensor-name patterns to keep in BF16 under FP8 rollouts (q/k/v and gate/up together).")
 
 
 @dataclasses.dataclass
 class SyncStats:
-    """What one sync moved and how long it took on this sender."""
+    """What one sync moved and how long it took on this rank."""
 
     tensors: int = 0
     buckets: int = 0
     bytes: int = 0
     max_bucket_bytes: int = 0
     seconds: float = 0.0
-
-
-def send_stage_weights(chunks: list, build, config: BridgeConfig, tp_group, sync_id: int,
-                       transport=None) -> SyncStats:
-    """Stream this pipeline stage's weights; every TP rank of the stage calls it, only the sender passes a
-    transport (the others take part in the TP gathers and drop the result)."""
-    start = time.perf_counter()
-    stats = SyncStats()
-    stream = export_hf_weights(chunks, build, tp_group, to_first_rank=True)
-    if transport is None:
-        for _ in stream:
-            pass
-        return stats
-    transport.begin(sync_id)
-    for bucket in bucketize(quantize_for_engine(stream, config.policy), config.bucket_bytes):
-        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
-        transport.send(sync_id, bucket, manifest_for(bucket))
-        stats.tensors += len(bucket)
-        stats.buckets += 1
-        stats.bytes += nbytes
-        stats.max_bucket_bytes = max(stats.max_bucket_bytes, nbytes)
-    transport.finish(sync_id, stats.buckets)
-    stats.seconds = time.perf_counter() - start
-    return stats
+    transport: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class BridgeLayout:
-    """Who sends and who receives, from megatron's parallel state (taken at the call site).
+    """Who writes, who sends and who receives, from megatron's parallel state (taken at the call site).
 
-    The engine lives on global rank `engine_rank`; each pipeline stage's sender is its TP-rank-0, DP-rank-0
-    (CP-rank-0) rank. `stage_senders[s]` is the global rank of stage s's sender.
+    The engine lives on global rank `engine_rank`. The ranks of data-parallel replica 0 (context-parallel rank 0)
+    write; each pipeline stage's sender is that replica's TP rank 0, and `stage_senders[s]` is stage s's.
     """
 
     engine_rank: int
     stage_senders: tuple[int, ...]
     is_sender: bool
     rank: int
+    writes: bool = True
+    pp_rank: int = 0
+    tp_rank: int = 0
+    hosts: tuple[tuple[str, ...], ...] = ()  # hosts[s]: hosts of stage s's writing ranks
 
     @classmethod
     def from_parallel_state(cls, engine_rank: int = 0) -> "BridgeLayout":
-        import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
         rank = dist.get_rank()
-        is_sender = (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-                     and ps.get_context_parallel_rank() == 0)
+        writes = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+        tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         marks = [None] * dist.get_world_size()
-        dist.all_gather_object(marks, (ps.get_pipeline_model_parallel_rank() if is_sender else None, rank))
-        senders = tuple(r for _, r in sorted((s, r) for s, r in marks if s is not None))
-        return cls(engine_rank=engine_rank, stage_senders=senders, is_sender=is_sender, rank=rank)
+        dist.all_gather_object(marks, (writes, tp_rank, pp_rank, rank, socket.gethostname()))
+        senders = tuple(r for _, r in sorted((p, r) for w, t, p, r, _ in marks if w and t == 0))
+        hosts = tuple(tuple(sorted({h for w, _, p, _, h in marks if w and p == stage}))
+                      for stage in range(len(senders)))
+        return cls(engine_rank=engine_rank, stage_senders=senders, is_sender=writes and tp_rank == 0, rank=rank,
+                   writes=writes, pp_rank=pp_rank, tp_rank=tp_rank, hosts=hosts)
+
+
+def _copy_checked(src: torch.Tensor, dst: torch.Tensor, name: str) -> None:
+    if src.dtype == dst.dtype:
+        bad = copy_check_finite(src, dst)
+    else:
+        dst.copy_(src)
+        bad = 0 if all_finite(dst) else int((~torch.isfinite(dst)).sum())
+    if bad:
+        raise ValueError(f"{name}: {bad} NaN/Inf values; refusing to send a corrupt weight to the engine")
+
+
+def _quantize_into(src: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, policy: QuantizationPolicy,
+                   name: str) -> None:
+    if supports_quantize(src):
+        fp8_blockwise_quantize_cpu(src, policy.block_size, policy.pow2_scale, name, q_out, s_out)
+    else:
+        q, s = blockwise_fp8_quantize(src, policy.block_size, policy.pow2_scale, name=name)
+        q_out.copy_(q)
+        s_out.copy_(s)
+
+
+class WeightBridge:
+    """Syncs a model's weights into a rollout engine, every call a complete, verified, atomic update.
+
+    Every rank calls `sync` together; the engine's rank passes the receiver. The first sync exchanges the stages'
+    layouts once and maps the shared buffers; later syncs only move bytes and manifests.
+    """
+
+    def __init__(self, chunks: list, build, config: BridgeConfig, tp_group, layout: BridgeLayout,
+                 receiver: SyncReceiver | None = None):
+        self.chunks, self.build, self.config, self.tp_group, self.layout = chunks, build, config, tp_group, layout
+        self.receiver = receiver
+        self.plan: StagePlan | None = None
+        self.buffer: SharedBuffer | None = None
+        self.stage_bytes: list[int] = []
+        self.mode = ""
+        self.connected = False
+        self.completed = 0
+
+    @property
+    def is_engine_rank(self) -> bool:
+        return self.layout.rank == self.layout.engine_rank
+
+    def _stage_modes(self, engine_host: str, engine_stage: int) -> list[str]:
+        modes = []
+        for stage, hosts in enumerate(self.layout.hosts):
+            local = hosts == (engine_host,)
+            if not local and (self.config.transport == "shm" or stage == engine_stage):
+                raise ValueError(f"--bridge-transport {self.config.transport}: pipeline stage {stage} runs on "
+                                 f"{list(hosts)}, not only on the engine's node {engine_host}; the engine's own stage "
+                                 "must, and with 'shm' every stage must (use auto or distributed)")
+            # the engine's own stage writes into the arena in process whatever the transport
+            shipped = self.config.transport == "distributed" and stage != engine_stage
+            modes.append("distributed" if shipped or not local else "shm")
+        return modes
+
+    def _connect(self) -> None:
+        lay = self.layout
+        if lay.writes:
+            ctx = shard_context(self.build, lay.tp_rank)
+            self.plan = plan_stage(hf_targets(self.chunks, self.build, ctx, self.config.policy), self.config.policy,
+                                   self.config.bucket_bytes)
+        mine = (lay.pp_rank, lay.is_sender, list(self.plan.tensors) if lay.is_sender else None,
+                self.plan.nbytes if self.plan else 0, self.plan.scratch_bytes if self.plan else 0,
+                socket.gethostname())
+        infos = [None] * dist.get_world_size()
+        dist.all_gather_object(infos, mine)
+        stages = sorted((i for i in infos if i[1]), key=lambda i: i[0])
+        self.stage_bytes = [i[3] for i in stages]
+        modes = self._stage_modes(infos[lay.engine_rank][5], infos[lay.engine_rank][0])
+        shared = [None]
+        if self.is_engine_rank:
+            path, offsets, scratch = self.receiver.prepare([i[2] for i in stages], self.stage_bytes,
+                                                           [i[4] if m == "shm" else 0 for i, m in zip(stages, modes)])
+            shared = [(path, self.receiver.arena.nbytes, offsets, scratch)]
+        dist.broadcast_object_list(shared, src=lay.engine_rank)
+        path, arena_bytes, self.stage_offsets, self.scratch_offsets = shared[0]
+        if lay.writes:
+            self.mode = modes[lay.pp_rank]
+            if self.mode == "shm":
+                self.buffer = self.receiver.arena if self.is_engine_rank else SharedBuffer(path, arena_bytes, False)
+            else:
+                self._map_stage_buffer()
+            self._bucket_targets = self._targets_per_bucket()
+        self.connected = True
+
+    def _map_stage_buffer(self) -> None:
+        """A shipped stage assembles each bucket in a buffer of its own that its TP ranks share."""
+        plan = self.plan
+        self.max_bucket = max((b.nbytes for b in plan.buckets), default=0)
+        shared = [None]
+        if self.layout.tp_rank == 0:
+            self.buffer = SharedBuffer.create(f"bridge-stage{self.layout.pp_rank}", self.max_bucket + plan.scratch_bytes)
+            shared = [self.buffer.path]
+        if dist.get_world_size(self.tp_group) > 1:
+            dist.broadcast_object_list(shared, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+        if self.layout.tp_rank != 0:
+            self.buffer = SharedBuffer(shared[0], self.max_bucket + plan.scratch_bytes, False)
+
+    def _targets_per_bucket(self) -> list[list[HFTarget]]:
+        first_index = {t.name: i for i, t in enumerate(self.plan.tensors)}
+        return [[t for t in self.plan.targets if b.first <= first_index[t.name] < b.last] for b in self.plan.buckets]
+
+    def _placement(self, bucket) -> tuple[int, int]:
+        """Return (byte offset of the stage layout's 0 in self.buffer, byte offset of the scratch region)."""
+        if self.mode == "shm":
+            return self.stage_offsets[self.layout.pp_rank], self.scratch_offsets[self.layout.pp_rank]
+        return -bucket.start, self.max_bucket
+
+    def _write(self, bucket, targets: list[HFTarget]) -> None:
+        """Write this rank's pieces of the bucket's tensors (FP8 pieces quantized on the way)."""
+        base, scratch_base = self._placement(bucket)
+        policy, tensors = self.config.policy, {t.name: t for t in self.plan.tensors}
+        scratch = dict(bucket.scratch)
+        for target in targets:
+            main = tensors[target.name]
+            if not target.quantized or not target.blockwise_local:
+                if target.quantized:
+                    dst = self.buffer.view(scratch_base + scratch[target.name], target.param.dtype, target.shape)
+                else:
+                    dst = self.buffer.view(base + main.offset, main.torch_dtype, main.shape)
+                for p in target.pieces:
+                    _copy_checked(target.param.narrow(p.dim, p.src_start, p.length),
+                                  dst.narrow(p.dim, p.dst_start, p.length), target.name)
+                continue
+            scale = tensors[target.name + SCALE_SUFFIX]
+            q = self.buffer.view(base + main.offset, main.torch_dtype, main.shape)
+            s = self.buffer.view(base + scale.offset, scale.torch_dtype, scale.shape)
+            bs = policy.block_size
+            for p in target.pieces:
+                _quantize_into(target.param.narrow(p.dim, p.src_start, p.length),
+                               q.narrow(p.dim, p.dst_start, p.length),
+                               s.narrow(p.dim, p.dst_start // bs, -(-p.length // bs)), policy, target.name)
+
+    def _quantize_scratch(self, bucket, targets: list[HFTarget]) -> None:
+        """TP rank 0: quantize the FP8 tensors whose pieces were assembled in the scratch region."""
+        base, scratch_base = self._placement(bucket)
+        tensors = {t.name: t for t in self.plan.tensors}
+        for name, offset in bucket.scratch:
+            target = next(t for t in targets if t.name == name)
+            full = self.buffer.view(scratch_base + offset, target.param.dtype, target.shape)
+            main, scale = tensors[name], tensors[name + SCALE_SUFFIX]
+            _quantize_into(full, self.buffer.view(base + main.offset, main.torch_dtype, main.shape),
+                           self.buffer.view(base + scale.offset, scale.torch_dtype, scale.shape),
+                           self.config.policy, name)
+
+    def _agree(self, error: str | None) -> str | None:
+        """Barrier of the stage's TP ranks after a bucket; every rank leaves with the first rank's error, if any."""
+        if dist.get_world_size(self.tp_group) == 1:
+            return error
+        flag = torch.tensor([0 if error is None else 1])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.tp_group)
+        if not int(flag):
+            return None
+        errors = [None] * dist.get_world_size(self.tp_group)
+        dist.all_gather_object(errors, error, group=self.tp_group)
+        return next(e for e in errors if e is not None)
+
+    def _manifest(self, bucket) -> list[ManifestEntry] | None:
+        """The bucket's manifest on the stage's sender; the stage's TP ranks share the checksumming (each takes
+        about 1/TP of the bytes) and one all-reduce brings the sums to every rank."""
+        base, _ = self._placement(bucket)
+        tensors = self.plan.tensors[bucket.first: bucket.last]
+        tp = dist.get_world_size(self.tp_group)
+        load, owner = [0] * tp, []
+        for t in tensors:
+            rank = min(range(tp), key=load.__getitem__)
+            owner.append(rank)
+            load[rank] += t.nbytes
+        sums = torch.zeros(len(tensors), dtype=torch.int64)
+        for i, (t, rank) in enumerate(zip(tensors, owner)):
+            if rank == self.layout.tp_rank:
+                value = checksum(self.buffer.view(base + t.offset, t.torch_dtype, t.shape))
+                sums[i] = value - (1 << 64) if value >= 1 << 63 else value
+        if tp > 1:
+            dist.all_reduce(sums, group=self.tp_group)
+        if not self.layout.is_sender:
+            return None
+        return [ManifestEntry(t.name, t.dtype, t.shape, t.offset, t.nbytes, int(v) % (1 << 64))
+                for t, v in zip(tensors, sums.tolist())]
+
+    def _send_stage(self, sync_id: int, stats: SyncStats) -> None:
+        plan, base_error = self.plan, None
+        for index, (bucket, targets) in enumerate(zip(plan.buckets, self._bucket_targets)):
+            if index and self.mode == "distributed" and dist.get_world_size(self.tp_group) > 1:
+                dist.barrier(group=self.tp_group)  # the sender has shipped the last bucket out of the shared buffer
+            error = None
+            try:
+                self._write(bucket, targets)
+            except ValueError as err:
+                error = str(err)
+            error = self._agree(error)
+            if error is None and bucket.scratch:
+                if self.layout.tp_rank == 0:
+                    try:
+                        self._quantize_scratch(bucket, targets)
+                    except ValueError as err:
+                        error = str(err)
+                error = self._agree(error)  # nobody checksums (or overwrites the scratch) before rank 0 is done
+            if error is not None:
+                base_error = error
+                break
+            manifest = self._manifest(bucket)
+            if not self.layout.is_sender:
+                continue
+            if self.is_engine_rank:
+                self.receiver.receive(sync_id, self.layout.pp_rank, manifest)
+            else:
+                window = None
+                if self.mode == "distributed":
+                    window = self.buffer.data[: bucket.nbytes]
+                send_manifest(self.layout.engine_rank, sync_id, manifest, window)
+            stats.buckets += 1
+            stats.tensors += bucket.last - bucket.first
+            stats.bytes += bucket.nbytes
+            stats.max_bucket_bytes = max(stats.max_bucket_bytes, bucket.nbytes)
+        if self.layout.is_sender:
+            if self.is_engine_rank:
+                if base_error is not None:
+                    self.receiver.abort(f"sync {sync_id} refused, engine keeps its weights: {base_error}")
+            else:
+                send_end(self.layout.engine_rank, sync_id, base_error)
+
+    def sync(self, sync_id: int) -> SyncStats:
+        """One complete sync; raises SyncError on every rank when the engine refused it."""
+        start = time.perf_counter()
+        if not self.connected:
+            self._connect()
+        stats = SyncStats(transport=self.mode)
+        if self.is_engine_rank:
+            self.receiver.begin(sync_id)
+        if self.layout.writes:
+            self._send_stage(sync_id, stats)
+        outcome, failure = [None], None
+        if self.is_engine_rank:
+            for stage, src in enumerate(self.layout.stage_senders):
+                if src != self.layout.engine_rank:
+                    receive_stage(src, stage, self.receiver, self.stage_bytes[stage])
+            try:
+                self.receiver.commit(sync_id)
+            except Exception as err:  # every rank must learn that the sync failed, whatever the engine raised
+                outcome, failure = [f"{type(err).__name__}: {err}" if not isinstance(err, SyncError) else str(err)], err
+        dist.broadcast_object_list(outcome, src=self.layout.engine_rank)
+        if failure is not None:
+            raise failure
+        if outcome[0] is not None:
+            raise SyncError(outcome[0])
+        stats.seconds = time.perf_counter() - start
+        self.completed += 1
+        return stats
+
+    def close(self) -> None:
+        if self.buffer is not None and self.buffer is not getattr(self.receiver, "arena", None):
+            self.buffer.close()
+        self.buffer = None
 
 
 def sync_weights_to_engine(chunks: list, build, config: BridgeConfig, tp_group, layout: BridgeLayout,
                            sync_id: int, receiver: SyncReceiver | None) -> SyncStats:
-    """One sync into an engine hosted on `layout.engine_rank` (which passes its SyncReceiver).
-
-    The engine rank's own stage goes in-process; other stages' senders send point-to-point and the engine
-    rank receives them in stage order. The receiver applies only when every stage has arrived intact.
-    """
-    from megatron_ais.bridge.transport import DistributedSender, InProcessTransport, receive_from
-
-    transport = None
-    if layout.is_sender:
-        if layout.rank == layout.engine_rank:
-            transport = InProcessTransport(receiver, sender=layout.stage_senders.index(layout.rank))
-        else:
-            transport = DistributedSender(dst=layout.engine_rank)
-    if layout.rank == layout.engine_rank:
-        receiver.num_senders = len(layout.stage_senders)
-        receiver.begin(sync_id)
-    stats = send_stage_weights(chunks, build, config, tp_group, sync_id, transport)
-    if layout.rank == layout.engine_rank:
-        for sender_id, src in enumerate(layout.stage_senders):
-            if src != layout.engine_rank:
-                receive_from(src, receiver, sender_id)
-    return stats
+    """One sync through a bridge used once (a training loop keeps one WeightBridge for all its syncs)."""
+    bridge = WeightBridge(chunks, build, config, tp_group, layout, receiver)
+    try:
+        return bridge.sync(sync_id)
+    finally:
+        bridge.close()

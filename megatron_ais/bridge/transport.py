@@ -1,21 +1,32 @@
-"""Transports that carry buckets from trainer ranks to the rank that hosts the rollout engine, and the
-receiver that verifies every bucket and commits a sync only when all of it has arrived intact.
+"""How a stage's buckets reach the engine's staging arena, and the receiver that verifies and commits them.
 
-    in-process   the engine lives in the sending process: tensors are handed over directly
-    distributed  torch.distributed point-to-point (gloo on CPU, NCCL on GPU) from other trainer ranks, e.g.
-                 pipeline stages that do not host the engine
-Both deliver to a `SyncReceiver`, which stages verified buckets and applies them in one call at commit, so a
-failed or tampered sync never leaves the engine with a mix of old and new weights.
+The receiver (on the engine's rank) owns a staging arena in shared memory that holds one complete set of engine
+tensors. Trainer ranks deliver each bucket by one of two transports, chosen per pipeline stage:
+
+    shm          the stage's ranks run on the engine's node: they write their pieces straight into the arena
+                 and the stage's sender only sends the bucket's manifest (in process when it is the engine's
+                 own rank, point-to-point otherwise)
+    distributed  the stage's ranks assemble each bucket in a local shared buffer and its sender ships the bytes
+                 with torch.distributed point-to-point (gloo on CPU, NCCL on GPU) into the arena
+
+The receiver verifies every tensor of every bucket against its manifest (name, dtype, shape, place, bytes,
+checksum) and the layout it expects, and applies the arena's tensors to the engine in one call only when every
+stage has delivered everything intact; a refused sync leaves the engine's weights untouched (the arena is a
+staging copy, not the engine's weights). A separate-process engine maps the arena itself (`apply_shared`).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from megatron_ais.bridge.buckets import ManifestEntry, manifest_entry, verify_bucket
+from megatron_ais.bridge.arena import SharedBuffer, remove_stale_shared_files
+from megatron_ais.bridge.buckets import ManifestEntry, verify_tensor
+from megatron_ais.bridge.plan import EngineTensor
+
+TRANSPORTS = ("auto", "shm", "distributed")
 
 
 class SyncError(RuntimeError):
@@ -24,130 +35,134 @@ class SyncError(RuntimeError):
 
 @dataclasses.dataclass
 class SyncReceiver:
-    """Verifies buckets against their manifests, stages them, and applies a complete sync atomically.
+    """Verifies delivered buckets in the staging arena and applies a complete sync atomically.
 
-    `apply(named_tensors)` installs one complete set of weights (e.g. RolloutEngine.update_weights).
+    `apply(named_tensors)` installs one complete set of weights (e.g. RolloutEngine.update_weights); when
+    `apply_shared(path, entries)` is given it is called instead with the arena's file and the absolute entries,
+    for an engine in another process that maps the arena itself.
     """
 
     apply: Callable[[list[tuple[str, torch.Tensor]]], object]
-    num_senders: int = 1
+    apply_shared: Callable[[str, list[ManifestEntry]], object] | None = None
+    arena: SharedBuffer | None = None
+    stage_offsets: tuple[int, ...] = ()
+    expected: tuple[tuple[EngineTensor, ...], ...] = ()
     sync_id: int | None = None
-    staged: list = dataclasses.field(default_factory=list)
-    finished_senders: dict = dataclasses.field(default_factory=dict)
-    received_buckets: dict = dataclasses.field(default_factory=dict)
-    staged_bytes: int = 0
-    peak_staged_bytes: int = 0
+    received: dict = dataclasses.field(default_factory=dict)
+    error: str | None = None
+
+    def prepare(self, stages: list[list[EngineTensor]], stage_bytes: list[int], scratch_bytes: list[int]
+                ) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+        """Size the arena for `stages` (reusing it when the layout is unchanged); return (path, stage offsets,
+        scratch offsets)."""
+        offsets, total = [], 0
+        for nbytes in stage_bytes:
+            offsets.append(total)
+            total += nbytes
+        scratch = []
+        for nbytes in scratch_bytes:
+            scratch.append(total)
+            total += nbytes
+        expected = tuple(tuple(s) for s in stages)
+        if self.arena is None or self.arena.nbytes < total or expected != self.expected:
+            if self.arena is not None:
+                self.arena.close()
+            remove_stale_shared_files()
+            self.arena = SharedBuffer.create("bridge-arena", total)
+        self.stage_offsets, self.expected = tuple(offsets), expected
+        return self.arena.path, self.stage_offsets, tuple(scratch)
 
     def begin(self, sync_id: int) -> None:
-        self.sync_id, self.staged, self.finished_senders, self.received_buckets = sync_id, [], {}, {}
-        self.staged_bytes = 0
+        self.sync_id, self.received, self.error = sync_id, {}, None
 
-    def receive(self, sync_id: int, sender: int, bucket: list[tuple[str, torch.Tensor]],
-                manifest: list[ManifestEntry]) -> None:
-        """Verify and stage one bucket; a mismatch aborts the whole sync."""
-        if sync_id != self.sync_id:
-            self.abort()
-            raise SyncError(f"bucket of sync {sync_id} arrived during sync {self.sync_id}")
+    def window(self, stage: int, start: int, end: int) -> torch.Tensor:
+        """Return the arena bytes [start, end) of a stage's layout."""
+        base = self.stage_offsets[stage]
+        return self.arena.data[base + start: base + end]
+
+    def receive(self, sync_id: int, stage: int, manifest: list[ManifestEntry]) -> None:
+        """Verify one delivered bucket (already in the arena); a mismatch refuses the whole sync."""
+        if self.error is not None:
+            return
         try:
-            verify_bucket(bucket, manifest)
-        except ValueError as err:
-            self.abort()
-            raise SyncError(f"sync {sync_id} refused, engine keeps its weights: {err}") from err
-        self.staged.extend(bucket)
-        self.received_buckets[sender] = self.received_buckets.get(sender, 0) + 1
-        self.staged_bytes += sum(e.nbytes for e in manifest)
-        self.peak_staged_bytes = max(self.peak_staged_bytes, self.staged_bytes)
+            if sync_id != self.sync_id:
+                raise SyncError(f"bucket of sync {sync_id} arrived during sync {self.sync_id}")
+            expected = {t.name: t for t in self.expected[stage]}
+            for entry in manifest:
+                want = expected.get(entry.name)
+                if want is None or (want.dtype, want.shape, want.offset, want.nbytes) != (
+                        entry.dtype, entry.shape, entry.offset, entry.nbytes):
+                    raise ValueError(f"{entry.name}: manifest says {entry.dtype}{list(entry.shape)} at byte "
+                                     f"{entry.offset}, the engine expects "
+                                     + (f"{want.dtype}{list(want.shape)} at byte {want.offset}" if want else
+                                        "no such tensor"))
+                verify_tensor(entry, self._tensor(stage, want))
+                self.received.setdefault(stage, set()).add(entry.name)
+        except (ValueError, SyncError) as err:
+            self.abort(f"sync {sync_id} refused, engine keeps its weights: {err}")
 
-    def finish(self, sync_id: int, sender: int, num_buckets: int) -> bool:
-        """Record that `sender` sent `num_buckets`; apply once every sender has finished. Return True if applied."""
-        if self.received_buckets.get(sender, 0) != num_buckets:
-            self.abort()
-            raise SyncError(f"sync {sync_id}: sender {sender} announced {num_buckets} buckets, "
-                            f"{self.received_buckets.get(sender, 0)} arrived; engine keeps its weights")
-        self.finished_senders[sender] = num_buckets
-        if len(self.finished_senders) < self.num_senders:
-            return False
-        staged, self.staged, self.staged_bytes = self.staged, [], 0
-        names = [n for n, _ in staged]
-        if len(set(names)) != len(names):
-            raise SyncError(f"sync {sync_id}: duplicate tensor names {sorted({n for n in names if names.count(n) > 1})[:4]}")
-        self.apply(staged)
+    def _tensor(self, stage: int, t: EngineTensor) -> torch.Tensor:
+        return self.arena.view(self.stage_offsets[stage] + t.offset, t.torch_dtype, t.shape)
+
+    def abort(self, reason: str) -> None:
+        if self.error is None:
+            self.error = reason
+
+    def commit(self, sync_id: int) -> None:
+        """Apply the arena's tensors when every stage delivered every tensor intact; raise SyncError otherwise."""
+        if self.error is None:
+            for stage, tensors in enumerate(self.expected):
+                missing = [t.name for t in tensors if t.name not in self.received.get(stage, ())]
+                if missing:
+                    self.abort(f"sync {sync_id}: stage {stage} did not deliver {len(missing)} tensors "
+                               f"({missing[:3]}...); engine keeps its weights")
+                    break
         self.sync_id = None
-        return True
+        if self.error is not None:
+            raise SyncError(self.error)
+        if self.apply_shared is not None:
+            entries = [ManifestEntry(t.name, t.dtype, t.shape, self.stage_offsets[s] + t.offset, t.nbytes, 0)
+                       for s, tensors in enumerate(self.expected) for t in tensors]
+            self.apply_shared(self.arena.path, entries)
+        else:
+            self.apply([(t.name, self._tensor(s, t)) for s, tensors in enumerate(self.expected) for t in tensors])
 
-    def abort(self) -> None:
-        self.staged, self.sync_id, self.staged_bytes = [], None, 0
-
-
-class Transport(Protocol):
-    """Sender side of one sync."""
-
-    def begin(self, sync_id: int) -> None: ...
-    def send(self, sync_id: int, bucket: list[tuple[str, torch.Tensor]], manifest: list[ManifestEntry]) -> None: ...
-    def finish(self, sync_id: int, num_buckets: int) -> None: ...
-
-
-@dataclasses.dataclass
-class InProcessTransport:
-    """The engine is in this process: buckets go straight to its receiver."""
-
-    receiver: SyncReceiver
-    sender: int = 0
-
-    def begin(self, sync_id):
-        if self.receiver.sync_id != sync_id:
-            self.receiver.begin(sync_id)
-
-    def send(self, sync_id, bucket, manifest):
-        self.receiver.receive(sync_id, self.sender, bucket, manifest)
-
-    def finish(self, sync_id, num_buckets):
-        self.receiver.finish(sync_id, self.sender, num_buckets)
+    def close(self) -> None:
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
 
 
-def _wire(tensor: torch.Tensor) -> torch.Tensor:
-    # gloo has no float8 types: move raw bytes
-    return tensor.contiguous().view(-1).view(torch.uint8)
+def send_manifest(dst: int, sync_id: int, manifest: list[ManifestEntry], window: torch.Tensor | None) -> None:
+    """Point-to-point delivery of one bucket's manifest, followed by its bytes when `window` is given."""
+    span = None if window is None else (manifest[0].offset if manifest else 0, window.numel())
+    dist.send_object_list([("bucket", sync_id, manifest, span)], dst=dst)
+    if window is not None:
+        dist.send(window, dst=dst)
 
 
-@dataclasses.dataclass
-class DistributedSender:
-    """Sends buckets to the engine's rank with torch.distributed point-to-point (gloo / NCCL)."""
-
-    dst: int
-    group: object = None
-
-    def begin(self, sync_id):
-        pass
-
-    def send(self, sync_id, bucket, manifest):
-        dist.send_object_list([("bucket", sync_id, manifest)], dst=self.dst, group=self.group)
-        for _, tensor in bucket:
-            dist.send(_wire(tensor), dst=self.dst, group=self.group)
-
-    def finish(self, sync_id, num_buckets):
-        dist.send_object_list([("finish", sync_id, num_buckets)], dst=self.dst, group=self.group)
+def send_end(dst: int, sync_id: int, error: str | None) -> None:
+    """Tell the receiver that this stage is done (or failed with `error`)."""
+    dist.send_object_list([("end", sync_id, error, None)], dst=dst)
 
 
-def receive_from(src: int, receiver: SyncReceiver, sender_id: int, group=None) -> None:
-    """On the engine's rank: receive one sender's buckets for the current sync until it finishes."""
+def receive_stage(src: int, stage: int, receiver: SyncReceiver, stage_bytes: int) -> None:
+    """On the engine's rank: take one stage sender's messages until it ends; shipped bytes go straight into the
+    stage's part of the arena (or, when their place is out of the stage's bounds, nowhere, and the sync fails)."""
     while True:
         message = [None]
-        dist.recv_object_list(message, src=src, group=group)
-        kind, sync_id, payload = message[0]
-        if kind == "finish":
-            receiver.finish(sync_id, sender_id, payload)
+        dist.recv_object_list(message, src=src)
+        kind, sync_id, payload, span = message[0]
+        if kind == "end":
+            if payload is not None:
+                receiver.abort(f"sync {sync_id} refused, engine keeps its weights: {payload}")
             return
-        bucket = []
-        for entry in payload:
-            raw = torch.empty(entry.nbytes, dtype=torch.uint8)
-            dist.recv(raw, src=src, group=group)
-            dtype = getattr(torch, entry.dtype)
-            bucket.append((entry.name, raw.view(dtype).view(entry.shape) if entry.nbytes else
-                           torch.empty(entry.shape, dtype=dtype)))
-        receiver.receive(sync_id, sender_id, bucket, payload)
-
-
-def manifest_for(bucket: list[tuple[str, torch.Tensor]]) -> list[ManifestEntry]:
-    """Return the manifest of a bucket."""
-    return [manifest_entry(n, t) for n, t in bucket]
+        if span is not None:
+            start, nbytes = span
+            if 0 <= start and start + nbytes <= stage_bytes:
+                dist.recv(receiver.window(stage, start, start + nbytes), src=src)
+            else:
+                dist.recv(torch.empty(nbytes, dtype=torch.uint8), src=src)
+                receiver.abort(f"sync {sync_id} refused: stage {stage} sent bytes [{start}, {start + nbytes}) "
+                               f"outside its {stage_bytes} bytes")
+        receiver.receive(sync_id, stage, payload)

@@ -135,3 +135,46 @@ ROW_PARALLEL = RowParallel()
 VOCAB_PARALLEL = VocabParallel()
 FUSED_QKV = FusedQKV()
 GATED_FC1 = GatedFC1()
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A contiguous run of one TP rank's shard inside one full HF tensor, along the split dim `dim`:
+    shard[src_start : src_start + length] lands at hf[hf_index][dst_start : dst_start + length]."""
+
+    hf_index: int
+    dim: int
+    dst_start: int
+    src_start: int
+    length: int
+
+
+def split_dim(layout: Layout) -> int:
+    """Return the dim along which a layout's shards and HF tensors are cut (0 for replicated tensors)."""
+    return layout.dim if layout.dim is not None else 0
+
+
+def shard_placement(layout: Layout, shard_shape: tuple[int, ...], ctx: ShardContext
+                    ) -> tuple[list[tuple[int, ...]], list[list[Piece]]]:
+    """Return (full HF shapes, pieces of each TP rank) for a parameter whose shards have `shard_shape`.
+
+    Derived from `layout.merge` applied to position tensors, so the scatter every rank does on its own always
+    agrees with the gather-and-merge it replaces. A replicated tensor is placed by TP rank 0 alone.
+    """
+    dim = split_dim(layout)
+    size = shard_shape[dim]
+    position_shape = [1] * len(shard_shape)
+    position_shape[dim] = size
+    positions = [(torch.arange(size) + rank * size).view(position_shape) for rank in range(ctx.tp_size)]
+    shapes, pieces = [], [[] for _ in range(ctx.tp_size)]
+    for index, merged in enumerate(layout.merge(positions, ctx)):
+        full = list(shard_shape)
+        full[dim] = merged.shape[dim]
+        shapes.append(tuple(full))
+        ids = merged.reshape(-1).tolist()
+        start = 0
+        for end in range(1, len(ids) + 1):
+            if end == len(ids) or ids[end] != ids[end - 1] + 1 or ids[end] // size != ids[start] // size:
+                pieces[ids[start] // size].append(Piece(index, dim, start, ids[start] % size, end - start))
+                start = end
+    return shapes, pieces

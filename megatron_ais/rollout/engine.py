@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from megatron_ais.bridge.arena import arena_views, remove_stale_shared_files, shared_directory
+
 PRECISIONS = ("bf16", "fp8", "fp32")
 
 
@@ -107,8 +109,8 @@ class RolloutEngine:
                              "worker processes form the engine's tensor-parallel group)")
         self.config, self.placement, self.work_dir = config, placement, work_dir
         self.engine_dir = prepare_engine_dir(config, os.path.join(work_dir, "engine_model"))
-        if placement == "separate" and os.path.isdir("/proc"):
-            self._remove_stale_sync_files(self._sync_directory())
+        if placement == "separate":
+            remove_stale_shared_files()
         self.version = 0
         self.llm = None
         self._start()
@@ -139,51 +141,51 @@ class RolloutEngine:
     def model(self) -> torch.nn.Module:
         return self._worker().model_runner.model
 
-    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        """Apply one complete set of HF-named tensors (FP8 + scales in fp8 mode); return the new version."""
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]] | None,
+                       shared: tuple[str, list] | None = None) -> int:
+        """Apply one complete set of HF-named tensors (FP8 + scales in fp8 mode); return the new version.
+
+        `shared = (path, manifest entries)` names a verified shared-memory staging arena instead: a separate
+        engine maps it (no copy, no file written); a colocated one takes views of it.
+        """
         from megatron_ais.rollout.worker_extension import apply_weights_in_worker
 
-        if self.placement == "colocated":
-            apply_weights_in_worker(self._worker(), named_tensors)
+        if shared is not None and self.placement != "colocated":
+            path, entries = shared
+            self.llm.collective_rpc("megatron_ais_apply_shared",
+                                    args=(path, json.dumps([dataclasses.asdict(e) for e in entries])))
         else:
-            self._apply_through_shared_memory(named_tensors)
+            if shared is not None:
+                named_tensors = arena_views(*shared)
+            if self.placement == "colocated":
+                apply_weights_in_worker(self._worker(), named_tensors)
+            else:
+                self._apply_through_shared_memory(named_tensors)
         # KV blocks cached for shared prompt prefixes were computed with the old weights
         self.llm.reset_prefix_cache()
         self.version += 1
         return self.version
 
-    @staticmethod
-    def _remove_stale_sync_files(directory: str) -> None:
-        # a run killed during a sync leaves its shared-memory file behind; /dev/shm is RAM
-        import re
-
-        for name in os.listdir(directory):
-            match = re.fullmatch(r"megatron-ais-(\d+)-sync\.safetensors(\.tmp)?", name)
-            if match and not os.path.exists(f"/proc/{match.group(1)}"):
-                os.remove(os.path.join(directory, name))
-
-    def update_weights_or_restart(self, named_tensors: list[tuple[str, torch.Tensor]], on_restart=None) -> int:
+    def update_weights_or_restart(self, named_tensors: list[tuple[str, torch.Tensor]] | None, on_restart=None,
+                                  shared: tuple[str, list] | None = None) -> int:
         """update_weights; if the engine died, restart it and apply the same complete set of weights again
         (`on_restart(error)` is told first). An error of a live engine is raised."""
         try:
-            return self.update_weights(named_tensors)
+            return self.update_weights(named_tensors, shared)
         except Exception as err:  # vLLM raises many kinds of errors when its engine core dies
             if self.health_check():
                 raise
             if on_restart is not None:
                 on_restart(err)
             self.restart()
-            return self.update_weights(named_tensors)
-
-    def _sync_directory(self) -> str:
-        return "/dev/shm" if os.path.isdir("/dev/shm") else self.work_dir
+            return self.update_weights(named_tensors, shared)
 
     def _apply_through_shared_memory(self, named_tensors) -> None:
         from safetensors.torch import save_file
 
         from megatron_ais.bridge.buckets import manifest_entry
 
-        path = os.path.join(self._sync_directory(), f"megatron-ais-{os.getpid()}-sync.safetensors")
+        path = os.path.join(shared_directory(), f"megatron-ais-{os.getpid()}-sync.safetensors")
         manifest = json.dumps([dataclasses.asdict(manifest_entry(n, t)) for n, t in named_tensors])
         try:
             save_file({n: t.contiguous() for n, t in named_tensors}, path + ".tmp", metadata={"format": "pt"})

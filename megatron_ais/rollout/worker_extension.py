@@ -1,9 +1,10 @@
 """Code that runs inside vLLM's worker: applying one complete, verified set of weights.
 
 `WeightSyncExtension` is mixed into vLLM's worker class (`worker_extension_cls`), so a separate-process engine
-receives weights through `collective_rpc("megatron_ais_apply_weights", args=(path, manifest_json))` with no
-pickled callables: the trainer writes a safetensors file to shared memory (/dev/shm) and the worker verifies
-every tensor against the manifest before touching the model.
+receives weights through `collective_rpc` with no pickled callables or tensors: either the bridge's shared-memory
+staging arena, already verified by the receiver, is mapped and applied (`megatron_ais_apply_shared`), or a
+safetensors file in shared memory is checked tensor by tensor against its manifest and applied
+(`megatron_ais_apply_weights`).
 """
 from __future__ import annotations
 
@@ -72,13 +73,21 @@ class WeightSyncExtension:
         return capture.collect()
 
     def megatron_ais_apply_weights(self, path: str, manifest_json: str) -> int:
+        """Apply a safetensors file of weights after checking every tensor against its manifest."""
         from safetensors.torch import load_file
 
         from megatron_ais.bridge.buckets import ManifestEntry, verify_bucket
 
-        manifest = [ManifestEntry(e["name"], e["dtype"], tuple(e["shape"]), e["nbytes"], e["crc32"])
-                    for e in json.loads(manifest_json)]
+        manifest = [ManifestEntry.from_dict(e) for e in json.loads(manifest_json)]
         tensors = load_file(path)
         ordered = [(entry.name, tensors[entry.name]) for entry in manifest if entry.name in tensors]
         verify_bucket(ordered, manifest)  # raises before the model is touched
         return apply_weights_in_worker(self, ordered)
+
+    def megatron_ais_apply_shared(self, path: str, entries_json: str) -> int:
+        """Apply the tensors the bridge's receiver verified in its shared staging arena (mapped, not copied)."""
+        from megatron_ais.bridge.arena import arena_views
+        from megatron_ais.bridge.buckets import ManifestEntry
+
+        entries = [ManifestEntry.from_dict(e) for e in json.loads(entries_json)]
+        return apply_weights_in_worker(self, arena_views(path, entries))

@@ -59,24 +59,34 @@ def _engine_worker(old_dir, new_dir, precision, work):
                          if t.dtype == torch.float8_e4m3fn else t.float()
                          for n, t in sent.items() if not n.endswith("_scale_inv")}
 
-    # a bucket altered in flight (after its manifest was made) is refused and nothing is applied
-    import megatron_ais.bridge.transport as transport_module
-    original = transport_module.InProcessTransport.send
+    # a bucket altered after its manifest was made, or announced with a wrong shape, is refused and nothing is
+    # applied
+    import dataclasses
 
-    def tampering_send(self, sync_id, bucket, manifest):
-        if any(n.endswith("mlp.down_proj.weight") for n, _ in bucket):
-            name, tensor = next((n, t) for n, t in bucket if n.endswith("mlp.down_proj.weight"))
-            tensor.view(-1).view(torch.uint8)[7] ^= 0x10
-        return original(self, sync_id, bucket, manifest)
+    original = SyncReceiver.receive
+    refused = []
 
-    transport_module.InProcessTransport.send = tampering_send
-    try:
-        sync_weights_to_engine(chunks, build, config, ps.get_tensor_model_parallel_group(), layout, 2, receiver)
-        refused = None
-    except SyncError as err:
-        refused = str(err)
-    finally:
-        transport_module.InProcessTransport.send = original
+    def flip_byte(self, sync_id, stage, manifest):
+        entry = next((e for e in manifest if e.name.endswith("mlp.down_proj.weight")), None)
+        if entry is not None:
+            self.window(stage, entry.offset, entry.offset + entry.nbytes)[7] ^= 0x10
+        return original(self, sync_id, stage, manifest)
+
+    def wrong_shape(self, sync_id, stage, manifest):
+        manifest = [dataclasses.replace(e, shape=e.shape[::-1]) if e.name.endswith("mlp.down_proj.weight")
+                    else e for e in manifest]
+        return original(self, sync_id, stage, manifest)
+
+    for sync_id, tamper in ((2, flip_byte), (3, wrong_shape)):
+        SyncReceiver.receive = tamper
+        try:
+            sync_weights_to_engine(chunks, build, config, ps.get_tensor_model_parallel_group(), layout, sync_id,
+                                   receiver)
+            refused.append(None)
+        except SyncError as err:
+            refused.append(str(err))
+        finally:
+            SyncReceiver.receive = original
     still = engine.prompt_logprobs(PROBE)
     # plain arrays: tensors shared through the result queue would need this process alive to be read
     arrays = {n: t.numpy() for n, t in reference_weights.items()}
@@ -102,7 +112,8 @@ def test_bridge_into_real_vllm_engine(model_root, tmp_path, precision):
         assert float8_layers == []
         assert torch.allclose(after, reference, atol=1e-4)
     assert (before - reference).abs().mean() > 10 * (after - reference).abs().mean(), "the sync was not applied"
-    assert refused is not None and "down_proj.weight" in refused and applied == 1
+    flipped, reshaped = refused
+    assert "down_proj.weight: checksum" in flipped and "down_proj.weight: manifest says" in reshaped and applied == 1
     from megatron_ais.rollout.verify import RefitVerificationError, verify_refit
     assert verify_refit(after, reference, precision).passed
     with pytest.raises(RefitVerificationError, match="stale or corrupt"):

@@ -28,7 +28,7 @@ def _bridge_worker(cases):
     apply_cpu_compat()
     initialize_distributed()
     out = []
-    for hf_dir, tp, pp in cases:
+    for hf_dir, tp, pp, transport in cases:
         args = build_parser("test").parse_args(["--hf-dir", hf_dir, "--fp32", "--tensor-model-parallel-size", str(tp),
                                                 "--pipeline-model-parallel-size", str(pp), "--seq-length", "16"])
         hf_config = validate_args(args, dist.get_world_size())
@@ -39,15 +39,18 @@ def _bridge_worker(cases):
         layout = BridgeLayout.from_parallel_state()
         for sync_id, precision in enumerate(("bf16", "fp8")):
             applied = []
-            receiver = SyncReceiver(apply=applied.append) if layout.rank == 0 else None
-            config = BridgeConfig(bucket_size_mb=BUCKET_MB, policy=QuantizationPolicy(precision=precision))
+            receiver = SyncReceiver(apply=lambda ts: applied.append({n: t.clone() for n, t in ts})) \
+                if layout.rank == 0 else None
+            config = BridgeConfig(bucket_size_mb=BUCKET_MB, policy=QuantizationPolicy(precision=precision),
+                                  transport=transport)
             stats = sync_weights_to_engine(chunks, build, config, ps.get_tensor_model_parallel_group(), layout,
                                            sync_id, receiver)
             if layout.rank == 0:
                 assert len(applied) == 1
-                out.append((hf_dir, tp, pp, precision, dict(applied[0]), len(layout.stage_senders)))
+                out.append((hf_dir, tp, pp, precision, applied[0], len(layout.stage_senders)))
+                receiver.close()
             if layout.is_sender:
-                out.append(("sender", stats.max_bucket_bytes, stats.buckets))
+                out.append(("sender", stats.max_bucket_bytes, stats.buckets, stats.transport))
         ps.destroy_model_parallel()
     return out
 
@@ -78,10 +81,11 @@ def _check(results, expected_cases):
                         : ref.shape[0], : ref.shape[1]] * 448
                     assert bool(((deq - ref.float()).abs() <= 2 ** -4 * block_amax).all()), name
                 largest[name] = got.numel() * got.element_size()
-    assert seen == set(expected_cases)
+    assert seen == {case[:3] for case in expected_cases}
+    assert {s[3] for s in senders} == {case[3] for case in expected_cases}
     bound = max(BUCKET_MB * (1 << 20), max(largest.values()))
-    assert all(max_bucket <= bound for _, max_bucket, _ in senders), (senders, bound)
-    assert any(buckets > 1 for _, _, buckets in senders)
+    assert all(max_bucket <= bound for _, max_bucket, _, _ in senders), (senders, bound)
+    assert any(buckets > 1 for _, _, buckets, _ in senders)
     return largest
 
 
@@ -91,63 +95,82 @@ def test_bridge_two_ranks(model_root):
     kv1 = make_model_dir(model_root, "qwen3", num_key_value_heads=1)
     tied = make_model_dir(model_root, "llama", tie_word_embeddings=True)
     qwen2 = make_model_dir(model_root, "qwen2")
-    cases = [(llama, 1, 1), (kv1, 2, 1), (qwen2, 2, 1), (tied, 1, 2)]
+    cases = [(llama, 1, 1, "shm"), (kv1, 2, 1, "shm"), (qwen2, 2, 1, "shm"), (tied, 1, 2, "distributed")]
     _check(spawn(2, _bridge_worker, cases), cases)
 
 
 @pytest.mark.slow
 def test_bridge_tp2_pp2(model_root):
-    cases = [(make_model_dir(model_root, "qwen3", num_key_value_heads=1, tie_word_embeddings=True), 2, 2)]
+    model = make_model_dir(model_root, "qwen3", num_key_value_heads=1, tie_word_embeddings=True)
+    cases = [(model, 2, 2, "shm"), (model, 2, 2, "distributed")]
     _check(spawn(4, _bridge_worker, cases), cases)
 
 
-def _memory_worker(hf_dir):
-    import weakref
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
+
+def _memory_worker(hf_dir, bucket_mb):
+    import ctypes
+
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from megatron_ais.arguments import build_parser, validate_args
     from megatron_ais.bridge.quantization import QuantizationPolicy
-    from megatron_ais.bridge.sync import BridgeConfig, send_stage_weights
+    from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, WeightBridge
+    from megatron_ais.bridge.transport import SyncReceiver
     from megatron_ais.initialize import initialize_megatron
     from megatron_ais.model import ModelBuildConfig
     from megatron_ais.training import build_loaded_chunks
 
-    args = build_parser("test").parse_args(["--hf-dir", hf_dir, "--seq-length", "16"])
-    hf_config = validate_args(args, 1)
+    args = build_parser("test").parse_args(["--hf-dir", hf_dir, "--bf16", "--seq-length", "16",
+                                            "--pipeline-model-parallel-size", "2"])
+    hf_config = validate_args(args, 2)
     initialize_megatron(args)
     build = ModelBuildConfig.from_args(args, hf_config)
     chunks, _, _ = build_loaded_chunks(args, build)
+    layout = BridgeLayout.from_parallel_state()
+    receiver = SyncReceiver(apply=lambda tensors: None) if layout.rank == 0 else None
+    config = BridgeConfig(bucket_size_mb=bucket_mb, policy=QuantizationPolicy(precision="fp8"),
+                          transport="distributed")
+    bridge = WeightBridge(chunks, build, config, ps.get_tensor_model_parallel_group(), layout, receiver)
+    stage_bytes = sum(p.numel() * p.element_size() for p in chunks[0].parameters())
+    from kernels.cpu_bridge import library
 
-    class DroppingTransport:
-        """Records, at every send, the bytes of earlier buckets still alive anywhere in the process."""
+    library()
 
-        def __init__(self):
-            self.refs, self.live_at_send, self.bucket_bytes = [], [], []
+    def peak_rise(work) -> int:
+        dist.barrier()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap memory would hide new allocations from the RSS
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak resident set size to the current one
+        before = _rss_kib("VmRSS")
+        result = work()
+        return (_rss_kib("VmHWM") - before) * 1024, result
 
-        def begin(self, sync_id):
-            pass
-
-        def send(self, sync_id, bucket, manifest):
-            import gc
-            gc.collect()
-            self.live_at_send.append(sum(n for r, n in self.refs if r() is not None))
-            self.bucket_bytes.append(sum(t.numel() * t.element_size() for _, t in bucket))
-            self.refs += [(weakref.ref(t), t.numel() * t.element_size()) for _, t in bucket]
-
-        def finish(self, sync_id, num_buckets):
-            pass
-
-    transport = DroppingTransport()
-    config = BridgeConfig(bucket_size_mb=BUCKET_MB, policy=QuantizationPolicy(precision="fp8"))
-    stats = send_stage_weights(chunks, build, config, ps.get_tensor_model_parallel_group(), 0, transport)
-    total = sum(p.numel() * 2 for p in chunks[0].parameters())
-    return transport.live_at_send, transport.bucket_bytes, stats.bytes, total
+    # the first sync maps and fills the stage's buffer: it is counted
+    first_peak, stats = peak_rise(lambda: bridge.sync(0))
+    later_peak, _ = peak_rise(lambda: bridge.sync(1))
+    # negative control: the measurement sees a copy of the stage's weights
+    copy_peak, _ = peak_rise(lambda: [p.detach().clone() for p in chunks[0].parameters()])
+    peak = max(first_peak, later_peak)
+    largest = max(t.nbytes for t in bridge.plan.tensors)
+    bridge.close()
+    if receiver is not None:
+        receiver.close()
+    return layout.rank, stats.transport, peak, stats.max_bucket_bytes, largest, stage_bytes, copy_peak
 
 
-def test_sender_keeps_one_bucket_alive_at_a_time(model_root):
-    hf_dir = make_model_dir(model_root, "qwen3", hidden_size=128, intermediate_size=256)
-    ((live, buckets, sent, model_bytes),) = spawn(1, _memory_worker, hf_dir)
-    assert len(buckets) > 3 and sent < model_bytes  # FP8 halves the linear layers
-    # when a bucket is handed over, nothing of the earlier buckets is still referenced by the sender
-    assert max(live) == 0, live
+def test_shipping_sender_peak_memory_is_one_bucket(model_root):
+    """The stage that ships its buckets (rank 1, PP2) holds about one bucket plus the largest tensor extra at
+    its peak, measured as the rise of its peak resident set size during a sync, never a copy of its weights."""
+    hf_dir = make_model_dir(model_root, "qwen3", hidden_size=512, intermediate_size=2048, num_layers=8,
+                            num_attention_heads=8, num_key_value_heads=2)
+    results = {r[0]: r for r in spawn(2, _memory_worker, hf_dir, 1.0)}
+    _, transport, peak, max_bucket, largest, stage_bytes, copy_peak = results[1]
+    assert transport == "distributed" and max_bucket <= (1 << 20) + largest
+    slack = 2 << 20  # interpreter, pickled manifests, page granularity
+    assert copy_peak > 0.9 * stage_bytes > 4 * (max_bucket + largest + slack)  # a copy would be visible
+    assert peak <= max_bucket + largest + slack, (peak, max_bucket, largest)

@@ -5,7 +5,7 @@ import torch
 
 from conftest import make_model_dir
 from kernels.fp8_blockwise import blockwise_fp8_dequantize
-from megatron_ais.bridge.buckets import bucketize, manifest_entry, verify_bucket
+from megatron_ais.bridge.buckets import manifest_entry, verify_bucket
 from megatron_ais.bridge.quantization import (QuantizationPolicy, engine_quantization_config,
                                               quantize_for_engine)
 from megatron_ais.mapping.hf_io import HFCheckpointReader
@@ -55,19 +55,47 @@ def test_nan_weight_is_refused():
         list(quantize_for_engine([("model.norm.weight", bad)], QuantizationPolicy()))
 
 
-def test_buckets_bounded_ordered_and_verified(model_root):
-    engine = list(quantize_for_engine(_hf(model_root).items(), QuantizationPolicy()))
+def test_stage_plan_buckets_bounded_ordered_and_aligned(model_root):
+    from megatron_ais.bridge.plan import HFTarget, plan_stage
+    from megatron_ais.mapping.layouts import Piece
+
+    policy = QuantizationPolicy()
+    hf = _hf(model_root)
+    targets = [HFTarget(n, tuple(t.shape), t, [Piece(0, 0, 0, 0, t.shape[0])], policy.quantizes(n),
+                        policy.quantizes(n)) for n, t in hf.items()]
     limit = 64 * 1024
-    buckets = list(bucketize(engine, limit))
-    assert [n for b in buckets for n, _ in b] == [n for n, _ in engine]
-    for bucket in buckets:
-        size = sum(t.numel() * t.element_size() for _, t in bucket)
-        assert size <= limit or len(bucket) == 1
-    bucket = buckets[1]
+    plan = plan_stage(targets, policy, limit)
+    engine = list(quantize_for_engine(hf.items(), policy))
+    assert [(t.name, t.dtype, t.shape) for t in plan.tensors] == [
+        (n, str(x.dtype).removeprefix("torch."), tuple(x.shape)) for n, x in engine]
+    assert all(t.offset % 64 == 0 for t in plan.tensors)
+    assert all(a.offset + a.nbytes <= b.offset for a, b in zip(plan.tensors, plan.tensors[1:]))
+    assert [b.first for b in plan.buckets[1:]] == [b.last for b in plan.buckets[:-1]]
+    assert plan.buckets[-1].last == len(plan.tensors) and len(plan.buckets) > 3
+    for b in plan.buckets:
+        names = [t.name for t in plan.tensors[b.first:b.last]]
+        assert b.nbytes <= limit or len({n.removesuffix("_scale_inv") for n in names}) == 1
+        # a weight never travels without its scales
+        assert all(n + "_scale_inv" in names for n in names if policy.quantizes(n))
+
+
+def test_manifest_refuses_altered_swapped_or_truncated_bytes(model_root):
+    from kernels.cpu_bridge import checksum, checksum_reference
+
+    bucket = [(n, t) for n, t in quantize_for_engine(_hf(model_root).items(), QuantizationPolicy())][:6]
     manifest = [manifest_entry(n, t) for n, t in bucket]
     verify_bucket(bucket, manifest)
-    name, tensor = bucket[0]
-    tampered = tensor.clone()
-    tampered.view(-1).view(torch.uint8)[0] ^= 1
-    with pytest.raises(ValueError, match=name):
-        verify_bucket([(name, tampered)] + bucket[1:], manifest)
+    name, tensor = next((n, t) for n, t in bucket if t.dtype == torch.float8_e4m3fn)
+    raw = tensor.view(-1).view(torch.uint8)
+    flipped = raw.clone()
+    flipped[0] ^= 1
+    swapped = raw.clone().view(-1, 8)  # two 8-byte words trade places: an additive sum would not notice
+    swapped[[0, 4]] = swapped[[4, 0]]
+    assert not torch.equal(swapped[0], swapped[4])
+    for bad in (flipped, swapped.view(-1)):
+        with pytest.raises(ValueError, match=f"{name}: checksum"):
+            verify_bucket([(name, bad.view(torch.float8_e4m3fn).view(tensor.shape)) if n == name else (n, t)
+                           for n, t in bucket], manifest)
+    with pytest.raises(ValueError, match=f"{name}: shape"):
+        verify_bucket([(name, tensor[:-1]) if n == name else (n, t) for n, t in bucket], manifest)
+    assert checksum(raw) == checksum_reference(raw.numpy())

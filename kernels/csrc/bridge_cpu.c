@@ -1,0 +1,171 @@
+/* CPU kernels of the resharding bridge: blockwise FP8 quantization, a copy that checks finiteness on the way,
+ * and a position-sensitive 64-bit checksum. Each does in one pass over memory what takes the torch reference
+ * several; each has a torch/NumPy reference beside it (kernels/cpu_bridge.py) and is tested against it bit
+ * for bit. Loaded with ctypes (no torch headers), so building takes well under a second. */
+#include <stdint.h>
+#include <string.h>
+
+enum { DT_BF16 = 0, DT_FP32 = 1, DT_FP16 = 2 };
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t b = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+/* c10's round-to-nearest-even fp32 -> float8_e4m3fn for |f| <= 448 (callers clamp first). */
+static inline uint8_t f32_to_e4m3(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    uint32_t sign = bits & 0x80000000u;
+    bits ^= sign;
+    float a;
+    memcpy(&a, &bits, 4);
+    float d = a + 16384.0f; /* 2^14: aligns the subnormal grid to the low bits */
+    uint32_t dbits;
+    memcpy(&dbits, &d, 4);
+    uint8_t sub = (uint8_t)(dbits - (141u << 23));
+    uint32_t odd = (bits >> 20) & 1u;
+    uint8_t norm = (uint8_t)((bits + ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + odd) >> 20);
+    uint8_t r = bits < (121u << 23) ? sub : norm;
+    return r | (uint8_t)(sign >> 24);
+}
+
+/* Largest |x| of a row segment as raw magnitude bits (order-preserving for IEEE floats); a value at or above
+ * the infinity pattern means NaN/Inf. */
+static inline uint32_t seg_amax_bits(const void *row, int dtype, int64_t c0, int64_t c1) {
+    uint32_t m = 0;
+    if (dtype == DT_FP32) {
+        const uint32_t *p = (const uint32_t *)row;
+        for (int64_t c = c0; c < c1; ++c) { uint32_t v = p[c] & 0x7FFFFFFFu; m = v > m ? v : m; }
+    } else {
+        const uint16_t *p = (const uint16_t *)row;
+        for (int64_t c = c0; c < c1; ++c) { uint32_t v = p[c] & 0x7FFFu; m = v > m ? v : m; }
+    }
+    return m;
+}
+
+static inline float magnitude_bits_to_f32(uint32_t m, int dtype) {
+    if (dtype == DT_FP32) { float f; memcpy(&f, &m, 4); return f; }
+    return bf16_to_f32((uint16_t)m);
+}
+
+/* w [m, n] (row stride w_stride elements, bf16 or fp32) -> q [m, n] e4m3 (row stride q_stride) and
+ * s [ceil(m/bs), ceil(n/bs)] fp32 (row stride s_stride) with s = max(amax, 1e-10) / 448 (rounded up to a power
+ * of two if pow2) and q = clamp(w / s, -448, 448). Returns 0, or -1 if a value is NaN/Inf (outputs undefined). */
+int bridge_fp8_blockwise_quantize(const void *w, int dtype, int64_t m, int64_t n, int64_t w_stride, uint8_t *q,
+                                  int64_t q_stride, float *s, int64_t s_stride, int64_t bs, int pow2) {
+    const uint32_t inf_bits = dtype == DT_FP32 ? 0x7F800000u : 0x7F80u;
+    const int64_t esize = dtype == DT_FP32 ? 4 : 2;
+    const int64_t nb = (n + bs - 1) / bs;
+    float scale[nb > 0 ? nb : 1];
+    uint32_t amax[nb > 0 ? nb : 1];
+    float xs[bs];
+    for (int64_t r0 = 0; r0 < m; r0 += bs) {
+        int64_t r1 = r0 + bs < m ? r0 + bs : m;
+        for (int64_t j = 0; j < nb; ++j) amax[j] = 0;
+        for (int64_t r = r0; r < r1; ++r) {
+            const char *row = (const char *)w + r * w_stride * esize;
+            for (int64_t j = 0; j < nb; ++j) {
+                int64_t c1 = (j + 1) * bs < n ? (j + 1) * bs : n;
+                uint32_t v = seg_amax_bits(row, dtype, j * bs, c1);
+                amax[j] = v > amax[j] ? v : amax[j];
+            }
+        }
+        for (int64_t j = 0; j < nb; ++j) {
+            if (amax[j] >= inf_bits) return -1;
+            float a = magnitude_bits_to_f32(amax[j], dtype);
+            a = a > 1e-10f ? a : 1e-10f;
+            float sc = a / 448.0f;
+            if (pow2) { /* round up to a power of two: clear the mantissa, bump the exponent if it was not 0 */
+                uint32_t b;
+                memcpy(&b, &sc, 4);
+                if (b & 0x7FFFFFu) b = (b & 0xFF800000u) + 0x800000u;
+                memcpy(&sc, &b, 4);
+            }
+            scale[j] = sc;
+            s[(r0 / bs) * s_stride + j] = sc;
+        }
+        for (int64_t r = r0; r < r1; ++r) {
+            const char *row = (const char *)w + r * w_stride * esize;
+            uint8_t *qrow = q + r * q_stride;
+            for (int64_t j = 0; j < nb; ++j) {
+                int64_t c0 = j * bs, c1 = (j + 1) * bs < n ? (j + 1) * bs : n;
+                const float sc = scale[j];
+                if (dtype == DT_FP32) {
+                    const float *p = (const float *)row + c0;
+                    for (int64_t c = 0; c < c1 - c0; ++c) xs[c] = p[c] / sc;
+                } else {
+                    const uint16_t *p = (const uint16_t *)row + c0;
+                    for (int64_t c = 0; c < c1 - c0; ++c) xs[c] = bf16_to_f32(p[c]) / sc;
+                }
+                for (int64_t c = 0; c < c1 - c0; ++c) {
+                    float x = xs[c] > 448.0f ? 448.0f : (xs[c] < -448.0f ? -448.0f : xs[c]);
+                    qrow[c0 + c] = f32_to_e4m3(x);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* NaN/Inf count of a piece: an OR-reduction first (vectorises), the exact count only if it found one. */
+static inline int64_t count_nonfinite(const char *p, int64_t nbytes, int dtype) {
+    int64_t bad = 0;
+    if (dtype == DT_FP32) {
+        const uint32_t *v = (const uint32_t *)p;
+        uint32_t any = 0;
+        for (int64_t c = 0; c < nbytes / 4; ++c) any |= (v[c] & 0x7F800000u) == 0x7F800000u;
+        if (any)
+            for (int64_t c = 0; c < nbytes / 4; ++c) bad += (v[c] & 0x7F800000u) == 0x7F800000u;
+    } else if (dtype == DT_BF16 || dtype == DT_FP16) {
+        const uint16_t mask = dtype == DT_BF16 ? 0x7F80u : 0x7C00u;
+        const uint16_t *v = (const uint16_t *)p;
+        uint16_t any = 0;
+        for (int64_t c = 0; c < nbytes / 2; ++c) any |= (uint16_t)((v[c] & mask) == mask);
+        if (any)
+            for (int64_t c = 0; c < nbytes / 2; ++c) bad += (v[c] & mask) == mask;
+    }
+    return bad;
+}
+
+/* Copy `rows` rows of `row_bytes` (strides in bytes) and count the NaN/Inf elements copied (dtype < 0: no
+ * check). Works in 16 KiB pieces so that the check reads what the copy just left in L1. */
+int64_t bridge_copy_rows_check_finite(const void *src, int64_t src_stride, void *dst, int64_t dst_stride,
+                                      int64_t rows, int64_t row_bytes, int dtype) {
+    const int64_t piece = 16384;
+    int64_t bad = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+        const char *in = (const char *)src + r * src_stride;
+        char *out = (char *)dst + r * dst_stride;
+        for (int64_t off = 0; off < row_bytes; off += piece) {
+            int64_t len = row_bytes - off < piece ? row_bytes - off : piece;
+            memcpy(out + off, in + off, (size_t)len);
+            bad += count_nonfinite(out + off, len, dtype);
+        }
+    }
+    return bad;
+}
+
+/* Fletcher-style checksum over little-endian 64-bit words (the tail zero-padded to 32 bytes), in 4 interleaved
+ * lanes: A_j = sum_k w[4k+j], B_j = sum_k (K-k) w[4k+j] (mod 2^64). Swapped, shifted, truncated or altered words
+ * change it. out[0..3] = A, out[4..7] = B. */
+void bridge_checksum_lanes(const void *data, int64_t nbytes, uint64_t *out) {
+    uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0, b0 = 0, b1 = 0, b2 = 0, b3 = 0;
+    const uint64_t *p = (const uint64_t *)data;
+    int64_t k_full = nbytes / 32;
+    for (int64_t k = 0; k < k_full; ++k) {
+        a0 += p[4 * k]; a1 += p[4 * k + 1]; a2 += p[4 * k + 2]; a3 += p[4 * k + 3];
+        b0 += a0; b1 += a1; b2 += a2; b3 += a3;
+    }
+    int64_t rest = nbytes - k_full * 32;
+    if (rest) {
+        uint64_t tail[4] = {0, 0, 0, 0};
+        memcpy(tail, (const char *)data + k_full * 32, (size_t)rest);
+        a0 += tail[0]; a1 += tail[1]; a2 += tail[2]; a3 += tail[3];
+        b0 += a0; b1 += a1; b2 += a2; b3 += a3;
+    }
+    out[0] = a0; out[1] = a1; out[2] = a2; out[3] = a3;
+    out[4] = b0; out[5] = b1; out[6] = b2; out[7] = b3;
+}

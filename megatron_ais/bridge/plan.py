@@ -1,0 +1,164 @@
+"""Where every tensor of a weight sync lives, computed by each rank from its own shards with no communication
+but one exchange of stage sizes on the first sync.
+
+A stage's engine tensors (HF names; FP8 + `_scale_inv` or dense, per the policy) are laid out back to back,
+64-byte aligned, and cut into buckets of at most `bucket_bytes` (a larger tensor is a bucket of its own). Every
+TP rank of the stage writes its own pieces of each tensor straight into that layout (`shard_placement`), so no
+rank gathers a full tensor. An FP8 tensor whose TP pieces start and end on 128-row (or -column) block
+boundaries is quantized piece by piece by the rank that holds it; one whose pieces cut through blocks is first
+assembled in a scratch area and quantized by TP rank 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kernels.fp8_blockwise import scale_shape
+from megatron_ais.bridge.quantization import SCALE_SUFFIX, QuantizationPolicy
+from megatron_ais.mapping.hf_io import global_parameters
+from megatron_ais.mapping.layouts import Piece, shard_placement
+from megatron_ais.mapping.rules import rules_for, split_layer
+
+ALIGN = 64
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineTensor:
+    """One tensor the engine receives: its place in the stage's layout (offset relative to the stage)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """Consecutive engine tensors [first, last) occupying bytes [start, end) of the stage layout; `scratch`
+    maps an FP8 tensor's name to its assembly area's offset in the stage's scratch region."""
+
+    first: int
+    last: int
+    start: int
+    end: int
+    scratch: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass
+class HFTarget:
+    """One HF tensor of this stage and how this rank contributes to it."""
+
+    name: str
+    shape: tuple[int, ...]
+    param: torch.Tensor
+    pieces: list[Piece]
+    quantized: bool
+    blockwise_local: bool  # every rank's pieces respect block boundaries: quantize per piece
+
+    def engine_names(self) -> list[str]:
+        return [self.name, self.name + SCALE_SUFFIX] if self.quantized else [self.name]
+
+
+@dataclasses.dataclass
+class StagePlan:
+    """This rank's view of its pipeline stage's sync: HF targets, engine tensors, buckets, scratch size."""
+
+    targets: list[HFTarget]
+    tensors: list[EngineTensor]
+    buckets: list[Bucket]
+    scratch_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.buckets[-1].end if self.buckets else 0
+
+    def signature(self) -> list[tuple]:
+        """What every TP rank of the stage must agree on (and what the receiver must expect)."""
+        return [dataclasses.astuple(t) for t in self.tensors]
+
+
+def _block_aligned(pieces: list[list[Piece]], full: tuple[int, ...], block: int) -> bool:
+    for rank_pieces in pieces:
+        for p in rank_pieces:
+            end = p.dst_start + p.length
+            if p.dst_start % block or (end % block and end != full[p.dim]):
+                return False
+    return True
+
+
+def hf_targets(chunks: list, build, ctx, policy: QuantizationPolicy) -> list[HFTarget]:
+    """Return the HF tensors of this pipeline stage with this TP rank's pieces of each."""
+    from megatron_ais.model import unwrap_model
+
+    rules = rules_for(build.shape.model_type)
+    targets = []
+    for chunk in chunks:
+        for name, layer, param in global_parameters(unwrap_model(chunk)):
+            rule = rules.get(split_layer(name)[1])
+            if rule is None:
+                raise KeyError(f"Megatron parameter {name!r} has no HF mapping for {build.shape.model_type!r}")
+            if build.shape.tie_word_embeddings and rule.megatron == "output_layer.weight":
+                continue  # the embedding carries the tied lm_head
+            shapes, pieces = shard_placement(rule.layout, tuple(param.shape), ctx)
+            for index, (hf_name, shape) in enumerate(zip(rule.format(layer)[1], shapes)):
+                quantized = policy.quantizes(hf_name)
+                per_rank = [[p for p in rank_pieces if p.hf_index == index] for rank_pieces in pieces]
+                targets.append(HFTarget(hf_name, shape, param.detach(), per_rank[ctx.tp_rank], quantized,
+                                        quantized and _block_aligned(per_rank, shape, policy.block_size)))
+    return targets
+
+
+def plan_stage(targets: list[HFTarget], policy: QuantizationPolicy, bucket_bytes: int) -> StagePlan:
+    """Lay out the engine tensors of `targets` and cut them into buckets."""
+    tensors: list[EngineTensor] = []
+    buckets: list[Bucket] = []
+    offset = first = start = 0
+    scratch: list[tuple[str, int]] = []
+    scratch_used = scratch_max = 0
+
+    def close():
+        nonlocal first, start, scratch, scratch_used
+        if len(tensors) > first:
+            buckets.append(Bucket(first, len(tensors), start, offset, tuple(scratch)))
+        first, start, scratch, scratch_used = len(tensors), offset, [], 0
+
+    for target in targets:
+        if target.quantized:
+            pieces = [(target.name, "float8_e4m3fn", target.shape),
+                      (target.name + SCALE_SUFFIX, "float32", scale_shape(target.shape, policy.block_size))]
+        else:
+            pieces = [(target.name, str(policy.dense_dtype).removeprefix("torch."), target.shape)]
+        sizes = [_numel(shape) * getattr(torch, dtype).itemsize for _, dtype, shape in pieces]
+        # a weight and its scales travel in one bucket
+        if offset > start and offset + sum(_aligned(n) for n in sizes) - start > bucket_bytes:
+            close()
+        for (name, dtype, shape), nbytes in zip(pieces, sizes):
+            tensors.append(EngineTensor(name, dtype, tuple(shape), offset, nbytes))
+            offset = _aligned(offset + nbytes)
+        if target.quantized and not target.blockwise_local:
+            scratch.append((target.name, scratch_used))
+            scratch_used = _aligned(scratch_used + target.param.element_size() * _numel(target.shape))
+            scratch_max = max(scratch_max, scratch_used)
+    close()
+    return StagePlan(targets, tensors, buckets, scratch_max)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
