@@ -1,10 +1,15 @@
 """CPU kernels of the resharding bridge (`csrc/bridge_cpu.c`), built on first use with the system C compiler
 and called through ctypes, beside their torch / NumPy references:
 
-    fp8_blockwise_quantize_cpu   one pass per 128-row strip: amax, scale, divide, round to e4m3
+    fp8_quantize_into            one pass per 128-row strip: amax, scale, divide, round to e4m3
                                  (reference: kernels.fp8_blockwise.blockwise_fp8_quantize_reference)
     copy_check_finite            copy a 2-D view and count NaN/Inf on the way (reference: copy_ + isfinite)
-    checksum                     4-lane Fletcher-style 64-bit checksum (reference: checksum_reference, NumPy)
+    checksum_sums / checksum     position-weighted checksum of a tensor's elements (reference: NumPy)
+
+The checksum of a tensor of E elements (each read as an unsigned integer of its byte width) is the fold of
+A = sum v_i and B = sum (i + 1) v_i (mod 2^64, i the flat index): a changed element changes A, swapped or shifted
+elements change B, and both are sums, so the TP ranks that write the pieces of a tensor each add up their own
+pieces' sums while writing them (`Position` says where a piece sits) and one all-reduce gives the checksum.
 
 Without a compiler the references are used and one warning says so; `MEGATRON_AIS_CPU_KERNELS=0` forces that.
 The shared object is cached under `$MEGATRON_AIS_KERNEL_CACHE` (default ~/.cache/megatron_ais/kernels), keyed by
@@ -13,6 +18,7 @@ the source, the flags and the CPU, so a cache shared between different machines 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import logging
 import os
@@ -85,12 +91,13 @@ def library() -> ctypes.CDLL | None:
             log.warning("bridge CPU kernels unavailable (%s); using the torch references, which are slower", err)
             return None
         i64, vp, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        lib.bridge_fp8_blockwise_quantize.argtypes = [vp, c_int, i64, i64, i64, vp, i64, vp, i64, i64, c_int]
+        lib.bridge_fp8_blockwise_quantize.argtypes = [vp, c_int, i64, i64, i64, vp, i64, vp, i64, i64, c_int,
+                                                      i64, i64, i64, vp]
         lib.bridge_fp8_blockwise_quantize.restype = c_int
-        lib.bridge_copy_rows_check_finite.argtypes = [vp, i64, vp, i64, i64, i64, c_int]
+        lib.bridge_copy_rows_check_finite.argtypes = [vp, i64, vp, i64, i64, i64, c_int, c_int, i64, i64, i64, vp]
         lib.bridge_copy_rows_check_finite.restype = i64
-        lib.bridge_checksum_lanes.argtypes = [vp, i64, vp]
-        lib.bridge_checksum_lanes.restype = None
+        lib.bridge_block_sums.argtypes = [vp, i64, i64, i64, c_int, i64, i64, i64, vp]
+        lib.bridge_block_sums.restype = None
         _library = lib
         return lib
 
@@ -118,81 +125,136 @@ def supports_quantize(w: torch.Tensor) -> bool:
             and (w.stride(1) == 1 or w.shape[1] <= 1) and library() is not None)
 
 
-def fp8_blockwise_quantize_cpu(w: torch.Tensor, block_size: int = 128, pow2_scale: bool = False,
-                               name: str = "weight", q_out: torch.Tensor | None = None,
-                               scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """C kernel, same contract and bits as the torch reference; may write into views `q_out` / `scale_out`
-    (row-contiguous, e.g. a slice of a larger tensor in a shared bucket)."""
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """Where a 2-D view sits in its tensor: its element (r, c) has flat index (row0 + r) * ncols + col0 + c."""
+
+    row0: int
+    ncols: int
+    col0: int
+
+    @classmethod
+    def whole(cls, t: torch.Tensor) -> "Position":
+        """The position of a tensor seen as a whole (1-D and scalars are one row)."""
+        return cls(0, t.shape[-1] if t.dim() >= 1 else 1, 0)
+
+    @classmethod
+    def of_piece(cls, full_shape: tuple[int, ...], dim: int, start: int) -> "Position":
+        """The position of `full.narrow(dim, start, n)` in a 1-D or 2-D tensor of `full_shape`."""
+        if len(full_shape) == 1:
+            return cls(0, full_shape[0], start)
+        return cls(start, full_shape[1], 0) if dim == 0 else cls(0, full_shape[1], start)
+
+
+def _sums_array():
+    return (ctypes.c_uint64 * 2)()
+
+
+def fp8_quantize_into(w: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor, block_size: int = 128,
+                      pow2_scale: bool = False, name: str = "weight", q_position: Position | None = None
+                      ) -> tuple[int, int]:
+    """C kernel: quantize `w` into row-contiguous views `q_out` / `scale_out` (same bits as the torch reference)
+    and return the checksum sums of the codes written, `q_out` sitting at `q_position` in its tensor."""
     from kernels.fp8_blockwise import scale_shape
 
     lib = library()
     if lib is None or not supports_quantize(w):
         raise RuntimeError(f"{name}: the CPU FP8 kernel cannot take this tensor ({w.dtype}, {tuple(w.shape)})")
     m, n = w.shape
-    mb, nb = scale_shape((m, n), block_size)
-    q = torch.empty((m, n), dtype=torch.float8_e4m3fn) if q_out is None else q_out
-    s = torch.empty((mb, nb), dtype=torch.float32) if scale_out is None else scale_out
-    if tuple(q.shape) != (m, n) or tuple(s.shape) != (mb, nb):
-        raise ValueError(f"{name}: output shapes {tuple(q.shape)}, {tuple(s.shape)} do not fit {(m, n)}")
+    if tuple(q_out.shape) != (m, n) or tuple(scale_out.shape) != scale_shape((m, n), block_size):
+        raise ValueError(f"{name}: output shapes {tuple(q_out.shape)}, {tuple(scale_out.shape)} do not fit {(m, n)}")
+    position = q_position or Position.whole(q_out)
+    sums = _sums_array()
     status = lib.bridge_fp8_blockwise_quantize(
-        w.data_ptr(), DTYPE_CODES[w.dtype], m, n, _rows_view(w)[2], q.data_ptr(), _rows_view(q)[2],
-        s.data_ptr(), _rows_view(s)[2], block_size, int(pow2_scale))
+        w.data_ptr(), DTYPE_CODES[w.dtype], m, n, _rows_view(w)[2], q_out.data_ptr(), _rows_view(q_out)[2],
+        scale_out.data_ptr(), _rows_view(scale_out)[2], block_size, int(pow2_scale), position.row0,
+        position.ncols, position.col0, sums)
     if status != 0:
         bad = int((~torch.isfinite(w)).sum())
         raise ValueError(f"{name}: {bad} NaN/Inf values; refusing to quantize a corrupt weight")
+    return sums[0], sums[1]
+
+
+def fp8_blockwise_quantize_cpu(w: torch.Tensor, block_size: int = 128, pow2_scale: bool = False,
+                               name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """C kernel with the contract of the torch reference: return (q, scale_inv)."""
+    from kernels.fp8_blockwise import scale_shape
+
+    q = torch.empty(tuple(w.shape), dtype=torch.float8_e4m3fn)
+    s = torch.empty(scale_shape(tuple(w.shape), block_size), dtype=torch.float32)
+    fp8_quantize_into(w, q, s, block_size, pow2_scale, name)
     return q, s
 
 
-def copy_check_finite(src: torch.Tensor, dst: torch.Tensor) -> int:
-    """Copy `src` into `dst` (same shape and dtype, contiguous last dims) and return how many copied elements are
-    NaN/Inf (always 0 for non-float dtypes)."""
+def copy_check_finite(src: torch.Tensor, dst: torch.Tensor, position: Position | None = None
+                      ) -> tuple[int, tuple[int, int]]:
+    """Copy `src` into `dst` (same shape and dtype, contiguous last dims); return (how many copied elements are
+    NaN/Inf — 0 for non-float dtypes —, checksum sums of `dst` at `position` in its tensor)."""
     if src.shape != dst.shape or src.dtype != dst.dtype:
         raise ValueError(f"copy of {tuple(src.shape)} {src.dtype} into {tuple(dst.shape)} {dst.dtype}")
+    position = position or Position.whole(dst)
     lib = library()
     if lib is None or src.device.type != "cpu" or dst.device.type != "cpu" or src.numel() == 0:
         dst.copy_(src)
-        return int((~torch.isfinite(dst)).sum()) if dst.is_floating_point() else 0
+        bad = int((~torch.isfinite(dst)).sum()) if dst.is_floating_point() else 0
+        return bad, checksum_sums(dst, position)
     rows, cols, src_stride = _rows_view(src)
     _, _, dst_stride = _rows_view(dst)
     size = src.element_size()
-    return int(lib.bridge_copy_rows_check_finite(src.data_ptr(), src_stride * size, dst.data_ptr(),
-                                                 dst_stride * size, rows, cols * size,
-                                                 DTYPE_CODES.get(src.dtype, -1)))
+    sums = _sums_array()
+    bad = lib.bridge_copy_rows_check_finite(src.data_ptr(), src_stride * size, dst.data_ptr(), dst_stride * size,
+                                            rows, cols * size, DTYPE_CODES.get(src.dtype, -1), size,
+                                            position.row0, position.ncols, position.col0, sums)
+    return int(bad), (sums[0], sums[1])
 
 
 _FNV_PRIME = 0x100000001B3
 _MASK = (1 << 64) - 1
 
 
-def _fold(nbytes: int, lanes) -> int:
+def fold_checksum(nbytes: int, sums: tuple[int, int]) -> int:
+    """Return the 64-bit checksum from a tensor's byte count and its sums (A, B)."""
     h = 0xCBF29CE484222325 ^ nbytes
-    for v in lanes:
-        h = ((h ^ int(v)) * _FNV_PRIME) & _MASK
+    for v in sums:
+        h = ((h ^ (int(v) & _MASK)) * _FNV_PRIME) & _MASK
     return h
 
 
+def checksum_sums(t: torch.Tensor, position: Position | None = None) -> tuple[int, int]:
+    """Return the checksum sums (A, B) of a CPU tensor or 2-D view (contiguous last dim) at `position`."""
+    position = position or Position.whole(t)
+    lib = library()
+    if lib is None or t.device.type != "cpu" or t.element_size() not in (1, 2, 4, 8):
+        return checksum_sums_reference(t, position)
+    if t.numel() == 0:
+        return 0, 0
+    rows, cols, stride = _rows_view(t)
+    sums = _sums_array()
+    lib.bridge_block_sums(t.data_ptr(), rows, cols, stride * t.element_size(), t.element_size(), position.row0,
+                          position.ncols, position.col0, sums)
+    return sums[0], sums[1]
+
+
 def checksum(t: torch.Tensor) -> int:
-    """Return the 64-bit checksum of a contiguous CPU tensor's bytes (any dtype)."""
+    """Return the 64-bit checksum of a contiguous tensor (any dtype, any device)."""
     if not t.is_contiguous():
         raise ValueError("checksum needs a contiguous tensor")
-    nbytes = t.numel() * t.element_size()
-    lib = library()
-    if lib is None or t.device.type != "cpu":
-        return checksum_reference(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
-    lanes = (ctypes.c_uint64 * 8)()
-    lib.bridge_checksum_lanes(t.data_ptr() if nbytes else None, nbytes, lanes)
-    return _fold(nbytes, lanes)
+    t = t.detach()
+    flat = t.reshape(-1) if t.dim() != 1 else t
+    return fold_checksum(t.numel() * t.element_size(), checksum_sums(flat.cpu()))
 
 
-def checksum_reference(data: np.ndarray) -> int:
-    """NumPy reference of `checksum` on raw bytes."""
-    nbytes = int(data.nbytes)
-    padded = np.zeros(-(-nbytes // 32) * 32, dtype=np.uint8)
-    padded[:nbytes] = data.reshape(-1).view(np.uint8)
-    words = padded.view("<u8").reshape(-1, 4)
-    k = words.shape[0]
+def checksum_sums_reference(t: torch.Tensor, position: Position | None = None) -> tuple[int, int]:
+    """NumPy reference of `checksum_sums`."""
+    position = position or Position.whole(t)
+    width = t.element_size()
+    flat = t.detach().cpu().contiguous()
+    rows = 1 if flat.dim() <= 1 else flat.shape[0]
+    values = flat.view(-1).view(torch.uint8).numpy().view(f"<u{width}").astype(np.uint64).reshape(rows, -1)
+    cols = values.shape[1]
+    index = ((np.arange(rows, dtype=np.uint64)[:, None] + np.uint64(position.row0)) * np.uint64(position.ncols)
+             + np.uint64(position.col0) + np.arange(cols, dtype=np.uint64)[None, :])
     with np.errstate(over="ignore"):
-        a = words.sum(axis=0, dtype=np.uint64)
-        weights = np.arange(k, 0, -1, dtype=np.uint64)[:, None]
-        b = (words * weights).sum(axis=0, dtype=np.uint64)
-    return _fold(nbytes, list(a) + list(b))
+        a = int(values.sum(dtype=np.uint64)) & _MASK
+        b = int((values * (index + np.uint64(1))).sum(dtype=np.uint64)) & _MASK
+    return a, b

@@ -1,5 +1,6 @@
-/* CPU kernels of the resharding bridge: blockwise FP8 quantization, a copy that checks finiteness on the way,
- * and a position-sensitive 64-bit checksum. Each does in one pass over memory what takes the torch reference
+/* CPU kernels of the resharding bridge: blockwise FP8 quantization and a copy that checks finiteness, both
+ * adding up the checksum sums of what they write (sums that add up over any pieces of a tensor, so TP ranks
+ * checksum their own pieces in the same pass). Each does in one pass over memory what takes the torch reference
  * several; each has a torch/NumPy reference beside it (kernels/cpu_bridge.py) and is tested against it bit
  * for bit. Loaded with ctypes (no torch headers), so building takes well under a second. */
 #include <stdint.h>
@@ -51,11 +52,62 @@ static inline float magnitude_bits_to_f32(uint32_t m, int dtype) {
     return bf16_to_f32((uint16_t)m);
 }
 
+/* Position-weighted sums of a run of n unsigned elements: *S += sum v_c, *T += sum c * v_c (c from 0, mod 2^64).
+ * In blocks small enough that the within-block sums fit the accumulator type ACC, which for 8- and 16-bit
+ * elements is 32 bits wide so that the loop vectorises over 16 lanes: sum_{j<256} j * 65535 < 2^32 and
+ * sum_{j<4096} j * 255 < 2^32. */
+#define DEFINE_RUN_SUMS(NAME, TYPE, ACC, BLOCK)                                                        \
+    static inline void NAME(const TYPE *v, int64_t n, uint64_t *S, uint64_t *T) {                      \
+        uint64_t s = 0, t = 0;                                                                         \
+        for (int64_t b0 = 0; b0 < n; b0 += BLOCK) {                                                    \
+            const int64_t len = n - b0 < BLOCK ? n - b0 : BLOCK;                                       \
+            const TYPE *p = v + b0;                                                                    \
+            ACC bs = 0, bt = 0;                                                                        \
+            for (int64_t j = 0; j < len; ++j) { bs += (ACC)p[j]; bt += (ACC)j * (ACC)p[j]; }           \
+            s += (uint64_t)bs;                                                                         \
+            t += (uint64_t)b0 * (uint64_t)bs + (uint64_t)bt;                                           \
+        }                                                                                              \
+        *S += s;                                                                                       \
+        *T += t;                                                                                       \
+    }
+DEFINE_RUN_SUMS(run_sums_u8, uint8_t, uint32_t, 4096)
+DEFINE_RUN_SUMS(run_sums_u16, uint16_t, uint32_t, 256)
+DEFINE_RUN_SUMS(run_sums_u32, uint32_t, uint64_t, 1024)
+DEFINE_RUN_SUMS(run_sums_u64, uint64_t, uint64_t, 1024)
+
+static inline void run_sums(const void *v, int64_t n, int esize, uint64_t *S, uint64_t *T) {
+    switch (esize) {
+    case 1: run_sums_u8((const uint8_t *)v, n, S, T); break;
+    case 2: run_sums_u16((const uint16_t *)v, n, S, T); break;
+    case 4: run_sums_u32((const uint32_t *)v, n, S, T); break;
+    default: run_sums_u64((const uint64_t *)v, n, S, T); break;
+    }
+}
+
+/* Add a run's contribution to a tensor's checksum sums: A += sum v, B += sum (index + 1) v, where the run's first
+ * element has flat index `first` in its tensor. */
+static inline void add_run(const void *v, int64_t n, int esize, int64_t first, uint64_t *sums) {
+    uint64_t S = 0, T = 0;
+    run_sums(v, n, esize, &S, &T);
+    sums[0] += S;
+    sums[1] += ((uint64_t)first + 1) * S + T;
+}
+
+/* Checksum sums of a rows x cols block (row stride in bytes) of elements of esize bytes whose element (r, c)
+ * has flat index (row0 + r) * ncols + col0 + c in its tensor. */
+void bridge_block_sums(const void *p, int64_t rows, int64_t cols, int64_t stride, int esize, int64_t row0,
+                       int64_t ncols, int64_t col0, uint64_t *sums) {
+    for (int64_t r = 0; r < rows; ++r)
+        add_run((const char *)p + r * stride, cols, esize, (row0 + r) * ncols + col0, sums);
+}
+
 /* w [m, n] (row stride w_stride elements, bf16 or fp32) -> q [m, n] e4m3 (row stride q_stride) and
  * s [ceil(m/bs), ceil(n/bs)] fp32 (row stride s_stride) with s = max(amax, 1e-10) / 448 (rounded up to a power
- * of two if pow2) and q = clamp(w / s, -448, 448). Returns 0, or -1 if a value is NaN/Inf (outputs undefined). */
+ * of two if pow2) and q = clamp(w / s, -448, 448). Adds q's checksum sums to q_sums, q's element (r, c) having
+ * flat index (q_row0 + r) * q_ncols + q_col0 + c in its tensor. Returns 0, or -1 if a value is NaN/Inf. */
 int bridge_fp8_blockwise_quantize(const void *w, int dtype, int64_t m, int64_t n, int64_t w_stride, uint8_t *q,
-                                  int64_t q_stride, float *s, int64_t s_stride, int64_t bs, int pow2) {
+                                  int64_t q_stride, float *s, int64_t s_stride, int64_t bs, int pow2,
+                                  int64_t q_row0, int64_t q_ncols, int64_t q_col0, uint64_t *q_sums) {
     const uint32_t inf_bits = dtype == DT_FP32 ? 0x7F800000u : 0x7F80u;
     const int64_t esize = dtype == DT_FP32 ? 4 : 2;
     const int64_t nb = (n + bs - 1) / bs;
@@ -105,6 +157,7 @@ int bridge_fp8_blockwise_quantize(const void *w, int dtype, int64_t m, int64_t n
                     qrow[c0 + c] = f32_to_e4m3(x);
                 }
             }
+            add_run(qrow, n, 1, (q_row0 + r) * q_ncols + q_col0, q_sums);
         }
     }
     return 0;
@@ -130,10 +183,13 @@ static inline int64_t count_nonfinite(const char *p, int64_t nbytes, int dtype) 
     return bad;
 }
 
-/* Copy `rows` rows of `row_bytes` (strides in bytes) and count the NaN/Inf elements copied (dtype < 0: no
- * check). Works in 16 KiB pieces so that the check reads what the copy just left in L1. */
+/* Copy `rows` rows of `row_bytes` (strides in bytes), count the NaN/Inf elements copied (dtype < 0: no check)
+ * and add the copy's checksum sums (elements of esize bytes; dst element (r, c) has flat index
+ * (row0 + r) * ncols + col0 + c in its tensor). Works in 16 KiB pieces so that the check and the sums read what the
+ * copy just left in L1. */
 int64_t bridge_copy_rows_check_finite(const void *src, int64_t src_stride, void *dst, int64_t dst_stride,
-                                      int64_t rows, int64_t row_bytes, int dtype) {
+                                      int64_t rows, int64_t row_bytes, int dtype, int esize, int64_t row0,
+                                      int64_t ncols, int64_t col0, uint64_t *sums) {
     const int64_t piece = 16384;
     int64_t bad = 0;
     for (int64_t r = 0; r < rows; ++r) {
@@ -143,29 +199,8 @@ int64_t bridge_copy_rows_check_finite(const void *src, int64_t src_stride, void 
             int64_t len = row_bytes - off < piece ? row_bytes - off : piece;
             memcpy(out + off, in + off, (size_t)len);
             bad += count_nonfinite(out + off, len, dtype);
+            add_run(out + off, len / esize, esize, (row0 + r) * ncols + col0 + off / esize, sums);
         }
     }
     return bad;
-}
-
-/* Fletcher-style checksum over little-endian 64-bit words (the tail zero-padded to 32 bytes), in 4 interleaved
- * lanes: A_j = sum_k w[4k+j], B_j = sum_k (K-k) w[4k+j] (mod 2^64). Swapped, shifted, truncated or altered words
- * change it. out[0..3] = A, out[4..7] = B. */
-void bridge_checksum_lanes(const void *data, int64_t nbytes, uint64_t *out) {
-    uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0, b0 = 0, b1 = 0, b2 = 0, b3 = 0;
-    const uint64_t *p = (const uint64_t *)data;
-    int64_t k_full = nbytes / 32;
-    for (int64_t k = 0; k < k_full; ++k) {
-        a0 += p[4 * k]; a1 += p[4 * k + 1]; a2 += p[4 * k + 2]; a3 += p[4 * k + 3];
-        b0 += a0; b1 += a1; b2 += a2; b3 += a3;
-    }
-    int64_t rest = nbytes - k_full * 32;
-    if (rest) {
-        uint64_t tail[4] = {0, 0, 0, 0};
-        memcpy(tail, (const char *)data + k_full * 32, (size_t)rest);
-        a0 += tail[0]; a1 += tail[1]; a2 += tail[2]; a3 += tail[3];
-        b0 += a0; b1 += a1; b2 += a2; b3 += a3;
-    }
-    out[0] = a0; out[1] = a1; out[2] = a2; out[3] = a3;
-    out[4] = b0; out[5] = b1; out[6] = b2; out[7] = b3;
 }

@@ -12,7 +12,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from kernels.cpu_bridge import checksum, copy_check_finite, fp8_blockwise_quantize_cpu, supports_quantize
+from kernels.cpu_bridge import (Position, checksum_sums, copy_check_finite, fold_checksum, fp8_quantize_into,
+                                supports_quantize)
 from kernels.fp8_blockwise import all_finite, blockwise_fp8_quantize
 from megatron_ais.bridge.arena import SharedBuffer
 from megatron_ais.bridge.buckets import ManifestEntry
@@ -101,24 +102,36 @@ class BridgeLayout:
                    writes=writes, pp_rank=pp_rank, tp_rank=tp_rank, hosts=hosts)
 
 
-def _copy_checked(src: torch.Tensor, dst: torch.Tensor, name: str) -> None:
+def _copy_checked(src: torch.Tensor, dst: torch.Tensor, position: Position, name: str) -> tuple[int, int]:
+    """Copy a piece into place; return its checksum sums; refuse NaN/Inf naming the tensor."""
     if src.dtype == dst.dtype:
-        bad = copy_check_finite(src, dst)
+        bad, sums = copy_check_finite(src, dst, position)
     else:
         dst.copy_(src)
         bad = 0 if all_finite(dst) else int((~torch.isfinite(dst)).sum())
+        sums = checksum_sums(dst, position)
     if bad:
         raise ValueError(f"{name}: {bad} NaN/Inf values; refusing to send a corrupt weight to the engine")
+    return sums
 
 
-def _quantize_into(src: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, policy: QuantizationPolicy,
-                   name: str) -> None:
+def _quantize_into(src: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, q_position: Position,
+                   s_position: Position, policy: QuantizationPolicy, name: str) -> tuple[tuple[int, int], ...]:
+    """Quantize a piece into place; return the checksum sums of its codes and of its scales."""
     if supports_quantize(src):
-        fp8_blockwise_quantize_cpu(src, policy.block_size, policy.pow2_scale, name, q_out, s_out)
+        q_sums = fp8_quantize_into(src, q_out, s_out, policy.block_size, policy.pow2_scale, name, q_position)
     else:
         q, s = blockwise_fp8_quantize(src, policy.block_size, policy.pow2_scale, name=name)
         q_out.copy_(q)
         s_out.copy_(s)
+        q_sums = checksum_sums(q_out, q_position)
+    return q_sums, checksum_sums(s_out, s_position)
+
+
+def _add(sums: dict[str, list[int]], name: str, piece: tuple[int, int]) -> None:
+    total = sums.setdefault(name, [0, 0])
+    total[0] = (total[0] + piece[0]) & 0xFFFFFFFFFFFFFFFF
+    total[1] = (total[1] + piece[1]) & 0xFFFFFFFFFFFFFFFF
 
 
 class WeightBridge:
@@ -209,8 +222,9 @@ class WeightBridge:
             return self.stage_offsets[self.layout.pp_rank], self.scratch_offsets[self.layout.pp_rank]
         return -bucket.start, self.max_bucket
 
-    def _write(self, bucket, targets: list[HFTarget]) -> None:
-        """Write this rank's pieces of the bucket's tensors (FP8 pieces quantized on the way)."""
+    def _write(self, bucket, targets: list[HFTarget], sums: dict[str, list[int]]) -> None:
+        """Write this rank's pieces of the bucket's tensors (FP8 pieces quantized on the way), adding each piece's
+        checksum sums to `sums[name]`."""
         base, scratch_base = self._placement(bucket)
         policy, tensors = self.config.policy, {t.name: t for t in self.plan.tensors}
         scratch = dict(bucket.scratch)
@@ -222,19 +236,26 @@ class WeightBridge:
                 else:
                     dst = self.buffer.view(base + main.offset, main.torch_dtype, main.shape)
                 for p in target.pieces:
-                    _copy_checked(target.param.narrow(p.dim, p.src_start, p.length),
-                                  dst.narrow(p.dim, p.dst_start, p.length), target.name)
+                    piece = _copy_checked(target.param.narrow(p.dim, p.src_start, p.length),
+                                          dst.narrow(p.dim, p.dst_start, p.length),
+                                          Position.of_piece(target.shape, p.dim, p.dst_start), target.name)
+                    if not target.quantized:
+                        _add(sums, target.name, piece)
                 continue
             scale = tensors[target.name + SCALE_SUFFIX]
             q = self.buffer.view(base + main.offset, main.torch_dtype, main.shape)
             s = self.buffer.view(base + scale.offset, scale.torch_dtype, scale.shape)
             bs = policy.block_size
             for p in target.pieces:
-                _quantize_into(target.param.narrow(p.dim, p.src_start, p.length),
-                               q.narrow(p.dim, p.dst_start, p.length),
-                               s.narrow(p.dim, p.dst_start // bs, -(-p.length // bs)), policy, target.name)
+                q_sums, s_sums = _quantize_into(
+                    target.param.narrow(p.dim, p.src_start, p.length), q.narrow(p.dim, p.dst_start, p.length),
+                    s.narrow(p.dim, p.dst_start // bs, -(-p.length // bs)),
+                    Position.of_piece(main.shape, p.dim, p.dst_start),
+                    Position.of_piece(scale.shape, p.dim, p.dst_start // bs), policy, target.name)
+                _add(sums, main.name, q_sums)
+                _add(sums, scale.name, s_sums)
 
-    def _quantize_scratch(self, bucket, targets: list[HFTarget]) -> None:
+    def _quantize_scratch(self, bucket, targets: list[HFTarget], sums: dict[str, list[int]]) -> None:
         """TP rank 0: quantize the FP8 tensors whose pieces were assembled in the scratch region."""
         base, scratch_base = self._placement(bucket)
         tensors = {t.name: t for t in self.plan.tensors}
@@ -242,9 +263,12 @@ class WeightBridge:
             target = next(t for t in targets if t.name == name)
             full = self.buffer.view(scratch_base + offset, target.param.dtype, target.shape)
             main, scale = tensors[name], tensors[name + SCALE_SUFFIX]
-            _quantize_into(full, self.buffer.view(base + main.offset, main.torch_dtype, main.shape),
-                           self.buffer.view(base + scale.offset, scale.torch_dtype, scale.shape),
-                           self.config.policy, name)
+            q = self.buffer.view(base + main.offset, main.torch_dtype, main.shape)
+            s = self.buffer.view(base + scale.offset, scale.torch_dtype, scale.shape)
+            q_sums, s_sums = _quantize_into(full, q, s, Position.whole(q), Position.whole(s), self.config.policy,
+                                            name)
+            _add(sums, main.name, q_sums)
+            _add(sums, scale.name, s_sums)
 
     def _agree(self, error: str | None) -> str | None:
         """Barrier of the stage's TP ranks after a bucket; every rank leaves with the first rank's error, if any."""
@@ -258,51 +282,49 @@ class WeightBridge:
         dist.all_gather_object(errors, error, group=self.tp_group)
         return next(e for e in errors if e is not None)
 
-    def _manifest(self, bucket) -> list[ManifestEntry] | None:
-        """The bucket's manifest on the stage's sender; the stage's TP ranks share the checksumming (each takes
-        about 1/TP of the bytes) and one all-reduce brings the sums to every rank."""
-        base, _ = self._placement(bucket)
+    def _manifest(self, bucket, sums: dict[str, list[int]], error: str | None
+                  ) -> tuple[list[ManifestEntry] | None, str | None]:
+        """The end of a bucket for the stage's TP ranks: one all-reduce adds up the checksum sums each rank
+        gathered while writing its pieces (in 32-bit halves, so that no int64 sum overflows) and whether any rank
+        failed. Return (the manifest on the sender, the first rank's error if any)."""
         tensors = self.plan.tensors[bucket.first: bucket.last]
-        tp = dist.get_world_size(self.tp_group)
-        load, owner = [0] * tp, []
-        for t in tensors:
-            rank = min(range(tp), key=load.__getitem__)
-            owner.append(rank)
-            load[rank] += t.nbytes
-        sums = torch.zeros(len(tensors), dtype=torch.int64)
-        for i, (t, rank) in enumerate(zip(tensors, owner)):
-            if rank == self.layout.tp_rank:
-                value = checksum(self.buffer.view(base + t.offset, t.torch_dtype, t.shape))
-                sums[i] = value - (1 << 64) if value >= 1 << 63 else value
-        if tp > 1:
-            dist.all_reduce(sums, group=self.tp_group)
-        if not self.layout.is_sender:
-            return None
-        return [ManifestEntry(t.name, t.dtype, t.shape, t.offset, t.nbytes, int(v) % (1 << 64))
-                for t, v in zip(tensors, sums.tolist())]
+        values = [0 if error is None else 1, 0] + [half for t in tensors for v in sums.get(t.name, (0, 0))
+                                                   for half in (v >> 32, v & 0xFFFFFFFF)]
+        halves = torch.tensor(values, dtype=torch.int64).view(-1, 2)
+        if dist.get_world_size(self.tp_group) > 1:
+            dist.all_reduce(halves, group=self.tp_group)
+            if int(halves[0, 0]):
+                errors = [None] * dist.get_world_size(self.tp_group)
+                dist.all_gather_object(errors, error, group=self.tp_group)
+                return None, next(e for e in errors if e is not None)
+        if error is not None or not self.layout.is_sender:
+            return None, error
+        totals = [((hi << 32) + lo) & 0xFFFFFFFFFFFFFFFF for hi, lo in halves[1:].tolist()]
+        return [ManifestEntry(t.name, t.dtype, t.shape, t.offset, t.nbytes,
+                              fold_checksum(t.nbytes, (totals[2 * i], totals[2 * i + 1])))
+                for i, t in enumerate(tensors)], None
 
     def _send_stage(self, sync_id: int, stats: SyncStats) -> None:
         plan, base_error = self.plan, None
         for index, (bucket, targets) in enumerate(zip(plan.buckets, self._bucket_targets)):
             if index and self.mode == "distributed" and dist.get_world_size(self.tp_group) > 1:
                 dist.barrier(group=self.tp_group)  # the sender has shipped the last bucket out of the shared buffer
-            error = None
+            error, sums = None, {}
             try:
-                self._write(bucket, targets)
+                self._write(bucket, targets, sums)
             except ValueError as err:
                 error = str(err)
-            error = self._agree(error)
-            if error is None and bucket.scratch:
-                if self.layout.tp_rank == 0:
+            if bucket.scratch:
+                error = self._agree(error)  # every piece is in the scratch area before rank 0 quantizes it
+                if error is None and self.layout.tp_rank == 0:
                     try:
-                        self._quantize_scratch(bucket, targets)
+                        self._quantize_scratch(bucket, targets, sums)
                     except ValueError as err:
                         error = str(err)
-                error = self._agree(error)  # nobody checksums (or overwrites the scratch) before rank 0 is done
+            manifest, error = self._manifest(bucket, sums, error)
             if error is not None:
                 base_error = error
                 break
-            manifest = self._manifest(bucket)
             if not self.layout.is_sender:
                 continue
             if self.is_engine_rank:
@@ -342,7 +364,10 @@ class WeightBridge:
                 self.receiver.commit(sync_id)
             except Exception as err:  # every rank must learn that the sync failed, whatever the engine raised
                 outcome, failure = [f"{type(err).__name__}: {err}" if not isinstance(err, SyncError) else str(err)], err
-        dist.broadcast_object_list(outcome, src=self.layout.engine_rank)
+        failed = torch.tensor([int(outcome[0] is not None)])
+        dist.broadcast(failed, src=self.layout.engine_rank)
+        if int(failed):
+            dist.broadcast_object_list(outcome, src=self.layout.engine_rank)
         if failure is not None:
             raise failure
         if outcome[0] is not None:

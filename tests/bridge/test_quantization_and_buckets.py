@@ -80,7 +80,7 @@ def test_stage_plan_buckets_bounded_ordered_and_aligned(model_root):
 
 
 def test_manifest_refuses_altered_swapped_or_truncated_bytes(model_root):
-    from kernels.cpu_bridge import checksum, checksum_reference
+    from kernels.cpu_bridge import checksum_sums, checksum_sums_reference
 
     bucket = [(n, t) for n, t in quantize_for_engine(_hf(model_root).items(), QuantizationPolicy())][:6]
     manifest = [manifest_entry(n, t) for n, t in bucket]
@@ -89,7 +89,7 @@ def test_manifest_refuses_altered_swapped_or_truncated_bytes(model_root):
     raw = tensor.view(-1).view(torch.uint8)
     flipped = raw.clone()
     flipped[0] ^= 1
-    swapped = raw.clone().view(-1, 8)  # two 8-byte words trade places: an additive sum would not notice
+    swapped = raw.clone().view(-1, 8)  # two 8-byte runs trade places: an additive sum would not notice
     swapped[[0, 4]] = swapped[[4, 0]]
     assert not torch.equal(swapped[0], swapped[4])
     for bad in (flipped, swapped.view(-1)):
@@ -98,4 +98,4 @@ def test_manifest_refuses_altered_swapped_or_truncated_bytes(model_root):
                            for n, t in bucket], manifest)
     with pytest.raises(ValueError, match=f"{name}: shape"):
         verify_bucket([(name, tensor[:-1]) if n == name else (n, t) for n, t in bucket], manifest)
-    assert checksum(raw) == checksum_reference(raw.numpy())
+    assert checksum_sums(raw) == checksum_sums_reference(raw)

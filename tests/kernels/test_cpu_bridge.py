@@ -1,6 +1,7 @@
 """The bridge's C kernels against their references, bit for bit: FP8 codes and scales against the torch
 reference (bf16 and fp32 inputs, partial blocks, power-of-two scales, strided outputs), NaN/Inf detection of the
-checked copy against torch.isfinite, the checksum against its NumPy definition; and the fallback without them."""
+checked copy against torch.isfinite, the checksum sums against their NumPy definition (pieces add up to the
+whole); and the fallback without them."""
 import os
 import subprocess
 import sys
@@ -31,16 +32,24 @@ def test_fp8_quantize_bit_exact_against_reference(m, n, block, dtype, pow2, seed
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
+def _add(a, b):
+    return tuple((x + y) % (1 << 64) for x, y in zip(a, b))
+
+
 def test_fp8_quantize_into_strided_views_of_a_larger_tensor():
-    """A row-parallel shard quantized straight into its columns of the full tensor, as the bridge does."""
+    """A row-parallel shard quantized straight into its columns of the full tensor, as the bridge does; the
+    pieces' checksum sums add up to the whole tensor's."""
     full = torch.randn(256, 512).bfloat16()
     q_ref, s_ref = blockwise_fp8_quantize_reference(full)
     q = torch.zeros(256, 512, dtype=torch.float8_e4m3fn)
     s = torch.zeros(2, 4)
+    total = (0, 0)
     for c in (0, 256):
-        cpu_bridge.fp8_blockwise_quantize_cpu(full[:, c:c + 256], q_out=q[:, c:c + 256],
-                                              scale_out=s[:, c // 128:c // 128 + 2])
+        sums = cpu_bridge.fp8_quantize_into(full[:, c:c + 256], q[:, c:c + 256], s[:, c // 128:c // 128 + 2],
+                                            q_position=cpu_bridge.Position(0, 512, c))
+        total = _add(total, sums)
     assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert total == cpu_bridge.checksum_sums_reference(q_ref)
 
 
 def test_fp8_quantize_names_a_nonfinite_tensor():
@@ -51,35 +60,55 @@ def test_fp8_quantize_names_a_nonfinite_tensor():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int32])
-def test_copy_check_finite_counts_like_isfinite(dtype):
+def test_copy_check_finite_counts_like_isfinite_and_sums_its_piece(dtype):
     src = torch.randn(40, 3000).to(dtype)
     if dtype.is_floating_point:
         src[3, 5], src[39, 2999], src[20, 0] = float("nan"), float("inf"), -float("inf")
-    dst = torch.zeros(40, 6000, dtype=dtype)[:, 1000:4000]  # strided rows
-    bad = cpu_bridge.copy_check_finite(src, dst)
+    full = torch.zeros(40, 6000, dtype=dtype)
+    dst = full[:, 1000:4000]  # strided rows: a row-parallel piece of a wider tensor
+    bad, sums = cpu_bridge.copy_check_finite(src, dst, cpu_bridge.Position(0, 6000, 1000))
     assert torch.equal(dst.contiguous().view(torch.uint8), src.view(torch.uint8))  # NaN != NaN: compare bits
     assert bad == (int((~torch.isfinite(src)).sum()) if dtype.is_floating_point else 0)
-    one_d = torch.randn(100_000).bfloat16()
-    out = torch.empty_like(one_d)
-    assert cpu_bridge.copy_check_finite(one_d, out) == 0 and torch.equal(out, one_d)
+    assert sums == cpu_bridge.checksum_sums_reference(dst, cpu_bridge.Position(0, 6000, 1000))
+    # the rest of the tensor is zero, so this piece's sums are the whole tensor's
+    assert sums == cpu_bridge.checksum_sums_reference(full)
 
 
-@pytest.mark.parametrize("nbytes", [0, 1, 7, 8, 31, 32, 33, 4096, 100_003])
-def test_checksum_matches_its_definition(nbytes):
-    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    assert cpu_bridge.checksum(data) == cpu_bridge.checksum_reference(data.numpy())
-    if nbytes >= 64:
-        moved = data.clone()
-        moved[1:] = data[:-1].clone()  # shifted by one byte
-        assert cpu_bridge.checksum(moved) != cpu_bridge.checksum(data)
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.int64])
+@pytest.mark.parametrize("numel", [0, 1, 7, 8, 9, 33, 4099])
+def test_checksum_matches_its_definition_and_pieces_add_up(dtype, numel):
+    g = torch.Generator().manual_seed(numel)
+    data = torch.randint(0, 256, (numel * torch.empty(0, dtype=dtype).element_size(),), dtype=torch.uint8,
+                         generator=g).view(dtype)
+    assert cpu_bridge.checksum_sums(data) == cpu_bridge.checksum_sums_reference(data)
+    if numel >= 8:
+        moved = data.view(torch.uint8).clone()
+        moved[1:] = data.view(torch.uint8)[:-1].clone()  # shifted by one byte
+        assert cpu_bridge.checksum(moved.view(dtype)) != cpu_bridge.checksum(data)
+        swapped = data.clone().view(torch.uint8).view(-1, data.element_size())
+        a, b = 0, numel - 1
+        if not torch.equal(swapped[a], swapped[b]):  # two elements trade places: an additive sum would not see it
+            swapped[[a, b]] = swapped[[b, a]]
+            assert cpu_bridge.checksum(swapped.view(-1).view(dtype)) != cpu_bridge.checksum(data)
+    matrix = torch.randn(37, 300).to(torch.bfloat16)
+    rows = [cpu_bridge.checksum_sums(matrix[r0:r0 + 10], cpu_bridge.Position(r0, 300, 0)) for r0 in range(0, 37, 10)]
+    cols = [cpu_bridge.checksum_sums(matrix[:, c0:c0 + 128], cpu_bridge.Position(0, 300, c0))
+            for c0 in range(0, 300, 128)]
+    whole = cpu_bridge.checksum_sums(matrix.view(-1))
+    for parts in (rows, cols):
+        total = (0, 0)
+        for part in parts:
+            total = _add(total, part)
+        assert total == whole
 
 
 def test_without_the_kernels_the_references_are_used():
     code = ("import torch\nfrom kernels import cpu_bridge\nfrom kernels.fp8_blockwise import blockwise_fp8_quantize\n"
             "assert cpu_bridge.library() is None\nd = torch.arange(100, dtype=torch.uint8)\n"
-            "assert cpu_bridge.checksum(d) == cpu_bridge.checksum_reference(d.numpy())\n"
+            "assert cpu_bridge.checksum_sums(d) == cpu_bridge.checksum_sums_reference(d)\n"
             "x = torch.randn(4, 4)\nx[0, 0] = float('nan')\ny = torch.empty_like(x)\n"
-            "assert cpu_bridge.copy_check_finite(x, y) == 1\nprint('ok')\n")
+            "assert cpu_bridge.copy_check_finite(x, y)[0] == 1\n"
+            "q, s = blockwise_fp8_quantize(torch.randn(130, 200))\nprint('ok')\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                          env={**os.environ, "MEGATRON_AIS_CPU_KERNELS": "0", "PYTHONPATH": root})
