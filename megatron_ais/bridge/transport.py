@@ -38,8 +38,8 @@ class SyncReceiver:
     """Verifies delivered buckets in the staging arena and applies a complete sync atomically.
 
     `apply(named_tensors)` installs one complete set of weights (e.g. RolloutEngine.update_weights); when
-    `apply_shared(path, entries)` is given it is called instead with the arena's file and the absolute entries,
-    for an engine in another process that maps the arena itself.
+    `apply_shared(path, entries)` is given it is called instead with the arena's file and the verified entries
+    (absolute offsets, checksums), for an engine in other processes that maps the arena or is sent it.
     """
 
     apply: Callable[[list[tuple[str, torch.Tensor]]], object]
@@ -97,7 +97,7 @@ class SyncReceiver:
                                      + (f"{want.dtype}{list(want.shape)} at byte {want.offset}" if want else
                                         "no such tensor"))
                 verify_tensor(entry, self._tensor(stage, want))
-                self.received.setdefault(stage, set()).add(entry.name)
+                self.received.setdefault(stage, {})[entry.name] = entry.checksum
         except (ValueError, SyncError) as err:
             self.abort(f"sync {sync_id} refused, engine keeps its weights: {err}")
 
@@ -121,8 +121,8 @@ class SyncReceiver:
         if self.error is not None:
             raise SyncError(self.error)
         if self.apply_shared is not None:
-            entries = [ManifestEntry(t.name, t.dtype, t.shape, self.stage_offsets[s] + t.offset, t.nbytes, 0)
-                       for s, tensors in enumerate(self.expected) for t in tensors]
+            entries = [ManifestEntry(t.name, t.dtype, t.shape, self.stage_offsets[s] + t.offset, t.nbytes,
+                                     self.received[s][t.name]) for s, tensors in enumerate(self.expected) for t in tensors]
             self.apply_shared(self.arena.path, entries)
         else:
             self.apply([(t.name, self._tensor(s, t)) for s, tensors in enumerate(self.expected) for t in tensors])

@@ -2,6 +2,7 @@
 the distribution it sampled from, and takes in-place weight updates from the bridge."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -11,6 +12,8 @@ import torch
 from megatron_ais.bridge.arena import arena_views, remove_stale_shared_files, shared_directory
 
 PRECISIONS = ("bf16", "fp8", "fp32")
+WEIGHT_FEEDS = ("shm", "broadcast")
+FEED_CHUNK_BYTES = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,12 +58,15 @@ class EngineConfig:
     enforce_eager: bool = True
     block_size: int = 128
     tensor_parallel_size: int = 1
+    weight_feed: str = "shm"
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise ValueError(f"--rollout-precision {self.precision!r} must be one of {PRECISIONS}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--rollout-tensor-parallel-size {self.tensor_parallel_size} must be at least 1")
+        if self.weight_feed not in WEIGHT_FEEDS:
+            raise ValueError(f"--rollout-weight-feed {self.weight_feed!r} must be one of {WEIGHT_FEEDS}")
 
 
 def prepare_engine_dir(config: EngineConfig, out_dir: str) -> str:
@@ -113,6 +119,7 @@ class RolloutEngine:
             remove_stale_shared_files()
         self.version = 0
         self.llm = None
+        self._feed_group = None
         self._start()
 
     def _start(self) -> None:
@@ -152,8 +159,11 @@ class RolloutEngine:
 
         if shared is not None and self.placement != "colocated":
             path, entries = shared
-            self.llm.collective_rpc("megatron_ais_apply_shared",
-                                    args=(path, json.dumps([dataclasses.asdict(e) for e in entries])))
+            entries_json = json.dumps([dataclasses.asdict(e) for e in entries])
+            if self.config.weight_feed == "broadcast":
+                self._broadcast_update(path, entries, entries_json)
+            else:
+                self.llm.collective_rpc("megatron_ais_apply_shared", args=(path, entries_json))
         else:
             if shared is not None:
                 named_tensors = arena_views(*shared)
@@ -165,6 +175,34 @@ class RolloutEngine:
         self.llm.reset_prefix_cache()
         self.version += 1
         return self.version
+
+    def _join_feed_group(self):
+        """Form the feed group with the engine's workers (once per engine start)."""
+        from megatron_ais.bridge.broadcast import free_port, host_address, join_weight_group
+
+        if self._feed_group is None:
+            host, port = host_address(), free_port()
+            world = 1 + self.config.tensor_parallel_size
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                root = pool.submit(join_weight_group, host, port, 0, world, backend)
+                self.llm.collective_rpc("megatron_ais_join_weight_group", args=(host, port, world, backend))
+                self._feed_group = root.result()
+        return self._feed_group
+
+    def _broadcast_update(self, path: str, entries: list, entries_json: str) -> None:
+        """Send the verified staging arena to the engine's workers over the feed group; each worker verifies every
+        tensor against its entry before applying any."""
+        from megatron_ais.bridge.broadcast import broadcast_bytes
+
+        group = self._join_feed_group()
+        nbytes = max(e.offset + e.nbytes for e in entries)
+        data = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)[:nbytes]
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            sending = pool.submit(broadcast_bytes, group, data, FEED_CHUNK_BYTES, device)
+            self.llm.collective_rpc("megatron_ais_receive_broadcast", args=(entries_json, nbytes, FEED_CHUNK_BYTES))
+            sending.result()
 
     def update_weights_or_restart(self, named_tensors: list[tuple[str, torch.Tensor]] | None, on_restart=None,
                                   shared: tuple[str, list] | None = None) -> int:
@@ -235,6 +273,7 @@ class RolloutEngine:
     def restart(self) -> None:
         """Replace a crashed engine by a fresh one (initial weights: the caller re-syncs the current ones)."""
         self.shutdown()
+        self._feed_group = None  # its members are gone
         self._start()
         self.version = 0
 
@@ -302,6 +341,10 @@ def add_rollout_args(parser) -> None:
     g.add_argument("--rollout-tensor-parallel-size", type=int, default=1,
                    help="vLLM tensor-parallel size of the engine (its own ranks, independent of the trainer's TP; "
                         "separate placement). Blockwise FP8 needs q/k/MLP sizes per rank divisible by 128.")
+    g.add_argument("--rollout-weight-feed", choices=WEIGHT_FEEDS, default="shm",
+                   help="How a separate engine's workers get each verified sync: shm = they map the bridge's "
+                        "shared-memory staging arena (same node); broadcast = the engine's rank sends it over a "
+                        "process group of its own (gloo on CPU, NCCL on GPU) and every worker verifies it.")
     g.add_argument("--rollout-kv-cache-gb", type=float, default=1.0, help="KV-cache memory of the engine (GiB).")
     g.add_argument("--rollout-max-num-seqs", type=int, default=64, help="Sequences the engine batches at once.")
     g.add_argument("--rollout-max-model-len", type=int, default=512, help="Longest prompt + response the engine serves.")
@@ -314,4 +357,5 @@ def engine_config_from_args(args, model_dir: str) -> EngineConfig:
     return EngineConfig(model_dir=model_dir, precision=args.rollout_precision,
                         kv_cache_dtype=args.rollout_kv_cache_dtype, kv_cache_gb=args.rollout_kv_cache_gb,
                         max_model_len=args.rollout_max_model_len, max_num_seqs=args.rollout_max_num_seqs,
-                        seed=args.seed, tensor_parallel_size=args.rollout_tensor_parallel_size)
+                        seed=args.seed, tensor_parallel_size=args.rollout_tensor_parallel_size,
+                        weight_feed=args.rollout_weight_feed)

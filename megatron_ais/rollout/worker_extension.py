@@ -2,7 +2,8 @@
 
 `WeightSyncExtension` is mixed into vLLM's worker class (`worker_extension_cls`), so a separate-process engine
 receives weights through `collective_rpc` with no pickled callables or tensors: either the bridge's shared-memory
-staging arena, already verified by the receiver, is mapped and applied (`megatron_ais_apply_shared`), or a
+staging arena, already verified by the receiver, is mapped and applied (`megatron_ais_apply_shared`), or the
+sync arrives over the bridge's feed group and is verified here (`megatron_ais_receive_broadcast`), or a
 safetensors file in shared memory is checked tensor by tensor against its manifest and applied
 (`megatron_ais_apply_weights`).
 """
@@ -91,3 +92,30 @@ class WeightSyncExtension:
 
         entries = [ManifestEntry.from_dict(e) for e in json.loads(entries_json)]
         return apply_weights_in_worker(self, arena_views(path, entries))
+
+    def megatron_ais_join_weight_group(self, host: str, port: int, world: int, backend: str) -> int:
+        """Join the bridge's feed group as member 1 + this worker's engine-TP rank; return that rank."""
+        from megatron_ais.bridge.broadcast import join_weight_group
+
+        rank = 1 + getattr(self, "rank", 0)
+        self._megatron_ais_group = join_weight_group(host, port, rank, world, backend)
+        return rank
+
+    def megatron_ais_receive_broadcast(self, entries_json: str, nbytes: int, chunk_bytes: int) -> int:
+        """Receive a sync's bytes from the feed group's root, verify every tensor against its manifest entry and
+        apply them all; a mismatch raises before the model is touched."""
+        from megatron_ais.bridge.broadcast import receive_bytes
+        from megatron_ais.bridge.buckets import ManifestEntry, verify_tensor
+
+        buffer = getattr(self, "_megatron_ais_feed_buffer", None)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self._megatron_ais_feed_buffer = torch.empty(nbytes, dtype=torch.uint8)
+        receive_bytes(self._megatron_ais_group, buffer[:nbytes], chunk_bytes)
+        named = []
+        for e in json.loads(entries_json):
+            entry = ManifestEntry.from_dict(e)
+            tensor = buffer[entry.offset: entry.offset + entry.nbytes].view(getattr(torch, entry.dtype))
+            tensor = tensor.view(entry.shape)
+            verify_tensor(entry, tensor)
+            named.append((entry.name, tensor))
+        return apply_weights_in_worker(self, named)

@@ -1,6 +1,8 @@
-"""A separate-process vLLM engine: bridge sync through shared memory, generation with log-probs equal to the
-trainer's, a killed engine detected, restarted, re-synced and right again, and no orphan processes after
-shutdown."""
+"""A separate-process vLLM engine: bridge sync with the workers mapping the shared staging arena, generation with
+log-probs equal to the trainer's, a killed engine detected, restarted and re-synced over the broadcast feed group
+(every worker verifies what it receives; a corrupted feed is refused and the weights stay), and no orphan
+processes after shutdown."""
+import dataclasses
 import time
 
 import pytest
@@ -29,7 +31,7 @@ def _worker(old_dir, new_dir, work):
 
     from megatron_ais.arguments import build_parser, validate_args
     from megatron_ais.bridge.quantization import QuantizationPolicy
-    from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, sync_weights_to_engine
+    from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, WeightBridge
     from megatron_ais.bridge.transport import SyncReceiver
     from megatron_ais.grpo.step import ParallelGroups
     from megatron_ais.initialize import initialize_megatron
@@ -46,10 +48,17 @@ def _worker(old_dir, new_dir, work):
     engine = RolloutEngine(EngineConfig(model_dir=old_dir, precision="fp32", kv_cache_gb=0.25), work,
                            placement="separate")
     config = BridgeConfig(bucket_size_mb=1.0, policy=QuantizationPolicy(precision="fp32"))
+    fed = []
+
+    def apply_shared(path, entries):
+        fed.append((path, entries))
+        return engine.update_weights(None, shared=(path, entries))
+
+    receiver = SyncReceiver(apply=engine.update_weights, apply_shared=apply_shared)
+    bridge = WeightBridge(chunks, build, config, ps.get_tensor_model_parallel_group(), layout, receiver)
 
     def sync(sync_id):
-        sync_weights_to_engine(chunks, build, config, ps.get_tensor_model_parallel_group(), layout, sync_id,
-                               SyncReceiver(apply=engine.update_weights))
+        bridge.sync(sync_id)
 
     before_sync = _max_diff(engine, chunks, build, groups)
     sync(1)
@@ -75,13 +84,27 @@ def _worker(old_dir, new_dir, work):
     engine.restart()
     alive_after_restart = engine.health_check()
     after_restart = _max_diff(engine, chunks, build, groups)
+    engine.config = dataclasses.replace(engine.config, weight_feed="broadcast")
     sync(2)
     after_resync = _max_diff(engine, chunks, build, groups)
+    # a feed whose bytes do not match their entry is refused by the worker, before anything is applied
+    path, entries = fed[-1]
+    corrupted = [dataclasses.replace(e, checksum=e.checksum ^ 1) if e.name.endswith("mlp.up_proj.weight") else e
+                 for e in entries]
+    try:
+        engine.update_weights(None, shared=(path, corrupted))
+        refused = None
+    except Exception as err:  # the worker's error comes back through collective_rpc
+        refused = str(err)
+    after_refused = _max_diff(engine, chunks, build, groups)
     engine.shutdown()
+    bridge.close()
+    receiver.close()
     time.sleep(2)
     orphans = [p.name() for p in engine_processes()]
     assert started, "the separate engine must run in its own processes"
-    return before_sync, after_sync, alive_after_kill, alive_after_restart, after_restart, after_resync, orphans
+    return (before_sync, after_sync, alive_after_kill, alive_after_restart, after_restart, after_resync, refused,
+            after_refused, orphans)
 
 
 @pytest.mark.slow
@@ -89,10 +112,12 @@ def test_separate_engine_sync_kill_restart_resync(model_root, tmp_path):
     shape = dict(hidden_size=128, intermediate_size=256)
     old_dir = make_model_dir(model_root, "qwen3", seed=1, **shape)
     new_dir = make_model_dir(model_root, "qwen3", seed=2, **shape)
-    ((before, after, alive_killed, alive_restarted, restarted, resynced, orphans),) = spawn(
+    ((before, after, alive_killed, alive_restarted, restarted, resynced, refused, after_refused, orphans),) = spawn(
         1, _worker, old_dir, new_dir, str(tmp_path))
     assert before > 0.1 and after <= 1e-4
     assert not alive_killed and alive_restarted
     assert restarted > 0.1, "a restarted engine starts from its initial weights"
-    assert resynced <= 1e-4
+    assert resynced <= 1e-4, "the re-sync over the broadcast feed group must apply the trainer's weights"
+    assert refused is not None and "up_proj.weight: checksum" in refused
+    assert after_refused <= 1e-4
     assert orphans == []
