@@ -184,6 +184,7 @@ def validate_model_args(args: argparse.Namespace, hf_config: dict[str, Any], sou
     if ffn % tp:
         raise ArgumentValidationError(
             f"--intermediate-size {ffn} ({source}) is not divisible by --tensor-model-parallel-size {tp}")
+    validate_moe_args(args, hf_config, source)
     chunks = pp * (args.virtual_pipeline_model_parallel_size or 1)
     if layers % chunks:
         raise ArgumentValidationError(
@@ -194,6 +195,30 @@ def validate_model_args(args: argparse.Namespace, hf_config: dict[str, Any], sou
     if max_pos is not None and args.seq_length > max_pos:
         raise ArgumentValidationError(
             f"--seq-length {args.seq_length} exceeds max_position_embeddings {max_pos} ({source}); lower it")
+
+
+def validate_moe_args(args: argparse.Namespace, hf_config: dict[str, Any], source: str = "config.json") -> None:
+    """Check the expert-parallel flags against the model's experts (and refuse them for a dense model)."""
+    ep, tp = args.expert_model_parallel_size, args.tensor_model_parallel_size
+    etp = args.expert_tensor_parallel_size or tp
+    experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")
+    if not experts:
+        if ep > 1 or args.expert_tensor_parallel_size:
+            raise ArgumentValidationError(
+                f"--expert-model-parallel-size / --expert-tensor-parallel-size need a MoE model; {source} has "
+                "no experts: drop the flags")
+        return
+    if experts % ep:
+        raise ArgumentValidationError(
+            f"num_experts {experts} ({source}) is not divisible by --expert-model-parallel-size {ep}")
+    if hf_config["moe_intermediate_size"] % etp:
+        raise ArgumentValidationError(
+            f"moe_intermediate_size {hf_config['moe_intermediate_size']} ({source}) is not divisible by the expert "
+            f"tensor-parallel size {etp}")
+    if tp > 1 and not args.sequence_parallel:
+        raise ArgumentValidationError(
+            "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (megatron-core refuses to train "
+            "the token dispatcher without it); add the flag")
 
 
 def load_hf_config(hf_dir: str) -> dict[str, Any]:

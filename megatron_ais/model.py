@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from megatron_ais.arguments import ArgumentValidationError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+MOE_MODEL_TYPES = ("qwen3_moe",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,15 @@ class ModelShape:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    num_experts: int = 0  # 0: dense MLP
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_norm_topk_prob: bool = True
+    moe_aux_loss_coeff: float = 0.0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelShape":
@@ -51,13 +61,22 @@ class ModelShape:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2",
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            **(moe_fields(cfg) if model_type in MOE_MODEL_TYPES else {}),
         )
 
     def padded_vocab_size(self, divisible_by: int, tp: int) -> int:
         """Return the vocabulary padded to a multiple of divisible_by x TP, as Megatron-LM pads it."""
         multiple = divisible_by * tp
         return -(-self.vocab_size // multiple) * multiple
+
+
+def moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Return ModelShape's MoE fields of a Qwen3-MoE config (transformers 5 writes num_local_experts)."""
+    return dict(num_experts=cfg.get("num_experts") or cfg["num_local_experts"], moe_topk=cfg["num_experts_per_tok"],
+                moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+                moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                moe_aux_loss_coeff=float(cfg.get("router_aux_loss_coef", 0.0)))
 
 
 def rope_theta(cfg: dict[str, Any]) -> float:
@@ -86,6 +105,13 @@ def check_supported_hf_config(cfg: dict[str, Any]) -> None:
         raise ArgumentValidationError("mlp_bias=true is not supported")
     if cfg.get("use_sliding_window"):
         raise ArgumentValidationError("use_sliding_window=true is not supported; set it to false")
+    if model_type in MOE_MODEL_TYPES:
+        if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+            raise ArgumentValidationError(
+                "Qwen3-MoE configs with dense layers (mlp_only_layers / decoder_sparse_step != 1) are not supported; "
+                "every layer must be sparse, as in the released Qwen3-MoE models")
+        if cfg.get("shared_expert_intermediate_size"):
+            raise ArgumentValidationError("shared experts are not supported yet (Qwen3-MoE has none)")
 
 
 def te_available() -> bool:
@@ -199,16 +225,34 @@ def transformer_config(build: ModelBuildConfig):
         apply_rope_fusion=False,
         bias_dropout_fusion=False,
         cross_entropy_loss_fusion=False,
+        **moe_config_kwargs(build),
     )
+
+
+def moe_config_kwargs(build: ModelBuildConfig) -> dict[str, Any]:
+    """Return TransformerConfig's MoE fields. Qwen3-MoE routes with softmax over all experts, top-k, then
+    renormalises (norm_topk_prob): that is megatron's softmax over the top-k logits (pre_softmax=False); without
+    renormalisation it is softmax first (pre_softmax=True)."""
+    s = build.shape
+    if not s.is_moe:
+        return {}
+    return dict(num_moe_experts=s.num_experts, moe_router_topk=s.moe_topk, moe_ffn_hidden_size=s.moe_ffn_hidden_size,
+                moe_router_pre_softmax=not s.moe_norm_topk_prob, moe_router_score_function="softmax",
+                moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=s.moe_aux_loss_coeff,
+                moe_grouped_gemm=build.use_te, moe_token_dispatcher_type="alltoall")
 
 
 def layer_spec(build: ModelBuildConfig):
     """Return the GPT layer spec: Transformer Engine's when selected, the local one otherwise."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    experts = build.shape.num_experts or None
     if build.use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=build.shape.qk_norm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=build.shape.qk_norm, normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=experts is not None, qk_layernorm=build.shape.qk_norm)
+    # the local spec's experts are SequentialMLP (one GEMM per expert): what runs on CPU
+    return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+                                                    qk_layernorm=build.shape.qk_norm, normalization="RMSNorm")
 
 
 def build_gpt_model(build: ModelBuildConfig, pre_process: bool, post_process: bool,

@@ -26,6 +26,19 @@ available. Each patch answers one error that megatron-core 0.16.1 raises on CPU 
      parameters `sequence_parallel=True` so finalize_model_grads all-reduces their grads over TP.
   P8 torch.cuda.current_stream() -> null stream
      megatron-core >= 0.17 DDP start_grad_sync waits on CUDA-graph events unconditionally.
+MoE (found with the tiny Qwen3-MoE, local spec, SequentialMLP experts, alltoall dispatcher):
+  M1 torch.cuda.Stream() / torch.cuda.stream(s) -> null stream / null context
+     MoEAlltoAllTokenDispatcher.__init__ creates a "cuda_dtoh_stream": "torch.cuda.Stream requires CUDA support".
+  M2 device="cuda" literals in moe_utils (aux-loss tracker): the P4 proxy.
+  M3 moe_utils.te_general_gemm -> None
+     RouterGatingLinearFunction.forward: "NameError: name 'te_general_gemm' is not defined" without TE.
+  M4 alltoall split sizes as lists
+     the dispatcher passes numpy arrays to all_to_all_single: "TypeError: all_to_all_single(): incompatible
+     function arguments" on torch 2.13.
+  M5 uneven all-gather / reduce-scatter over TP (MoE with TP > 1 and sequence parallelism)
+     "ProcessGroupGloo::allgather: invalid tensor size at index 1 (expected (40, 64), got (44, 64))": gloo
+     gathers equal sizes only. Gather padded to the largest split, then cut; reduce-scatter as an all-reduce of
+     the whole tensor, then this rank's split.
 """
 from __future__ import annotations
 
@@ -49,6 +62,7 @@ _CUDA_LITERAL_MODULES = (
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.tensor_parallel.data",
     "megatron.core.utils",
+    "megatron.core.transformer.moe.moe_utils",
 )
 
 
@@ -68,10 +82,11 @@ def distributed_backend() -> str:
 
 
 class _NullStream:
-    """Stand-in for torch.cuda.Stream on CPU: every method is a no-op."""
+    """Stand-in for torch.cuda.Stream / Event on CPU: every method is a no-op returning another null object (the
+    MoE dispatcher calls `.synchronize()` on what `record_event()` returns)."""
 
     def __getattr__(self, item):
-        return lambda *args, **kwargs: None
+        return lambda *args, **kwargs: _NullStream()
 
 
 def _cpu_kwargs(kwargs: dict) -> dict:
@@ -213,4 +228,49 @@ def apply_cpu_compat() -> bool:
     _patch_rng_tracker()
     _patch_type_checks()
     _patch_torch_norm_sequence_parallel()
+    _patch_moe()
     return True
+
+
+def _patch_moe() -> None:  # M1, M3, M4 (M2 is in _CUDA_LITERAL_MODULES)
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    torch.cuda.Stream = lambda *args, **kwargs: _NullStream()
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    all_to_all = mappings.all_to_all
+
+    def all_to_all_with_lists(group, input_, output_split_sizes_=None, input_split_sizes=None):
+        as_list = lambda sizes: sizes.tolist() if hasattr(sizes, "tolist") else sizes  # noqa: E731
+        return all_to_all(group, input_, as_list(output_split_sizes_), as_list(input_split_sizes))
+
+    mappings.all_to_all = all_to_all_with_lists
+    token_dispatcher.all_to_all = all_to_all_with_lists
+    _patch_uneven_first_dim_collectives(mappings)
+
+
+def _patch_uneven_first_dim_collectives(mappings) -> None:  # M5
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        largest = max(output_split_sizes)
+        padded = input_.new_zeros((largest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in output_split_sizes]
+        torch.distributed.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([part[:size] for part, size in zip(parts, output_split_sizes)])
+
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(input_split_sizes[: group.rank()])
+        return total[start: start + input_split_sizes[group.rank()]].contiguous()
+
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim

@@ -21,7 +21,7 @@ from megatron_ais.checkpointing import (CHECKPOINT_VERSION, CheckpointError, HF_
                                         newest_verified_iteration, write_metadata, write_rank_state)
 from megatron_ais.mapping.distributed import shard_context, stage_file_name, write_hf_index_and_config
 from megatron_ais.mapping.hf_io import HFCheckpointReader, hf_tensors_from_shards, megatron_shard_from_hf
-from megatron_ais.mapping.rules import canonical_name, megatron_param_names, split_layer
+from megatron_ais.mapping.rules import canonical_name, megatron_param_names, split_layer, with_layer
 from megatron_ais.model import ModelBuildConfig, ModelShape
 
 
@@ -37,15 +37,17 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
 
 
 def _local_name(name: str, offset: int) -> str:
-    layer, template = split_layer(name)
-    return name if layer is None else template.format(layer=layer - offset)
+    layer, _ = split_layer(name)
+    return name if layer is None else with_layer(name, layer - offset)
 
 
 def hf_to_megatron(hf_dir: str, save: str, tp: int, pp: int, divisible_by: int = 128, iteration: int = 0) -> str:
     """Write a Megatron checkpoint of the HF model at TP x PP; return its iteration directory."""
     hf_config = load_hf_config(hf_dir)
     layout = argparse.Namespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                virtual_pipeline_model_parallel_size=None, seq_length=1)
+                                virtual_pipeline_model_parallel_size=None, seq_length=1,
+                                expert_model_parallel_size=1, expert_tensor_parallel_size=None,
+                                sequence_parallel=tp > 1)
     validate_model_args(layout, hf_config, f"{hf_dir}/config.json")
     build = _build_config(hf_config, tp, divisible_by)
     shape = build.shape
@@ -54,8 +56,9 @@ def hf_to_megatron(hf_dir: str, save: str, tp: int, pp: int, divisible_by: int =
     stage = prepare_staging(save, iteration)
     for pp_rank in range(pp):
         layers = stage_layers(shape.num_layers, pp, pp_rank)
+        # experts at EP1: every rank holds all of them, local index = global index
         names = megatron_param_names(shape.model_type, layers, pp_rank == 0, pp_rank == pp - 1,
-                                     shape.tie_word_embeddings)
+                                     shape.tie_word_embeddings, range(shape.num_experts))
         for tp_rank in range(tp):
             ctx = shard_context(build, tp_rank)
             state = {}
@@ -98,10 +101,10 @@ def megatron_to_hf(load: str, save: str) -> str:
             if local_name.endswith("_extra_state"):
                 continue
             name = canonical_name(local_name)
-            layer, template = split_layer(name)
+            layer, _ = split_layer(name)
             if layer is not None:
                 layer += offset
-                name = template.format(layer=layer)
+                name = with_layer(name, layer)
             shards = [m[local_name] for m in models]
             for hf_name, tensor in hf_tensors_from_shards(name, layer, shape.model_type, shard_context(build, 0),
                                                           shards, shape.tie_word_embeddings):

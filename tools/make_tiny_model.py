@@ -2,6 +2,7 @@
 
     python tools/make_tiny_model.py --arch llama --out runs/tiny-llama
     python tools/make_tiny_model.py --arch qwen3 --out /tmp/q3 --num-key-value-heads 1 --tie-word-embeddings
+    python tools/make_tiny_model.py --arch qwen3_moe --out /tmp/q3moe --num-experts 8 --num-experts-per-tok 2
 
 The result is deterministic for a seed: the same flags write bit-identical weights and the same tokenizer.
 Norm weights and biases are randomised too (not left at 1 / 0), so that a mapping that swaps or drops them
@@ -58,7 +59,7 @@ def train_tokenizer(vocab_size: int, seed: int):
 
 def hf_config(args, tokenizer):
     """Return the transformers config object for the requested architecture and sizes."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     head_dim = args.head_dim or args.hidden_size // args.num_attention_heads
     common = dict(
@@ -76,6 +77,12 @@ def hf_config(args, tokenizer):
         return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
     if args.arch == "qwen2":
         return Qwen2Config(use_sliding_window=False, **common)
+    if args.arch == "qwen3_moe":
+        # every layer sparse (no dense mlp_only_layers), as in Qwen3-30B-A3B
+        return Qwen3MoeConfig(attention_bias=False, use_sliding_window=False, num_experts=args.num_experts,
+                              num_experts_per_tok=args.num_experts_per_tok,
+                              moe_intermediate_size=args.moe_intermediate_size, norm_topk_prob=True,
+                              decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001, **common)
     return Qwen3Config(attention_bias=False, use_sliding_window=False, **common)
 
 
@@ -112,7 +119,8 @@ def make_tiny_model(args) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--arch", choices=("llama", "qwen2", "qwen3"), default="llama", help="HF architecture family.")
+    p.add_argument("--arch", choices=("llama", "qwen2", "qwen3", "qwen3_moe"), default="llama",
+                   help="HF architecture family.")
     p.add_argument("--out", required=True, help="Output directory (save_pretrained layout).")
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--num-layers", type=int, default=4)
@@ -120,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-key-value-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=None, help="Default: hidden size / attention heads.")
     p.add_argument("--intermediate-size", type=int, default=512)
+    p.add_argument("--num-experts", type=int, default=8, help="qwen3_moe: routed experts per layer.")
+    p.add_argument("--num-experts-per-tok", type=int, default=2, help="qwen3_moe: router top-k.")
+    p.add_argument("--moe-intermediate-size", type=int, default=128, help="qwen3_moe: each expert's FFN size.")
     p.add_argument("--vocab-size", type=int, default=512, help="Model vocabulary (>= tokenizer size).")
     p.add_argument("--max-position-embeddings", type=int, default=1024)
     p.add_argument("--rope-theta", type=float, default=10000.0)

@@ -14,27 +14,47 @@ from megatron_ais.mapping.layouts import ShardContext
 from megatron_ais.model import ModelBuildConfig, unwrap_model
 
 
-def shard_context(build: ModelBuildConfig, tp_rank: int) -> ShardContext:
-    """Return the layout context of one TP rank for a model build."""
+def shard_context(build: ModelBuildConfig, tp_rank: int, expert: bool = False) -> ShardContext:
+    """Return the layout context of one TP rank for a model build (of one expert-TP rank with `expert`)."""
     s = build.shape
-    return ShardContext(tp_size=build.tensor_model_parallel_size, tp_rank=tp_rank,
+    tp_size = build.tensor_model_parallel_size
+    if expert:
+        tp_size = build.expert_tensor_parallel_size or tp_size
+    return ShardContext(tp_size=tp_size, tp_rank=tp_rank,
                         num_attention_heads=s.num_attention_heads, num_key_value_heads=s.num_key_value_heads,
                         head_dim=s.head_dim, vocab_size=s.vocab_size, padded_vocab_size=build.padded_vocab_size)
 
 
+def expert_tensor_parallel_rank(build: ModelBuildConfig) -> int:
+    """This rank's expert-TP rank (0 for dense models)."""
+    if not build.shape.is_moe:
+        return 0
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_tensor_parallel_rank()
+
+
 @torch.no_grad()
-def load_hf_weights(chunks: list, hf_dir: str, build: ModelBuildConfig, tp_rank: int) -> int:
-    """Copy HF safetensors into this rank's model chunks, reading only the tensors they hold; return the count."""
+def load_hf_weights(chunks: list, hf_dir: str, build: ModelBuildConfig, tp_rank: int,
+                    expert_tp_rank: int | None = None) -> int:
+    """Copy HF safetensors into this rank's model chunks, reading only the tensors they hold; return the count.
+
+    Routed experts are split by the expert-TP rank (from megatron's parallel state unless given)."""
+    from megatron_ais.mapping.rules import is_expert_parameter
+
     reader = HFCheckpointReader(hf_dir)
-    ctx = shard_context(build, tp_rank)
+    if expert_tp_rank is None:
+        expert_tp_rank = expert_tensor_parallel_rank(build)
+    contexts = {False: shard_context(build, tp_rank), True: shard_context(build, expert_tp_rank, expert=True)}
     loaded = 0
     for chunk in chunks:
         for name, layer, param in global_parameters(unwrap_model(chunk)):
+            ctx = contexts[is_expert_parameter(name)]
             shard = megatron_shard_from_hf(name, layer, build.shape.model_type, ctx, reader.get,
                                            build.shape.tie_word_embeddings)
             if shard.shape != param.shape:
                 raise ValueError(f"{name}: HF tensors give a shard of shape {tuple(shard.shape)}, the model expects "
-                                 f"{tuple(param.shape)} (TP rank {tp_rank} of {ctx.tp_size})")
+                                 f"{tuple(param.shape)} (TP rank {ctx.tp_rank} of {ctx.tp_size})")
             param.copy_(shard)
             loaded += 1
     return loaded

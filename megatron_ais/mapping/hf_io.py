@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 import torch
 
 from megatron_ais.mapping.layouts import ShardContext
-from megatron_ais.mapping.rules import canonical_name, hf_sources, rules_for, split_layer
+from megatron_ais.mapping.rules import canonical_name, expert_index, hf_sources, rules_for, split_layer
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -57,7 +57,8 @@ def megatron_shard_from_hf(name: str, layer: int | None, model_type: str, ctx: S
     rule = rules_for(model_type).get(template)
     if rule is None:
         raise KeyError(f"Megatron parameter {name!r} has no HF mapping for model_type {model_type!r}")
-    return rule.layout.shard([read(h) for h in hf_sources(rule, layer, tie_word_embeddings)], ctx)
+    return rule.layout.shard([read(h) for h in hf_sources(rule, layer, tie_word_embeddings, expert_index(name))],
+                             ctx)
 
 
 def hf_tensors_from_shards(name: str, layer: int | None, model_type: str, ctx: ShardContext,
@@ -73,12 +74,13 @@ def hf_tensors_from_shards(name: str, layer: int | None, model_type: str, ctx: S
         raise KeyError(f"Megatron parameter {name!r} has no HF mapping for model_type {model_type!r}")
     if tie_word_embeddings and rule.megatron == "output_layer.weight":
         return []
-    _, hf_names = rule.format(layer)
+    _, hf_names = rule.format(layer, expert_index(name))
     return list(zip(hf_names, rule.layout.merge(shards, ctx)))
 
 
 def global_parameters(gpt_model) -> Iterator[tuple[str, int | None, torch.nn.Parameter]]:
-    """Yield (canonical name with global layer index, global layer or None, parameter) of one GPTModel chunk."""
+    """Yield (canonical name with global layer and expert indices, global layer or None, parameter) of one
+    GPTModel chunk."""
     for name, param in gpt_model.named_parameters():
         name = canonical_name(name)
         local_layer, template = split_layer(name)
@@ -86,5 +88,9 @@ def global_parameters(gpt_model) -> Iterator[tuple[str, int | None, torch.nn.Par
             yield name, None, param
             continue
         # layer_number is megatron's 1-based global index; it accounts for PP stages and virtual chunks
-        layer = gpt_model.decoder.layers[local_layer].layer_number - 1
-        yield template.format(layer=layer), layer, param
+        module = gpt_model.decoder.layers[local_layer]
+        layer = module.layer_number - 1
+        local_expert = expert_index(name)
+        # an expert-parallel rank holds experts local_expert_indices (global ids) as local_experts.0, 1, ...
+        expert = None if local_expert is None else module.mlp.local_expert_indices[local_expert]
+        yield template.format(layer=layer, expert=expert), layer, param

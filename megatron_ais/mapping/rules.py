@@ -20,11 +20,12 @@ class MappingRule:
     hf: tuple[str, ...]
     layout: L.Layout
 
-    def format(self, layer: int | None) -> tuple[str, tuple[str, ...]]:
-        """Return the concrete (megatron name, HF names) for a global layer index."""
+    def format(self, layer: int | None, expert: int | None = None) -> tuple[str, tuple[str, ...]]:
+        """Return the concrete (megatron name, HF names) for a global layer (and global expert) index."""
         if layer is None:
             return self.megatron, self.hf
-        return self.megatron.format(layer=layer), tuple(h.format(layer=layer) for h in self.hf)
+        return (self.megatron.format(layer=layer, expert=expert),
+                tuple(h.format(layer=layer, expert=expert) for h in self.hf))
 
 
 _ATTN = "model.layers.{layer}.self_attn"
@@ -56,10 +57,23 @@ _QK_NORM_RULES = (
     MappingRule(f"{_LAYER}.self_attention.k_layernorm.weight", (f"{_ATTN}.k_norm.weight",), L.REPLICATED),
 )
 
+_EXPERT = "decoder.layers.{layer}.mlp.experts.local_experts.{expert}"
+_HF_EXPERT = "model.layers.{layer}.mlp.experts.{expert}"
+# MoE layers: the router is replicated over TP; experts are numbered globally in the rule (the local index of an
+# expert-parallel rank's `local_experts` is translated by `global_parameters`) and split over expert-TP.
+_MOE_RULES = (
+    MappingRule(f"{_LAYER}.mlp.router.weight", ("model.layers.{layer}.mlp.gate.weight",), L.REPLICATED),
+    MappingRule(f"{_EXPERT}.linear_fc1.weight", (f"{_HF_EXPERT}.gate_proj.weight", f"{_HF_EXPERT}.up_proj.weight"),
+                L.GATED_FC1),
+    MappingRule(f"{_EXPERT}.linear_fc2.weight", (f"{_HF_EXPERT}.down_proj.weight",), L.ROW_PARALLEL),
+)
+_DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+
 ARCHITECTURES: dict[str, tuple[MappingRule, ...]] = {
     "llama": _DENSE_RULES,
     "qwen2": _DENSE_RULES + _QKV_BIAS_RULES,
     "qwen3": _DENSE_RULES + _QK_NORM_RULES,
+    "qwen3_moe": tuple(r for r in _DENSE_RULES if not r.megatron.endswith(_DENSE_MLP)) + _QK_NORM_RULES + _MOE_RULES,
 }
 
 # Transformer Engine's spec fuses the pre-attention / pre-MLP norms into the following linear layer.
@@ -69,6 +83,7 @@ TE_ALIASES = {
 }
 
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT_NAME = re.compile(r"\.local_experts\.(\d+)\.")
 
 
 def canonical_name(name: str) -> str:
@@ -80,11 +95,28 @@ def canonical_name(name: str) -> str:
 
 
 def split_layer(name: str) -> tuple[int | None, str]:
-    """Return (layer index, name with `{layer}`) for `decoder.layers.N.*`, or (None, name) otherwise."""
+    """Return (layer index, name with `{layer}`, and `{expert}` for an expert) for `decoder.layers.N.*`, or
+    (None, name) otherwise."""
     m = _LAYER_NAME.match(name)
     if m is None:
         return None, name
-    return int(m.group(1)), "decoder.layers.{layer}." + m.group(2)
+    return int(m.group(1)), "decoder.layers.{layer}." + _EXPERT_NAME.sub(".local_experts.{expert}.", m.group(2))
+
+
+def expert_index(name: str) -> int | None:
+    """Return the expert index in a Megatron expert parameter's name, None for other parameters."""
+    m = _EXPERT_NAME.search(name)
+    return int(m.group(1)) if m else None
+
+
+def is_expert_parameter(name: str) -> bool:
+    """True for the parameters of routed experts (split over expert-TP and expert-parallel ranks)."""
+    return expert_index(name) is not None
+
+
+def with_layer(name: str, layer: int) -> str:
+    """Return `name` with its decoder layer index replaced."""
+    return _LAYER_NAME.sub(lambda m: f"decoder.layers.{layer}.{m.group(2)}", name)
 
 
 def rules_for(model_type: str) -> dict[str, MappingRule]:
@@ -95,14 +127,16 @@ def rules_for(model_type: str) -> dict[str, MappingRule]:
 
 
 def megatron_param_names(model_type: str, layers: range, first_stage: bool, last_stage: bool,
-                         tie_word_embeddings: bool) -> list[str]:
-    """Return the local-spec parameter names of one pipeline stage holding `layers` (global indices)."""
+                         tie_word_embeddings: bool, experts: range = range(0)) -> list[str]:
+    """Return the local-spec parameter names of one pipeline stage holding `layers` (global indices) and, in MoE
+    layers, `experts` (the indices of the rank's `local_experts`)."""
     names = []
     rules = ARCHITECTURES[model_type]
     if first_stage:
         names.append("embedding.word_embeddings.weight")
     for layer in layers:
-        names += [r.megatron.format(layer=layer) for r in rules if r.megatron.startswith("decoder.layers.")]
+        names += [r.megatron.format(layer=layer, expert=e) for r in rules if r.megatron.startswith("decoder.layers.")
+                  for e in (experts if "{expert}" in r.megatron else [None])]
     if last_stage:
         names.append("decoder.final_layernorm.weight")
         # megatron keeps a synchronised copy of the tied embedding on the last stage when PP > 1
@@ -111,9 +145,10 @@ def megatron_param_names(model_type: str, layers: range, first_stage: bool, last
     return names
 
 
-def hf_sources(rule: MappingRule, layer: int | None, tie_word_embeddings: bool) -> tuple[str, ...]:
+def hf_sources(rule: MappingRule, layer: int | None, tie_word_embeddings: bool, expert: int | None = None
+               ) -> tuple[str, ...]:
     """Return the HF tensor names to read for a rule; a tied output layer reads the embedding."""
-    _, hf = rule.format(layer)
+    _, hf = rule.format(layer, expert)
     if tie_word_embeddings and rule.megatron == "output_layer.weight":
         return ("model.embed_tokens.weight",)
     return hf

@@ -15,9 +15,9 @@ def test_te_fused_norm_names_alias_local_names():
 @pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
 def test_stage_names_have_rules_and_tied_output_only_off_the_first_stage(model_type):
     rules = rules_for(model_type)
-    first = megatron_param_names(model_type, range(0, 2), True, False, tie_word_embeddings=True)
-    last = megatron_param_names(model_type, range(2, 4), False, True, tie_word_embeddings=True)
-    single = megatron_param_names(model_type, range(0, 4), True, True, tie_word_embeddings=True)
+    first = megatron_param_names(model_type, range(0, 2), True, False, tie_word_embeddings=True, experts=range(2))
+    last = megatron_param_names(model_type, range(2, 4), False, True, tie_word_embeddings=True, experts=range(2))
+    single = megatron_param_names(model_type, range(0, 4), True, True, tie_word_embeddings=True, experts=range(2))
     for name in first + last + single:
         assert split_layer(name)[1] in rules, name
     assert "output_layer.weight" in last and "output_layer.weight" not in single
@@ -37,7 +37,8 @@ from megatron.core import parallel_state as ps; ps.initialize_model_parallel()
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed; model_parallel_cuda_manual_seed(0)
 from megatron_ais.model import ModelBuildConfig, ModelShape, build_gpt_model
 cfg = dict(model_type="{model_type}", num_hidden_layers=2, hidden_size=32, intermediate_size=64,
-           num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+           num_attention_heads=4, num_key_value_heads=2, vocab_size=100, num_experts=4, num_experts_per_tok=2,
+           moe_intermediate_size=32)
 m = build_gpt_model(ModelBuildConfig(shape=ModelShape.from_hf_config(cfg), precision="fp32", use_te={use_te}),
                     True, True)
 print("\\n".join(n for n, _ in m.named_parameters()))
@@ -50,7 +51,7 @@ print("\\n".join(n for n, _ in m.named_parameters()))
 @pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
 def test_declared_names_equal_the_built_model(model_type):
     built = _built_model_names(model_type)
-    declared = megatron_param_names(model_type, range(2), True, True, tie_word_embeddings=False)
+    declared = megatron_param_names(model_type, range(2), True, True, tie_word_embeddings=False, experts=range(4))
     assert sorted(built) == sorted(declared)
 
 
@@ -59,5 +60,5 @@ def test_declared_names_equal_the_built_model(model_type):
 def test_te_spec_parameters_equal_declared_names_after_aliasing(model_type):
     pytest.importorskip("transformer_engine.pytorch")
     built = [canonical_name(n) for n in _built_model_names(model_type, use_te=True)]
-    declared = megatron_param_names(model_type, range(2), True, True, tie_word_embeddings=False)
+    declared = megatron_param_names(model_type, range(2), True, True, tie_word_embeddings=False, experts=range(4))
     assert sorted(built) == sorted(declared)
