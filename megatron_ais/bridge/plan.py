@@ -18,7 +18,7 @@ from kernels.fp8_blockwise import scale_shape
 from megatron_ais.bridge.quantization import SCALE_SUFFIX, QuantizationPolicy
 from megatron_ais.mapping.hf_io import global_parameters
 from megatron_ais.mapping.layouts import Piece, shard_placement
-from megatron_ais.mapping.rules import rules_for, split_layer
+from megatron_ais.mapping.rules import expert_index, rules_for, split_layer
 
 ALIGN = 64
 
@@ -100,8 +100,10 @@ def _block_aligned(pieces: list[list[Piece]], full: tuple[int, ...], block: int)
     return True
 
 
-def hf_targets(chunks: list, build, ctx, policy: QuantizationPolicy) -> list[HFTarget]:
-    """Return the HF tensors of this pipeline stage with this TP rank's pieces of each."""
+def hf_targets(chunks: list, build, ctx, policy: QuantizationPolicy, expert_ctx=None) -> list[HFTarget]:
+    """Return the HF tensors of this pipeline stage with this TP rank's pieces of each (routed experts: this
+    expert-TP rank's, `expert_ctx`)."""
+    from megatron_ais.mapping.rules import is_expert_parameter
     from megatron_ais.model import unwrap_model
 
     rules = rules_for(build.shape.model_type)
@@ -113,11 +115,12 @@ def hf_targets(chunks: list, build, ctx, policy: QuantizationPolicy) -> list[HFT
                 raise KeyError(f"Megatron parameter {name!r} has no HF mapping for {build.shape.model_type!r}")
             if build.shape.tie_word_embeddings and rule.megatron == "output_layer.weight":
                 continue  # the embedding carries the tied lm_head
-            shapes, pieces = shard_placement(rule.layout, tuple(param.shape), ctx)
-            for index, (hf_name, shape) in enumerate(zip(rule.format(layer)[1], shapes)):
+            param_ctx = expert_ctx if expert_ctx is not None and is_expert_parameter(name) else ctx
+            shapes, pieces = shard_placement(rule.layout, tuple(param.shape), param_ctx)
+            for index, (hf_name, shape) in enumerate(zip(rule.format(layer, expert_index(name))[1], shapes)):
                 quantized = policy.quantizes(hf_name)
                 per_rank = [[p for p in rank_pieces if p.hf_index == index] for rank_pieces in pieces]
-                targets.append(HFTarget(hf_name, shape, param.detach(), per_rank[ctx.tp_rank], quantized,
+                targets.append(HFTarget(hf_name, shape, param.detach(), per_rank[param_ctx.tp_rank], quantized,
                                         quantized and _block_aligned(per_rank, shape, policy.block_size)))
     return targets
 

@@ -13,11 +13,14 @@ import torch
 
 from kernels.fp8_blockwise import all_finite, blockwise_fp8_quantize
 
-LINEAR_WEIGHT = re.compile(r"^(?P<prefix>model\.layers\.\d+)\.(?P<module>self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
-                           r"\.weight$")
-DEFAULT_FP8_INCLUDE = (r"\.self_attn\.[qkvo]_proj\.weight$", r"\.mlp\.(gate|up|down)_proj\.weight$")
+LINEAR_WEIGHT = re.compile(r"^(?P<prefix>model\.layers\.\d+)\.(?P<module>self_attn\.[qkvo]_proj|"
+                           r"mlp\.(experts\.\d+\.)?(gate|up|down)_proj)\.weight$")
+DEFAULT_FP8_INCLUDE = (r"\.self_attn\.[qkvo]_proj\.weight$", r"\.mlp\.(experts\.\d+\.)?(gate|up|down)_proj\.weight$")
 # vLLM fuses these HF projections into one layer, which must share one quantization scheme
 FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+# all experts of a layer are one FusedMoE layer in vLLM; the router (mlp.gate) always stays BF16
+EXPERT = re.compile(r"^mlp\.experts\.\d+\.")
+ROUTER_WEIGHT = re.compile(r"^(?P<module>model\.layers\.\d+\.mlp\.gate)\.weight$")
 SCALE_SUFFIX = "_scale_inv"
 
 
@@ -64,20 +67,34 @@ def engine_quantization_config(policy: QuantizationPolicy, hf_names: Iterable[st
     if policy.precision != "fp8":
         return None
     decisions: dict[str, bool] = {}
+    routers = []
     for name in hf_names:
         match = LINEAR_WEIGHT.match(name)
         if match:
             decisions[f"{match['prefix']}.{match['module']}"] = policy.quantizes(name)
+        router = ROUTER_WEIGHT.match(name)
+        if router:
+            routers.append(router["module"])
     for module in decisions:
-        prefix = module.rsplit(".", 2)[0]
+        prefix = module.split(".mlp.")[0].split(".self_attn.")[0]
         for group in FUSED_GROUPS:
             members = [f"{prefix}.{m}" for m in group if f"{prefix}.{m}" in decisions]
             if len({decisions[m] for m in members}) > 1:
                 raise ValueError(f"the FP8 policy splits {members}: vLLM fuses them into one layer, quantize all "
                                  "or none (adjust --bridge-fp8-exclude)")
+        experts = {d for m, d in decisions.items() if m.startswith(prefix + ".") and
+                   EXPERT.match(m[len(prefix) + 1:])}
+        if len(experts) > 1:
+            raise ValueError(f"the FP8 policy quantizes some experts of {prefix} and not others: vLLM runs a layer's "
+                             "experts as one fused MoE layer (adjust --bridge-fp8-exclude)")
     config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
               "weight_block_size": [policy.block_size, policy.block_size]}
-    ignored = sorted(m for m, quantized in decisions.items() if not quantized)
+    ignored = set(routers)
+    for module, quantized in decisions.items():
+        if not quantized:
+            # a layer's experts are ignored as the one fused module vLLM builds for them
+            ignored.add(module.split(".experts.")[0] + ".experts" if ".mlp.experts." in module else module)
+    ignored = sorted(ignored)
     if ignored:
         config["ignored_layers"] = ignored
     return config

@@ -20,7 +20,7 @@ from megatron_ais.bridge.buckets import ManifestEntry
 from megatron_ais.bridge.plan import HFTarget, StagePlan, hf_targets, plan_stage
 from megatron_ais.bridge.quantization import SCALE_SUFFIX, QuantizationPolicy
 from megatron_ais.bridge.transport import TRANSPORTS, SyncError, SyncReceiver, receive_stage, send_end, send_manifest
-from megatron_ais.mapping.distributed import shard_context
+from megatron_ais.mapping.distributed import expert_tensor_parallel_rank, shard_context
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,10 +171,14 @@ class WeightBridge:
 
     def _connect(self) -> None:
         lay = self.layout
+        if self.build.expert_model_parallel_size > 1:
+            raise ValueError("the bridge does not sync expert-parallel models yet (--expert-model-parallel-size > 1): "
+                             "each EP rank must write its own experts; train with EP1 until it does")
         if lay.writes:
             ctx = shard_context(self.build, lay.tp_rank)
-            self.plan = plan_stage(hf_targets(self.chunks, self.build, ctx, self.config.policy), self.config.policy,
-                                   self.config.bucket_bytes)
+            expert_ctx = shard_context(self.build, expert_tensor_parallel_rank(self.build), expert=True)
+            self.plan = plan_stage(hf_targets(self.chunks, self.build, ctx, self.config.policy, expert_ctx),
+                                   self.config.policy, self.config.bucket_bytes)
         mine = (lay.pp_rank, lay.is_sender, list(self.plan.tensors) if lay.is_sender else None,
                 self.plan.nbytes if self.plan else 0, self.plan.scratch_bytes if self.plan else 0,
                 socket.gethostname())

@@ -86,6 +86,10 @@ def export_hf_weights(chunks: list, build: ModelBuildConfig, tp_group, to_first_
     from megatron_ais.mapping.layouts import Replicated
     from megatron_ais.mapping.rules import rules_for, split_layer
 
+    if build.expert_model_parallel_size > 1 or (build.expert_tensor_parallel_size or build.tensor_model_parallel_size
+                                                 ) != build.tensor_model_parallel_size:
+        raise ValueError("HF export of expert-parallel models (or expert-TP != TP) is not written yet: each EP rank "
+                         "must export its own experts")
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
     ctx = shard_context(build, tp_rank)
     rules = rules_for(build.shape.model_type)

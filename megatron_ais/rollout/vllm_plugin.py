@@ -7,6 +7,12 @@ CPUFp8PerTensorScaledMMLinearKernel) on CPUs without AMX tiles with
 ("expected scalar type Float but found BFloat16", Qwen2's q/k/v bias). This plugin lifts the gate only where the
 op exists and the CPU has AVX512-BF16, casts the bias to fp32, and logs what it did. It changes nothing on GPU
 or on CPUs with AMX (where only the bias cast applies), and is idempotent (vLLM may load plugins repeatedly).
+
+MoE on CPU: (1) `UnquantizedFusedMoEMethod._setup_kernel` treats every load after the first as an update and
+skips the experts' `process_weights_after_loading`, which on CPU is what pre-packs them for `cpu_fused_moe`: after
+any in-place `reload_weights` the experts read unpacked data as packed (garbage, no error). The plugin runs that
+step on updates too. (2) The FP8 W8A16 MoE experts (`CPUExpertsFp8`, op `fused_experts_cpu`) carry the same AMX
+gate; lifted under the same conditions as the linear kernels.
 Set MEGATRON_AIS_VLLM_PLUGIN=0 to disable it.
 """
 from __future__ import annotations
@@ -60,3 +66,39 @@ def register() -> None:
     if patched:
         logger.info("megatron-ais vLLM plugin: fp32 bias cast for %s%s", ", ".join(patched),
                     "; AMX gate lifted (AVX512-BF16 W8A16 op fp8_scaled_mm_cpu)" if lift_gate else "")
+    _patch_moe_reload()
+    if lift_gate:
+        _lift_fp8_moe_gate()
+
+
+def _patch_moe_reload() -> None:
+    """Re-pack CPU MoE experts after every in-place reload, not only after the first load."""
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as method
+
+    cls = method.UnquantizedFusedMoEMethod
+    if getattr(cls, "_megatron_ais_patched", False):
+        return
+    original = cls._setup_kernel
+
+    def _setup_kernel(self, layer, w13, w2, _original=original):
+        is_update = self.moe_kernel is not None
+        _original(self, layer, w13, w2)
+        if is_update:
+            self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    cls._setup_kernel = _setup_kernel
+    cls._megatron_ais_patched = True
+    logger.info("megatron-ais vLLM plugin: CPU MoE experts re-packed after in-place weight updates")
+
+
+def _lift_fp8_moe_gate() -> None:
+    import torch
+    import vllm._custom_ops as ops
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    cls = getattr(cpu_moe, "CPUExpertsFp8", None)
+    if cls is None or getattr(cls, "_megatron_ais_patched", False) or not hasattr(torch.ops._C, "fused_experts_cpu"):
+        return
+    cls._supports_current_device = staticmethod(lambda: bool(ops._supports_cpu_fp8_w8a16))
+    cls._megatron_ais_patched = True
+    logger.info("megatron-ais vLLM plugin: AMX gate lifted for FP8 MoE experts (fused_experts_cpu)")
