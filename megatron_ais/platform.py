@@ -83,7 +83,11 @@ def distributed_backend() -> str:
 
 class _NullStream:
     """Stand-in for torch.cuda.Stream / Event on CPU: every method is a no-op returning another null object (the
-    MoE dispatcher calls `.synchronize()` on what `record_event()` returns)."""
+    MoE dispatcher calls `.synchronize()` on what `record_event()` returns). A class, so that annotations such as
+    `torch.cuda.Stream | None` in other libraries still evaluate."""
+
+    def __init__(self, *args, **kwargs):
+        pass
 
     def __getattr__(self, item):
         return lambda *args, **kwargs: _NullStream()
@@ -236,7 +240,7 @@ def _patch_moe() -> None:  # M1, M3, M4 (M2 is in _CUDA_LITERAL_MODULES)
     from megatron.core.tensor_parallel import mappings
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-    torch.cuda.Stream = lambda *args, **kwargs: _NullStream()
+    torch.cuda.Stream = _NullStream
     torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None

@@ -1,7 +1,7 @@
 """pretrain_grpo_ais.py end to end on 2 gloo ranks (DP2 and PP2): Megatron checkpoint -> FP8 rollouts in a separate
 vLLM engine -> rewards -> GRPO + AIS update -> bridge sync -> refit verification -> logs, checkpoints, the last
-line; a run SIGKILLed in the middle of a step resumes to exactly the metrics of an uninterrupted run; a vLLM
-engine killed mid-run is restarted, re-synced and the run completes."""
+line; the same for a Qwen3-MoE model; a run SIGKILLed in the middle of a step resumes to exactly the metrics of an
+uninterrupted run; a vLLM engine killed mid-run is restarted, re-synced and the run completes."""
 import json
 import os
 import signal
@@ -55,6 +55,22 @@ def test_two_grpo_steps_end_to_end(model_root, tmp_path, layout):
     assert (out / "run.png").stat().st_size > 10_000
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 2 and "λ" in steps[0] and "rollout" in steps[0]
+
+
+@pytest.mark.slow
+def test_two_grpo_steps_of_a_moe_model(model_root, tmp_path):
+    """Qwen3-MoE (8 experts, top-2) from its HF directory, DP2, FP8 rollouts with float8 experts."""
+    hf_dir = make_model_dir(model_root, "qwen3_moe", num_layers=2, hidden_size=256, vocab_size=512,
+                            initializer_range=0.1)
+    cmd = _command("", tmp_path / "run", 2)
+    cmd[cmd.index("--load"): cmd.index("--load") + 2] = ["--hf-dir", hf_dir]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.load(open(tmp_path / "run" / "summary.json"))
+    assert len(summary["history"]) == 2
+    first = summary["history"][0]
+    assert 0.0 <= first["ais/lambda"] <= 1.0 and first["ais/num_units"] > 0
+    assert proc.stdout.strip().splitlines()[-1].startswith("accuracy_before=")
 
 
 def _comparable(history):
