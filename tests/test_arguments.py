@@ -34,6 +34,31 @@ def test_model_shape_errors_name_the_flag(argv, config, expected):
         validate_model_args(_args(*argv), {**CONFIG, **config})
 
 
+MOE = {**CONFIG, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+
+
+@pytest.mark.parametrize("argv,config,expected", [
+    (["--expert-model-parallel-size", "2"], CONFIG, "need a MoE model"),
+    (["--expert-model-parallel-size", "3"], MOE, "num_experts 8 (config.json) is not divisible by "
+                                                 "--expert-model-parallel-size 3"),
+    (["--expert-tensor-parallel-size", "3"], MOE, "moe_intermediate_size 64"),
+    (["--tensor-model-parallel-size", "2"], MOE, "needs --sequence-parallel"),
+])
+def test_moe_errors_name_the_flag(argv, config, expected):
+    with pytest.raises(ArgumentValidationError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        validate_model_args(_args(*argv), config)
+
+
+def test_expert_parallel_checkpoints_are_refused_not_lost(tmp_path):
+    with open(tmp_path / "config.json", "w") as f:
+        import json
+        json.dump(MOE, f)
+    for flag in ("--save", "--load"):
+        with pytest.raises(ArgumentValidationError, match=f"{flag} with --expert-model-parallel-size > 1"):
+            validate_args(_args("--hf-dir", str(tmp_path), "--expert-model-parallel-size", "2", flag,
+                                str(tmp_path / "ckpt")), 2)
+
+
 def test_valid_layouts_pass_including_fewer_kv_heads_than_tp():
     validate_model_args(_args("--tensor-model-parallel-size", "2"), {**CONFIG, "num_key_value_heads": 1})
     validate_model_args(_args("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"), CONFIG)
