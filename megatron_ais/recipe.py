@@ -212,7 +212,7 @@ def run_grpo(args) -> dict:
             return engine.update_weights_or_restart(named_tensors, on_restart=restarting, shared=shared)
         receiver = SyncReceiver(apply=apply, apply_shared=(lambda path, entries: apply(None, (path, entries)))
                                 if engine.placement == "separate" else None)
-    weight_bridge = WeightBridge(setup.chunks, build, BridgeConfig.from_args(args), tp_group, layout, receiver)
+    weight_bridge = WeightBridge(setup.chunks, build, BridgeConfig.from_args(args), layout, receiver)
 
     def sync_engine(sync_id: int) -> None:
         """Bridge the current policy into the engine (collective on every rank)."""

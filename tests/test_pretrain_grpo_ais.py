@@ -59,10 +59,11 @@ def test_two_grpo_steps_end_to_end(model_root, tmp_path, layout):
 
 @pytest.mark.slow
 def test_two_grpo_steps_of_a_moe_model(model_root, tmp_path):
-    """Qwen3-MoE (8 experts, top-2) from its HF directory, DP2, FP8 rollouts with float8 experts."""
+    """Qwen3-MoE (8 experts, top-2) from its HF directory at EP2 (each rank trains, exports and syncs its own four
+    experts), FP8 rollouts with float8 experts."""
     hf_dir = make_model_dir(model_root, "qwen3_moe", num_layers=2, hidden_size=256, vocab_size=512,
                             initializer_range=0.1)
-    cmd = _command("", tmp_path / "run", 2)
+    cmd = _command("", tmp_path / "run", 2, "--expert-model-parallel-size", "2")
     cmd[cmd.index("--load"): cmd.index("--load") + 2] = ["--hf-dir", hf_dir]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -71,6 +72,8 @@ def test_two_grpo_steps_of_a_moe_model(model_root, tmp_path):
     first = summary["history"][0]
     assert 0.0 <= first["ais/lambda"] <= 1.0 and first["ais/num_units"] > 0
     assert proc.stdout.strip().splitlines()[-1].startswith("accuracy_before=")
+    files = sorted(os.listdir(tmp_path / "run" / "engine_init"))
+    assert "model-00001-of-00001-ep001.safetensors" in files  # EP rank 1 wrote its own experts
 
 
 def _comparable(history):

@@ -23,7 +23,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str) -> dict:
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from kernels.cpu_bridge import fp8_blockwise_quantize_cpu, library
     from kernels.fp8_blockwise import blockwise_fp8_quantize_reference
@@ -42,13 +41,12 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str) -
     build = ModelBuildConfig.from_args(args, hf_config)
     chunks, _, _ = build_loaded_chunks(args, build)
     layout = BridgeLayout.from_parallel_state()
-    tp_group = ps.get_tensor_model_parallel_group()
     result = {"params": sum(p.numel() for p in chunks[0].parameters()) * 2}
     for precision in ("bf16", "fp8"):
         config = BridgeConfig(bucket_size_mb=bucket_mb, policy=QuantizationPolicy(precision=precision),
                               transport=transport)
         receiver = SyncReceiver(apply=lambda tensors: None) if layout.rank == 0 else None
-        bridge = WeightBridge(chunks, build, config, tp_group, layout, receiver)
+        bridge = WeightBridge(chunks, build, config, layout, receiver)
         times, moved = [], 0
         for sync_id in range(repeats + 1):  # the first sync maps the shared buffers
             dist.barrier()

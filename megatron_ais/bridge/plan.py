@@ -100,13 +100,26 @@ def _block_aligned(pieces: list[list[Piece]], full: tuple[int, ...], block: int)
     return True
 
 
-def hf_targets(chunks: list, build, ctx, policy: QuantizationPolicy, expert_ctx=None) -> list[HFTarget]:
-    """Return the HF tensors of this pipeline stage with this TP rank's pieces of each (routed experts: this
-    expert-TP rank's, `expert_ctx`)."""
-    from megatron_ais.mapping.rules import is_expert_parameter
+@dataclasses.dataclass(frozen=True)
+class WriterRole:
+    """What this rank writes: dense tensors (data-parallel replica 0), routed experts (expert-data-parallel
+    replica 0), and where its experts sit among the expert-parallel ranks."""
+
+    dense: bool = True
+    experts: bool = True
+    ep_rank: int = 0
+    ep_size: int = 1
+
+
+def hf_targets(chunks: list, build, ctx, policy: QuantizationPolicy, expert_ctx=None,
+               role: WriterRole = WriterRole()) -> list[HFTarget]:
+    """Return the HF tensors of this pipeline stage with this rank's pieces of each (routed experts: this
+    expert-TP rank's, `expert_ctx`). Under expert parallelism the list holds every rank's experts (the same list on
+    every rank, ordered by local expert index, then EP rank); a rank has pieces only of the experts it holds."""
     from megatron_ais.model import unwrap_model
 
     rules = rules_for(build.shape.model_type)
+    num_local = build.shape.num_experts // role.ep_size if build.shape.is_moe else 0
     targets = []
     for chunk in chunks:
         for name, layer, param in global_parameters(unwrap_model(chunk)):
@@ -115,13 +128,20 @@ def hf_targets(chunks: list, build, ctx, policy: QuantizationPolicy, expert_ctx=
                 raise KeyError(f"Megatron parameter {name!r} has no HF mapping for {build.shape.model_type!r}")
             if build.shape.tie_word_embeddings and rule.megatron == "output_layer.weight":
                 continue  # the embedding carries the tied lm_head
-            param_ctx = expert_ctx if expert_ctx is not None and is_expert_parameter(name) else ctx
+            expert = expert_index(name)
+            param_ctx = expert_ctx if expert_ctx is not None and expert is not None else ctx
+            writes = role.experts if expert is not None else role.dense
             shapes, pieces = shard_placement(rule.layout, tuple(param.shape), param_ctx)
-            for index, (hf_name, shape) in enumerate(zip(rule.format(layer, expert_index(name))[1], shapes)):
-                quantized = policy.quantizes(hf_name)
-                per_rank = [[p for p in rank_pieces if p.hf_index == index] for rank_pieces in pieces]
-                targets.append(HFTarget(hf_name, shape, param.detach(), per_rank[param_ctx.tp_rank], quantized,
-                                        quantized and _block_aligned(per_rank, shape, policy.block_size)))
+            # the same local expert on every EP rank: global ids local + r * num_local
+            owners = [(expert, True)] if expert is None else [
+                (expert % num_local + r * num_local, r == role.ep_rank) for r in range(role.ep_size)]
+            for global_expert, held in owners:
+                for index, (hf_name, shape) in enumerate(zip(rule.format(layer, global_expert)[1], shapes)):
+                    quantized = policy.quantizes(hf_name)
+                    per_rank = [[p for p in rank_pieces if p.hf_index == index] for rank_pieces in pieces]
+                    mine = per_rank[param_ctx.tp_rank] if writes and held else []
+                    targets.append(HFTarget(hf_name, shape, param.detach(), mine, quantized,
+                                            quantized and _block_aligned(per_rank, shape, policy.block_size)))
     return targets
 
 

@@ -17,7 +17,7 @@ from kernels.cpu_bridge import (Position, checksum_sums, copy_check_finite, fold
 from kernels.fp8_blockwise import all_finite, blockwise_fp8_quantize
 from megatron_ais.bridge.arena import SharedBuffer
 from megatron_ais.bridge.buckets import ManifestEntry
-from megatron_ais.bridge.plan import HFTarget, StagePlan, hf_targets, plan_stage
+from megatron_ais.bridge.plan import HFTarget, StagePlan, WriterRole, hf_targets, plan_stage
 from megatron_ais.bridge.quantization import SCALE_SUFFIX, QuantizationPolicy
 from megatron_ais.bridge.transport import TRANSPORTS, SyncError, SyncReceiver, receive_stage, send_end, send_manifest
 from megatron_ais.mapping.distributed import expert_tensor_parallel_rank, shard_context
@@ -73,8 +73,10 @@ class SyncStats:
 class BridgeLayout:
     """Who writes, who sends and who receives, from megatron's parallel state (taken at the call site).
 
-    The engine lives on global rank `engine_rank`. The ranks of data-parallel replica 0 (context-parallel rank 0)
-    write; each pipeline stage's sender is that replica's TP rank 0, and `stage_senders[s]` is stage s's.
+    The engine lives on global rank `engine_rank`. Dense tensors are written by the ranks of data-parallel replica
+    0, routed experts by those of expert-data-parallel replica 0 (context-parallel rank 0 both); each pipeline
+    stage's sender is replica 0's TP rank 0, and `stage_senders[s]` is stage s's. `stage_writers[s]` are all the
+    ranks that write for stage s.
     """
 
     engine_rank: int
@@ -85,21 +87,29 @@ class BridgeLayout:
     pp_rank: int = 0
     tp_rank: int = 0
     hosts: tuple[tuple[str, ...], ...] = ()  # hosts[s]: hosts of stage s's writing ranks
+    stage_writers: tuple[tuple[int, ...], ...] = ()
+    role: WriterRole = WriterRole()
 
     @classmethod
     def from_parallel_state(cls, engine_rank: int = 0) -> "BridgeLayout":
         from megatron.core import parallel_state as ps
 
         rank = dist.get_rank()
-        writes = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+        cp0 = ps.get_context_parallel_rank() == 0
+        dense = cp0 and ps.get_data_parallel_rank() == 0
+        ep_size = ps.get_expert_model_parallel_world_size()
+        experts = cp0 and ps.get_expert_data_parallel_rank() == 0
+        role = WriterRole(dense=dense, experts=experts, ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep_size)
+        writes = dense or experts
         tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         marks = [None] * dist.get_world_size()
-        dist.all_gather_object(marks, (writes, tp_rank, pp_rank, rank, socket.gethostname()))
-        senders = tuple(r for _, r in sorted((p, r) for w, t, p, r, _ in marks if w and t == 0))
+        dist.all_gather_object(marks, (writes, dense and tp_rank == 0, pp_rank, rank, socket.gethostname()))
+        senders = tuple(r for _, r in sorted((p, r) for _, s, p, r, _ in marks if s))
         hosts = tuple(tuple(sorted({h for w, _, p, _, h in marks if w and p == stage}))
                       for stage in range(len(senders)))
-        return cls(engine_rank=engine_rank, stage_senders=senders, is_sender=writes and tp_rank == 0, rank=rank,
-                   writes=writes, pp_rank=pp_rank, tp_rank=tp_rank, hosts=hosts)
+        writers = tuple(tuple(r for w, _, p, r, _ in marks if w and p == stage) for stage in range(len(senders)))
+        return cls(engine_rank=engine_rank, stage_senders=senders, is_sender=dense and tp_rank == 0, rank=rank,
+                   writes=writes, pp_rank=pp_rank, tp_rank=tp_rank, hosts=hosts, stage_writers=writers, role=role)
 
 
 def _copy_checked(src: torch.Tensor, dst: torch.Tensor, position: Position, name: str) -> tuple[int, int]:
@@ -141,9 +151,10 @@ class WeightBridge:
     layouts once and maps the shared buffers; later syncs only move bytes and manifests.
     """
 
-    def __init__(self, chunks: list, build, config: BridgeConfig, tp_group, layout: BridgeLayout,
+    def __init__(self, chunks: list, build, config: BridgeConfig, layout: BridgeLayout,
                  receiver: SyncReceiver | None = None):
-        self.chunks, self.build, self.config, self.tp_group, self.layout = chunks, build, config, tp_group, layout
+        self.chunks, self.build, self.config, self.layout = chunks, build, config, layout
+        self.group = None  # the ranks that write for this rank's stage
         self.receiver = receiver
         self.plan: StagePlan | None = None
         self.buffer: SharedBuffer | None = None
@@ -171,14 +182,17 @@ class WeightBridge:
 
     def _connect(self) -> None:
         lay = self.layout
-        if self.build.expert_model_parallel_size > 1:
-            raise ValueError("the bridge does not sync expert-parallel models yet (--expert-model-parallel-size > 1): "
-                             "each EP rank must write its own experts; train with EP1 until it does")
         if lay.writes:
             ctx = shard_context(self.build, lay.tp_rank)
             expert_ctx = shard_context(self.build, expert_tensor_parallel_rank(self.build), expert=True)
-            self.plan = plan_stage(hf_targets(self.chunks, self.build, ctx, self.config.policy, expert_ctx),
+            self.plan = plan_stage(hf_targets(self.chunks, self.build, ctx, self.config.policy, expert_ctx, lay.role),
                                    self.config.policy, self.config.bucket_bytes)
+        # one group per stage of the ranks that write for it (TP ranks, and EP x expert-TP ranks of MoE layers):
+        # every rank creates every group, in the same order
+        for stage, writers in enumerate(lay.stage_writers):
+            group = dist.new_group(list(writers))
+            if lay.writes and stage == lay.pp_rank:
+                self.group = group
         mine = (lay.pp_rank, lay.is_sender, list(self.plan.tensors) if lay.is_sender else None,
                 self.plan.nbytes if self.plan else 0, self.plan.scratch_bytes if self.plan else 0,
                 socket.gethostname())
@@ -208,12 +222,12 @@ class WeightBridge:
         plan = self.plan
         self.max_bucket = max((b.nbytes for b in plan.buckets), default=0)
         shared = [None]
-        if self.layout.tp_rank == 0:
+        if self.layout.is_sender:
             self.buffer = SharedBuffer.create(f"bridge-stage{self.layout.pp_rank}", self.max_bucket + plan.scratch_bytes)
             shared = [self.buffer.path]
-        if dist.get_world_size(self.tp_group) > 1:
-            dist.broadcast_object_list(shared, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
-        if self.layout.tp_rank != 0:
+        if dist.get_world_size(self.group) > 1:
+            dist.broadcast_object_list(shared, src=self.layout.stage_senders[self.layout.pp_rank], group=self.group)
+        if not self.layout.is_sender:
             self.buffer = SharedBuffer(shared[0], self.max_bucket + plan.scratch_bytes, False)
 
     def _targets_per_bucket(self) -> list[list[HFTarget]]:
@@ -276,14 +290,14 @@ class WeightBridge:
 
     def _agree(self, error: str | None) -> str | None:
         """Barrier of the stage's TP ranks after a bucket; every rank leaves with the first rank's error, if any."""
-        if dist.get_world_size(self.tp_group) == 1:
+        if dist.get_world_size(self.group) == 1:
             return error
         flag = torch.tensor([0 if error is None else 1])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.tp_group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         if not int(flag):
             return None
-        errors = [None] * dist.get_world_size(self.tp_group)
-        dist.all_gather_object(errors, error, group=self.tp_group)
+        errors = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(errors, error, group=self.group)
         return next(e for e in errors if e is not None)
 
     def _manifest(self, bucket, sums: dict[str, list[int]], error: str | None
@@ -295,11 +309,11 @@ class WeightBridge:
         values = [0 if error is None else 1, 0] + [half for t in tensors for v in sums.get(t.name, (0, 0))
                                                    for half in (v >> 32, v & 0xFFFFFFFF)]
         halves = torch.tensor(values, dtype=torch.int64).view(-1, 2)
-        if dist.get_world_size(self.tp_group) > 1:
-            dist.all_reduce(halves, group=self.tp_group)
+        if dist.get_world_size(self.group) > 1:
+            dist.all_reduce(halves, group=self.group)
             if int(halves[0, 0]):
-                errors = [None] * dist.get_world_size(self.tp_group)
-                dist.all_gather_object(errors, error, group=self.tp_group)
+                errors = [None] * dist.get_world_size(self.group)
+                dist.all_gather_object(errors, error, group=self.group)
                 return None, next(e for e in errors if e is not None)
         if error is not None or not self.layout.is_sender:
             return None, error
@@ -311,8 +325,8 @@ class WeightBridge:
     def _send_stage(self, sync_id: int, stats: SyncStats) -> None:
         plan, base_error = self.plan, None
         for index, (bucket, targets) in enumerate(zip(plan.buckets, self._bucket_targets)):
-            if index and self.mode == "distributed" and dist.get_world_size(self.tp_group) > 1:
-                dist.barrier(group=self.tp_group)  # the sender has shipped the last bucket out of the shared buffer
+            if index and self.mode == "distributed" and dist.get_world_size(self.group) > 1:
+                dist.barrier(group=self.group)  # the sender has shipped the last bucket out of the shared buffer
             error, sums = None, {}
             try:
                 self._write(bucket, targets, sums)
@@ -320,7 +334,7 @@ class WeightBridge:
                 error = str(err)
             if bucket.scratch:
                 error = self._agree(error)  # every piece is in the scratch area before rank 0 quantizes it
-                if error is None and self.layout.tp_rank == 0:
+                if error is None and self.layout.is_sender:
                     try:
                         self._quantize_scratch(bucket, targets, sums)
                     except ValueError as err:
@@ -386,10 +400,10 @@ class WeightBridge:
         self.buffer = None
 
 
-def sync_weights_to_engine(chunks: list, build, config: BridgeConfig, tp_group, layout: BridgeLayout,
-                           sync_id: int, receiver: SyncReceiver | None) -> SyncStats:
+def sync_weights_to_engine(chunks: list, build, config: BridgeConfig, layout: BridgeLayout, sync_id: int,
+                           receiver: SyncReceiver | None) -> SyncStats:
     """One sync through a bridge used once (a training loop keeps one WeightBridge for all its syncs)."""
-    bridge = WeightBridge(chunks, build, config, tp_group, layout, receiver)
+    bridge = WeightBridge(chunks, build, config, layout, receiver)
     try:
         return bridge.sync(sync_id)
     finally:

@@ -77,67 +77,88 @@ def gather_tp_shards(tensor: torch.Tensor, group, to_first_rank: bool = False) -
 
 
 @torch.no_grad()
-def export_hf_weights(chunks: list, build: ModelBuildConfig, tp_group, to_first_rank: bool = False
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(chunks: list, build: ModelBuildConfig, tp_group, to_first_rank: bool = False,
+                      expert_group=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the layers of this pipeline stage; every TP rank must iterate together.
 
-    With `to_first_rank`, only TP rank 0 receives (and yields) the tensors; the other ranks yield nothing.
+    With `to_first_rank`, only TP rank 0 receives (and yields) the tensors; the other ranks yield nothing. Routed
+    experts are gathered over `expert_group` (the expert-TP group; the TP group when it is None) and each rank
+    yields only the experts its expert-parallel rank holds.
     """
     from megatron_ais.mapping.layouts import Replicated
-    from megatron_ais.mapping.rules import rules_for, split_layer
+    from megatron_ais.mapping.rules import is_expert_parameter, rules_for, split_layer
 
-    if build.expert_model_parallel_size > 1 or (build.expert_tensor_parallel_size or build.tensor_model_parallel_size
-                                                 ) != build.tensor_model_parallel_size:
-        raise ValueError("HF export of expert-parallel models (or expert-TP != TP) is not written yet: each EP rank "
-                         "must export its own experts")
-    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    ctx = shard_context(build, tp_rank)
+    if expert_group is None:
+        expert_group = tp_group
+    groups = {False: tp_group, True: expert_group}
+    contexts = {expert: shard_context(build, dist.get_rank(group) if group is not None else 0, expert)
+                for expert, group in groups.items()}
     rules = rules_for(build.shape.model_type)
     for chunk in chunks:
         for name, layer, param in global_parameters(unwrap_model(chunk)):
+            expert = is_expert_parameter(name)
+            group, ctx = groups[expert], contexts[expert]
             rule = rules.get(split_layer(name)[1])
-            # replicated tensors (norms) are identical on every TP rank: no gather needed
+            # replicated tensors (norms, router) are identical on every TP rank: no gather needed
             replicated = rule is not None and isinstance(rule.layout, Replicated)
-            shards = [param.detach()] if replicated else gather_tp_shards(param.detach(), tp_group, to_first_rank)
-            if shards is None or (replicated and to_first_rank and tp_rank != 0):
+            shards = [param.detach()] if replicated else gather_tp_shards(param.detach(), group, to_first_rank)
+            if shards is None or (replicated and to_first_rank and ctx.tp_rank != 0):
                 continue
             yield from hf_tensors_from_shards(name, layer, build.shape.model_type, ctx, shards,
                                               build.shape.tie_word_embeddings)
 
 
-def stage_file_name(pp_rank: int, pp_size: int) -> str:
-    """Return the safetensors file name one pipeline stage writes."""
-    return f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
+def stage_file_name(pp_rank: int, pp_size: int, ep_rank: int = 0) -> str:
+    """Return the safetensors file name one pipeline stage writes (the experts of expert-parallel rank > 0 go
+    to a file of their own)."""
+    return f"model-{pp_rank + 1:05d}-of-{pp_size:05d}" + (f"-ep{ep_rank:03d}" if ep_rank else "") + ".safetensors"
+
+
+def _expert_export_role(build: ModelBuildConfig) -> tuple[object, bool, int]:
+    """(expert-TP group, whether this rank writes its EP rank's experts, EP rank) from megatron's state."""
+    if not build.shape.is_moe:
+        return None, False, 0
+    from megatron.core import parallel_state as ps
+
+    writes = (ps.get_expert_data_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0
+              and ps.get_context_parallel_rank() == 0)
+    return ps.get_expert_tensor_parallel_group(), writes, ps.get_expert_model_parallel_rank()
 
 
 def save_hf_checkpoint(chunks: list, build: ModelBuildConfig, hf_config: dict, out_dir: str, tp_group, pp_group,
                        is_stage_writer: bool, dtype: torch.dtype | None = None,
                        assets_from: str | None = None) -> None:
-    """Write a HF checkpoint: each pipeline stage writes its own file (no stage ships the model to rank 0).
+    """Write a HF checkpoint: each pipeline stage writes its own file (no stage ships the model to rank 0), and
+    under expert parallelism each EP rank writes its own experts (no rank gathers all experts).
 
     `is_stage_writer` is True on exactly one rank per pipeline stage (TP rank 0, DP rank 0). The first stage's
     writer also writes the index and config.json after the stage files exist, and copies the tokenizer files
-    from `assets_from`.
+    from `assets_from`. Every rank takes part.
     """
     from safetensors.torch import save_file
 
+    from megatron_ais.mapping.rules import ROUTED_EXPERT_HF
+
     pp_rank = dist.get_rank(pp_group) if pp_group is not None else 0
     pp_size = dist.get_world_size(pp_group) if pp_group is not None else 1
+    expert_group, writes_experts, ep_rank = _expert_export_role(build)
+    if build.expert_model_parallel_size == 1:
+        writes_experts = writes_experts and is_stage_writer
     tensors = {}
-    for hf_name, tensor in export_hf_weights(chunks, build, tp_group):
-        if is_stage_writer:
+    for hf_name, tensor in export_hf_weights(chunks, build, tp_group, expert_group=expert_group):
+        if writes_experts if ROUTED_EXPERT_HF.search(hf_name) else is_stage_writer:
             tensors[hf_name] = (tensor.to(dtype) if dtype is not None else tensor).contiguous()
-    names = sorted(tensors)
-    if is_stage_writer:
+    file = stage_file_name(pp_rank, pp_size, 0 if is_stage_writer else ep_rank)
+    if tensors:
         os.makedirs(out_dir, exist_ok=True)
-        save_file(tensors, os.path.join(out_dir, stage_file_name(pp_rank, pp_size)), metadata={"format": "pt"})
-    gathered: list = [None] * pp_size
-    if pp_group is not None and pp_size > 1:
-        dist.all_gather_object(gathered, names, group=pp_group)
+        save_file(tensors, os.path.join(out_dir, file), metadata={"format": "pt"})
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (file, sorted(tensors)))
     else:
-        gathered = [names]
+        gathered = [(file, sorted(tensors))]
     if is_stage_writer and pp_rank == 0:
-        weight_map = {n: stage_file_name(r, pp_size) for r, stage_names in enumerate(gathered) for n in stage_names}
+        weight_map = {n: f for f, names in gathered for n in names}
         write_hf_index_and_config(out_dir, weight_map, hf_config, assets_from)
 
 

@@ -84,6 +84,7 @@ TE_ALIASES = {
 
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT_NAME = re.compile(r"\.local_experts\.(\d+)\.")
+ROUTED_EXPERT_HF = re.compile(r"\.mlp\.experts\.\d+\.")
 
 
 def canonical_name(name: str) -> str:

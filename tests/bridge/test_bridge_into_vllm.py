@@ -22,7 +22,6 @@ def _hf_logprobs(state_dict, hf_dir):
 
 
 def _engine_worker(old_dir, new_dir, precision, work):
-    from megatron.core import parallel_state as ps
 
     from kernels.fp8_blockwise import blockwise_fp8_dequantize
     from megatron_ais.arguments import build_parser, validate_args
@@ -52,7 +51,7 @@ def _engine_worker(old_dir, new_dir, precision, work):
 
     receiver = SyncReceiver(apply=apply)
     config = BridgeConfig(bucket_size_mb=0.5, policy=QuantizationPolicy(precision=precision))
-    sync_weights_to_engine(chunks, build, config, ps.get_tensor_model_parallel_group(), layout, 1, receiver)
+    sync_weights_to_engine(chunks, build, config, layout, 1, receiver)
     after = engine.prompt_logprobs(PROBE)
     sent = applied[0]
     reference_weights = {n: blockwise_fp8_dequantize(t, sent[n + "_scale_inv"], 128, torch.float32)
@@ -80,8 +79,7 @@ def _engine_worker(old_dir, new_dir, precision, work):
     for sync_id, tamper in ((2, flip_byte), (3, wrong_shape)):
         SyncReceiver.receive = tamper
         try:
-            sync_weights_to_engine(chunks, build, config, ps.get_tensor_model_parallel_group(), layout, sync_id,
-                                   receiver)
+            sync_weights_to_engine(chunks, build, config, layout, sync_id, receiver)
             refused.append(None)
         except SyncError as err:
             refused.append(str(err))

@@ -28,9 +28,11 @@ def _bridge_worker(cases):
     apply_cpu_compat()
     initialize_distributed()
     out = []
-    for hf_dir, tp, pp, transport in cases:
+    for hf_dir, tp, pp, transport, *ep in cases:
+        moe = ["--expert-model-parallel-size", str(ep[0])] + (["--sequence-parallel"] if tp > 1 else []) if ep else []
         args = build_parser("test").parse_args(["--hf-dir", hf_dir, "--fp32", "--tensor-model-parallel-size", str(tp),
-                                                "--pipeline-model-parallel-size", str(pp), "--seq-length", "16"])
+                                                "--pipeline-model-parallel-size", str(pp), "--seq-length", "16",
+                                                *moe])
         hf_config = validate_args(args, dist.get_world_size())
         initialize_model_parallel(ParallelSizes.from_args(args))
         set_random_seed(0)
@@ -43,8 +45,7 @@ def _bridge_worker(cases):
                 if layout.rank == 0 else None
             config = BridgeConfig(bucket_size_mb=BUCKET_MB, policy=QuantizationPolicy(precision=precision),
                                   transport=transport)
-            stats = sync_weights_to_engine(chunks, build, config, ps.get_tensor_model_parallel_group(), layout,
-                                           sync_id, receiver)
+            stats = sync_weights_to_engine(chunks, build, config, layout, sync_id, receiver)
             if layout.rank == 0:
                 assert len(applied) == 1
                 out.append((hf_dir, tp, pp, precision, applied[0], len(layout.stage_senders)))
@@ -106,6 +107,15 @@ def test_bridge_tp2_pp2(model_root):
     _check(spawn(4, _bridge_worker, cases), cases)
 
 
+@pytest.mark.slow
+def test_bridge_moe_expert_parallel(model_root):
+    """Every expert-parallel rank writes its own experts (no rank gathers them): the engine receives all experts,
+    BF16 bit for bit and FP8 within the bound, at EP2 and EP2 x TP2 (expert-TP 2)."""
+    moe = make_model_dir(model_root, "qwen3_moe", num_layers=2, hidden_size=256, initializer_range=0.1)
+    _check(spawn(2, _bridge_worker, [(moe, 1, 1, "shm", 2)]), [(moe, 1, 1, "shm", 2)])
+    _check(spawn(4, _bridge_worker, [(moe, 2, 1, "shm", 2)]), [(moe, 2, 1, "shm", 2)])
+
+
 def _rss_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
@@ -115,7 +125,6 @@ def _memory_worker(hf_dir, bucket_mb):
     import ctypes
 
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from megatron_ais.arguments import build_parser, validate_args
     from megatron_ais.bridge.quantization import QuantizationPolicy
@@ -135,7 +144,7 @@ def _memory_worker(hf_dir, bucket_mb):
     receiver = SyncReceiver(apply=lambda tensors: None) if layout.rank == 0 else None
     config = BridgeConfig(bucket_size_mb=bucket_mb, policy=QuantizationPolicy(precision="fp8"),
                           transport="distributed")
-    bridge = WeightBridge(chunks, build, config, ps.get_tensor_model_parallel_group(), layout, receiver)
+    bridge = WeightBridge(chunks, build, config, layout, receiver)
     stage_bytes = sum(p.numel() * p.element_size() for p in chunks[0].parameters())
     from kernels.cpu_bridge import library
 

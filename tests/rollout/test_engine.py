@@ -11,7 +11,6 @@ PROMPTS = [[5, 17, 42, 99], [7, 8, 9], [120, 3, 44, 250, 61]]
 
 
 def _worker(hf_dir, work):
-    from megatron.core import parallel_state as ps
 
     from megatron_ais.arguments import build_parser, validate_args
     from megatron_ais.bridge.quantization import QuantizationPolicy
@@ -40,7 +39,7 @@ def _worker(hf_dir, work):
         with torch.no_grad():
             for param in chunks[0].parameters():
                 param.add_(0.05 * torch.randn(param.shape, generator=generator))
-        sync_weights_to_engine(chunks, build, config, ps.get_tensor_model_parallel_group(), layout, update, receiver)
+        sync_weights_to_engine(chunks, build, config, layout, update, receiver)
         for temperature in (1.0, 0.7):
             rollouts = engine.generate(PROMPTS, SamplingConfig(n=2, temperature=temperature, max_new_tokens=16,
                                                                seed=update))

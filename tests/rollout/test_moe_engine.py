@@ -12,7 +12,6 @@ PROMPTS = [[5, 17, 42, 99], [7, 8, 9], [120, 3, 44, 250, 61]]
 
 
 def _moe_engine_worker(hf_dir, work, precision):
-    from megatron.core import parallel_state as ps
 
     from megatron_ais.arguments import build_parser, validate_args
     from megatron_ais.bridge.quantization import QuantizationPolicy
@@ -36,7 +35,7 @@ def _moe_engine_worker(hf_dir, work, precision):
     layout, groups = BridgeLayout.from_parallel_state(), ParallelGroups.from_parallel_state()
     receiver = SyncReceiver(apply=engine.update_weights)
     bridge = WeightBridge(chunks, build, BridgeConfig(bucket_size_mb=0.5, policy=QuantizationPolicy(precision)),
-                          ps.get_tensor_model_parallel_group(), layout, receiver)
+                          layout, receiver)
     generator = torch.Generator().manual_seed(0)
     diffs = []
     for update in range(1, 4):

@@ -27,7 +27,6 @@ def _max_diff(engine, chunks, build, groups):
 
 def _worker(old_dir, new_dir, work):
     import psutil
-    from megatron.core import parallel_state as ps
 
     from megatron_ais.arguments import build_parser, validate_args
     from megatron_ais.bridge.quantization import QuantizationPolicy
@@ -55,7 +54,7 @@ def _worker(old_dir, new_dir, work):
         return engine.update_weights(None, shared=(path, entries))
 
     receiver = SyncReceiver(apply=engine.update_weights, apply_shared=apply_shared)
-    bridge = WeightBridge(chunks, build, config, ps.get_tensor_model_parallel_group(), layout, receiver)
+    bridge = WeightBridge(chunks, build, config, layout, receiver)
 
     def sync(sync_id):
         bridge.sync(sync_id)
