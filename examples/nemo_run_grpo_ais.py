@@ -11,6 +11,9 @@ the job itself runs with the training environment.
     .venv-launch/bin/python examples/nemo_run_grpo_ais.py --executor slurm --account ACCT --partition batch \\
         --nodes 4 --gpus-per-node 8 --container-image registry/megatron-ais:latest \\
         --container-mounts /lustre/models:/models /lustre/data:/data /lustre/ckpt:/checkpoints --dryrun
+
+    # the MoE recipe (examples/qwen3_30b_a3b_grpo_ais.sh: TP4, EP8, 2-4 nodes)
+    .venv-launch/bin/python examples/nemo_run_grpo_ais.py --executor slurm --recipe qwen3_30b_a3b --nodes 2 ...
 """
 from __future__ import annotations
 
@@ -20,6 +23,13 @@ import shlex
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# recipe -> (script, HF_MODEL, CHECKPOINT_PATH, OUTPUT_DIR) inside the container
+RECIPES = {
+    "qwen3_8b": ("examples/qwen3_8b_grpo_ais.sh", "/models/Qwen3-8B", "/checkpoints/qwen3-8b-grpo-ais",
+                 "/results/qwen3-8b-grpo-ais"),
+    "qwen3_30b_a3b": ("examples/qwen3_30b_a3b_grpo_ais.sh", "/models/Qwen3-30B-A3B", "",
+                      "/results/qwen3-30b-a3b-grpo-ais"),
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -37,7 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     slurm = parser.add_argument_group("slurm executor (multi-node H100)")
     slurm.add_argument("--account", default=None, help="Slurm account (required with --executor slurm).")
     slurm.add_argument("--partition", default=None, help="Slurm partition.")
-    slurm.add_argument("--nodes", type=int, default=1, help="Nodes (1-4 for Qwen3-8B).")
+    slurm.add_argument("--recipe", choices=sorted(RECIPES), default="qwen3_8b",
+                       help="Production script to submit: dense Qwen3-8B (1-4 nodes) or MoE Qwen3-30B-A3B (2-4 nodes).")
+    slurm.add_argument("--nodes", type=int, default=1, help="Nodes (1-4 for Qwen3-8B, 2-4 for Qwen3-30B-A3B).")
     slurm.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node.")
     slurm.add_argument("--time", default="04:00:00", help="Wall-clock limit.")
     slurm.add_argument("--container-image", default="megatron-ais:latest", help="Image built from our Dockerfile.")
@@ -45,12 +57,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     slurm.add_argument("--job-dir", default=os.path.join(REPO, "runs", "nemo-run-jobs"),
                        help="Where nemo-run writes sbatch scripts and logs (shared filesystem on a cluster).")
     slurm.add_argument("--code-dir", default="/workspace/megatron-ais", help="The repository inside the image.")
-    slurm.add_argument("--hf-model", default="/models/Qwen3-8B", help="HF_MODEL inside the container.")
+    slurm.add_argument("--hf-model", default=None, help="HF_MODEL inside the container (default: the recipe's).")
     slurm.add_argument("--prompt-file", default="/data/gsm8k/train.jsonl", help="PROMPT_FILE inside the container.")
-    slurm.add_argument("--checkpoint-path", default="/checkpoints/qwen3-8b-grpo-ais",
-                       help="CHECKPOINT_PATH (resumed automatically when it holds a checkpoint).")
-    slurm.add_argument("--results-dir", default="/results/qwen3-8b-grpo-ais", help="OUTPUT_DIR inside the container.")
+    slurm.add_argument("--checkpoint-path", default=None,
+                       help="CHECKPOINT_PATH (resumed automatically when it holds a checkpoint; default: the recipe's).")
+    slurm.add_argument("--results-dir", default=None, help="OUTPUT_DIR inside the container (default: the recipe's).")
     args = parser.parse_args(argv)
+    _, hf_model, checkpoint_path, results_dir = RECIPES[args.recipe]
+    args.hf_model = args.hf_model or hf_model
+    args.checkpoint_path = args.checkpoint_path if args.checkpoint_path is not None else checkpoint_path
+    args.results_dir = args.results_dir or results_dir
     if args.executor == "slurm" and not args.account:
         parser.error("--executor slurm needs --account ACCOUNT")
     return args
@@ -70,9 +86,10 @@ def local_command(args) -> str:
 
 
 def slurm_environment(args) -> dict[str, str]:
-    """What examples/qwen3_8b_grpo_ais.sh reads (NNODES / NODE_RANK / MASTER_ADDR come from Slurm)."""
+    """What the recipe's script reads (NNODES / NODE_RANK / MASTER_ADDR come from Slurm)."""
+    checkpoint = {"CHECKPOINT_PATH": args.checkpoint_path} if args.checkpoint_path else {}
     return {"GPUS_PER_NODE": str(args.gpus_per_node), "HF_MODEL": args.hf_model, "PROMPT_FILE": args.prompt_file,
-            "CHECKPOINT_PATH": args.checkpoint_path, "OUTPUT_DIR": args.results_dir,
+            **checkpoint, "OUTPUT_DIR": args.results_dir,
             # nemo-run's sbatch script resolves the head node before these exports; scontrol may be absent in
             # the container, so the rendezvous address is passed in
             "MASTER_ADDR": "$head_node_ip", "MASTER_PORT": "6000",
@@ -85,7 +102,7 @@ def build_experiment(args):
 
     if args.executor == "local":
         return run.Script(inline=local_command(args)), run.LocalExecutor()
-    task = run.Script(inline=f"cd {shlex.quote(args.code_dir)} && bash examples/qwen3_8b_grpo_ais.sh")
+    task = run.Script(inline=f"cd {shlex.quote(args.code_dir)} && bash {RECIPES[args.recipe][0]}")
     executor = run.SlurmExecutor(
         account=args.account, partition=args.partition, nodes=args.nodes,
         ntasks_per_node=1,  # one torchrun per node, which starts --gpus-per-node ranks

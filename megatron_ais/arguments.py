@@ -155,10 +155,13 @@ def validate_parallel_args(args: argparse.Namespace, world_size: int | None = No
                 f"--pipeline-model-parallel-size {pp} x --context-parallel-size {args.context_parallel_size} = {mp}; "
                 f"launch a multiple of {mp} ranks or change the parallel sizes")
         dp = world_size // mp
-        if dp % args.expert_model_parallel_size and args.expert_model_parallel_size > 1:
+        # megatron forms expert groups from the TP x DP (x CP) ranks of each pipeline stage
+        expert_mp = args.expert_model_parallel_size * (args.expert_tensor_parallel_size or tp) * pp
+        if world_size % expert_mp:
             raise ArgumentValidationError(
-                f"--expert-model-parallel-size {args.expert_model_parallel_size} must divide the data-parallel "
-                f"size {dp} (world {world_size} / TPxPPxCP {mp})")
+                f"world size {world_size} is not divisible by --expert-model-parallel-size "
+                f"{args.expert_model_parallel_size} x expert-TP {args.expert_tensor_parallel_size or tp} x "
+                f"--pipeline-model-parallel-size {pp} = {expert_mp}; change the expert-parallel sizes")
         gbs = getattr(args, "global_batch_size", None)
         if gbs is not None and gbs % (args.micro_batch_size * dp):
             raise ArgumentValidationError(

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str) -> dict:
+def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, parallel: list[str]) -> dict:
     import torch.distributed as dist
 
     from kernels.cpu_bridge import fp8_blockwise_quantize_cpu, library
@@ -34,8 +34,7 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str) -
     from megatron_ais.model import ModelBuildConfig
     from megatron_ais.training import build_loaded_chunks
 
-    args = build_parser("bench").parse_args(["--hf-dir", hf_dir, "--bf16", "--tensor-model-parallel-size", "2",
-                                             "--seq-length", "64"])
+    args = build_parser("bench").parse_args(["--hf-dir", hf_dir, "--bf16", "--seq-length", "64", *parallel])
     hf_config = validate_args(args, 2)
     initialize_megatron(args)
     build = ModelBuildConfig.from_args(args, hf_config)
@@ -92,6 +91,10 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str) -
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=("qwen3", "qwen3_moe"), default="qwen3",
+                        help="qwen3: dense, TP2. qwen3_moe: experts spread by EP2 (TP1), each rank writing its own.")
+    parser.add_argument("--num-experts", type=int, default=16, help="qwen3_moe: experts per layer.")
+    parser.add_argument("--moe-intermediate-size", type=int, default=256, help="qwen3_moe: each expert's FFN size.")
     parser.add_argument("--hidden-size", type=int, default=768)
     parser.add_argument("--num-layers", type=int, default=10)
     parser.add_argument("--intermediate-size", type=int, default=2048)
@@ -105,15 +108,20 @@ def main(argv=None) -> int:
     from megatron_ais.launch import spawn
 
     with tempfile.TemporaryDirectory() as tmp:
+        moe = ["--num-experts", str(args.num_experts), "--moe-intermediate-size", str(args.moe_intermediate_size)]
         hf_dir = make_tiny_model.make_tiny_model(make_tiny_model.build_parser().parse_args([
-            "--arch", "qwen3", "--out", os.path.join(tmp, "model"), "--hidden-size", str(args.hidden_size),
+            "--arch", args.arch, "--out", os.path.join(tmp, "model"), "--hidden-size", str(args.hidden_size),
             "--num-layers", str(args.num_layers), "--intermediate-size", str(args.intermediate_size),
             "--vocab-size", str(args.vocab_size), "--num-attention-heads", "6", "--num-key-value-heads", "2",
-            "--head-dim", "128"]))
-        results = spawn(2, _bench_worker, hf_dir, args.repeats, args.bucket_size_mb, args.transport)
+            "--head-dim", "128", *(moe if args.arch == "qwen3_moe" else [])]))
+        parallel = (["--expert-model-parallel-size", "2"] if args.arch == "qwen3_moe" else
+                    ["--tensor-model-parallel-size", "2"])
+        results = spawn(2, _bench_worker, hf_dir, args.repeats, args.bucket_size_mb, args.transport, parallel)
     r = results[0]
     bf16, fp8 = r["bf16"], r["fp8"]
-    print(f"| TP2, {args.transport}, {r['threads']} thread/rank, {r['params'] / 1e6:.0f}M params | bytes moved | seconds "
+    layout = "EP2 (MoE)" if args.arch == "qwen3_moe" else "TP2"
+    print(f"| {layout}, {args.transport}, {r['threads']} thread/rank, {r['params'] / 1e6:.0f}M params on rank 0 | "
+          "bytes moved | seconds "
           "(median) | GB/s |")
     print("|---|---|---|---|")
     for name, row in (("BF16 sync", bf16), ("FP8 sync", fp8)):

@@ -24,6 +24,7 @@ def _grpo_parser():
 
 def test_there_are_example_scripts():
     assert any(path.endswith("qwen3_8b_grpo_ais.sh") for path in SCRIPTS)
+    assert any(path.endswith("qwen3_30b_a3b_grpo_ais.sh") for path in SCRIPTS)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)
@@ -35,8 +36,14 @@ def test_example_script_is_valid_bash_and_its_flags_parse(script):
         args = _grpo_parser().parse_args(printed)
         assert args.rollout_precision == "fp8" and args.is_correction == "ais"
         assert args.tensor_model_parallel_size == int(env.get("TP", "4"))
-        # 8 query / 8 KV heads per layer of Qwen3-8B must split evenly over TP (the validator would refuse it)
-        assert 32 % args.tensor_model_parallel_size == 0 and 8 % args.tensor_model_parallel_size == 0
+        # 32 query / 8 (Qwen3-8B) or 4 (Qwen3-30B-A3B) KV heads must split over TP or share evenly
+        assert 32 % args.tensor_model_parallel_size == 0
+        if "30b_a3b" in script:
+            world = 8 * int(env.get("SLURM_NNODES", "2"))
+            assert args.expert_model_parallel_size == 8 and args.sequence_parallel
+            # megatron's expert groups: EP x expert-TP x PP must divide the world (as our validator checks)
+            assert world % (args.expert_model_parallel_size * args.expert_tensor_parallel_size) == 0
+            assert args.save is None, "EP > 1 checkpoints are refused, the script must not ask for them"
 
 
 def test_nemo_run_slurm_dryrun_has_nodes_and_gpus(tmp_path):
@@ -53,6 +60,19 @@ def test_nemo_run_slurm_dryrun_has_nodes_and_gpus(tmp_path):
                      "job command: cd /workspace/megatron-ais && bash examples/qwen3_8b_grpo_ais.sh",
                      "export HF_MODEL=/models/Qwen3-8B", "export MASTER_ADDR=$head_node_ip"):
         assert expected in out, expected
+
+
+def test_nemo_run_slurm_moe_recipe_submits_the_moe_script(tmp_path):
+    proc = subprocess.run([LAUNCH_PYTHON, NEMO_RUN, "--executor", "slurm", "--account", "acct", "--recipe",
+                           "qwen3_30b_a3b", "--nodes", "2", "--job-dir", str(tmp_path / "jobs"), "--dryrun"],
+                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+                          env={**os.environ, "COLUMNS": "400"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    for expected in ("#SBATCH --nodes=2", "bash examples/qwen3_30b_a3b_grpo_ais.sh",
+                     "export HF_MODEL=/models/Qwen3-30B-A3B"):
+        assert expected in out, expected
+    assert "CHECKPOINT_PATH" not in out
 
 
 def test_nemo_run_slurm_needs_an_account():
