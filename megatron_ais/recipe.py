@@ -103,12 +103,14 @@ def from_last_stage(obj):
 
 
 def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups, vocab_size: int, precision: str,
-                              engine_rank: int) -> None:
+                              engine_rank: int, moe: bool = False) -> float | None:
     """Score the probe on the trainer (every stage runs the pipeline schedule; the last stage's log-probs go to
     the first) and on the engine; a failed check names the first decoder layer whose output differs and raises
-    on every rank, so no rank waits in the next collective."""
-    from megatron_ais.rollout.verify import (RefitVerificationError, layer_diagnosis, layer_errors,
-                                             trainer_layer_states, trainer_probe_logprobs, verify_refit)
+    on every rank, so no rank waits in the next collective. For MoE models, return (on the engine's rank) the
+    fraction of probe (token, layer) pairs whose top-k experts differ between engine and trainer."""
+    from megatron_ais.rollout.verify import (RefitVerificationError, layer_diagnosis, layer_errors, routing_mismatch,
+                                             trainer_layer_states, trainer_probe_logprobs, trainer_routing,
+                                             verify_refit)
 
     trainer = from_last_stage(trainer_probe_logprobs(ddp_chunks, probe, groups, vocab_size))
     error = [None]
@@ -128,6 +130,14 @@ def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups
             error = [error[0] + layer_diagnosis(errors, precision)]
         dist.broadcast_object_list(error, src=engine_rank)
         raise RefitVerificationError(error[0] + "; stopping")
+    if not moe:
+        return None
+    parts = [None] * dist.get_world_size() if dist.get_rank() == engine_rank else None
+    dist.gather_object(trainer_routing(ddp_chunks, probe, groups, vocab_size), parts, dst=engine_rank)
+    if engine is None:
+        return None
+    maps = {i: routing_map for part in parts for i, routing_map in part.items()}
+    return routing_mismatch(engine.probe_routing(probe), [maps[i] for i in sorted(maps)])
 
 
 def _reference_source(args) -> dict:
@@ -262,11 +272,14 @@ def run_grpo(args) -> dict:
         result = grpo_train_step(setup.ddp_chunks, setup.optimizer, batch, grpo, state, groups, reference)
         t_train = time.time() - t0 - t_rollout
         sync_engine(step)
+        routing = None
         if args.verify_refit_interval and step % args.verify_refit_interval == 0:
-            verify_refit_on_all_ranks(engine, setup.ddp_chunks, probe, groups, build.shape.vocab_size,
-                                      args.rollout_precision, layout.engine_rank)
+            routing = verify_refit_on_all_ranks(engine, setup.ddp_chunks, probe, groups, build.shape.vocab_size,
+                                                args.rollout_precision, layout.engine_rank, build.shape.is_moe)
         t_sync = time.time() - t0 - t_rollout - t_train
         metrics = from_last_stage(dict(result.metrics))
+        if routing is not None:
+            metrics["rollout/routing_mismatch"] = routing
         metrics.update({"rollout/reward": float(batch.rewards.mean()), "time/rollout_s": t_rollout,
                         "time/train_s": t_train, "time/sync_s": t_sync,
                         "rollout/tokens_per_s": float(batch.mask.sum()) / max(t_rollout, 1e-9)})

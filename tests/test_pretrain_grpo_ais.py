@@ -71,6 +71,7 @@ def test_two_grpo_steps_of_a_moe_model(model_root, tmp_path):
     assert len(summary["history"]) == 2
     first = summary["history"][0]
     assert 0.0 <= first["ais/lambda"] <= 1.0 and first["ais/num_units"] > 0
+    assert 0.0 <= first["rollout/routing_mismatch"] <= 1.0  # probe routes compared at every refit check
     assert proc.stdout.strip().splitlines()[-1].startswith("accuracy_before=")
     files = sorted(os.listdir(tmp_path / "run" / "engine_init"))
     assert "model-00001-of-00001-ep001.safetensors" in files  # EP rank 1 wrote its own experts

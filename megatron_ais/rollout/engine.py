@@ -313,6 +313,16 @@ class RolloutEngine:
         self.prompt_logprobs(token_ids)
         return [torch.from_numpy(a) for a in self.llm.collective_rpc("megatron_ais_collect_layer_states")[0]]
 
+    def probe_routing(self, token_ids: list[int]) -> list[torch.Tensor]:
+        """Return each MoE layer's top-k expert ids [len(token_ids) - 1 or more, k] for a teacher-forced probe
+        (empty for dense models)."""
+        if not self.llm.collective_rpc("megatron_ais_capture_routing")[0]:
+            self.llm.collective_rpc("megatron_ais_collect_routing")
+            return []
+        self.llm.reset_prefix_cache()  # every probe position must be routed again
+        self.prompt_logprobs(token_ids)
+        return [torch.tensor(ids) for ids in self.llm.collective_rpc("megatron_ais_collect_routing")[0]]
+
     def shutdown(self) -> None:
         """Stop the engine and its processes."""
         llm, self.llm = self.llm, None

@@ -118,3 +118,46 @@ def trainer_layer_states(ddp_chunks: list, probe: list[int], groups, vocab_size:
             handle.remove()
     keep = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     return states if keep else {}
+
+
+def trainer_routing(ddp_chunks: list, probe: list[int], groups, vocab_size: int) -> dict[int, torch.Tensor]:
+    """Run the probe through the trainer with hooks on the MoE routers; return {global layer index: routing map
+    [tokens, experts] (bool)} for this rank's MoE layers (TP rank 0 and DP rank 0 only; sequence-parallel maps are
+    gathered first)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    from megatron_ais.model import unwrap_model
+
+    maps: dict[int, torch.Tensor] = {}
+
+    def hook(layer):
+        def record(module, inputs, output):
+            routing_map = output[1].float()
+            if layer.config.sequence_parallel:
+                routing_map = gather_from_sequence_parallel_region(routing_map)
+            maps[layer.layer_number - 1] = routing_map.detach().bool().clone()
+        return record
+
+    handles = [layer.mlp.router.register_forward_hook(hook(layer)) for chunk in ddp_chunks
+               for layer in unwrap_model(chunk).decoder.layers if hasattr(layer.mlp, "router")]
+    try:
+        trainer_probe_logprobs(ddp_chunks, probe, groups, vocab_size)
+    finally:
+        for handle in handles:
+            handle.remove()
+    keep = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    return maps if keep else {}
+
+
+def routing_mismatch(engine_ids: list[torch.Tensor], trainer_maps: list[torch.Tensor]) -> float:
+    """Fraction of (token, MoE layer) pairs whose top-k expert set differs between engine and trainer, over the
+    positions both routed."""
+    differing = total = 0
+    for ids, routing_map in zip(engine_ids, trainer_maps):
+        tokens = min(ids.shape[0], routing_map.shape[0])
+        engine_map = torch.zeros(tokens, routing_map.shape[1], dtype=torch.bool)
+        engine_map.scatter_(1, ids[:tokens].long(), True)
+        differing += int((engine_map != routing_map[:tokens]).any(dim=1).sum())
+        total += tokens
+    return differing / max(total, 1)

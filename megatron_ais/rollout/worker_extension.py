@@ -60,6 +60,32 @@ class LayerStateCapture:
         return [self.states[i].numpy() if i in self.states else None for i in range(len(self.layers))]
 
 
+class RoutingCapture:
+    """The top-k expert ids every MoE layer's router picks in the next forward (vLLM's own capture hook on its
+    routers, the one `enable_return_routed_experts` uses; that option needs Model Runner V2, which needs Triton, so it
+    is refused on CPU)."""
+
+    def __init__(self, model):
+        self.routers = [module.router for name, module in model.named_modules()
+                        if hasattr(getattr(module, "router", None), "set_capture_fn")]
+        self.ids: dict[int, torch.Tensor] = {}
+        for index, router in enumerate(self.routers):
+            router.set_capture_fn(self._capture(index))
+
+    def _capture(self, index: int):
+        def capture(topk_ids):
+            if index not in self.ids:
+                self.ids[index] = topk_ids.detach().to("cpu", copy=True)
+        return capture
+
+    def collect(self) -> list:
+        """Remove the hooks; return each MoE layer's [tokens, k] expert ids as nested lists (integer NumPy arrays do
+        not survive a separate engine's RPC serialisation), None where a layer did not run."""
+        for router in self.routers:
+            router.set_capture_fn(None)
+        return [self.ids[i].tolist() if i in self.ids else None for i in range(len(self.routers))]
+
+
 class WeightSyncExtension:
     """Worker methods callable through collective_rpc by name."""
 
@@ -71,6 +97,16 @@ class WeightSyncExtension:
     def megatron_ais_collect_layer_states(self) -> list:
         """Return what `megatron_ais_capture_layer_states` recorded (NumPy arrays pickle through the RPC)."""
         capture, self._megatron_ais_capture = self._megatron_ais_capture, None
+        return capture.collect()
+
+    def megatron_ais_capture_routing(self) -> int:
+        """Record every MoE layer's top-k expert ids during the next forward; return the number of MoE layers."""
+        self._megatron_ais_routing = RoutingCapture(self.model_runner.model)
+        return len(self._megatron_ais_routing.routers)
+
+    def megatron_ais_collect_routing(self) -> list:
+        """Return what `megatron_ais_capture_routing` recorded."""
+        capture, self._megatron_ais_routing = self._megatron_ais_routing, None
         return capture.collect()
 
     def megatron_ais_apply_weights(self, path: str, manifest_json: str) -> int:
