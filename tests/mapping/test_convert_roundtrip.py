@@ -30,7 +30,7 @@ def roundtrip_mismatches(hf_dir, work, tp, pp):
     return bad
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_roundtrip_tp2_pp2_bit_exact_and_loads_in_transformers(arch, model_root, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
