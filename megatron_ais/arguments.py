@@ -138,13 +138,6 @@ def validate_parallel_args(args: argparse.Namespace, world_size: int | None = No
         raise ArgumentValidationError(
             "--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1; drop the flag or "
             "raise the PP size")
-    if args.expert_model_parallel_size > 1:
-        for flag in ("save", "load"):
-            if getattr(args, flag, None):
-                raise ArgumentValidationError(
-                    f"--{flag} with --expert-model-parallel-size > 1 is not supported yet (each expert-parallel rank's "
-                    "experts need shard files of their own, or they would be lost): start from --hf-dir, or use "
-                    "--expert-model-parallel-size 1")
     if args.sequence_parallel and tp == 1:
         raise ArgumentValidationError("--sequence-parallel needs --tensor-model-parallel-size > 1; drop the flag")
     if world_size is not None:

@@ -53,9 +53,11 @@ def staging_dir(root: str, iteration: int) -> str:
     return iteration_dir(root, iteration) + ".staging"
 
 
-def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    """Return Megatron-LM's per-rank directory name (`mp_rank_TT` or `mp_rank_TT_PPP` under PP)."""
-    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
+def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1) -> str:
+    """Return Megatron-LM's per-rank directory name: `mp_rank_TT`, `_PPP` appended under PP, `_EEE` under expert
+    parallelism (each expert-parallel rank's directory holds the dense weights and its own experts)."""
+    return (f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
+            + (f"_{ep_rank:03d}" if ep_size > 1 else ""))
 
 
 def read_tracker(root: str) -> int:
@@ -141,6 +143,7 @@ def checkpoint_metadata(args, build, hf_config: dict, iteration: int) -> dict[st
     """Return the metadata every checkpoint of a run carries: HF config, parallel layout, vocabulary padding."""
     return {"hf_config": hf_config, "tensor_model_parallel_size": build.tensor_model_parallel_size,
             "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+            "expert_model_parallel_size": build.expert_model_parallel_size,
             "make_vocab_size_divisible_by": args.make_vocab_size_divisible_by,
             "padded_vocab_size": build.padded_vocab_size, "iteration": iteration}
 
@@ -154,9 +157,10 @@ def _atomic_write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_rank_state(stage: str, tp_rank: int, pp_rank: int, pp_size: int, state: dict) -> None:
+def write_rank_state(stage: str, tp_rank: int, pp_rank: int, pp_size: int, state: dict, ep_rank: int = 0,
+                     ep_size: int = 1) -> None:
     """Write one rank's state file into a staging directory."""
-    directory = os.path.join(stage, rank_dir_name(tp_rank, pp_rank, pp_size))
+    directory = os.path.join(stage, rank_dir_name(tp_rank, pp_rank, pp_size, ep_rank, ep_size))
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, RANK_FILE)
     torch.save(state, path + ".tmp")
@@ -207,23 +211,27 @@ def commit_checkpoint(root: str, iteration: int) -> str:
     return final
 
 
-def load_rank_state(root: str, tp_rank: int, pp_rank: int, pp_size: int, iteration: int | None = None) -> dict:
+def load_rank_state(root: str, tp_rank: int, pp_rank: int, pp_size: int, iteration: int | None = None,
+                    ep_rank: int = 0, ep_size: int = 1) -> dict:
     """Return one rank's saved state (the newest usable iteration by default)."""
     iteration = usable_iterations(root)[0] if iteration is None else iteration
-    path = os.path.join(iteration_dir(root, iteration), rank_dir_name(tp_rank, pp_rank, pp_size), RANK_FILE)
+    path = os.path.join(iteration_dir(root, iteration), rank_dir_name(tp_rank, pp_rank, pp_size, ep_rank, ep_size),
+                        RANK_FILE)
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} is missing")
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def check_layout(metadata: dict[str, Any], tp: int, pp: int, root: str) -> None:
-    """Raise a CheckpointError naming the flags when a checkpoint was saved at another TP / PP layout."""
-    saved_tp, saved_pp = metadata["tensor_model_parallel_size"], metadata["pipeline_model_parallel_size"]
-    if (saved_tp, saved_pp) != (tp, pp):
+def check_layout(metadata: dict[str, Any], tp: int, pp: int, root: str, ep: int = 1) -> None:
+    """Raise a CheckpointError naming the flags when a checkpoint was saved at another TP / PP / EP layout."""
+    saved = (metadata["tensor_model_parallel_size"], metadata["pipeline_model_parallel_size"],
+             metadata.get("expert_model_parallel_size", 1))
+    if saved != (tp, pp, ep):
         raise CheckpointError(
-            f"--load {root} was saved at TP{saved_tp} x PP{saved_pp} but the run uses "
-            f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}; use the saved sizes, or "
-            f"reshard: tools/convert_checkpoint.py megatron-to-hf then hf-to-megatron with the new sizes")
+            f"--load {root} was saved at TP{saved[0]} x PP{saved[1]} x EP{saved[2]} but the run uses "
+            f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} --expert-model-parallel-size "
+            f"{ep}; use the saved sizes, or reshard: tools/convert_checkpoint.py megatron-to-hf then hf-to-megatron "
+            "with the new sizes")
 
 
 def _model_keys(num_chunks: int) -> list[str]:
@@ -336,13 +344,17 @@ def load_distributed_optimizer_shard(optimizer, shard: list) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointRanks:
-    """Where this rank sits: its shard directory (TP, PP), its DP rank, and whether it commits."""
+    """Where this rank sits: its shard directory (TP, PP, EP), its DP rank, whether it writes its shard file (expert-
+    data-parallel rank 0: the same as DP rank 0 without expert parallelism) and whether it commits."""
 
     tp_rank: int = 0
     pp_rank: int = 0
     pp_size: int = 1
     dp_rank: int = 0
     is_committer: bool = True
+    ep_rank: int = 0
+    ep_size: int = 1
+    writes_shard: bool = True
 
     @classmethod
     def from_parallel_state(cls) -> "CheckpointRanks":
@@ -350,11 +362,13 @@ class CheckpointRanks:
         from megatron.core import parallel_state as ps
 
         return cls(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                   ps.get_pipeline_model_parallel_world_size(), ps.get_data_parallel_rank(), dist.get_rank() == 0)
+                   ps.get_pipeline_model_parallel_world_size(), ps.get_data_parallel_rank(), dist.get_rank() == 0,
+                   ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
+                   ps.get_expert_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0)
 
     @property
     def shard_dir(self) -> str:
-        return rank_dir_name(self.tp_rank, self.pp_rank, self.pp_size)
+        return rank_dir_name(self.tp_rank, self.pp_rank, self.pp_size, self.ep_rank, self.ep_size)
 
     def distrib_optim_file(self) -> str:
         return os.path.join(self.shard_dir, f"distrib_optim_dp{self.dp_rank:03d}.pt")
@@ -393,7 +407,7 @@ def save_checkpoint(root: str, iteration: int, chunks: list, metadata: dict[str,
                     keep: int | None = None) -> str:
     """Save model, optimizer, every DP rank's RNG state and the run state atomically; collective over all ranks.
 
-    DP rank 0 of each (TP, PP) position writes the shard file; with the distributed optimizer every rank also
+    Expert-DP rank 0 of each (TP, PP, EP) position writes the shard file; with the distributed optimizer every rank also
     writes its optimizer shard. Writers report sizes and sha256 to the committer, which records them in
     checksums.json, commits, moves the tracker and keeps the newest `keep` iterations."""
     stage = staging_dir(root, iteration)
@@ -404,12 +418,12 @@ def save_checkpoint(root: str, iteration: int, chunks: list, metadata: dict[str,
     rng_states = _gather(rng_state(), dp_group)
     written = {}
     distributed = optimizer is not None and _is_distributed(optimizer)
-    if ranks.dp_rank == 0:
+    if ranks.writes_shard:
         state = {**model_state(chunks), "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
                  "rng_state": rng_states, "run_state": run_state}
         if optimizer is not None:
             state["optimizer"] = optimizer.state_dict()
-        write_rank_state(stage, ranks.tp_rank, ranks.pp_rank, ranks.pp_size, state)
+        write_rank_state(stage, ranks.tp_rank, ranks.pp_rank, ranks.pp_size, state, ranks.ep_rank, ranks.ep_size)
         written[ranks.rank_file()] = file_digest(os.path.join(stage, ranks.rank_file()))
     if distributed:
         path = os.path.join(stage, ranks.distrib_optim_file())

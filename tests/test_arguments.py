@@ -49,16 +49,6 @@ def test_moe_errors_name_the_flag(argv, config, expected):
         validate_model_args(_args(*argv), config)
 
 
-def test_expert_parallel_checkpoints_are_refused_not_lost(tmp_path):
-    with open(tmp_path / "config.json", "w") as f:
-        import json
-        json.dump(MOE, f)
-    for flag in ("--save", "--load"):
-        with pytest.raises(ArgumentValidationError, match=f"{flag} with --expert-model-parallel-size > 1"):
-            validate_args(_args("--hf-dir", str(tmp_path), "--expert-model-parallel-size", "2", flag,
-                                str(tmp_path / "ckpt")), 2)
-
-
 def test_valid_layouts_pass_including_fewer_kv_heads_than_tp():
     validate_model_args(_args("--tensor-model-parallel-size", "2"), {**CONFIG, "num_key_value_heads": 1})
     validate_model_args(_args("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"), CONFIG)

@@ -11,7 +11,9 @@ Megatron checkpoint, go through HF: megatron-to-hf, then hf-to-megatron with the
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import re
 import sys
 import time
 
@@ -21,7 +23,7 @@ from megatron_ais.checkpointing import (CHECKPOINT_VERSION, CheckpointError, HF_
                                         newest_verified_iteration, write_metadata, write_rank_state)
 from megatron_ais.mapping.distributed import shard_context, stage_file_name, write_hf_index_and_config
 from megatron_ais.mapping.hf_io import HFCheckpointReader, hf_tensors_from_shards, megatron_shard_from_hf
-from megatron_ais.mapping.rules import canonical_name, megatron_param_names, split_layer, with_layer
+from megatron_ais.mapping.rules import canonical_name, expert_index, megatron_param_names, split_layer, with_layer
 from megatron_ais.model import ModelBuildConfig, ModelShape
 
 
@@ -41,12 +43,19 @@ def _local_name(name: str, offset: int) -> str:
     return name if layer is None else with_layer(name, layer - offset)
 
 
-def hf_to_megatron(hf_dir: str, save: str, tp: int, pp: int, divisible_by: int = 128, iteration: int = 0) -> str:
-    """Write a Megatron checkpoint of the HF model at TP x PP; return its iteration directory."""
+def _expert_name(name: str, expert: int) -> str:
+    """Return an expert parameter's name with another expert index."""
+    return re.sub(r"\.local_experts\.\d+\.", f".local_experts.{expert}.", name)
+
+
+def hf_to_megatron(hf_dir: str, save: str, tp: int, pp: int, divisible_by: int = 128, iteration: int = 0,
+                   ep: int = 1) -> str:
+    """Write a Megatron checkpoint of the HF model at TP x PP (x EP for MoE: one directory per expert-parallel rank
+    with the dense weights and that rank's experts under their local index); return its iteration directory."""
     hf_config = load_hf_config(hf_dir)
     layout = argparse.Namespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 virtual_pipeline_model_parallel_size=None, seq_length=1,
-                                expert_model_parallel_size=1, expert_tensor_parallel_size=None,
+                                expert_model_parallel_size=ep, expert_tensor_parallel_size=None,
                                 sequence_parallel=tp > 1)
     validate_model_args(layout, hf_config, f"{hf_dir}/config.json")
     build = _build_config(hf_config, tp, divisible_by)
@@ -56,21 +65,26 @@ def hf_to_megatron(hf_dir: str, save: str, tp: int, pp: int, divisible_by: int =
     stage = prepare_staging(save, iteration)
     for pp_rank in range(pp):
         layers = stage_layers(shape.num_layers, pp, pp_rank)
-        # experts at EP1: every rank holds all of them, local index = global index
+        num_local = shape.num_experts // ep
         names = megatron_param_names(shape.model_type, layers, pp_rank == 0, pp_rank == pp - 1,
-                                     shape.tie_word_embeddings, range(shape.num_experts))
-        for tp_rank in range(tp):
-            ctx = shard_context(build, tp_rank)
+                                     shape.tie_word_embeddings, range(num_local))
+        for ep_rank, tp_rank in itertools.product(range(ep), range(tp)):
+            ctx = shard_context(build, tp_rank)  # expert-TP = TP in checkpoints the converter writes
             state = {}
             for name in names:
                 layer, _ = split_layer(name)
-                shard = megatron_shard_from_hf(name, layer, shape.model_type, ctx, reader.get,
+                local = expert_index(name)
+                # read expert ep_rank * num_local + local, store it under its local index
+                source = name if local is None else _expert_name(name, ep_rank * num_local + local)
+                shard = megatron_shard_from_hf(source, layer, shape.model_type, ctx, reader.get,
                                                shape.tie_word_embeddings)
                 state[_local_name(name, layers.start)] = shard.clone()
             write_rank_state(stage, tp_rank, pp_rank, pp,
-                             {"model": state, "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION})
+                             {"model": state, "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION},
+                             ep_rank, ep)
     write_metadata(stage, {"hf_config": hf_config, "tensor_model_parallel_size": tp,
-                           "pipeline_model_parallel_size": pp, "make_vocab_size_divisible_by": divisible_by,
+                           "pipeline_model_parallel_size": pp, "expert_model_parallel_size": ep,
+                           "make_vocab_size_divisible_by": divisible_by,
                            "padded_vocab_size": build.padded_vocab_size, "iteration": iteration,
                            "source": os.path.abspath(hf_dir)}, hf_dir)
     return commit_checkpoint(save, iteration)
@@ -83,32 +97,41 @@ def megatron_to_hf(load: str, save: str) -> str:
     meta = read_checkpoint_metadata(load, iteration)
     hf_config = meta["hf_config"]
     tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
+    ep = meta.get("expert_model_parallel_size", 1)
     build = _build_config(hf_config, tp, meta["make_vocab_size_divisible_by"])
     shape = build.shape
     os.makedirs(save, exist_ok=True)
     from safetensors.torch import save_file
 
     weight_map = {}
+    num_local = shape.num_experts // ep
     for pp_rank in range(pp):
-        states = [load_rank_state(load, tp_rank, pp_rank, pp, iteration) for tp_rank in range(tp)]
-        if any("model" not in s for s in states):
-            raise CheckpointError("checkpoints saved with --virtual-pipeline-model-parallel-size are not supported "
-                                  "by the converter yet")
-        models = [s["model"] for s in states]
         offset = stage_layers(shape.num_layers, pp, pp_rank).start
         tensors = {}
-        for local_name in models[0]:
-            if local_name.endswith("_extra_state"):
-                continue
-            name = canonical_name(local_name)
-            layer, _ = split_layer(name)
-            if layer is not None:
-                layer += offset
-                name = with_layer(name, layer)
-            shards = [m[local_name] for m in models]
-            for hf_name, tensor in hf_tensors_from_shards(name, layer, shape.model_type, shard_context(build, 0),
-                                                          shards, shape.tie_word_embeddings):
-                tensors[hf_name] = tensor.contiguous()
+        for ep_rank in range(ep):
+            states = [load_rank_state(load, tp_rank, pp_rank, pp, iteration, ep_rank, ep) for tp_rank in range(tp)]
+            if any("model" not in s for s in states):
+                raise CheckpointError("checkpoints saved with --virtual-pipeline-model-parallel-size are not "
+                                      "supported by the converter yet")
+            models = [s["model"] for s in states]
+            for local_name in models[0]:
+                if local_name.endswith("_extra_state"):
+                    continue
+                name = canonical_name(local_name)
+                local = expert_index(name)
+                if local is None and ep_rank > 0:
+                    continue  # dense weights are the same in every expert-parallel rank's directory
+                if local is not None:
+                    name = _expert_name(name, ep_rank * num_local + local)
+                layer, _ = split_layer(name)
+                if layer is not None:
+                    layer += offset
+                    name = with_layer(name, layer)
+                shards = [m[local_name] for m in models]
+                for hf_name, tensor in hf_tensors_from_shards(name, layer, shape.model_type,
+                                                              shard_context(build, 0), shards,
+                                                              shape.tie_word_embeddings):
+                    tensors[hf_name] = tensor.contiguous()
         file = stage_file_name(pp_rank, pp)
         save_file(tensors, os.path.join(save, file), metadata={"format": "pt"})
         weight_map.update({n: file for n in tensors})
@@ -126,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     to_m.add_argument("--save", required=True, help="Megatron checkpoint directory to write.")
     to_m.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size of the checkpoint.")
     to_m.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP size of the checkpoint.")
+    to_m.add_argument("--expert-model-parallel-size", type=int, default=1,
+                      help="EP size of the checkpoint (MoE: one directory per expert-parallel rank).")
     to_m.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                       help="Pad the vocabulary to a multiple of this x TP (must match training).")
     to_h = sub.add_parser("megatron-to-hf", help="sharded Megatron checkpoint -> HF safetensors",
@@ -140,11 +165,13 @@ def main(argv=None) -> int:
     start = time.time()
     try:
         if args.direction == "hf-to-megatron":
-            for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "make_vocab_size_divisible_by"):
+            for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                         "make_vocab_size_divisible_by"):
                 if getattr(args, flag) < 1:
                     raise ArgumentValidationError(f"--{flag.replace('_', '-')} must be a positive integer")
             out = hf_to_megatron(args.hf_dir, args.save, args.tensor_model_parallel_size,
-                                 args.pipeline_model_parallel_size, args.make_vocab_size_divisible_by)
+                                 args.pipeline_model_parallel_size, args.make_vocab_size_divisible_by,
+                                 ep=args.expert_model_parallel_size)
         else:
             out = megatron_to_hf(args.load, args.save)
     except (ArgumentValidationError, FileNotFoundError, KeyError, RuntimeError) as err:

@@ -1,6 +1,8 @@
 """Resuming from a checkpoint continues training exactly: at DP2, with megatron's plain optimizer (fp32) and the
 distributed optimizer (bf16), two steps after a save-and-resume equal the same two steps of an uninterrupted run
-bit for bit (losses and every parameter), so the optimizer moments, Adam's step count and RNG all came back."""
+bit for bit (losses and every parameter), so the optimizer moments, Adam's step count and RNG all came back. The
+same for a Qwen3-MoE model at EP2, whose checkpoint has one directory per expert-parallel rank (each with its own
+experts: `mp_rank_00_000`, `mp_rank_00_001`)."""
 import hashlib
 
 import pytest
@@ -11,7 +13,7 @@ from distributed import spawn
 GLOBAL_BATCH, MICRO_BATCH, SEQ = 8, 2, 48
 
 
-def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume):
+def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=()):
     import random
 
     import torch
@@ -28,6 +30,7 @@ def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume):
             "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(GLOBAL_BATCH)]
     argv += ["--use-distributed-optimizer"] if distributed_optimizer else []
     argv += ["--load", save_dir] if resume else []
+    argv += list(extra)
     args = build_parser("test").parse_args(argv)
     hf_config = validate_args(args, 2)
     initialize_megatron(args)
@@ -62,6 +65,24 @@ def test_resume_is_bit_exact_dp2(model_root, tmp_path, precision, distributed_op
     save_dir = str(tmp_path / "ckpt")
     uninterrupted = spawn(2, _worker, hf_dir, precision, distributed_optimizer, save_dir, False)
     resumed = spawn(2, _worker, hf_dir, precision, distributed_optimizer, save_dir, True)
+    for rank in range(2):
+        assert resumed[rank][0] == uninterrupted[rank][0], "losses after the resume differ"
+        assert resumed[rank][1] == uninterrupted[rank][1], "RNG streams were not restored"
+        assert resumed[rank][2] == uninterrupted[rank][2], "parameters after the resume differ"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision,distributed_optimizer", [("fp32", False), ("bf16", True)])
+def test_resume_is_bit_exact_moe_ep2(model_root, tmp_path, precision, distributed_optimizer):
+    import os
+
+    hf_dir = make_model_dir(model_root, "qwen3_moe", initializer_range=0.1)
+    save_dir = str(tmp_path / "ckpt")
+    ep2 = ("--expert-model-parallel-size", "2")
+    uninterrupted = spawn(2, _worker, hf_dir, precision, distributed_optimizer, save_dir, False, ep2)
+    assert sorted(d for d in os.listdir(os.path.join(save_dir, "iter_0000002")) if d.startswith("mp_rank")) == [
+        "mp_rank_00_000", "mp_rank_00_001"]
+    resumed = spawn(2, _worker, hf_dir, precision, distributed_optimizer, save_dir, True, ep2)
     for rank in range(2):
         assert resumed[rank][0] == uninterrupted[rank][0], "losses after the resume differ"
         assert resumed[rank][1] == uninterrupted[rank][1], "RNG streams were not restored"

@@ -19,15 +19,33 @@ def _read_all(hf_dir):
     return {n: reader.get(n) for n in reader.names()}
 
 
-def roundtrip_mismatches(hf_dir, work, tp, pp):
-    """Convert hf_dir to Megatron at TP x PP and back; return the tensor names that differ (or are missing)."""
-    convert_checkpoint.hf_to_megatron(hf_dir, os.path.join(work, "megatron"), tp, pp)
+def roundtrip_mismatches(hf_dir, work, tp, pp, ep=1):
+    """Convert hf_dir to Megatron at TP x PP (x EP) and back; return the tensor names that differ (or are
+    missing)."""
+    convert_checkpoint.hf_to_megatron(hf_dir, os.path.join(work, "megatron"), tp, pp, ep=ep)
     out = convert_checkpoint.megatron_to_hf(os.path.join(work, "megatron"), os.path.join(work, "hf"))
     before, after = _read_all(hf_dir), _read_all(out)
     bad = sorted(set(before) ^ set(after))
     bad += [n for n in sorted(set(before) & set(after))
             if before[n].dtype != after[n].dtype or not torch.equal(before[n], after[n])]
     return bad
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 2)])
+def test_moe_roundtrip_at_ep2_bit_exact(model_root, tmp_path, tp, ep):
+    """One directory per expert-parallel rank, experts under their local index; back to HF bit for bit."""
+    hf_dir = make_model_dir(model_root, "qwen3_moe", initializer_range=0.1)
+    assert roundtrip_mismatches(hf_dir, str(tmp_path), tp, 1, ep) == []
+    shards = sorted(d for d in os.listdir(tmp_path / "megatron" / "iter_0000000") if d.startswith("mp_rank"))
+    assert shards == [f"mp_rank_{t:02d}_{e:03d}" for t in range(tp) for e in range(ep)]
+    rank1 = torch.load(tmp_path / "megatron" / "iter_0000000" / "mp_rank_00_001" / "model_optim_rng.pt",
+                       weights_only=False)["model"]
+    # EP rank 1 holds experts 4-7 of 8 as local_experts.0-3
+    assert not any(".local_experts.4." in n for n in rank1) and any(".local_experts.3." in n for n in rank1)
+    source = _read_all(hf_dir)
+    assert torch.equal(rank1["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"],
+                       source["model.layers.0.mlp.experts.4.down_proj.weight"]
+                       .chunk(tp, dim=1)[0].to(rank1["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"].dtype))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
