@@ -27,8 +27,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = {
     "qwen3_8b": ("examples/qwen3_8b_grpo_ais.sh", "/models/Qwen3-8B", "/checkpoints/qwen3-8b-grpo-ais",
                  "/results/qwen3-8b-grpo-ais"),
-    "qwen3_30b_a3b": ("examples/qwen3_30b_a3b_grpo_ais.sh", "/models/Qwen3-30B-A3B", "",
-                      "/results/qwen3-30b-a3b-grpo-ais"),
+    "qwen3_30b_a3b": ("examples/qwen3_30b_a3b_grpo_ais.sh", "/models/Qwen3-30B-A3B",
+                      "/checkpoints/qwen3-30b-a3b-grpo-ais", "/results/qwen3-30b-a3b-grpo-ais"),
 }
 
 
@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     _, hf_model, checkpoint_path, results_dir = RECIPES[args.recipe]
     args.hf_model = args.hf_model or hf_model
-    args.checkpoint_path = args.checkpoint_path if args.checkpoint_path is not None else checkpoint_path
+    args.checkpoint_path = args.checkpoint_path or checkpoint_path
     args.results_dir = args.results_dir or results_dir
     if args.executor == "slurm" and not args.account:
         parser.error("--executor slurm needs --account ACCOUNT")
@@ -87,9 +87,8 @@ def local_command(args) -> str:
 
 def slurm_environment(args) -> dict[str, str]:
     """What the recipe's script reads (NNODES / NODE_RANK / MASTER_ADDR come from Slurm)."""
-    checkpoint = {"CHECKPOINT_PATH": args.checkpoint_path} if args.checkpoint_path else {}
     return {"GPUS_PER_NODE": str(args.gpus_per_node), "HF_MODEL": args.hf_model, "PROMPT_FILE": args.prompt_file,
-            **checkpoint, "OUTPUT_DIR": args.results_dir,
+            "CHECKPOINT_PATH": args.checkpoint_path, "OUTPUT_DIR": args.results_dir,
             # nemo-run's sbatch script resolves the head node before these exports; scontrol may be absent in
             # the container, so the rendezvous address is passed in
             "MASTER_ADDR": "$head_node_ip", "MASTER_PORT": "6000",

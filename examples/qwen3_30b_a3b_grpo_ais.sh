@@ -9,8 +9,8 @@
 #   print only:   PRINT_ARGS=1 bash examples/qwen3_30b_a3b_grpo_ais.sh   (one pretrain_grpo_ais.py flag per line)
 #
 # Inputs (environment): HF_MODEL (Qwen3-30B-A3B HF directory), PROMPT_FILE (GSM8K-style JSONL, docs/data.md),
-# OUTPUT_DIR. Checkpointing at expert parallelism > 1 is not supported yet (each EP rank's experts need shard
-# files of their own; the trainer refuses --save rather than lose them): runs start from HF_MODEL.
+# CHECKPOINT_PATH (resumes automatically when it holds a checkpoint; one shard directory per TP x EP rank),
+# OUTPUT_DIR.
 set -euo pipefail
 
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
@@ -28,6 +28,7 @@ WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
 
 HF_MODEL=${HF_MODEL:-/models/Qwen3-30B-A3B}
 PROMPT_FILE=${PROMPT_FILE:-/data/gsm8k/train.jsonl}
+CHECKPOINT_PATH=${CHECKPOINT_PATH:-/checkpoints/qwen3-30b-a3b-grpo-ais}
 OUTPUT_DIR=${OUTPUT_DIR:-/results/qwen3-30b-a3b-grpo-ais}
 
 # 30B MoE, 32 query / 4 KV heads, hidden 2048, 128 experts of moe_intermediate_size 768. The dense part is small
@@ -122,7 +123,15 @@ DATA_ARGS=(
     --eval-interval 20
 )
 
-# no CHECKPOINT_ARGS: --save at expert parallelism > 1 is refused until EP-sharded checkpoints exist
+CHECKPOINT_ARGS=(
+    --save "$CHECKPOINT_PATH"     # mp_rank_TT_EEE directories: dense weights + each EP rank's own experts
+    --save-interval 20
+    --keep-checkpoints 2
+)
+# resume when the checkpoint directory already holds a run (Megatron-LM convention: --load = --save)
+if [[ -f "$CHECKPOINT_PATH/latest_checkpointed_iteration.txt" ]]; then
+    CHECKPOINT_ARGS+=(--load "$CHECKPOINT_PATH")
+fi
 
 LOGGING_ARGS=(
     --output-dir "$OUTPUT_DIR"
@@ -130,7 +139,7 @@ LOGGING_ARGS=(
 )
 
 ALL_ARGS=("${GPT_MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}"
-          "${AIS_ARGS[@]}" "${DATA_ARGS[@]}" "${LOGGING_ARGS[@]}")
+          "${AIS_ARGS[@]}" "${DATA_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" "${LOGGING_ARGS[@]}")
 
 if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
     printf '%s\n' "${ALL_ARGS[@]}"

@@ -43,7 +43,7 @@ def test_example_script_is_valid_bash_and_its_flags_parse(script):
             assert args.expert_model_parallel_size == 8 and args.sequence_parallel
             # megatron's expert groups: EP x expert-TP x PP must divide the world (as our validator checks)
             assert world % (args.expert_model_parallel_size * args.expert_tensor_parallel_size) == 0
-            assert args.save is None, "EP > 1 checkpoints are refused, the script must not ask for them"
+            assert args.save == "/checkpoints/qwen3-30b-a3b-grpo-ais"
 
 
 def test_nemo_run_slurm_dryrun_has_nodes_and_gpus(tmp_path):
@@ -70,9 +70,8 @@ def test_nemo_run_slurm_moe_recipe_submits_the_moe_script(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     for expected in ("#SBATCH --nodes=2", "bash examples/qwen3_30b_a3b_grpo_ais.sh",
-                     "export HF_MODEL=/models/Qwen3-30B-A3B"):
+                     "export HF_MODEL=/models/Qwen3-30B-A3B", "export CHECKPOINT_PATH=/checkpoints/qwen3-30b-a3b"):
         assert expected in out, expected
-    assert "CHECKPOINT_PATH" not in out
 
 
 def test_nemo_run_slurm_needs_an_account():
