@@ -59,12 +59,15 @@ def test_two_grpo_steps_end_to_end(model_root, tmp_path, layout):
 
 @pytest.mark.slow
 def test_two_grpo_steps_of_a_moe_model(model_root, tmp_path):
-    """Qwen3-MoE (8 experts, top-2) from its HF directory at EP2 (each rank trains, exports and syncs its own four
-    experts), FP8 rollouts with float8 experts."""
+    """Qwen3-MoE (8 experts, top-2) converted to an EP2 Megatron checkpoint, trained at EP2 (each rank loads,
+    trains, exports and syncs its own four experts), FP8 rollouts with float8 experts."""
+    import convert_checkpoint
+
     hf_dir = make_model_dir(model_root, "qwen3_moe", num_layers=2, hidden_size=256, vocab_size=512,
                             initializer_range=0.1)
-    cmd = _command("", tmp_path / "run", 2, "--expert-model-parallel-size", "2")
-    cmd[cmd.index("--load"): cmd.index("--load") + 2] = ["--hf-dir", hf_dir]
+    checkpoint = str(tmp_path / "megatron")
+    convert_checkpoint.hf_to_megatron(hf_dir, checkpoint, 1, 1, ep=2)
+    cmd = _command(checkpoint, tmp_path / "run", 2, "--expert-model-parallel-size", "2")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.load(open(tmp_path / "run" / "summary.json"))
