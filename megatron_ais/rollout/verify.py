@@ -90,64 +90,50 @@ def trainer_probe_logprobs(ddp_chunks: list, probe: list[int], groups, vocab_siz
     return None if logprobs is None else logprobs[0]
 
 
-def trainer_layer_states(ddp_chunks: list, probe: list[int], groups, vocab_size: int) -> dict[int, torch.Tensor]:
-    """Run the probe through the trainer's pipeline schedule with hooks on the decoder layers; return
-    {global layer index: output [tokens, hidden]} for this rank's layers (TP rank 0 and DP rank 0 only;
-    sequence-parallel outputs are gathered first)."""
+def _probe_with_hooks(ddp_chunks: list, probe: list[int], groups, vocab_size: int, pick, capture
+                      ) -> dict[int, torch.Tensor]:
+    """Run the probe through the trainer's pipeline schedule with a forward hook on `pick(layer)` of every decoder
+    layer that has one; `capture(output)` turns the module's output into a [tokens, ...] tensor (sequence-parallel
+    outputs are gathered over TP first). Return {global layer index: captured} on TP rank 0 and DP rank 0 only."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
     from megatron_ais.model import unwrap_model
 
-    states: dict[int, torch.Tensor] = {}
+    captured: dict[int, torch.Tensor] = {}
 
     def hook(layer):
         def record(module, inputs, output):
-            hidden = output[0] if isinstance(output, tuple) else output
+            value = capture(output)
             if layer.config.sequence_parallel:
-                hidden = gather_from_sequence_parallel_region(hidden)
-            states[layer.layer_number - 1] = hidden[:, 0].detach().float().clone()
+                value = gather_from_sequence_parallel_region(value)
+            captured[layer.layer_number - 1] = value.detach().clone()
         return record
 
-    handles = [layer.register_forward_hook(hook(layer)) for chunk in ddp_chunks
-               for layer in unwrap_model(chunk).decoder.layers]
+    handles = [pick(layer).register_forward_hook(hook(layer)) for chunk in ddp_chunks
+               for layer in unwrap_model(chunk).decoder.layers if pick(layer) is not None]
     try:
         trainer_probe_logprobs(ddp_chunks, probe, groups, vocab_size)
     finally:
         for handle in handles:
             handle.remove()
     keep = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-    return states if keep else {}
+    return captured if keep else {}
+
+
+def trainer_layer_states(ddp_chunks: list, probe: list[int], groups, vocab_size: int) -> dict[int, torch.Tensor]:
+    """Return {global layer index: decoder layer output [tokens, hidden]} for the probe (this rank's layers)."""
+    states = _probe_with_hooks(ddp_chunks, probe, groups, vocab_size, lambda layer: layer,
+                               lambda output: (output[0] if isinstance(output, tuple) else output).float())
+    return {i: state[:, 0] for i, state in states.items()}
 
 
 def trainer_routing(ddp_chunks: list, probe: list[int], groups, vocab_size: int) -> dict[int, torch.Tensor]:
-    """Run the probe through the trainer with hooks on the MoE routers; return {global layer index: routing map
-    [tokens, experts] (bool)} for this rank's MoE layers (TP rank 0 and DP rank 0 only; sequence-parallel maps are
-    gathered first)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
-    from megatron_ais.model import unwrap_model
-
-    maps: dict[int, torch.Tensor] = {}
-
-    def hook(layer):
-        def record(module, inputs, output):
-            routing_map = output[1].float()
-            if layer.config.sequence_parallel:
-                routing_map = gather_from_sequence_parallel_region(routing_map)
-            maps[layer.layer_number - 1] = routing_map.detach().bool().clone()
-        return record
-
-    handles = [layer.mlp.router.register_forward_hook(hook(layer)) for chunk in ddp_chunks
-               for layer in unwrap_model(chunk).decoder.layers if hasattr(layer.mlp, "router")]
-    try:
-        trainer_probe_logprobs(ddp_chunks, probe, groups, vocab_size)
-    finally:
-        for handle in handles:
-            handle.remove()
-    keep = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-    return maps if keep else {}
+    """Return {global layer index: routing map [tokens, experts] (bool)} of the probe through this rank's MoE
+    layers (megatron's TopKRouter returns (probs, routing_map))."""
+    maps = _probe_with_hooks(ddp_chunks, probe, groups, vocab_size, lambda layer: getattr(layer.mlp, "router", None),
+                             lambda output: output[1].float())
+    return {i: routing_map.bool() for i, routing_map in maps.items()}
 
 
 def routing_mismatch(engine_ids: list[torch.Tensor], trainer_maps: list[torch.Tensor]) -> float:
