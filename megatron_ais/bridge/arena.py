@@ -68,12 +68,19 @@ class SharedBuffer:
             os.remove(self.path)
 
 
-def arena_views(path: str, entries: list) -> list[tuple[str, torch.Tensor]]:
-    """Map a staging arena read-only-in-effect (copy-on-write) and return (name, tensor view) for manifest
-    entries whose offsets are absolute."""
-    size = os.path.getsize(path)
-    if any(e.offset + e.nbytes > size for e in entries):
-        raise ValueError(f"staging arena {path} ({size} bytes) is smaller than its manifest says")
-    arena = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
-    return [(e.name, arena[e.offset: e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape))
+def map_file(path: str) -> torch.Tensor:
+    """Map a whole file copy-on-write (reads share the pages, nothing is copied) as a uint8 tensor."""
+    return torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
+
+
+def entry_views(data: torch.Tensor, entries: list) -> list[tuple[str, torch.Tensor]]:
+    """Return (name, tensor view) of manifest entries whose offsets index the bytes `data`."""
+    if any(e.offset + e.nbytes > data.numel() for e in entries):
+        raise ValueError(f"{data.numel()} bytes are fewer than the manifest's entries need")
+    return [(e.name, data[e.offset: e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape))
             for e in entries]
+
+
+def arena_views(path: str, entries: list) -> list[tuple[str, torch.Tensor]]:
+    """Map a staging arena and return (name, tensor view) for manifest entries whose offsets are absolute."""
+    return entry_views(map_file(path), entries)

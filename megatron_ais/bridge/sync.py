@@ -215,10 +215,11 @@ class WeightBridge:
             else:
                 self._map_stage_buffer()
             self._bucket_targets = self._targets_per_bucket()
+            self._tensors = {t.name: t for t in self.plan.tensors}
         self.connected = True
 
     def _map_stage_buffer(self) -> None:
-        """A shipped stage assembles each bucket in a buffer of its own that its TP ranks share."""
+        """A shipped stage assembles each bucket in a buffer of its own that its writers share."""
         plan = self.plan
         self.max_bucket = max((b.nbytes for b in plan.buckets), default=0)
         shared = [None]
@@ -244,7 +245,7 @@ class WeightBridge:
         """Write this rank's pieces of the bucket's tensors (FP8 pieces quantized on the way), adding each piece's
         checksum sums to `sums[name]`."""
         base, scratch_base = self._placement(bucket)
-        policy, tensors = self.config.policy, {t.name: t for t in self.plan.tensors}
+        policy, tensors = self.config.policy, self._tensors
         scratch = dict(bucket.scratch)
         for target in targets:
             main = tensors[target.name]
@@ -274,9 +275,9 @@ class WeightBridge:
                 _add(sums, scale.name, s_sums)
 
     def _quantize_scratch(self, bucket, targets: list[HFTarget], sums: dict[str, list[int]]) -> None:
-        """TP rank 0: quantize the FP8 tensors whose pieces were assembled in the scratch region."""
+        """The stage's sender: quantize the FP8 tensors whose pieces were assembled in the scratch region."""
         base, scratch_base = self._placement(bucket)
-        tensors = {t.name: t for t in self.plan.tensors}
+        tensors = self._tensors
         for name, offset in bucket.scratch:
             target = next(t for t in targets if t.name == name)
             full = self.buffer.view(scratch_base + offset, target.param.dtype, target.shape)
@@ -288,21 +289,23 @@ class WeightBridge:
             _add(sums, main.name, q_sums)
             _add(sums, scale.name, s_sums)
 
-    def _agree(self, error: str | None) -> str | None:
-        """Barrier of the stage's TP ranks after a bucket; every rank leaves with the first rank's error, if any."""
-        if dist.get_world_size(self.group) == 1:
-            return error
-        flag = torch.tensor([0 if error is None else 1])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if not int(flag):
-            return None
+    def _first_error(self, error: str | None) -> str:
+        """After the stage's writers learnt that one failed: every writer leaves with the first one's error."""
         errors = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(errors, error, group=self.group)
         return next(e for e in errors if e is not None)
 
+    def _agree(self, error: str | None) -> str | None:
+        """Barrier of the stage's writers; every writer leaves with the first one's error, if any."""
+        if dist.get_world_size(self.group) == 1:
+            return error
+        flag = torch.tensor([0 if error is None else 1])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return self._first_error(error) if int(flag) else None
+
     def _manifest(self, bucket, sums: dict[str, list[int]], error: str | None
                   ) -> tuple[list[ManifestEntry] | None, str | None]:
-        """The end of a bucket for the stage's TP ranks: one all-reduce adds up the checksum sums each rank
+        """The end of a bucket for the stage's writers: one all-reduce adds up the checksum sums each rank
         gathered while writing its pieces (in 32-bit halves, so that no int64 sum overflows) and whether any rank
         failed. Return (the manifest on the sender, the first rank's error if any)."""
         tensors = self.plan.tensors[bucket.first: bucket.last]
@@ -312,9 +315,7 @@ class WeightBridge:
         if dist.get_world_size(self.group) > 1:
             dist.all_reduce(halves, group=self.group)
             if int(halves[0, 0]):
-                errors = [None] * dist.get_world_size(self.group)
-                dist.all_gather_object(errors, error, group=self.group)
-                return None, next(e for e in errors if e is not None)
+                return None, self._first_error(error)
         if error is not None or not self.layout.is_sender:
             return None, error
         totals = [((hi << 32) + lo) & 0xFFFFFFFFFFFFFFFF for hi, lo in halves[1:].tolist()]
@@ -333,7 +334,7 @@ class WeightBridge:
             except ValueError as err:
                 error = str(err)
             if bucket.scratch:
-                error = self._agree(error)  # every piece is in the scratch area before rank 0 quantizes it
+                error = self._agree(error)  # every piece is in the scratch area before the sender quantizes it
                 if error is None and self.layout.is_sender:
                     try:
                         self._quantize_scratch(bucket, targets, sums)

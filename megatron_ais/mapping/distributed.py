@@ -145,7 +145,8 @@ def save_hf_checkpoint(chunks: list, build: ModelBuildConfig, hf_config: dict, o
     if build.expert_model_parallel_size == 1:
         writes_experts = writes_experts and is_stage_writer
     tensors = {}
-    for hf_name, tensor in export_hf_weights(chunks, build, tp_group, expert_group=expert_group):
+    # writers are rank 0 of their TP / expert-TP group: gather there, not to every rank
+    for hf_name, tensor in export_hf_weights(chunks, build, tp_group, to_first_rank=True, expert_group=expert_group):
         if writes_experts if ROUTED_EXPERT_HF.search(hf_name) else is_stage_writer:
             tensors[hf_name] = (tensor.to(dtype) if dtype is not None else tensor).contiguous()
     file = stage_file_name(pp_rank, pp_size, 0 if is_stage_writer else ep_rank)

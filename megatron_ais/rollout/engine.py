@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from megatron_ais.bridge.arena import arena_views, remove_stale_shared_files, shared_directory
+from megatron_ais.bridge.arena import arena_views, map_file, remove_stale_shared_files, shared_directory
 
 PRECISIONS = ("bf16", "fp8", "fp32")
 WEIGHT_FEEDS = ("shm", "broadcast")
@@ -197,7 +197,7 @@ class RolloutEngine:
 
         group = self._join_feed_group()
         nbytes = max(e.offset + e.nbytes for e in entries)
-        data = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)[:nbytes]
+        data = map_file(path)[:nbytes]
         device = "cuda" if torch.cuda.is_available() else "cpu"
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             sending = pool.submit(broadcast_bytes, group, data, FEED_CHUNK_BYTES, device)

@@ -140,6 +140,7 @@ class WeightSyncExtension:
     def megatron_ais_receive_broadcast(self, entries_json: str, nbytes: int, chunk_bytes: int) -> int:
         """Receive a sync's bytes from the feed group's root, verify every tensor against its manifest entry and
         apply them all; a mismatch raises before the model is touched."""
+        from megatron_ais.bridge.arena import entry_views
         from megatron_ais.bridge.broadcast import receive_bytes
         from megatron_ais.bridge.buckets import ManifestEntry, verify_tensor
 
@@ -147,11 +148,8 @@ class WeightSyncExtension:
         if buffer is None or buffer.numel() < nbytes:
             buffer = self._megatron_ais_feed_buffer = torch.empty(nbytes, dtype=torch.uint8)
         receive_bytes(self._megatron_ais_group, buffer[:nbytes], chunk_bytes)
-        named = []
-        for e in json.loads(entries_json):
-            entry = ManifestEntry.from_dict(e)
-            tensor = buffer[entry.offset: entry.offset + entry.nbytes].view(getattr(torch, entry.dtype))
-            tensor = tensor.view(entry.shape)
+        entries = [ManifestEntry.from_dict(e) for e in json.loads(entries_json)]
+        named = entry_views(buffer[:nbytes], entries)
+        for entry, (_, tensor) in zip(entries, named):
             verify_tensor(entry, tensor)
-            named.append((entry.name, tensor))
         return apply_weights_in_worker(self, named)
