@@ -255,4 +255,10 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> di
         raise ArgumentValidationError("--save-interval needs --save DIR")
     if getattr(args, "keep_checkpoints", 1) < 1:
         raise ArgumentValidationError(f"--keep-checkpoints {args.keep_checkpoints} must be at least 1")
+    if getattr(args, "rollout_kv_cache_scale_margin", 1.0) < 1.0:
+        raise ArgumentValidationError(f"--rollout-kv-cache-scale-margin {args.rollout_kv_cache_scale_margin} must be "
+                                      "at least 1 (below 1 the largest calibrated K/V values already saturate)")
+    if getattr(args, "rollout_kv_cache_calibration_sequences", 1) < 1:
+        raise ArgumentValidationError("--rollout-kv-cache-calibration-sequences "
+                                      f"{args.rollout_kv_cache_calibration_sequences} must be at least 1")
     return hf_config

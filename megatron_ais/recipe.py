@@ -75,13 +75,18 @@ def changed_flags(saved: dict, args) -> list[str]:
             if k not in RESUME_FREE_FLAGS and current.get(k) != v]
 
 
+def step_examples(task, args, data_seed: int, step: int) -> list:
+    """The prompts of a step: they depend only on the data seed and the step."""
+    return random.Random(data_seed * 100003 + step).sample(task.train, args.prompts_per_step)
+
+
 def collect_rollouts(engine, tokenizer, task, sampling, args, step: int, data_seed: int, rollout_seed: int):
     """Sample this step's prompts, generate the group of responses per prompt and score them; return the
     RolloutBatch. Prompts and sampling depend only on the seeds and the step, so a resumed (or restarted) run
     continues the same stream."""
     from megatron_ais.rollout.batch import rollouts_to_batch
 
-    examples = random.Random(data_seed * 100003 + step).sample(task.train, args.prompts_per_step)
+    examples = step_examples(task, args, data_seed, step)
     rollouts = engine.generate(_prompt_ids(tokenizer, [e.prompt for e in examples]),
                                dataclasses.replace(sampling, seed=rollout_seed * 100003 + step))
     rewards = [task.reward(tokenizer.decode(r.token_ids, skip_special_tokens=True), examples[r.prompt_index].answer)
@@ -163,6 +168,7 @@ def run_grpo(args) -> dict:
     from megatron_ais.logging import RunLogger, grpo_console_line
     from megatron_ais.mapping.distributed import save_hf_checkpoint
     from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig, engine_config_from_args
+    from megatron_ais.rollout.kv_scales import calibrate_kv_cache_scales, rollout_sequences
     from megatron_ais.rollout.verify import probe_tokens
     from megatron_ais.sft import load_tokenizer
     from megatron_ais.training import build_reference_chunks, setup_model_and_optimizer
@@ -231,6 +237,23 @@ def run_grpo(args) -> dict:
             log.info(f"bridge: {stats.tensors} tensors in {stats.buckets} buckets, {stats.bytes / 1e6:.1f} MB from "
                      f"this stage by {stats.transport}, {stats.seconds:.2f} s")
 
+    def recalibrate_kv_cache(sequences: list[list[int]]) -> dict[str, float]:
+        """FP8 KV cache: measure the synced policy's K/V scales on `sequences` (split over DP ranks) and install
+        them in the engine (collective on every rank); return their largest K and V scale for the logs."""
+        if args.rollout_kv_cache_dtype != "fp8":
+            return {}
+        sequences = sequences[:args.rollout_kv_cache_calibration_sequences]
+        scales = calibrate_kv_cache_scales(setup.ddp_chunks, sequences[groups.data_parallel_rank::groups.data_parallel_size],
+                                           args.seq_length, args.micro_batch_size, groups, build.shape.vocab_size,
+                                           build.shape.num_layers, args.rollout_kv_cache_scale_margin)
+        if engine is not None:
+            engine.set_kv_cache_scales(scales)
+        return {"rollout/kv_cache_k_scale_max": max(k for _, k, _ in scales.scales),
+                "rollout/kv_cache_v_scale_max": max(v for _, _, v in scales.scales)}
+
+    def step_prompts(step: int) -> list[list[int]]:
+        return _prompt_ids(tokenizer, [e.prompt for e in step_examples(task, args, data_seed, step)])
+
     if setup.run_state is not None:
         log.info(f"resuming GRPO at step {start_step + 1} from {args.load} (iteration {setup.loaded.iteration})")
         changed = changed_flags(resumed.get("args", {}), args)
@@ -239,7 +262,9 @@ def run_grpo(args) -> dict:
         before = resumed.get("eval_before", {})
         # the engine holds what the bridge would have sent after the saved step
         sync_engine(start_step)
+        recalibrate_kv_cache(step_prompts(start_step + 1))
     else:
+        recalibrate_kv_cache(step_prompts(start_step + 1))
         before = evaluate(engine, tokenizer, task, args) if is_engine_rank else {}
     accuracy_before = before.get("eval/accuracy")
     for step in range(start_step + 1, args.grpo_steps + 1):
@@ -272,6 +297,8 @@ def run_grpo(args) -> dict:
         result = grpo_train_step(setup.ddp_chunks, setup.optimizer, batch, grpo, state, groups, reference)
         t_train = time.time() - t0 - t_rollout
         sync_engine(step)
+        kv_scales = recalibrate_kv_cache(rollout_sequences(batch.tokens, batch.mask,
+                                                           args.rollout_kv_cache_calibration_sequences))
         routing = None
         if args.verify_refit_interval and step % args.verify_refit_interval == 0:
             routing = verify_refit_on_all_ranks(engine, setup.ddp_chunks, probe, groups, build.shape.vocab_size,
@@ -280,6 +307,7 @@ def run_grpo(args) -> dict:
         metrics = from_last_stage(dict(result.metrics))
         if routing is not None:
             metrics["rollout/routing_mismatch"] = routing
+        metrics.update(kv_scales)
         metrics.update({"rollout/reward": float(batch.rewards.mean()), "time/rollout_s": t_rollout,
                         "time/train_s": t_train, "time/sync_s": t_sync,
                         "rollout/tokens_per_s": float(batch.mask.sum()) / max(t_rollout, 1e-9)})

@@ -41,7 +41,9 @@ def test_two_grpo_steps_end_to_end(model_root, tmp_path, layout):
     pp = 2 if layout == "pp2" else 1
     checkpoint = _converted_checkpoint(model_root, tmp_path, pp)
     out = tmp_path / "run"
-    proc = subprocess.run(_command(checkpoint, out, 2, "--pipeline-model-parallel-size", str(pp)),
+    # PP2 also runs an FP8 KV cache: each stage measures its own layers' K/V scales at every sync
+    kv = ["--rollout-kv-cache-dtype", "fp8"] if layout == "pp2" else []
+    proc = subprocess.run(_command(checkpoint, out, 2, "--pipeline-model-parallel-size", str(pp), *kv),
                           capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
     last = proc.stdout.strip().splitlines()[-1]
@@ -50,6 +52,8 @@ def test_two_grpo_steps_end_to_end(model_root, tmp_path, layout):
     assert len(summary["history"]) == 2
     first = summary["history"][0]
     assert 0.0 <= first["ais/lambda"] <= 1.0 and first["ais/num_units"] > 0
+    if kv:
+        assert 0.0 < first["rollout/kv_cache_v_scale_max"] < 1.0 and 0.0 < first["rollout/kv_cache_k_scale_max"]
     assert "eval/accuracy" in summary["history"][1] and "eval/greedy_accuracy" in summary["history"][1]
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(out / "tensorboard"))
     assert (out / "run.png").stat().st_size > 10_000

@@ -10,6 +10,7 @@ import os
 import torch
 
 from megatron_ais.bridge.arena import arena_views, map_file, remove_stale_shared_files, shared_directory
+from megatron_ais.rollout.kv_scales import add_kv_cache_calibration_args
 
 PRECISIONS = ("bf16", "fp8", "fp32")
 WEIGHT_FEEDS = ("shm", "broadcast")
@@ -120,6 +121,7 @@ class RolloutEngine:
         self.version = 0
         self.llm = None
         self._feed_group = None
+        self.kv_cache_scales = None  # the last calibrated FP8 KV-cache scales (re-installed after a restart)
         self._start()
 
     def _start(self) -> None:
@@ -271,11 +273,29 @@ class RolloutEngine:
             done.set()
 
     def restart(self) -> None:
-        """Replace a crashed engine by a fresh one (initial weights: the caller re-syncs the current ones)."""
+        """Replace a crashed engine by a fresh one (initial weights: the caller re-syncs the current ones; the
+        last KV-cache scales are installed again)."""
         self.shutdown()
         self._feed_group = None  # its members are gone
         self._start()
         self.version = 0
+        if self.kv_cache_scales is not None:
+            self.set_kv_cache_scales(self.kv_cache_scales)
+
+    def set_kv_cache_scales(self, scales) -> int:
+        """Install per-layer (q, k, v) FP8 KV-cache scales (a KVCacheScales) in every worker; return the number
+        of attention layers. KV blocks cached under the old scales are dropped."""
+        if self.config.kv_cache_dtype != "fp8":
+            raise ValueError("KV-cache scales need --rollout-kv-cache-dtype fp8 (vLLM ignores them otherwise)")
+        layers = self.llm.collective_rpc("megatron_ais_set_kv_cache_scales",
+                                         args=([list(row) for row in scales.scales],))[0]
+        self.kv_cache_scales = scales
+        self.llm.reset_prefix_cache()
+        return layers
+
+    def get_kv_cache_scales(self) -> list[tuple[float, float, float]]:
+        """The (q, k, v) KV-cache scales every attention layer of the engine uses now."""
+        return [tuple(row) for row in self.llm.collective_rpc("megatron_ais_kv_cache_scales")[0]]
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, progress: bool | None = None
                  ) -> list[Rollout]:
@@ -344,7 +364,9 @@ def add_rollout_args(parser) -> None:
                    help="fp8: blockwise FP8 linear layers (128x128, weight_scale_inv) fed by the bridge; bf16; fp32 "
                         "(exact comparisons with the trainer).")
     g.add_argument("--rollout-kv-cache-dtype", choices=("auto", "fp8"), default="auto",
-                   help="KV-cache dtype of the engine (fp8 = e4m3).")
+                   help="KV-cache dtype of the engine (fp8 = e4m3, with per-layer K/V scales recalibrated by the "
+                        "trainer at every weight sync).")
+    add_kv_cache_calibration_args(g)
     g.add_argument("--rollout-placement", choices=PLACEMENTS, default="separate",
                    help="colocated: engine inside the trainer process (single-rank trainers only, vLLM then owns "
                         "torch.distributed); separate: engine processes fed through shared memory.")

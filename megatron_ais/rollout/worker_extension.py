@@ -27,6 +27,36 @@ def repack_tied_lm_head(model) -> bool:
     return False
 
 
+def attention_layers(model) -> dict[int, torch.nn.Module]:
+    """vLLM's attention layers (the modules that own the KV cache and its scales) by decoder layer index."""
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return {extract_layer_index(m.layer_name): m for m in model.modules() if isinstance(m, Attention)}
+
+
+def set_kv_cache_scales(model, scales: list) -> int:
+    """Install per-layer (q, k, v) FP8 KV-cache scales where every attention backend reads them: the device
+    tensors, the host floats (CPU attention, FlashInfer) and the host tensors (AITER). Return how many layers."""
+    layers = attention_layers(model)
+    if sorted(layers) != list(range(len(scales))):
+        raise ValueError(f"{len(scales)} KV-cache scales for an engine with attention layers {sorted(layers)}")
+    for index, (q, k, v) in enumerate(scales):
+        layer = layers[index]
+        for name, value in (("q", q), ("k", k), ("v", v)):
+            getattr(layer, f"_{name}_scale").fill_(value)
+            setattr(layer, f"_{name}_scale_float", float(value))
+        layer._k_scale_cpu.fill_(k)
+        layer._v_scale_cpu.fill_(v)
+    return len(scales)
+
+
+def kv_cache_scales_of(model) -> list[tuple[float, float, float]]:
+    """The (q, k, v) scales the engine's attention layers use now, by layer index."""
+    layers = attention_layers(model)
+    return [(layers[i]._q_scale_float, layers[i]._k_scale_float, layers[i]._v_scale_float) for i in sorted(layers)]
+
+
 def apply_weights_in_worker(worker, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
     """Apply one complete set of HF-named tensors via vLLM's layer-wise reload; return how many."""
     worker.model_runner.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
@@ -108,6 +138,14 @@ class WeightSyncExtension:
         """Return what `megatron_ais_capture_routing` recorded."""
         capture, self._megatron_ais_routing = self._megatron_ais_routing, None
         return capture.collect()
+
+    def megatron_ais_set_kv_cache_scales(self, scales: list) -> int:
+        """Install per-layer (q, k, v) FP8 KV-cache scales; return the number of layers."""
+        return set_kv_cache_scales(self.model_runner.model, scales)
+
+    def megatron_ais_kv_cache_scales(self) -> list:
+        """Return the (q, k, v) KV-cache scales of every attention layer."""
+        return kv_cache_scales_of(self.model_runner.model)
 
     def megatron_ais_apply_weights(self, path: str, manifest_json: str) -> int:
         """Apply a safetensors file of weights after checking every tensor against its manifest."""

@@ -30,6 +30,19 @@ def test_flags_to_configs():
         EngineConfig(model_dir="/m", precision="int4")
 
 
+@pytest.mark.parametrize("argv,expected", [
+    (["--rollout-kv-cache-scale-margin", "0.5"], "--rollout-kv-cache-scale-margin 0.5 must be at least 1"),
+    (["--rollout-kv-cache-calibration-sequences", "0"], "--rollout-kv-cache-calibration-sequences 0 must be"),
+])
+def test_kv_cache_calibration_flags_are_validated(model_root, argv, expected):
+    from megatron_ais.arguments import ALL_GROUPS, ArgumentValidationError, validate_args
+
+    hf_dir = make_model_dir(model_root, "qwen3", hidden_size=128, intermediate_size=256)
+    args = build_parser("t", ALL_GROUPS + (add_rollout_args,)).parse_args(["--hf-dir", hf_dir, *argv])
+    with pytest.raises(ArgumentValidationError, match=expected):
+        validate_args(args, 1)
+
+
 def test_engine_dir_layout(model_root, tmp_path):
     hf_dir = make_model_dir(model_root, "qwen3", hidden_size=128, intermediate_size=256)
     out = prepare_engine_dir(EngineConfig(model_dir=hf_dir, precision="fp8"), str(tmp_path / "e"))
