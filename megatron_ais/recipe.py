@@ -107,6 +107,12 @@ def from_last_stage(obj):
     return payload[0]
 
 
+def refit_precision(args) -> str:
+    """Which tolerance row of the refit check applies: an FP8 KV cache rounds K and V like FP8 weights round the
+    linear layers, so any engine with one is held to the FP8 engine's bound."""
+    return "fp8" if args.rollout_kv_cache_dtype == "fp8" else args.rollout_precision
+
+
 def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups, vocab_size: int, precision: str,
                               engine_rank: int, moe: bool = False) -> float | None:
     """Score the probe on the trainer (every stage runs the pipeline schedule; the last stage's log-probs go to
@@ -302,7 +308,7 @@ def run_grpo(args) -> dict:
         routing = None
         if args.verify_refit_interval and step % args.verify_refit_interval == 0:
             routing = verify_refit_on_all_ranks(engine, setup.ddp_chunks, probe, groups, build.shape.vocab_size,
-                                                args.rollout_precision, layout.engine_rank, build.shape.is_moe)
+                                                refit_precision(args), layout.engine_rank, build.shape.is_moe)
         t_sync = time.time() - t0 - t_rollout - t_train
         metrics = from_last_stage(dict(result.metrics))
         if routing is not None:

@@ -6,7 +6,9 @@ bf16 engine mean |Δ| 0.015-0.02 on a random model, 0.073 after 150 SFT steps on
 confident, and the random-token probe then has log-probs far in the tail, where bf16 rounding is largest), so
 its bound is 0.25. The FP8 engine is compared with the BF16 trainer, so its check includes the
 quantization mismatch itself: 0.05 on a random model, 0.12 after 300 SFT steps on the random-token probe; its
-bound (0.5) catches wrong or badly stale weights (mean |Δ| of order 1), not small staleness.
+bound (0.5) catches wrong or badly stale weights (mean |Δ| of order 1), not small staleness. An FP8 KV cache
+adds rounding of the same order (mean |Δ| 0.24 on the random tiny Qwen3 with an fp32 engine), so engines with
+one are held to the fp8 row whatever their weights' precision (`recipe.refit_precision`).
 """
 from __future__ import annotations
 
