@@ -5,6 +5,9 @@
  * for bit. Loaded with ctypes (no torch headers), so building takes well under a second. */
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 enum { DT_BF16 = 0, DT_FP32 = 1, DT_FP16 = 2 };
 
@@ -70,7 +73,48 @@ static inline float magnitude_bits_to_f32(uint32_t m, int dtype) {
         *S += s;                                                                                       \
         *T += t;                                                                                       \
     }
-DEFINE_RUN_SUMS(run_sums_u8, uint8_t, uint32_t, 4096)
+DEFINE_RUN_SUMS(run_sums_u8_scalar, uint8_t, uint32_t, 4096)
+
+#if defined(__AVX2__)
+/* Bytes are the FP8 codes: widening each to 32 bits for the position-weighted sum costs 4 vectors per 32 bytes.
+ * Instead (as in zlib's Adler-32): per 32-byte chunk c, vpsadbw gives its byte sum S_c and vpmaddubsw/vpmaddwd
+ * its sum sum_{j<32} j * v_j; then T = sum_c (sum_j j v_j + 32 c S_c). Exactly the scalar sums mod 2^64. */
+static inline void run_sums_u8(const uint8_t *v, int64_t n, uint64_t *S, uint64_t *T) {
+    const __m256i zero = _mm256_setzero_si256(), ones = _mm256_set1_epi16(1);
+    const __m256i weights = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
+                                             21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+    const int64_t chunks = n / 32;
+    uint64_t s = 0, t = 0;
+    for (int64_t c0 = 0; c0 < chunks;) {
+        /* per 32-bit lane a chunk adds at most 4 * 31 * 255: 2^16 chunks cannot overflow it */
+        const int64_t c1 = chunks - c0 < 65536 ? chunks : c0 + 65536;
+        __m256i sum64 = zero, weighted64 = zero, local32 = zero, index = _mm256_set1_epi64x(c0);
+        const __m256i step = _mm256_set1_epi64x(1);
+        for (int64_t c = c0; c < c1; ++c) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(v + 32 * c));
+            const __m256i sad = _mm256_sad_epu8(x, zero);
+            sum64 = _mm256_add_epi64(sum64, sad);
+            weighted64 = _mm256_add_epi64(weighted64, _mm256_mul_epu32(sad, index));
+            local32 = _mm256_add_epi32(local32, _mm256_madd_epi16(_mm256_maddubs_epi16(x, weights), ones));
+            index = _mm256_add_epi64(index, step);
+        }
+        uint64_t a[4], b[4];
+        uint32_t l[8];
+        _mm256_storeu_si256((__m256i *)a, sum64);
+        _mm256_storeu_si256((__m256i *)b, weighted64);
+        _mm256_storeu_si256((__m256i *)l, local32);
+        for (int i = 0; i < 4; ++i) { s += a[i]; t += 32 * b[i]; }
+        for (int i = 0; i < 8; ++i) t += l[i];
+        c0 = c1;
+    }
+    uint64_t ts = 0, tt = 0;
+    run_sums_u8_scalar(v + 32 * chunks, n - 32 * chunks, &ts, &tt);
+    *S += s + ts;
+    *T += t + tt + (uint64_t)(32 * chunks) * ts;
+}
+#else
+#define run_sums_u8 run_sums_u8_scalar
+#endif
 DEFINE_RUN_SUMS(run_sums_u16, uint16_t, uint32_t, 256)
 DEFINE_RUN_SUMS(run_sums_u32, uint32_t, uint64_t, 1024)
 DEFINE_RUN_SUMS(run_sums_u64, uint64_t, uint64_t, 1024)
@@ -101,6 +145,33 @@ void bridge_block_sums(const void *p, int64_t rows, int64_t cols, int64_t stride
         add_run((const char *)p + r * stride, cols, esize, (row0 + r) * ncols + col0, sums);
 }
 
+/* Copies of at least this many bytes bypass the caches: a store that misses the cache first reads the line it
+ * overwrites (read-for-ownership), so a cached copy of data that does not fit the caches moves its bytes three
+ * times, a streaming one twice (glibc's memcpy does the same above a similar threshold). */
+#define STREAM_COPY_BYTES (1 << 20)
+#define QUANTIZE_ROW_BUFFER 65536
+
+/* memcpy with non-temporal stores where the target is 16-byte aligned (x86-64), plain memcpy elsewhere. */
+static inline void stream_copy(char *out, const char *in, int64_t len) {
+#if defined(__x86_64__)
+    int64_t head = (int64_t)((16 - ((uintptr_t)out & 15)) & 15);
+    if (head > len) head = len;
+    memcpy(out, in, (size_t)head);
+    int64_t c = head;
+    for (; c + 64 <= len; c += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(in + c)), b = _mm_loadu_si128((const __m128i *)(in + c + 16));
+        __m128i d = _mm_loadu_si128((const __m128i *)(in + c + 32)), e = _mm_loadu_si128((const __m128i *)(in + c + 48));
+        _mm_stream_si128((__m128i *)(out + c), a);
+        _mm_stream_si128((__m128i *)(out + c + 16), b);
+        _mm_stream_si128((__m128i *)(out + c + 32), d);
+        _mm_stream_si128((__m128i *)(out + c + 48), e);
+    }
+    memcpy(out + c, in + c, (size_t)(len - c));
+#else
+    memcpy(out, in, (size_t)len);
+#endif
+}
+
 /* w [m, n] (row stride w_stride elements, bf16 or fp32) -> q [m, n] e4m3 (row stride q_stride) and
  * s [ceil(m/bs), ceil(n/bs)] fp32 (row stride s_stride) with s = max(amax, 1e-10) / 448 (rounded up to a power
  * of two if pow2) and q = clamp(w / s, -448, 448). Adds q's checksum sums to q_sums, q's element (r, c) having
@@ -114,6 +185,9 @@ int bridge_fp8_blockwise_quantize(const void *w, int dtype, int64_t m, int64_t n
     float scale[nb > 0 ? nb : 1];
     uint32_t amax[nb > 0 ? nb : 1];
     float xs[bs];
+    /* large outputs are converted row by row in L1 and streamed out (see STREAM_COPY_BYTES) */
+    const int stream = m * n >= STREAM_COPY_BYTES && n <= QUANTIZE_ROW_BUFFER;
+    uint8_t qbuf[stream ? n : 1];
     for (int64_t r0 = 0; r0 < m; r0 += bs) {
         int64_t r1 = r0 + bs < m ? r0 + bs : m;
         for (int64_t j = 0; j < nb; ++j) amax[j] = 0;
@@ -141,7 +215,7 @@ int bridge_fp8_blockwise_quantize(const void *w, int dtype, int64_t m, int64_t n
         }
         for (int64_t r = r0; r < r1; ++r) {
             const char *row = (const char *)w + r * w_stride * esize;
-            uint8_t *qrow = q + r * q_stride;
+            uint8_t *qrow = stream ? qbuf : q + r * q_stride;
             for (int64_t j = 0; j < nb; ++j) {
                 int64_t c0 = j * bs, c1 = (j + 1) * bs < n ? (j + 1) * bs : n;
                 const float sc = scale[j];
@@ -158,8 +232,12 @@ int bridge_fp8_blockwise_quantize(const void *w, int dtype, int64_t m, int64_t n
                 }
             }
             add_run(qrow, n, 1, (q_row0 + r) * q_ncols + q_col0, q_sums);
+            if (stream) stream_copy((char *)q + r * q_stride, (const char *)qbuf, n);
         }
     }
+#if defined(__x86_64__)
+    if (stream) _mm_sfence();
+#endif
     return 0;
 }
 
@@ -185,22 +263,29 @@ static inline int64_t count_nonfinite(const char *p, int64_t nbytes, int dtype) 
 
 /* Copy `rows` rows of `row_bytes` (strides in bytes), count the NaN/Inf elements copied (dtype < 0: no check)
  * and add the copy's checksum sums (elements of esize bytes; dst element (r, c) has flat index
- * (row0 + r) * ncols + col0 + c in its tensor). Works in 16 KiB pieces so that the check and the sums read what the
- * copy just left in L1. */
+ * (row0 + r) * ncols + col0 + c in its tensor). Works in 16 KiB pieces: the check and the sums read each piece of
+ * the source while it is in L1 (the same bytes the copy writes), and large copies stream past the caches. */
 int64_t bridge_copy_rows_check_finite(const void *src, int64_t src_stride, void *dst, int64_t dst_stride,
                                       int64_t rows, int64_t row_bytes, int dtype, int esize, int64_t row0,
                                       int64_t ncols, int64_t col0, uint64_t *sums) {
     const int64_t piece = 16384;
+    const int stream = rows * row_bytes >= STREAM_COPY_BYTES;
     int64_t bad = 0;
     for (int64_t r = 0; r < rows; ++r) {
         const char *in = (const char *)src + r * src_stride;
         char *out = (char *)dst + r * dst_stride;
         for (int64_t off = 0; off < row_bytes; off += piece) {
             int64_t len = row_bytes - off < piece ? row_bytes - off : piece;
-            memcpy(out + off, in + off, (size_t)len);
-            bad += count_nonfinite(out + off, len, dtype);
-            add_run(out + off, len / esize, esize, (row0 + r) * ncols + col0 + off / esize, sums);
+            bad += count_nonfinite(in + off, len, dtype);
+            add_run(in + off, len / esize, esize, (row0 + r) * ncols + col0 + off / esize, sums);
+            if (stream)
+                stream_copy(out + off, in + off, len);
+            else
+                memcpy(out + off, in + off, (size_t)len);
         }
     }
+#if defined(__x86_64__)
+    if (stream) _mm_sfence(); /* streaming stores are weakly ordered: make them visible before the caller signals */
+#endif
     return bad;
 }

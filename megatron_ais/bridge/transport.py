@@ -10,12 +10,14 @@ tensors. Trainer ranks deliver each bucket by one of two transports, chosen per 
                  with torch.distributed point-to-point (gloo on CPU, NCCL on GPU) into the arena
 
 The receiver verifies every tensor of every bucket against its manifest (name, dtype, shape, place, bytes,
-checksum) and the layout it expects, and applies the arena's tensors to the engine in one call only when every
+checksum) and the layout it expects (the layout at once, the bytes' checksums on a thread of its own, so that
+reading bucket k overlaps the writing of bucket k + 1: every bucket has its own place in the arena), and applies the arena's tensors to the engine in one call only when every
 stage has delivered everything intact; a refused sync leaves the engine's weights untouched (the arena is a
 staging copy, not the engine's weights). A separate-process engine maps the arena itself (`apply_shared`).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from typing import Callable
 
@@ -50,6 +52,8 @@ class SyncReceiver:
     sync_id: int | None = None
     received: dict = dataclasses.field(default_factory=dict)
     error: str | None = None
+    pending: list = dataclasses.field(default_factory=list)  # checksum verifications of delivered buckets
+    verifier: concurrent.futures.ThreadPoolExecutor | None = None
 
     def prepare(self, stages: list[list[EngineTensor]], stage_bytes: list[int], scratch_bytes: list[int]
                 ) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
@@ -73,7 +77,8 @@ class SyncReceiver:
         return self.arena.path, self.stage_offsets, tuple(scratch)
 
     def begin(self, sync_id: int) -> None:
-        self.sync_id, self.received, self.error = sync_id, {}, None
+        concurrent.futures.wait(self.pending)  # a sync that failed before its commit may have left some
+        self.sync_id, self.received, self.error, self.pending = sync_id, {}, None, []
 
     def window(self, stage: int, start: int, end: int) -> torch.Tensor:
         """Return the arena bytes [start, end) of a stage's layout."""
@@ -81,13 +86,15 @@ class SyncReceiver:
         return self.arena.data[base + start: base + end]
 
     def receive(self, sync_id: int, stage: int, manifest: list[ManifestEntry]) -> None:
-        """Verify one delivered bucket (already in the arena); a mismatch refuses the whole sync."""
+        """Take one delivered bucket (already in the arena): its layout is checked now, its bytes on the verifier
+        thread; any mismatch refuses the whole sync."""
         if self.error is not None:
             return
         try:
             if sync_id != self.sync_id:
                 raise SyncError(f"bucket of sync {sync_id} arrived during sync {self.sync_id}")
             expected = {t.name: t for t in self.expected[stage]}
+            checks = []
             for entry in manifest:
                 want = expected.get(entry.name)
                 if want is None or (want.dtype, want.shape, want.offset, want.nbytes) != (
@@ -96,10 +103,22 @@ class SyncReceiver:
                                      f"{entry.offset}, the engine expects "
                                      + (f"{want.dtype}{list(want.shape)} at byte {want.offset}" if want else
                                         "no such tensor"))
-                verify_tensor(entry, self._tensor(stage, want))
+                checks.append((entry, self._tensor(stage, want)))
                 self.received.setdefault(stage, {})[entry.name] = entry.checksum
         except (ValueError, SyncError) as err:
             self.abort(f"sync {sync_id} refused, engine keeps its weights: {err}")
+            return
+        if self.verifier is None:
+            self.verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megatron-ais-verify")
+        self.pending.append(self.verifier.submit(_verify_tensors, checks))
+
+    def _wait_for_verification(self) -> None:
+        """Wait for every delivered bucket's checksums; the first mismatch refuses the sync."""
+        pending, self.pending = self.pending, []
+        for future in pending:
+            error = future.result()
+            if error is not None:
+                self.abort(f"sync {self.sync_id} refused, engine keeps its weights: {error}")
 
     def _tensor(self, stage: int, t: EngineTensor) -> torch.Tensor:
         return self.arena.view(self.stage_offsets[stage] + t.offset, t.torch_dtype, t.shape)
@@ -110,6 +129,7 @@ class SyncReceiver:
 
     def commit(self, sync_id: int) -> None:
         """Apply the arena's tensors when every stage delivered every tensor intact; raise SyncError otherwise."""
+        self._wait_for_verification()
         if self.error is None:
             for stage, tensors in enumerate(self.expected):
                 missing = [t.name for t in tensors if t.name not in self.received.get(stage, ())]
@@ -128,9 +148,22 @@ class SyncReceiver:
             self.apply([(t.name, self._tensor(s, t)) for s, tensors in enumerate(self.expected) for t in tensors])
 
     def close(self) -> None:
+        if self.verifier is not None:
+            self.verifier.shutdown(wait=True)
+            self.verifier = None
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+
+
+def _verify_tensors(checks: list[tuple[ManifestEntry, torch.Tensor]]) -> str | None:
+    """Return the first mismatch between tensors and their manifest entries, None when all match."""
+    try:
+        for entry, tensor in checks:
+            verify_tensor(entry, tensor)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def send_manifest(dst: int, sync_id: int, manifest: list[ManifestEntry], window: torch.Tensor | None) -> None:

@@ -52,6 +52,36 @@ def test_fp8_quantize_into_strided_views_of_a_larger_tensor():
     assert total == cpu_bridge.checksum_sums_reference(q_ref)
 
 
+def test_large_outputs_stream_past_the_caches_bit_exact():
+    """Outputs of 1 MB and more take the streaming-store paths (row buffer + non-temporal stores): codes, copies
+    and sums stay bit-exact, into strided views at an odd byte offset too."""
+    w = torch.randn(1536, 1024).bfloat16() * torch.rand(1536, 1) * 100
+    q_ref, s_ref = blockwise_fp8_quantize_reference(w)
+    full = torch.zeros(1536, 2048 + 1, dtype=torch.uint8)
+    q = full[:, 1:1025].view(torch.float8_e4m3fn)  # rows 2049 bytes apart, misaligned for 16-byte stores
+    s = torch.zeros(12, 8)
+    sums = cpu_bridge.fp8_quantize_into(w, q, s, q_position=cpu_bridge.Position(0, 1024, 0))
+    assert torch.equal(s, s_ref) and torch.equal(q.contiguous().view(torch.uint8), q_ref.view(torch.uint8))
+    assert sums == cpu_bridge.checksum_sums_reference(q_ref)
+    src = torch.randn(3, 1 << 20).bfloat16()
+    dst = torch.zeros(3 * (1 << 21) + 2, dtype=torch.uint8)[2:].view(torch.bfloat16).view(3, 1 << 20)
+    bad, sums = cpu_bridge.copy_check_finite(src, dst)
+    assert bad == 0 and torch.equal(dst, src) and sums == cpu_bridge.checksum_sums_reference(src)
+
+
+@pytest.mark.parametrize("fill", ["random", "max"])
+def test_long_byte_runs_sum_exactly(fill):
+    """FP8 codes are checksummed 32 bytes at a time with 32-bit partial sums flushed every 2^16 chunks: a run of
+    several flushes, all bytes 255 (the largest partial sums), equals the definition mod 2^64."""
+    n = 5 * (1 << 21) + 13
+    data = (torch.full((n,), 255, dtype=torch.uint8) if fill == "max" else
+            torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)))
+    assert cpu_bridge.checksum_sums(data) == cpu_bridge.checksum_sums_reference(data)
+    position = cpu_bridge.Position(7, 1 << 40, 3)  # large flat indices wrap mod 2^64 in both
+    assert cpu_bridge.checksum_sums(data.view(1, -1), position) == cpu_bridge.checksum_sums_reference(
+        data.view(1, -1), position)
+
+
 def test_fp8_quantize_names_a_nonfinite_tensor():
     w = torch.ones(130, 130, dtype=torch.bfloat16)
     w[129, 3] = float("inf")
