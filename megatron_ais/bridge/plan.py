@@ -65,9 +65,10 @@ class HFTarget:
     name: str
     shape: tuple[int, ...]
     param: torch.Tensor
-    pieces: list[Piece]
+    pieces: list[Piece] | None  # this rank's pieces (empty: another rank writes them all)
     quantized: bool
     blockwise_local: bool  # every rank's pieces respect block boundaries: quantize per piece
+    dense_pieces: list[Piece] = dataclasses.field(default_factory=list)  # this TP rank's, whoever writes
 
     def engine_names(self) -> list[str]:
         return [self.name, self.name + SCALE_SUFFIX] if self.quantized else [self.name]
@@ -102,13 +103,36 @@ def _block_aligned(pieces: list[list[Piece]], full: tuple[int, ...], block: int)
 
 @dataclasses.dataclass(frozen=True)
 class WriterRole:
-    """What this rank writes: dense tensors (data-parallel replica 0), routed experts (expert-data-parallel
-    replica 0), and where its experts sit among the expert-parallel ranks."""
+    """What this rank writes: its share of the dense tensors, routed experts (expert-data-parallel replica 0), and
+    where its experts sit among the expert-parallel ranks.
 
-    dense: bool = True
+    Every data-parallel replica holds all dense tensors, so those of the replicas that run where the stage's
+    writers already run (`dense_replicas` of them: replica 0, and others on the same node) share the dense writing:
+    tensor by tensor, each to the replica with the fewest elements so far (`dense_owners`). `dense_replica` is this
+    rank's index among them, None when its replica does not write dense tensors.
+    """
+
+    dense_replica: int | None = 0
+    dense_replicas: int = 1
     experts: bool = True
     ep_rank: int = 0
     ep_size: int = 1
+
+    @property
+    def dense(self) -> bool:
+        return self.dense_replica is not None
+
+
+def dense_owners(sizes: list[int], replicas: int) -> list[int]:
+    """Assign tensors of `sizes` (elements, in stage order) to `replicas` writers: each to the least loaded so far
+    (ties to the lowest index). The same on every rank, with no communication."""
+    loads = [0] * replicas
+    owners = []
+    for size in sizes:
+        owner = loads.index(min(loads))
+        loads[owner] += size
+        owners.append(owner)
+    return owners
 
 
 def hf_targets(chunks: list, build, ctx, policy: QuantizationPolicy, expert_ctx=None,
@@ -116,10 +140,21 @@ def hf_targets(chunks: list, build, ctx, policy: QuantizationPolicy, expert_ctx=
     """Return the HF tensors of this pipeline stage with this rank's pieces of each (routed experts: this
     expert-TP rank's, `expert_ctx`). Under expert parallelism the list holds every rank's experts (the same list on
     every rank, ordered by local expert index, then EP rank); a rank has pieces only of the experts it holds."""
-    from megatron_ais.model import unwrap_model
-
     rules = rules_for(build.shape.model_type)
     num_local = build.shape.num_experts // role.ep_size if build.shape.is_moe else 0
+    targets = _stage_targets(chunks, build, ctx, policy, expert_ctx, role, rules, num_local)
+    owners = iter(dense_owners([_numel(t.shape) for t in targets if t.pieces is None], role.dense_replicas))
+    for target in targets:
+        if target.pieces is None:  # a dense tensor: written by its owner replica's TP ranks
+            target.pieces = target.dense_pieces if next(owners) == role.dense_replica else []
+    return targets
+
+
+def _stage_targets(chunks, build, ctx, policy, expert_ctx, role, rules, num_local) -> list[HFTarget]:
+    """hf_targets before the dense tensors are shared out: their `pieces` are None, this rank's TP pieces in
+    `dense_pieces`."""
+    from megatron_ais.model import unwrap_model
+
     targets = []
     for chunk in chunks:
         for name, layer, param in global_parameters(unwrap_model(chunk)):
@@ -130,7 +165,6 @@ def hf_targets(chunks: list, build, ctx, policy: QuantizationPolicy, expert_ctx=
                 continue  # the embedding carries the tied lm_head
             expert = expert_index(name)
             param_ctx = expert_ctx if expert_ctx is not None and expert is not None else ctx
-            writes = role.experts if expert is not None else role.dense
             shapes, pieces = shard_placement(rule.layout, tuple(param.shape), param_ctx)
             # the same local expert on every EP rank: global ids local + r * num_local
             owners = [(expert, True)] if expert is None else [
@@ -139,9 +173,13 @@ def hf_targets(chunks: list, build, ctx, policy: QuantizationPolicy, expert_ctx=
                 for index, (hf_name, shape) in enumerate(zip(rule.format(layer, global_expert)[1], shapes)):
                     quantized = policy.quantizes(hf_name)
                     per_rank = [[p for p in rank_pieces if p.hf_index == index] for rank_pieces in pieces]
-                    mine = per_rank[param_ctx.tp_rank] if writes and held else []
-                    targets.append(HFTarget(hf_name, shape, param.detach(), mine, quantized,
-                                            quantized and _block_aligned(per_rank, shape, policy.block_size)))
+                    target = HFTarget(hf_name, shape, param.detach(), None, quantized,
+                                      quantized and _block_aligned(per_rank, shape, policy.block_size))
+                    if expert is not None:
+                        target.pieces = per_rank[param_ctx.tp_rank] if role.experts and held else []
+                    else:
+                        target.dense_pieces = per_rank[param_ctx.tp_rank]
+                    targets.append(target)
     return targets
 
 

@@ -65,6 +65,7 @@ class SyncStats:
     buckets: int = 0
     bytes: int = 0
     max_bucket_bytes: int = 0
+    written_bytes: int = 0  # what this rank wrote itself (its pieces; FP8 ones as codes)
     seconds: float = 0.0
     transport: str = ""
 
@@ -73,10 +74,10 @@ class SyncStats:
 class BridgeLayout:
     """Who writes, who sends and who receives, from megatron's parallel state (taken at the call site).
 
-    The engine lives on global rank `engine_rank`. Dense tensors are written by the ranks of data-parallel replica
-    0, routed experts by those of expert-data-parallel replica 0 (context-parallel rank 0 both); each pipeline
-    stage's sender is replica 0's TP rank 0, and `stage_senders[s]` is stage s's. `stage_writers[s]` are all the
-    ranks that write for stage s.
+    The engine lives on global rank `engine_rank`. Dense tensors are shared out among the data-parallel replicas
+    on the writers' node(s) (`dense_writer_replicas`), routed experts are written by the ranks of
+    expert-data-parallel replica 0 (context-parallel rank 0 both); each pipeline stage's sender is replica 0's TP
+    rank 0, and `stage_senders[s]` is stage s's. `stage_writers[s]` are all the ranks that write for stage s.
     """
 
     engine_rank: int
@@ -96,20 +97,34 @@ class BridgeLayout:
 
         rank = dist.get_rank()
         cp0 = ps.get_context_parallel_rank() == 0
-        dense = cp0 and ps.get_data_parallel_rank() == 0
-        ep_size = ps.get_expert_model_parallel_world_size()
+        dp_rank = ps.get_data_parallel_rank()
         experts = cp0 and ps.get_expert_data_parallel_rank() == 0
-        role = WriterRole(dense=dense, experts=experts, ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep_size)
-        writes = dense or experts
         tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         marks = [None] * dist.get_world_size()
-        dist.all_gather_object(marks, (writes, dense and tp_rank == 0, pp_rank, rank, socket.gethostname()))
-        senders = tuple(r for _, r in sorted((p, r) for _, s, p, r, _ in marks if s))
-        hosts = tuple(tuple(sorted({h for w, _, p, _, h in marks if w and p == stage}))
-                      for stage in range(len(senders)))
-        writers = tuple(tuple(r for w, _, p, r, _ in marks if w and p == stage) for stage in range(len(senders)))
-        return cls(engine_rank=engine_rank, stage_senders=senders, is_sender=dense and tp_rank == 0, rank=rank,
-                   writes=writes, pp_rank=pp_rank, tp_rank=tp_rank, hosts=hosts, stage_writers=writers, role=role)
+        dist.all_gather_object(marks, (rank, pp_rank, dp_rank, cp0, experts, tp_rank, socket.gethostname()))
+        stages = sorted({m[1] for m in marks})
+        dense = {p: dense_writer_replicas([m for m in marks if m[1] == p]) for p in stages}
+        writer_marks = [m for m in marks if m[3] and (m[4] or m[2] in dense[m[1]])]
+        senders = tuple(next(m[0] for m in marks if m[1] == p and m[2] == 0 and m[3] and m[5] == 0) for p in stages)
+        hosts = tuple(tuple(sorted({m[6] for m in writer_marks if m[1] == p})) for p in stages)
+        writers = tuple(tuple(m[0] for m in writer_marks if m[1] == p) for p in stages)
+        replicas = dense[pp_rank]
+        role = WriterRole(dense_replica=replicas.index(dp_rank) if cp0 and dp_rank in replicas else None,
+                          dense_replicas=len(replicas), experts=experts, ep_rank=ps.get_expert_model_parallel_rank(),
+                          ep_size=ps.get_expert_model_parallel_world_size())
+        return cls(engine_rank=engine_rank, stage_senders=senders, is_sender=rank in senders, rank=rank,
+                   writes=role.dense or experts, pp_rank=pp_rank, tp_rank=tp_rank, hosts=hosts,
+                   stage_writers=writers, role=role)
+
+
+def dense_writer_replicas(stage_marks: list[tuple]) -> list[int]:
+    """The data-parallel replicas that share a stage's dense tensors: replica 0 and every other replica whose ranks
+    all run on the hosts where the stage's writers run anyway (replica 0's and the expert writers'), so sharing
+    the work never adds a node, and a stage on the engine's node keeps writing into shared memory.
+    `stage_marks`: (rank, pp, dp, cp0, writes experts, tp, host) of the stage's ranks."""
+    ranks = [m for m in stage_marks if m[3]]
+    hosts = {m[6] for m in ranks if m[2] == 0 or m[4]}
+    return [d for d in sorted({m[2] for m in ranks}) if all(m[6] in hosts for m in ranks if m[2] == d)]
 
 
 def _copy_checked(src: torch.Tensor, dst: torch.Tensor, position: Position, name: str) -> tuple[int, int]:
@@ -241,9 +256,10 @@ class WeightBridge:
             return self.stage_offsets[self.layout.pp_rank], self.scratch_offsets[self.layout.pp_rank]
         return -bucket.start, self.max_bucket
 
-    def _write(self, bucket, targets: list[HFTarget], sums: dict[str, list[int]]) -> None:
+    def _write(self, bucket, targets: list[HFTarget], sums: dict[str, list[int]]) -> int:
         """Write this rank's pieces of the bucket's tensors (FP8 pieces quantized on the way), adding each piece's
-        checksum sums to `sums[name]`."""
+        checksum sums to `sums[name]`; return the bytes written."""
+        written = 0
         base, scratch_base = self._placement(bucket)
         policy, tensors = self.config.policy, self._tensors
         scratch = dict(bucket.scratch)
@@ -255,9 +271,10 @@ class WeightBridge:
                 else:
                     dst = self.buffer.view(base + main.offset, main.torch_dtype, main.shape)
                 for p in target.pieces:
-                    piece = _copy_checked(target.param.narrow(p.dim, p.src_start, p.length),
-                                          dst.narrow(p.dim, p.dst_start, p.length),
+                    out = dst.narrow(p.dim, p.dst_start, p.length)
+                    piece = _copy_checked(target.param.narrow(p.dim, p.src_start, p.length), out,
                                           Position.of_piece(target.shape, p.dim, p.dst_start), target.name)
+                    written += out.numel() * out.element_size()
                     if not target.quantized:
                         _add(sums, target.name, piece)
                 continue
@@ -273,6 +290,8 @@ class WeightBridge:
                     Position.of_piece(scale.shape, p.dim, p.dst_start // bs), policy, target.name)
                 _add(sums, main.name, q_sums)
                 _add(sums, scale.name, s_sums)
+                written += p.length * q.numel() // q.shape[p.dim]
+        return written
 
     def _quantize_scratch(self, bucket, targets: list[HFTarget], sums: dict[str, list[int]]) -> None:
         """The stage's sender: quantize the FP8 tensors whose pieces were assembled in the scratch region."""
@@ -330,7 +349,7 @@ class WeightBridge:
                 dist.barrier(group=self.group)  # the sender has shipped the last bucket out of the shared buffer
             error, sums = None, {}
             try:
-                self._write(bucket, targets, sums)
+                stats.written_bytes += self._write(bucket, targets, sums)
             except ValueError as err:
                 error = str(err)
             if bucket.scratch:

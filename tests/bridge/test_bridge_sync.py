@@ -52,6 +52,7 @@ def _bridge_worker(cases):
                 receiver.close()
             if layout.is_sender:
                 out.append(("sender", stats.max_bucket_bytes, stats.buckets, stats.transport))
+            out.append(("written", hf_dir, tp, pp, precision, transport, stats.written_bytes))
         ps.destroy_model_parallel()
     return out
 
@@ -60,10 +61,14 @@ def _check(results, expected_cases):
     seen = set()
     largest = {}
     senders = []
+    written, total_bytes = {}, {}
     for rank_result in results:
         for item in rank_result:
             if item[0] == "sender":
                 senders.append(item)
+                continue
+            if item[0] == "written":
+                written.setdefault(item[1:6], []).append(item[6])
                 continue
             hf_dir, tp, pp, precision, tensors, stage_senders = item
             assert stage_senders == pp
@@ -82,6 +87,13 @@ def _check(results, expected_cases):
                         : ref.shape[0], : ref.shape[1]] * 448
                     assert bool(((deq - ref.float()).abs() <= 2 ** -4 * block_amax).all()), name
                 largest[name] = got.numel() * got.element_size()
+            if precision == "bf16":
+                total_bytes[hf_dir] = sum(t.numel() * t.element_size() for t in tensors.values())
+    for (hf_dir, tp, pp, precision, _), per_rank in written.items():
+        if precision == "bf16":
+            assert sum(per_rank) == total_bytes[hf_dir]  # every byte is written once, by one rank
+            if len(per_rank) // (tp * pp) > 1:  # data-parallel replicas share the writing
+                assert all(0 < w for w in per_rank) and max(per_rank) <= 0.75 * sum(per_rank), per_rank
     assert seen == {case[:3] for case in expected_cases}
     assert {s[3] for s in senders} == {case[3] for case in expected_cases}
     bound = max(BUCKET_MB * (1 << 20), max(largest.values()))
@@ -183,3 +195,22 @@ def test_shipping_sender_peak_memory_is_one_bucket(model_root):
     slack = 2 << 20  # interpreter, pickled manifests, page granularity
     assert copy_peak > 0.9 * stage_bytes > 4 * (max_bucket + largest + slack)  # a copy would be visible
     assert peak <= max_bucket + largest + slack, (peak, max_bucket, largest)
+
+
+def test_dense_writers_share_out_by_size_and_never_add_a_node():
+    from megatron_ais.bridge.plan import dense_owners
+    from megatron_ais.bridge.sync import dense_writer_replicas
+
+    assert dense_owners([10, 3, 3, 3, 2, 1], 2) == [0, 1, 1, 1, 1, 0]
+    assert dense_owners([5, 5], 1) == [0, 0]
+    # (rank, pp, dp, cp0, writes experts, tp, host): TP2 x DP3 of one stage, replica 2 on another node
+    marks = [(0, 0, 0, True, False, 0, "a"), (1, 0, 0, True, False, 1, "a"), (2, 0, 1, True, False, 0, "a"),
+             (3, 0, 1, True, False, 1, "a"), (4, 0, 2, True, False, 0, "b"), (5, 0, 2, True, False, 1, "b")]
+    assert dense_writer_replicas(marks) == [0, 1]
+    # a replica half on another node is left out; expert writers on node b bring b in
+    split = marks[:5] + [(5, 0, 2, True, False, 1, "a")]
+    assert dense_writer_replicas(split) == [0, 1]
+    experts_on_b = [m[:4] + (m[6] == "b",) + m[5:] for m in marks]
+    assert dense_writer_replicas(experts_on_b) == [0, 1, 2]
+    # context-parallel ranks other than 0 never write
+    assert dense_writer_replicas([m[:3] + (m[2] == 0,) + m[4:] for m in marks]) == [0]
