@@ -231,6 +231,7 @@ class WeightBridge:
                 self._map_stage_buffer()
             self._bucket_targets = self._targets_per_bucket()
             self._tensors = {t.name: t for t in self.plan.tensors}
+            self._bucket_pieces = [self._pieces_of(b, ts) for b, ts in zip(self.plan.buckets, self._bucket_targets)]
         self.connected = True
 
     def _map_stage_buffer(self) -> None:
@@ -256,13 +257,15 @@ class WeightBridge:
             return self.stage_offsets[self.layout.pp_rank], self.scratch_offsets[self.layout.pp_rank]
         return -bucket.start, self.max_bucket
 
-    def _write(self, bucket, targets: list[HFTarget], sums: dict[str, list[int]]) -> int:
-        """Write this rank's pieces of the bucket's tensors (FP8 pieces quantized on the way), adding each piece's
-        checksum sums to `sums[name]`; return the bytes written."""
-        written = 0
+    def _pieces_of(self, bucket, targets: list[HFTarget]) -> list[tuple]:
+        """This rank's pieces of a bucket as ready-made views, built once per bridge (the buffers and the
+        parameters' storage do not move): ("copy", src, dst, position, name, counted, nbytes) or ("quantize", src,
+        q, s, q position, s position, name, scale name, nbytes). An FP8 piece that cuts through blocks is copied
+        into the scratch area (not counted: the sender's quantization of the whole tensor is)."""
         base, scratch_base = self._placement(bucket)
-        policy, tensors = self.config.policy, self._tensors
+        tensors, bs = self._tensors, self.config.policy.block_size
         scratch = dict(bucket.scratch)
+        pieces = []
         for target in targets:
             main = tensors[target.name]
             if not target.quantized or not target.blockwise_local:
@@ -272,25 +275,38 @@ class WeightBridge:
                     dst = self.buffer.view(base + main.offset, main.torch_dtype, main.shape)
                 for p in target.pieces:
                     out = dst.narrow(p.dim, p.dst_start, p.length)
-                    piece = _copy_checked(target.param.narrow(p.dim, p.src_start, p.length), out,
-                                          Position.of_piece(target.shape, p.dim, p.dst_start), target.name)
-                    written += out.numel() * out.element_size()
-                    if not target.quantized:
-                        _add(sums, target.name, piece)
+                    pieces.append(("copy", target.param.narrow(p.dim, p.src_start, p.length), out,
+                                   Position.of_piece(target.shape, p.dim, p.dst_start), target.name,
+                                   not target.quantized, out.numel() * out.element_size()))
                 continue
             scale = tensors[target.name + SCALE_SUFFIX]
             q = self.buffer.view(base + main.offset, main.torch_dtype, main.shape)
             s = self.buffer.view(base + scale.offset, scale.torch_dtype, scale.shape)
-            bs = policy.block_size
             for p in target.pieces:
-                q_sums, s_sums = _quantize_into(
-                    target.param.narrow(p.dim, p.src_start, p.length), q.narrow(p.dim, p.dst_start, p.length),
-                    s.narrow(p.dim, p.dst_start // bs, -(-p.length // bs)),
-                    Position.of_piece(main.shape, p.dim, p.dst_start),
-                    Position.of_piece(scale.shape, p.dim, p.dst_start // bs), policy, target.name)
-                _add(sums, main.name, q_sums)
-                _add(sums, scale.name, s_sums)
-                written += p.length * q.numel() // q.shape[p.dim]
+                pieces.append(("quantize", target.param.narrow(p.dim, p.src_start, p.length),
+                               q.narrow(p.dim, p.dst_start, p.length),
+                               s.narrow(p.dim, p.dst_start // bs, -(-p.length // bs)),
+                               Position.of_piece(main.shape, p.dim, p.dst_start),
+                               Position.of_piece(scale.shape, p.dim, p.dst_start // bs), target.name, scale.name,
+                               p.length * q.numel() // q.shape[p.dim]))
+        return pieces
+
+    def _write(self, index: int, sums: dict[str, list[int]]) -> int:
+        """Write this rank's pieces of bucket `index` (FP8 pieces quantized on the way), adding each piece's
+        checksum sums to `sums[name]`; return the bytes written."""
+        written = 0
+        for piece in self._bucket_pieces[index]:
+            if piece[0] == "copy":
+                _, src, dst, position, name, counted, nbytes = piece
+                piece_sums = _copy_checked(src, dst, position, name)
+                if counted:
+                    _add(sums, name, piece_sums)
+            else:
+                _, src, q, s, q_position, s_position, name, scale_name, nbytes = piece
+                q_sums, s_sums = _quantize_into(src, q, s, q_position, s_position, self.config.policy, name)
+                _add(sums, name, q_sums)
+                _add(sums, scale_name, s_sums)
+            written += nbytes
         return written
 
     def _quantize_scratch(self, bucket, targets: list[HFTarget], sums: dict[str, list[int]]) -> None:
@@ -349,7 +365,7 @@ class WeightBridge:
                 dist.barrier(group=self.group)  # the sender has shipped the last bucket out of the shared buffer
             error, sums = None, {}
             try:
-                stats.written_bytes += self._write(bucket, targets, sums)
+                stats.written_bytes += self._write(index, sums)
             except ValueError as err:
                 error = str(err)
             if bucket.scratch:
@@ -418,6 +434,7 @@ class WeightBridge:
         if self.buffer is not None and self.buffer is not getattr(self.receiver, "arena", None):
             self.buffer.close()
         self.buffer = None
+        self._bucket_pieces = []  # their views map the buffer
 
 
 def sync_weights_to_engine(chunks: list, build, config: BridgeConfig, layout: BridgeLayout, sync_id: int,

@@ -53,6 +53,7 @@ class SyncReceiver:
     received: dict = dataclasses.field(default_factory=dict)
     error: str | None = None
     pending: list = dataclasses.field(default_factory=list)  # checksum verifications of delivered buckets
+    views: dict = dataclasses.field(default_factory=dict)  # (stage, name) -> the tensor's view of the arena
     verifier: concurrent.futures.ThreadPoolExecutor | None = None
 
     def prepare(self, stages: list[list[EngineTensor]], stage_bytes: list[int], scratch_bytes: list[int]
@@ -73,7 +74,7 @@ class SyncReceiver:
                 self.arena.close()
             remove_stale_shared_files()
             self.arena = SharedBuffer.create("bridge-arena", total)
-        self.stage_offsets, self.expected = tuple(offsets), expected
+        self.stage_offsets, self.expected, self.views = tuple(offsets), expected, {}
         return self.arena.path, self.stage_offsets, tuple(scratch)
 
     def begin(self, sync_id: int) -> None:
@@ -121,7 +122,11 @@ class SyncReceiver:
                 self.abort(f"sync {self.sync_id} refused, engine keeps its weights: {error}")
 
     def _tensor(self, stage: int, t: EngineTensor) -> torch.Tensor:
-        return self.arena.view(self.stage_offsets[stage] + t.offset, t.torch_dtype, t.shape)
+        view = self.views.get((stage, t.name))
+        if view is None:
+            view = self.views[stage, t.name] = self.arena.view(self.stage_offsets[stage] + t.offset, t.torch_dtype,
+                                                              t.shape)
+        return view
 
     def abort(self, reason: str) -> None:
         if self.error is None:
@@ -151,6 +156,7 @@ class SyncReceiver:
         if self.verifier is not None:
             self.verifier.shutdown(wait=True)
             self.verifier = None
+        self.views = {}
         if self.arena is not None:
             self.arena.close()
             self.arena = None
