@@ -34,7 +34,7 @@ class ParallelSizes:
 
 
 def initialize_distributed(timeout_minutes: int = 30) -> None:
-    """Start torch.distributed from the launcher's env (torchrun): nccl on CUDA, gloo on CPU."""
+    """Start torch.distributed from the launcher's env (torchrun): gloo on CPU; NCCL and gloo (host tensors) on CUDA."""
     if dist.is_initialized():
         return
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

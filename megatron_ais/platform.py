@@ -77,8 +77,10 @@ def device() -> torch.device:
 
 
 def distributed_backend() -> str:
-    """Return the torch.distributed backend: nccl on CUDA, gloo on CPU."""
-    return "nccl" if is_cuda() else "gloo"
+    """Return the torch.distributed backend: gloo on CPU; on CUDA, NCCL for device tensors and gloo for host ones
+    (the bridge's manifests, outcome flags and checksum sums are small host tensors; every group created later
+    inherits both)."""
+    return "cpu:gloo,cuda:nccl" if is_cuda() else "gloo"
 
 
 class _NullStream:

@@ -28,7 +28,7 @@ def test_patches_applied_on_cpu():
 
 def test_noop_when_cuda_is_available():
     active, _, any_changed, torch_in_optimizer, backend = _probe("torch.cuda.is_available = lambda: True")
-    assert (active, any_changed, torch_in_optimizer, backend) == ("False", "False", "module", "nccl")
+    assert (active, any_changed, torch_in_optimizer, backend) == ("False", "False", "module", "cpu:gloo,cuda:nccl")
 
 
 def test_cuda_literals_become_cpu_tensors():
