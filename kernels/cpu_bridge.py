@@ -221,10 +221,13 @@ def fold_checksum(nbytes: int, sums: tuple[int, int]) -> int:
 
 
 def checksum_sums(t: torch.Tensor, position: Position | None = None) -> tuple[int, int]:
-    """Return the checksum sums (A, B) of a CPU tensor or 2-D view (contiguous last dim) at `position`."""
+    """Return the checksum sums (A, B) of a tensor or 2-D view (contiguous last dim) at `position`: the C kernel
+    for CPU tensors, torch integer ops where the tensor lives for device tensors (no copy to the host)."""
     position = position or Position.whole(t)
+    if t.device.type != "cpu" and t.element_size() in _SIGNED_VIEWS:
+        return checksum_sums_torch(t, position)
     lib = library()
-    if lib is None or t.device.type != "cpu" or t.element_size() not in (1, 2, 4, 8):
+    if lib is None or t.element_size() not in (1, 2, 4, 8):
         return checksum_sums_reference(t, position)
     if t.numel() == 0:
         return 0, 0
@@ -241,7 +244,37 @@ def checksum(t: torch.Tensor) -> int:
         raise ValueError("checksum needs a contiguous tensor")
     t = t.detach()
     flat = t.reshape(-1) if t.dim() != 1 else t
-    return fold_checksum(t.numel() * t.element_size(), checksum_sums(flat.cpu()))
+    return fold_checksum(t.numel() * t.element_size(), checksum_sums(flat))
+
+
+_SIGNED_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_TORCH_CHUNK = 1 << 24  # elements per pass: the int64 temporaries stay a few hundred MB at most
+
+
+def checksum_sums_torch(t: torch.Tensor, position: Position | None = None) -> tuple[int, int]:
+    """`checksum_sums` in torch integer ops on any device (int64 sums and products wrap mod 2^64 as the C kernel's
+    unsigned ones do), a row chunk at a time."""
+    position = position or Position.whole(t)
+    width = t.element_size()
+    rows = 1 if t.dim() <= 1 else t.shape[0]
+    matrix = t.detach().reshape(rows, -1)
+    cols = matrix.shape[1]
+    if rows * cols == 0:
+        return 0, 0
+    mask = (1 << (8 * width)) - 1 if width < 8 else None
+    a = b = 0
+    step = max(1, _TORCH_CHUNK // cols)
+    columns = torch.arange(cols, device=t.device, dtype=torch.int64) + (position.col0 + 1)
+    for r0 in range(0, rows, step):
+        block = matrix[r0:r0 + step].contiguous()
+        values = block.view(-1).view(_SIGNED_VIEWS[width]).to(torch.int64).view(block.shape[0], cols)
+        if mask is not None:
+            values = values & mask
+        starts = (torch.arange(block.shape[0], device=t.device, dtype=torch.int64) + (position.row0 + r0)) \
+            * position.ncols
+        a += int(values.sum())
+        b += int((values * (starts[:, None] + columns[None, :])).sum())
+    return a & _MASK, b & _MASK
 
 
 def checksum_sums_reference(t: torch.Tensor, position: Position | None = None) -> tuple[int, int]:

@@ -143,3 +143,17 @@ def test_without_the_kernels_the_references_are_used():
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                          env={**os.environ, "MEGATRON_AIS_CPU_KERNELS": "0", "PYTHONPATH": root})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.int64])
+def test_device_checksum_in_torch_ops_equals_the_definition(dtype, monkeypatch):
+    """The checksum of device tensors (GPU arenas) is computed with torch int64 ops where the tensor lives; on CPU
+    it must equal the definition: strided views, positions whose products wrap mod 2^64, several row chunks."""
+    monkeypatch.setattr(cpu_bridge, "_TORCH_CHUNK", 1000)
+    g = torch.Generator().manual_seed(3)
+    size = torch.empty(0, dtype=dtype).element_size()
+    data = torch.randint(0, 256, (37 * 301 * size,), dtype=torch.uint8, generator=g).view(dtype).view(37, 301)
+    for view, position in ((data, cpu_bridge.Position(0, 301, 0)), (data[:, 3:200], cpu_bridge.Position(5, 1 << 40, 7)),
+                           (data.view(-1)[:1234], cpu_bridge.Position(0, 1234, 0))):
+        assert cpu_bridge.checksum_sums_torch(view, position) == cpu_bridge.checksum_sums_reference(view, position)
+    assert cpu_bridge.checksum_sums_torch(data[:0]) == (0, 0)
