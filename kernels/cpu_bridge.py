@@ -255,12 +255,12 @@ def checksum_sums_torch(t: torch.Tensor, position: Position | None = None) -> tu
     """`checksum_sums` in torch integer ops on any device (int64 sums and products wrap mod 2^64 as the C kernel's
     unsigned ones do), a row chunk at a time."""
     position = position or Position.whole(t)
+    if t.numel() == 0:
+        return 0, 0
     width = t.element_size()
     rows = 1 if t.dim() <= 1 else t.shape[0]
     matrix = t.detach().reshape(rows, -1)
     cols = matrix.shape[1]
-    if rows * cols == 0:
-        return 0, 0
     mask = (1 << (8 * width)) - 1 if width < 8 else None
     a = b = 0
     step = max(1, _TORCH_CHUNK // cols)
