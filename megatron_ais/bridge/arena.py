@@ -1,10 +1,17 @@
-"""Byte buffers in shared memory (/dev/shm) that several local processes map: the engine's staging arena,
-which trainer ranks on the engine's node write into directly, and a stage's bucket buffer for senders that
-ship buckets over torch.distributed. A file's name carries its creator's pid so that files left by a killed
-run are recognised and removed."""
+"""Byte buffers that several processes of a node map: the engine's staging arena, which trainer ranks on the
+engine's node write into directly, and a stage's bucket buffer for senders that ship buckets over
+torch.distributed.
+
+On CPU they live in shared memory (/dev/shm; a file's name carries its creator's pid so that files left by a killed
+run are recognised and removed); on CUDA nodes in GPU memory shared through CUDA IPC handles, so trainer GPUs write
+into the arena device to device and the engine's workers read it in place. Either way a buffer is referred to by
+its `ref` (a path, or a CUDA IPC handle), which other processes pass to `open_staging_buffer`.
+"""
 from __future__ import annotations
 
+import base64
 import os
+import pickle
 import re
 import tempfile
 
@@ -55,17 +62,88 @@ class SharedBuffer:
         """Create a new buffer named after this process and `tag`."""
         return cls(os.path.join(shared_directory(), f"megatron-ais-{os.getpid()}-{tag}.bin"), nbytes, create=True)
 
+    @property
+    def ref(self) -> str:
+        return self.path
+
     def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """Return the tensor of `dtype` and `shape` stored at byte `offset`."""
-        numel = 1
-        for d in shape:
-            numel *= d
-        return self.data[offset: offset + numel * dtype.itemsize].view(dtype).view(shape)
+        return byte_view(self.data, offset, dtype, shape)
 
     def close(self) -> None:
         self.data = None
         if self.owner and os.path.exists(self.path):
             os.remove(self.path)
+
+
+class CudaBuffer:
+    """`nbytes` bytes of GPU memory that other processes of the node map through a CUDA IPC handle (torch's own,
+    `reduce_tensor`: the creator keeps the memory alive, openers get a tensor on the creator's device)."""
+
+    def __init__(self, data: torch.Tensor, ref: tuple, owner: bool):
+        self.data, self.ref, self.owner, self.nbytes = data, ref, owner, data.numel()
+
+    @classmethod
+    def create(cls, nbytes: int) -> "CudaBuffer":
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        data = torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=torch.cuda.current_device())
+        return cls(data, reduce_tensor(data), owner=True)
+
+    @classmethod
+    def open(cls, ref: tuple, nbytes: int) -> "CudaBuffer":
+        rebuild, args = ref
+        data = rebuild(*args)
+        if data.numel() < nbytes:
+            raise ValueError(f"CUDA IPC buffer holds {data.numel()} bytes, {nbytes} expected")
+        return cls(data, ref, owner=False)
+
+    def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        return byte_view(self.data, offset, dtype, shape)
+
+    def close(self) -> None:
+        self.data = None
+
+
+def byte_view(data: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The tensor of `dtype` and `shape` stored at byte `offset` of the uint8 tensor `data`."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    return data[offset: offset + numel * dtype.itemsize].view(dtype).view(shape)
+
+
+def staging_buffer(tag: str, nbytes: int) -> SharedBuffer | CudaBuffer:
+    """A new buffer for the other processes of this node: GPU memory behind a CUDA IPC handle where CUDA is
+    available, shared memory otherwise."""
+    if torch.cuda.is_available():
+        return CudaBuffer.create(nbytes)
+    return SharedBuffer.create(tag, nbytes)
+
+
+def open_staging_buffer(ref, nbytes: int) -> SharedBuffer | CudaBuffer:
+    """Map a buffer another process of this node created, from its `ref`."""
+    return SharedBuffer(ref, nbytes, False) if isinstance(ref, str) else CudaBuffer.open(ref, nbytes)
+
+
+def encode_ref(ref) -> str:
+    """A buffer's ref as text, for RPCs that take strings (a CUDA IPC handle holds bytes and a rebuild function)."""
+    return ref if isinstance(ref, str) else "cuda-ipc:" + base64.b64encode(pickle.dumps(ref)).decode()
+
+
+def decode_ref(text: str):
+    """The inverse of `encode_ref` (only ever given what this program's own trainer encoded)."""
+    if text.startswith("cuda-ipc:"):
+        return pickle.loads(base64.b64decode(text.removeprefix("cuda-ipc:")))
+    return text
+
+
+def buffer_data(ref) -> torch.Tensor:
+    """The bytes behind a ref, mapped: a shared-memory file copy-on-write, a CUDA IPC handle in place."""
+    if isinstance(ref, str):
+        return map_file(ref)
+    rebuild, args = ref
+    return rebuild(*args)
 
 
 def map_file(path: str) -> torch.Tensor:
@@ -77,10 +155,10 @@ def entry_views(data: torch.Tensor, entries: list) -> list[tuple[str, torch.Tens
     """Return (name, tensor view) of manifest entries whose offsets index the bytes `data`."""
     if any(e.offset + e.nbytes > data.numel() for e in entries):
         raise ValueError(f"{data.numel()} bytes are fewer than the manifest's entries need")
-    return [(e.name, data[e.offset: e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape))
-            for e in entries]
+    return [(e.name, byte_view(data, e.offset, getattr(torch, e.dtype), e.shape)) for e in entries]
 
 
-def arena_views(path: str, entries: list) -> list[tuple[str, torch.Tensor]]:
-    """Map a staging arena and return (name, tensor view) for manifest entries whose offsets are absolute."""
-    return entry_views(map_file(path), entries)
+def arena_views(ref, entries: list) -> list[tuple[str, torch.Tensor]]:
+    """Map a staging arena (by path or CUDA IPC handle) and return (name, tensor view) for manifest entries whose
+    offsets are absolute."""
+    return entry_views(buffer_data(ref), entries)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from kernels.cpu_bridge import (Position, checksum_sums, copy_check_finite, fold_checksum, fp8_quantize_into,
                                 supports_quantize)
 from kernels.fp8_blockwise import all_finite, blockwise_fp8_quantize
-from megatron_ais.bridge.arena import SharedBuffer
+from megatron_ais.bridge.arena import CudaBuffer, SharedBuffer, open_staging_buffer, staging_buffer
 from megatron_ais.bridge.buckets import ManifestEntry
 from megatron_ais.bridge.plan import HFTarget, StagePlan, WriterRole, hf_targets, plan_stage
 from megatron_ais.bridge.quantization import SCALE_SUFFIX, QuantizationPolicy
@@ -49,8 +49,9 @@ def add_bridge_args(parser: argparse.ArgumentParser) -> None:
                    help="Bytes per bucket: the unit that is checksummed, delivered and verified, and the size of "
                         "a stage's send buffer when buckets are shipped over torch.distributed.")
     g.add_argument("--bridge-transport", choices=TRANSPORTS, default="auto",
-                   help="How trainer ranks deliver weights to the engine's shared-memory staging arena: 'shm' = "
-                        "ranks on the engine's node write their shards into it directly; 'distributed' = each "
+                   help="How trainer ranks deliver weights to the engine's staging arena (/dev/shm on CPU, GPU memory "
+                        "shared by CUDA IPC on CUDA nodes): 'shm' = ranks on the engine's node write their shards into "
+                        "it directly; 'distributed' = each "
                         "pipeline stage's sender ships buckets point-to-point (gloo/NCCL); 'auto' = shm for "
                         "stages on the engine's node, distributed for the others.")
     g.add_argument("--bridge-fp8-exclude", nargs="*", default=None, metavar="REGEX",
@@ -172,7 +173,7 @@ class WeightBridge:
         self.group = None  # the ranks that write for this rank's stage
         self.receiver = receiver
         self.plan: StagePlan | None = None
-        self.buffer: SharedBuffer | None = None
+        self.buffer: SharedBuffer | CudaBuffer | None = None
         self.stage_bytes: list[int] = []
         self.mode = ""
         self.connected = False
@@ -218,15 +219,15 @@ class WeightBridge:
         modes = self._stage_modes(infos[lay.engine_rank][5], infos[lay.engine_rank][0])
         shared = [None]
         if self.is_engine_rank:
-            path, offsets, scratch = self.receiver.prepare([i[2] for i in stages], self.stage_bytes,
+            ref, offsets, scratch = self.receiver.prepare([i[2] for i in stages], self.stage_bytes,
                                                            [i[4] if m == "shm" else 0 for i, m in zip(stages, modes)])
-            shared = [(path, self.receiver.arena.nbytes, offsets, scratch)]
+            shared = [(ref, self.receiver.arena.nbytes, offsets, scratch)]
         dist.broadcast_object_list(shared, src=lay.engine_rank)
-        path, arena_bytes, self.stage_offsets, self.scratch_offsets = shared[0]
+        ref, arena_bytes, self.stage_offsets, self.scratch_offsets = shared[0]
         if lay.writes:
             self.mode = modes[lay.pp_rank]
             if self.mode == "shm":
-                self.buffer = self.receiver.arena if self.is_engine_rank else SharedBuffer(path, arena_bytes, False)
+                self.buffer = self.receiver.arena if self.is_engine_rank else open_staging_buffer(ref, arena_bytes)
             else:
                 self._map_stage_buffer()
             self._bucket_targets = self._targets_per_bucket()
@@ -240,12 +241,12 @@ class WeightBridge:
         self.max_bucket = max((b.nbytes for b in plan.buckets), default=0)
         shared = [None]
         if self.layout.is_sender:
-            self.buffer = SharedBuffer.create(f"bridge-stage{self.layout.pp_rank}", self.max_bucket + plan.scratch_bytes)
-            shared = [self.buffer.path]
+            self.buffer = staging_buffer(f"bridge-stage{self.layout.pp_rank}", self.max_bucket + plan.scratch_bytes)
+            shared = [self.buffer.ref]
         if dist.get_world_size(self.group) > 1:
             dist.broadcast_object_list(shared, src=self.layout.stage_senders[self.layout.pp_rank], group=self.group)
         if not self.layout.is_sender:
-            self.buffer = SharedBuffer(shared[0], self.max_bucket + plan.scratch_bytes, False)
+            self.buffer = open_staging_buffer(shared[0], self.max_bucket + plan.scratch_bytes)
 
     def _targets_per_bucket(self) -> list[list[HFTarget]]:
         first_index = {t.name: i for i, t in enumerate(self.plan.tensors)}

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_ais.bridge.arena import SharedBuffer, remove_stale_shared_files
+from megatron_ais.bridge.arena import CudaBuffer, SharedBuffer, remove_stale_shared_files, staging_buffer
 from megatron_ais.bridge.buckets import ManifestEntry, verify_tensor
 from megatron_ais.bridge.plan import EngineTensor
 
@@ -40,13 +40,14 @@ class SyncReceiver:
     """Verifies delivered buckets in the staging arena and applies a complete sync atomically.
 
     `apply(named_tensors)` installs one complete set of weights (e.g. RolloutEngine.update_weights); when
-    `apply_shared(path, entries)` is given it is called instead with the arena's file and the verified entries
-    (absolute offsets, checksums), for an engine in other processes that maps the arena or is sent it.
+    `apply_shared(ref, entries)` is given it is called instead with the arena's ref (file path, or CUDA IPC handle)
+    and the verified entries (absolute offsets, checksums), for an engine in other processes that maps the arena or
+    is sent it.
     """
 
     apply: Callable[[list[tuple[str, torch.Tensor]]], object]
     apply_shared: Callable[[str, list[ManifestEntry]], object] | None = None
-    arena: SharedBuffer | None = None
+    arena: SharedBuffer | CudaBuffer | None = None
     stage_offsets: tuple[int, ...] = ()
     expected: tuple[tuple[EngineTensor, ...], ...] = ()
     sync_id: int | None = None
@@ -57,9 +58,9 @@ class SyncReceiver:
     verifier: concurrent.futures.ThreadPoolExecutor | None = None
 
     def prepare(self, stages: list[list[EngineTensor]], stage_bytes: list[int], scratch_bytes: list[int]
-                ) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
-        """Size the arena for `stages` (reusing it when the layout is unchanged); return (path, stage offsets,
-        scratch offsets)."""
+                ) -> tuple[object, tuple[int, ...], tuple[int, ...]]:
+        """Size the arena for `stages` (reusing it when the layout is unchanged); return (its ref: a path or a CUDA
+        IPC handle, stage offsets, scratch offsets)."""
         offsets, total = [], 0
         for nbytes in stage_bytes:
             offsets.append(total)
@@ -73,9 +74,9 @@ class SyncReceiver:
             if self.arena is not None:
                 self.arena.close()
             remove_stale_shared_files()
-            self.arena = SharedBuffer.create("bridge-arena", total)
+            self.arena = staging_buffer("bridge-arena", total)
         self.stage_offsets, self.expected, self.views = tuple(offsets), expected, {}
-        return self.arena.path, self.stage_offsets, tuple(scratch)
+        return self.arena.ref, self.stage_offsets, tuple(scratch)
 
     def begin(self, sync_id: int) -> None:
         concurrent.futures.wait(self.pending)  # a sync that failed before its commit may have left some
@@ -148,7 +149,7 @@ class SyncReceiver:
         if self.apply_shared is not None:
             entries = [ManifestEntry(t.name, t.dtype, t.shape, self.stage_offsets[s] + t.offset, t.nbytes,
                                      self.received[s][t.name]) for s, tensors in enumerate(self.expected) for t in tensors]
-            self.apply_shared(self.arena.path, entries)
+            self.apply_shared(self.arena.ref, entries)
         else:
             self.apply([(t.name, self._tensor(s, t)) for s, tensors in enumerate(self.expected) for t in tensors])
 

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from megatron_ais.bridge.arena import arena_views, map_file, remove_stale_shared_files, shared_directory
+from megatron_ais.bridge.arena import arena_views, buffer_data, encode_ref, remove_stale_shared_files, shared_directory
 from megatron_ais.rollout.kv_scales import add_kv_cache_calibration_args
 
 PRECISIONS = ("bf16", "fp8", "fp32")
@@ -154,18 +154,19 @@ class RolloutEngine:
                        shared: tuple[str, list] | None = None) -> int:
         """Apply one complete set of HF-named tensors (FP8 + scales in fp8 mode); return the new version.
 
-        `shared = (path, manifest entries)` names a verified shared-memory staging arena instead: a separate
-        engine maps it (no copy, no file written); a colocated one takes views of it.
+        `shared = (ref, manifest entries)` names a verified staging arena instead (a shared-memory file, or GPU
+        memory behind a CUDA IPC handle): a separate engine maps it (no copy, no file written); a colocated one takes
+        views of it.
         """
         from megatron_ais.rollout.worker_extension import apply_weights_in_worker
 
         if shared is not None and self.placement != "colocated":
-            path, entries = shared
+            ref, entries = shared
             entries_json = json.dumps([dataclasses.asdict(e) for e in entries])
             if self.config.weight_feed == "broadcast":
-                self._broadcast_update(path, entries, entries_json)
+                self._broadcast_update(ref, entries, entries_json)
             else:
-                self.llm.collective_rpc("megatron_ais_apply_shared", args=(path, entries_json))
+                self.llm.collective_rpc("megatron_ais_apply_shared", args=(encode_ref(ref), entries_json))
         else:
             if shared is not None:
                 named_tensors = arena_views(*shared)
@@ -192,14 +193,14 @@ class RolloutEngine:
                 self._feed_group = root.result()
         return self._feed_group
 
-    def _broadcast_update(self, path: str, entries: list, entries_json: str) -> None:
+    def _broadcast_update(self, ref, entries: list, entries_json: str) -> None:
         """Send the verified staging arena to the engine's workers over the feed group; each worker verifies every
         tensor against its entry before applying any."""
         from megatron_ais.bridge.broadcast import broadcast_bytes
 
         group = self._join_feed_group()
         nbytes = max(e.offset + e.nbytes for e in entries)
-        data = map_file(path)[:nbytes]
+        data = buffer_data(ref)[:nbytes]
         device = "cuda" if torch.cuda.is_available() else "cpu"
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             sending = pool.submit(broadcast_bytes, group, data, FEED_CHUNK_BYTES, device)

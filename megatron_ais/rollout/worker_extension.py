@@ -1,8 +1,9 @@
 """Code that runs inside vLLM's worker: applying one complete, verified set of weights.
 
 `WeightSyncExtension` is mixed into vLLM's worker class (`worker_extension_cls`), so a separate-process engine
-receives weights through `collective_rpc` with no pickled callables or tensors: either the bridge's shared-memory
-staging arena, already verified by the receiver, is mapped and applied (`megatron_ais_apply_shared`), or the
+receives weights through `collective_rpc` with no pickled callables or tensors in its arguments: either the bridge's
+staging arena (shared memory, or GPU memory by CUDA IPC), already verified by the receiver, is mapped and applied
+(`megatron_ais_apply_shared`), or the
 sync arrives over the bridge's feed group and is verified here (`megatron_ais_receive_broadcast`), or a
 safetensors file in shared memory is checked tensor by tensor against its manifest and applied
 (`megatron_ais_apply_weights`).
@@ -159,13 +160,14 @@ class WeightSyncExtension:
         verify_bucket(ordered, manifest)  # raises before the model is touched
         return apply_weights_in_worker(self, ordered)
 
-    def megatron_ais_apply_shared(self, path: str, entries_json: str) -> int:
-        """Apply the tensors the bridge's receiver verified in its shared staging arena (mapped, not copied)."""
-        from megatron_ais.bridge.arena import arena_views
+    def megatron_ais_apply_shared(self, ref: str, entries_json: str) -> int:
+        """Apply the tensors the bridge's receiver verified in its staging arena, mapped in place (not copied): a
+        shared-memory file, or GPU memory behind a CUDA IPC handle (`encode_ref`)."""
+        from megatron_ais.bridge.arena import arena_views, decode_ref
         from megatron_ais.bridge.buckets import ManifestEntry
 
         entries = [ManifestEntry.from_dict(e) for e in json.loads(entries_json)]
-        return apply_weights_in_worker(self, arena_views(path, entries))
+        return apply_weights_in_worker(self, arena_views(decode_ref(ref), entries))
 
     def megatron_ais_join_weight_group(self, host: str, port: int, world: int, backend: str) -> int:
         """Join the bridge's feed group as member 1 + this worker's engine-TP rank; return that rank."""
@@ -184,7 +186,8 @@ class WeightSyncExtension:
 
         buffer = getattr(self, "_megatron_ais_feed_buffer", None)
         if buffer is None or buffer.numel() < nbytes:
-            buffer = self._megatron_ais_feed_buffer = torch.empty(nbytes, dtype=torch.uint8)
+            device = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL receives into device memory
+            buffer = self._megatron_ais_feed_buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         receive_bytes(self._megatron_ais_group, buffer[:nbytes], chunk_bytes)
         entries = [ManifestEntry.from_dict(e) for e in json.loads(entries_json)]
         named = entry_views(buffer[:nbytes], entries)

@@ -41,7 +41,7 @@ def _bridge_worker(cases):
         layout = BridgeLayout.from_parallel_state()
         for sync_id, precision in enumerate(("bf16", "fp8")):
             applied = []
-            receiver = SyncReceiver(apply=lambda ts: applied.append({n: t.clone() for n, t in ts})) \
+            receiver = SyncReceiver(apply=lambda ts: applied.append({n: t.cpu().clone() for n, t in ts})) \
                 if layout.rank == 0 else None
             config = BridgeConfig(bucket_size_mb=BUCKET_MB, policy=QuantizationPolicy(precision=precision),
                                   transport=transport)
@@ -126,6 +126,18 @@ def test_bridge_moe_expert_parallel(model_root):
     moe = make_model_dir(model_root, "qwen3_moe", num_layers=2, hidden_size=256, initializer_range=0.1)
     _check(spawn(2, _bridge_worker, [(moe, 1, 1, "shm", 2)]), [(moe, 1, 1, "shm", 2)])
     _check(spawn(4, _bridge_worker, [(moe, 2, 1, "shm", 2)]), [(moe, 2, 1, "shm", 2)])
+
+
+@pytest.mark.gpu
+def test_bridge_into_a_cuda_arena(model_root):
+    """On a CUDA node the staging arena is GPU memory: the trainer's GPU shards are copied and quantized (Triton)
+    into it device to device, checksummed there in torch ops and verified by the receiver, bit-exact in BF16."""
+    import torch
+
+    assert torch.cuda.is_available()
+    model = make_model_dir(model_root, "qwen3", tie_word_embeddings=True)
+    cases = [(model, 1, 1, "shm")]
+    _check(spawn(1, _bridge_worker, cases), cases)
 
 
 def _rss_kib(field: str) -> int:
