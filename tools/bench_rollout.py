@@ -1,5 +1,6 @@
 """Rollout throughput of the FP8 engine against the BF16 engine on the same prompts, and in-place weight-update
-latency, measured in one run (colocated engines, one at a time, in a fresh process each).
+latency, measured in one run (colocated engines, one at a time, in a fresh process each); a third row adds an FP8
+KV cache (scales as the trainer would install them: max |K|, |V| x 2 / 448, measured with transformers here).
 
     .venv/bin/python tools/bench_rollout.py [--prompts 32 --n 4 --max-new-tokens 64 --repeats 3]
 
@@ -17,17 +18,55 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def _engine_worker(hf_dir: str, precision: str, work: str, prompts: int, n: int, max_new: int, repeats: int) -> dict:
+def _kv_amax(hf_dir: str, batch: list[list[int]]) -> "torch.Tensor":
+    """[layers, 3] max |q|, |k|, |v| of the prompts through transformers (k and v as cached: after k_norm and
+    RoPE for k), what the trainer's calibration measures."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3 import modeling_qwen3
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    amax = torch.zeros(len(model.model.layers), 3)
+    original = modeling_qwen3.apply_rotary_pos_emb
+
+    def recording(q, k, cos, sin, *rest, **kw):
+        q, k = original(q, k, cos, sin, *rest, **kw)
+        recording.last = (q, k)
+        return q, k
+
+    modeling_qwen3.apply_rotary_pos_emb = recording
+    try:
+        for index, layer in enumerate(model.model.layers):
+            def hook(module, args, output, index=index):
+                q, k = recording.last
+                amax[index, 0] = max(amax[index, 0], q.abs().max())
+                amax[index, 1] = max(amax[index, 1], k.abs().max())
+            layer.self_attn.register_forward_hook(hook)
+            layer.self_attn.v_proj.register_forward_hook(
+                lambda m, i, o, index=index: amax.__setitem__((index, 2), max(amax[index, 2], o.abs().max())))
+        with torch.no_grad():
+            for ids in batch:
+                model(torch.tensor([ids]))
+    finally:
+        modeling_qwen3.apply_rotary_pos_emb = original
+    return amax
+
+
+def _engine_worker(hf_dir: str, precision: str, work: str, prompts: int, n: int, max_new: int, repeats: int,
+                   kv_cache_dtype: str = "auto") -> dict:
     import torch
 
     from megatron_ais.bridge.quantization import QuantizationPolicy, quantize_for_engine
     from megatron_ais.mapping.hf_io import HFCheckpointReader
     from megatron_ais.rollout.engine import EngineConfig, RolloutEngine, SamplingConfig
+    from megatron_ais.rollout.kv_scales import KVCacheScales
 
     engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision=precision, kv_cache_gb=1.0,
-                                        max_num_seqs=prompts * n), work)
+                                        max_num_seqs=prompts * n, kv_cache_dtype=kv_cache_dtype), work)
     g = torch.Generator().manual_seed(0)
     batch = [torch.randint(10, 400, (16,), generator=g).tolist() for _ in range(prompts)]
+    if kv_cache_dtype == "fp8":
+        engine.set_kv_cache_scales(KVCacheScales.from_amax(_kv_amax(hf_dir, batch), margin=2.0))
     sampling = SamplingConfig(n=n, max_new_tokens=max_new, seed=0)
     engine.generate(batch, sampling, progress=False)  # warm up the batch shapes
     rates = []
@@ -65,13 +104,14 @@ def main(argv=None) -> int:
             "--num-layers", str(args.num_layers), "--intermediate-size", str(4 * args.hidden_size),
             "--num-attention-heads", str(args.hidden_size // 64), "--num-key-value-heads", "2",
             "--head-dim", "64", "--vocab-size", "1024"]))
-        results = {p: spawn(1, _engine_worker, hf_dir, p, os.path.join(tmp, p), args.prompts, args.n,
-                            args.max_new_tokens, args.repeats)[0] for p in ("bf16", "fp8")}
-    bf16, fp8 = results["bf16"], results["fp8"]
+        results = {(p, kv): spawn(1, _engine_worker, hf_dir, p, os.path.join(tmp, p + kv), args.prompts, args.n,
+                                  args.max_new_tokens, args.repeats, kv)[0]
+                   for p, kv in (("bf16", "auto"), ("fp8", "auto"), ("fp8", "fp8"))}
+    bf16, fp8 = results["bf16", "auto"], results["fp8", "auto"]
     print(f"| engine (colocated, {bf16['threads']} threads, hidden {args.hidden_size} x {args.num_layers} layers, "
           f"{args.prompts} prompts x {args.n}) | tokens/s | weight update ms |")
     print("|---|---|---|")
-    for name, row in (("BF16", bf16), ("FP8 blockwise", fp8)):
+    for name, row in (("BF16", bf16), ("FP8 blockwise", fp8), ("FP8 blockwise + FP8 KV cache", results["fp8", "fp8"])):
         print(f"| {name} | {row['tokens_per_s']:.0f} | {row['update_ms']:.1f} |")
     print(f"fp8_over_bf16_tokens_per_s={fp8['tokens_per_s'] / bf16['tokens_per_s']:.3f} "
           f"weight_update_ms={fp8['update_ms']:.1f}")
