@@ -248,8 +248,7 @@ def run_grpo(args) -> dict:
         them in the engine (collective on every rank); return their largest K and V scale for the logs."""
         if args.rollout_kv_cache_dtype != "fp8":
             return {}
-        sequences = sequences[:args.rollout_kv_cache_calibration_sequences]
-        scales = calibrate_kv_cache_scales(setup.ddp_chunks, sequences[groups.data_parallel_rank::groups.data_parallel_size],
+        scales = calibrate_kv_cache_scales(setup.ddp_chunks, sequences[:args.rollout_kv_cache_calibration_sequences],
                                            args.seq_length, args.micro_batch_size, groups, build.shape.vocab_size,
                                            build.shape.num_layers, args.rollout_kv_cache_scale_margin)
         if engine is not None:

@@ -103,15 +103,16 @@ class AttentionAmax:
 
 
 def attention_amax(ddp_chunks: list, sequences: list[list[int]], seq_length: int, micro_batch_size: int, groups,
-                   vocab_size: int, num_layers: int) -> torch.Tensor:
-    """Run `sequences` (every rank of a model-parallel group passes the same ones; none skips the forward) through
-    the policy's forward; return this rank's [num_layers, 3] max |q|, |k|, |v| over their tokens (zeros for layers
-    it does not hold)."""
+                   vocab_size: int, num_layers: int, rows: int | None = None) -> torch.Tensor:
+    """Run `sequences` (every rank of a model-parallel group passes the same ones), padded with token-less rows to
+    `rows` (default: as many as there are sequences) and to whole micro-batches, through the policy's forward;
+    return this rank's [num_layers, 3] max |q|, |k|, |v| over their tokens (zeros for layers it does not hold)."""
     from megatron_ais.grpo.step import compute_logprobs, split_micro_batches
 
-    if not sequences:
+    count = max(len(sequences), rows or 0)
+    count = -(-count // micro_batch_size) * micro_batch_size
+    if count == 0:
         return torch.zeros(num_layers, 3)
-    count = -(-len(sequences) // micro_batch_size) * micro_batch_size
     tokens = torch.zeros(count, seq_length, dtype=torch.long)
     valid = torch.zeros(count, seq_length, dtype=torch.bool)
     for row, ids in enumerate(sequences):
@@ -129,10 +130,13 @@ def attention_amax(ddp_chunks: list, sequences: list[list[int]], seq_length: int
 
 def calibrate_kv_cache_scales(ddp_chunks: list, sequences: list[list[int]], seq_length: int, micro_batch_size: int,
                               groups, vocab_size: int, num_layers: int, margin: float, group=None) -> KVCacheScales:
-    """The FP8 KV-cache scales of every layer for the policy's current weights, measured on `sequences` (this
-    data-parallel rank's share) and the same on every rank of `group` (default: the world, whose maximum covers
-    every TP head, PP layer and DP rank's sequences)."""
-    amax = attention_amax(ddp_chunks, sequences, seq_length, micro_batch_size, groups, vocab_size, num_layers)
+    """The FP8 KV-cache scales of every layer for the policy's current weights, measured on `sequences` (the same
+    list on every rank; each data-parallel rank runs its share, all shares padded to one length because MoE layers
+    exchange tokens across data-parallel ranks in every micro-batch) and the same on every rank of `group`
+    (default: the world, whose maximum covers every TP head, PP layer and DP rank's sequences)."""
+    share = sequences[groups.data_parallel_rank::groups.data_parallel_size]
+    rows = -(-len(sequences) // groups.data_parallel_size)
+    amax = attention_amax(ddp_chunks, share, seq_length, micro_batch_size, groups, vocab_size, num_layers, rows)
     if dist.is_initialized():
         amax = amax.cuda() if torch.cuda.is_available() else amax  # NCCL reduces device tensors
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)

@@ -84,11 +84,13 @@ def _hf_value_amax(hf_dir, sequences) -> list[float]:
 
 
 @pytest.mark.slow
-def test_calibration_equals_references_across_tp_and_padding(model_root):
+def test_calibration_equals_references_across_tp_dp_and_padding(model_root):
     hf_dir = rescaled_model(model_root)
     ((one, amax_one),) = spawn(1, _calibrate, hf_dir, 1, SEQUENCES, 1)
     two = spawn(2, _calibrate, hf_dir, 2, SEQUENCES, 2)  # padded micro-batches, heads split over TP ranks
-    for scales, _ in two:
+    # DP2: rank 0 runs sequences 0 and 2, rank 1 sequence 1 and a token-less row (equal micro-batch counts)
+    data_parallel = spawn(2, _calibrate, hf_dir, 1, SEQUENCES, 1)
+    for scales, _ in two + data_parallel:
         assert torch.allclose(torch.tensor(scales.scales), torch.tensor(one.scales), rtol=1e-5)
     # each TP rank saw only its own heads; the reduced maximum is the maximum over both
     assert torch.allclose(torch.maximum(two[0][1], two[1][1]), amax_one, rtol=1e-5)
