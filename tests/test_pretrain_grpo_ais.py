@@ -64,14 +64,17 @@ def test_two_grpo_steps_end_to_end(model_root, tmp_path, layout):
 @pytest.mark.slow
 def test_two_grpo_steps_of_a_moe_model(model_root, tmp_path):
     """Qwen3-MoE (8 experts, top-2) converted to an EP2 Megatron checkpoint, trained at EP2 (each rank loads,
-    trains, exports and syncs its own four experts), FP8 rollouts with float8 experts."""
+    trains, exports and syncs its own four experts), FP8 rollouts with float8 experts and an FP8 KV cache (1
+    calibration sequence over 2 data-parallel ranks: the other runs a token-less padding row)."""
     import convert_checkpoint
 
     hf_dir = make_model_dir(model_root, "qwen3_moe", num_layers=2, hidden_size=256, vocab_size=512,
                             initializer_range=0.1)
     checkpoint = str(tmp_path / "megatron")
     convert_checkpoint.hf_to_megatron(hf_dir, checkpoint, 1, 1, ep=2)
-    cmd = _command(checkpoint, tmp_path / "run", 2, "--expert-model-parallel-size", "2")
+    # with an FP8 KV cache: both data-parallel ranks run the calibration's forward (MoE layers exchange tokens)
+    cmd = _command(checkpoint, tmp_path / "run", 2, "--expert-model-parallel-size", "2", "--rollout-kv-cache-dtype",
+                   "fp8", "--rollout-kv-cache-calibration-sequences", "1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.load(open(tmp_path / "run" / "summary.json"))
@@ -79,6 +82,7 @@ def test_two_grpo_steps_of_a_moe_model(model_root, tmp_path):
     first = summary["history"][0]
     assert 0.0 <= first["ais/lambda"] <= 1.0 and first["ais/num_units"] > 0
     assert 0.0 <= first["rollout/routing_mismatch"] <= 1.0  # probe routes compared at every refit check
+    assert 0.0 < first["rollout/kv_cache_k_scale_max"] and 0.0 < first["rollout/kv_cache_v_scale_max"]
     assert proc.stdout.strip().splitlines()[-1].startswith("accuracy_before=")
     files = sorted(os.listdir(tmp_path / "run" / "engine_init"))
     assert "model-00001-of-00001-ep001.safetensors" in files  # EP rank 1 wrote its own experts
