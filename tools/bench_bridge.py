@@ -100,7 +100,8 @@ def main(argv=None) -> int:
     parser.add_argument("--intermediate-size", type=int, default=2048)
     parser.add_argument("--vocab-size", type=int, default=16384)
     parser.add_argument("--bucket-size-mb", type=float, default=64.0)
-    parser.add_argument("--repeats", type=int, default=15, help="Measured syncs per precision (the median is reported).")
+    parser.add_argument("--repeats", type=int, default=15,
+                        help="Measured syncs per precision (the median is reported).")
     parser.add_argument("--transport", choices=("auto", "shm", "distributed"), default="auto",
                         help="--bridge-transport of the measured syncs (auto = shm on one machine)")
     args = parser.parse_args(argv)

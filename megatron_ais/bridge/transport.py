@@ -11,9 +11,11 @@ tensors. Trainer ranks deliver each bucket by one of two transports, chosen per 
 
 The receiver verifies every tensor of every bucket against its manifest (name, dtype, shape, place, bytes,
 checksum) and the layout it expects (the layout at once, the bytes' checksums on a thread of its own, so that
-reading bucket k overlaps the writing of bucket k + 1: every bucket has its own place in the arena), and applies the arena's tensors to the engine in one call only when every
-stage has delivered everything intact; a refused sync leaves the engine's weights untouched (the arena is a
-staging copy, not the engine's weights). A separate-process engine maps the arena itself (`apply_shared`).
+reading bucket k overlaps the writing of bucket k + 1: every bucket has its own place in the arena), and applies
+the arena's tensors to the engine in one call only when every stage has delivered everything intact; a refused sync
+leaves the engine's weights untouched (the arena is a staging copy, not the engine's weights). A separate-process
+engine maps the arena itself (`apply_shared`). On CUDA nodes the arena is GPU memory shared by CUDA IPC instead of
+/dev/shm (`arena.staging_buffer`).
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ class SyncReceiver:
     """
 
     apply: Callable[[list[tuple[str, torch.Tensor]]], object]
-    apply_shared: Callable[[str, list[ManifestEntry]], object] | None = None
+    apply_shared: Callable[[object, list[ManifestEntry]], object] | None = None
     arena: SharedBuffer | CudaBuffer | None = None
     stage_offsets: tuple[int, ...] = ()
     expected: tuple[tuple[EngineTensor, ...], ...] = ()

@@ -72,8 +72,9 @@ class AttentionAmax:
         self.num_layers, self.valid = num_layers, valid
         self.calls: dict[int, int] = {}
         self.maxima: dict[int, torch.Tensor] = {}  # on the activations' device: no host sync per layer
-        self.handles = [layer.self_attention.core_attention.register_forward_pre_hook(self._hook(layer.layer_number - 1))
-                        for chunk in ddp_chunks for layer in unwrap_model(chunk).decoder.layers]
+        layers = [layer for chunk in ddp_chunks for layer in unwrap_model(chunk).decoder.layers]
+        self.handles = [layer.self_attention.core_attention.register_forward_pre_hook(
+            self._hook(layer.layer_number - 1)) for layer in layers]
 
     def _hook(self, index: int):
         def record(module, args):
