@@ -18,7 +18,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def _kv_amax(hf_dir: str, batch: list[list[int]]) -> "torch.Tensor":
+def _kv_amax(hf_dir: str, batch: list[list[int]]):
     """[layers, 3] max |q|, |k|, |v| of the prompts through transformers (k and v as cached: after k_norm and
     RoPE for k), what the trainer's calibration measures."""
     import torch
