@@ -144,6 +144,7 @@ def checkpoint_metadata(args, build, hf_config: dict, iteration: int) -> dict[st
     return {"hf_config": hf_config, "tensor_model_parallel_size": build.tensor_model_parallel_size,
             "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
             "expert_model_parallel_size": build.expert_model_parallel_size,
+            "expert_tensor_parallel_size": build.expert_tensor_parallel_size or build.tensor_model_parallel_size,
             "make_vocab_size_divisible_by": args.make_vocab_size_divisible_by,
             "padded_vocab_size": build.padded_vocab_size, "iteration": iteration}
 
@@ -222,16 +223,18 @@ def load_rank_state(root: str, tp_rank: int, pp_rank: int, pp_size: int, iterati
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def check_layout(metadata: dict[str, Any], tp: int, pp: int, root: str, ep: int = 1) -> None:
-    """Raise a CheckpointError naming the flags when a checkpoint was saved at another TP / PP / EP layout."""
+def check_layout(metadata: dict[str, Any], tp: int, pp: int, root: str, ep: int = 1, etp: int | None = None) -> None:
+    """Raise a CheckpointError naming the flags when a checkpoint was saved at another TP / PP / EP / expert-TP
+    layout (expert-TP defaults to TP, as in megatron; checkpoints that predate its record are not checked on it)."""
+    saved_etp = metadata.get("expert_tensor_parallel_size")
     saved = (metadata["tensor_model_parallel_size"], metadata["pipeline_model_parallel_size"],
-             metadata.get("expert_model_parallel_size", 1))
-    if saved != (tp, pp, ep):
+             metadata.get("expert_model_parallel_size", 1), saved_etp or etp or tp)
+    if saved != (tp, pp, ep, etp or tp):
         raise CheckpointError(
-            f"--load {root} was saved at TP{saved[0]} x PP{saved[1]} x EP{saved[2]} but the run uses "
-            f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} --expert-model-parallel-size "
-            f"{ep}; use the saved sizes, or reshard: tools/convert_checkpoint.py megatron-to-hf then hf-to-megatron "
-            "with the new sizes")
+            f"--load {root} was saved at TP{saved[0]} x PP{saved[1]} x EP{saved[2]} x expert-TP{saved[3]} but the run "
+            f"uses --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} --expert-model-parallel-size "
+            f"{ep} --expert-tensor-parallel-size {etp or tp}; use the saved sizes, or reshard: "
+            "tools/convert_checkpoint.py megatron-to-hf then hf-to-megatron with the new sizes")
 
 
 def _model_keys(num_chunks: int) -> list[str]:

@@ -146,7 +146,8 @@ def build_loaded_chunks(args, build):
     if args.load:
         ranks = CheckpointRanks.from_parallel_state()
         loaded = load_checkpoint(args.load, ranks, args.use_distributed_optimizer)
-        check_layout(loaded.metadata, build.tensor_model_parallel_size, ranks.pp_size, args.load, ranks.ep_size)
+        check_layout(loaded.metadata, build.tensor_model_parallel_size, ranks.pp_size, args.load, ranks.ep_size,
+                     build.expert_tensor_parallel_size)
         load_model_state(chunks, loaded.state)
         return chunks, loaded.assets_dir, loaded
     load_hf_weights(chunks, args.hf_dir, build, ps.get_tensor_model_parallel_rank())

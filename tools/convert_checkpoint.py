@@ -18,18 +18,18 @@ import sys
 import time
 
 from megatron_ais.arguments import ArgumentValidationError, load_hf_config, validate_model_args
-from megatron_ais.checkpointing import (CHECKPOINT_VERSION, CheckpointError, HF_ASSETS, commit_checkpoint,
-                                        iteration_dir, load_rank_state, prepare_staging, read_checkpoint_metadata,
-                                        newest_verified_iteration, write_metadata, write_rank_state)
+from megatron_ais.checkpointing import (CHECKPOINT_VERSION, RANK_FILE, CheckpointError, HF_ASSETS, commit_checkpoint,
+                                        iteration_dir, load_rank_state, newest_verified_iteration, prepare_staging,
+                                        rank_dir_name, read_checkpoint_metadata, write_metadata, write_rank_state)
 from megatron_ais.mapping.distributed import shard_context, stage_file_name, write_hf_index_and_config
 from megatron_ais.mapping.hf_io import HFCheckpointReader, hf_tensors_from_shards, megatron_shard_from_hf
 from megatron_ais.mapping.rules import canonical_name, expert_index, megatron_param_names, split_layer, with_layer
 from megatron_ais.model import ModelBuildConfig, ModelShape
 
 
-def _build_config(hf_config: dict, tp: int, divisible_by: int) -> ModelBuildConfig:
+def _build_config(hf_config: dict, tp: int, divisible_by: int, etp: int | None = None) -> ModelBuildConfig:
     return ModelBuildConfig(shape=ModelShape.from_hf_config(hf_config), tensor_model_parallel_size=tp,
-                            make_vocab_size_divisible_by=divisible_by)
+                            make_vocab_size_divisible_by=divisible_by, expert_tensor_parallel_size=etp)
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
@@ -91,14 +91,23 @@ def hf_to_megatron(hf_dir: str, save: str, tp: int, pp: int, divisible_by: int =
 
 
 def megatron_to_hf(load: str, save: str) -> str:
-    """Write a HF model directory (safetensors, config, tokenizer) from a Megatron checkpoint; return it."""
+    """Write a HF model directory (safetensors, config, tokenizer) from a Megatron checkpoint; return it.
 
+    Under expert parallelism the shard directories are those of the ranks that saved (expert-data-parallel rank 0):
+    with expert-TP = TP every TP x EP directory, with expert-TP < TP only some (at TP2 x EP2 x expert-TP 1:
+    `mp_rank_00_000` and `mp_rank_01_001`). Dense weights come from any directory of each TP rank (they are the
+    same in every EP rank's); EP rank e's experts, expert-TP shard k, from a directory (t, e) with t % expert-TP == k
+    (megatron lays expert-TP rank k on the ranks whose TP rank is k modulo expert-TP).
+    """
     iteration = newest_verified_iteration(load)
     meta = read_checkpoint_metadata(load, iteration)
     hf_config = meta["hf_config"]
     tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
     ep = meta.get("expert_model_parallel_size", 1)
-    build = _build_config(hf_config, tp, meta["make_vocab_size_divisible_by"])
+    etp = meta.get("expert_tensor_parallel_size") or tp
+    if tp % etp:
+        raise CheckpointError(f"{load}: expert-TP {etp} does not divide TP {tp}; the converter cannot place its shards")
+    build = _build_config(hf_config, tp, meta["make_vocab_size_divisible_by"], etp)
     shape = build.shape
     os.makedirs(save, exist_ok=True)
     from safetensors.torch import save_file
@@ -107,29 +116,47 @@ def megatron_to_hf(load: str, save: str) -> str:
     num_local = shape.num_experts // ep
     for pp_rank in range(pp):
         offset = stage_layers(shape.num_layers, pp, pp_rank).start
+        saved = {(t, e) for t in range(tp) for e in range(ep)
+                 if os.path.isfile(os.path.join(iteration_dir(load, iteration),
+                                                rank_dir_name(t, pp_rank, pp, e, ep), RANK_FILE))}
+
+        def models(pairs: list[tuple[int, int]], experts: bool) -> list[dict]:
+            """The model states of these shard directories, with only the expert (or only the dense) tensors."""
+            out = []
+            for t, e in pairs:
+                state = load_rank_state(load, t, pp_rank, pp, iteration, e, ep)
+                if "model" not in state:
+                    raise CheckpointError("checkpoints saved with --virtual-pipeline-model-parallel-size are not "
+                                          "supported by the converter yet")
+                out.append({k: v for k, v in state["model"].items() if not k.endswith("_extra_state")
+                            and (expert_index(canonical_name(k)) is not None) == experts})
+            return out
+
+        def first_saved(candidates, what: str) -> tuple[int, int]:
+            found = next((c for c in candidates if c in saved), None)
+            if found is None:
+                raise CheckpointError(f"{load} iteration {iteration}: no shard directory holds {what} of pipeline "
+                                      f"stage {pp_rank}")
+            return found
+
         tensors = {}
-        for ep_rank in range(ep):
-            states = [load_rank_state(load, tp_rank, pp_rank, pp, iteration, ep_rank, ep) for tp_rank in range(tp)]
-            if any("model" not in s for s in states):
-                raise CheckpointError("checkpoints saved with --virtual-pipeline-model-parallel-size are not "
-                                      "supported by the converter yet")
-            models = [s["model"] for s in states]
-            for local_name in models[0]:
-                if local_name.endswith("_extra_state"):
-                    continue
+        jobs = [(models([first_saved([(t, e) for e in range(ep)], f"TP rank {t}") for t in range(tp)], False),
+                 shard_context(build, 0), None)]
+        for e in range(ep if shape.is_moe else 0):
+            pairs = [first_saved([(t, e) for t in range(k, tp, etp)], f"expert-TP rank {k} of EP rank {e}")
+                     for k in range(etp)]
+            jobs.append((models(pairs, True), shard_context(build, 0, expert=True), e))
+        for states, ctx, ep_rank in jobs:
+            for local_name in states[0]:
                 name = canonical_name(local_name)
-                local = expert_index(name)
-                if local is None and ep_rank > 0:
-                    continue  # dense weights are the same in every expert-parallel rank's directory
-                if local is not None:
-                    name = _expert_name(name, ep_rank * num_local + local)
+                if ep_rank is not None:
+                    name = _expert_name(name, ep_rank * num_local + expert_index(name))
                 layer, _ = split_layer(name)
                 if layer is not None:
                     layer += offset
                     name = with_layer(name, layer)
-                shards = [m[local_name] for m in models]
-                for hf_name, tensor in hf_tensors_from_shards(name, layer, shape.model_type,
-                                                              shard_context(build, 0), shards,
+                for hf_name, tensor in hf_tensors_from_shards(name, layer, shape.model_type, ctx,
+                                                              [m[local_name] for m in states],
                                                               shape.tie_word_embeddings):
                     tensors[hf_name] = tensor.contiguous()
         file = stage_file_name(pp_rank, pp)

@@ -38,6 +38,11 @@ def test_layout_mismatch_names_flags_and_fix(tmp_path):
     meta = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1}
     with pytest.raises(ckpt.CheckpointError, match="--tensor-model-parallel-size 1 .*convert_checkpoint.py"):
         ckpt.check_layout(meta, 1, 1, str(tmp_path))
+    ckpt.check_layout(meta, 2, 1, str(tmp_path), etp=1)  # saved before expert-TP was recorded: not checked on it
+    moe = {**meta, "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1}
+    ckpt.check_layout(moe, 2, 1, str(tmp_path), ep=2, etp=1)
+    with pytest.raises(ckpt.CheckpointError, match="x expert-TP1 .*--expert-tensor-parallel-size 2"):
+        ckpt.check_layout(moe, 2, 1, str(tmp_path), ep=2)
 
 
 def test_rank_directory_names_follow_megatron_lm():

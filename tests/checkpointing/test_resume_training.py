@@ -6,6 +6,7 @@ experts: `mp_rank_00_000`, `mp_rank_00_001`)."""
 import hashlib
 
 import pytest
+import torch
 
 from conftest import make_model_dir
 from distributed import spawn
@@ -13,7 +14,7 @@ from distributed import spawn
 GLOBAL_BATCH, MICRO_BATCH, SEQ = 8, 2, 48
 
 
-def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=()):
+def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=(), export_dir=None):
     import random
 
     import torch
@@ -36,6 +37,13 @@ def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=()
     initialize_megatron(args)
     setup = setup_model_and_optimizer(args, hf_config, run_kind="test")
     start = setup.run_state["step"] if resume else 0
+    if export_dir:  # the trainer's own HF export of what it loaded: the reference for the offline converter
+        from megatron_ais.mapping.distributed import save_hf_checkpoint
+
+        save_hf_checkpoint(setup.chunks, setup.build, hf_config, export_dir, ps.get_tensor_model_parallel_group(),
+                           ps.get_pipeline_model_parallel_group(),
+                           ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0,
+                           assets_from=hf_dir)
     tokenizer = load_tokenizer(hf_dir)
     examples = arithmetic_task(11, 99, train_size=GLOBAL_BATCH * 4, eval_size=8).train
     dp_rank = ps.get_data_parallel_rank()
@@ -92,13 +100,35 @@ def test_resume_is_bit_exact_moe_ep2(model_root, tmp_path, precision, distribute
 @pytest.mark.slow
 def test_resume_is_bit_exact_moe_tp2_ep2_expert_tp1(model_root, tmp_path):
     """Expert-TP 1 under TP2 (the production recipe's shape): whole experts per rank, dense weights split over TP;
-    every rank's shard directory is written and the resumed run continues bit for bit on all four ranks."""
+    the ranks that save write `mp_rank_00_000` and `mp_rank_01_001`, the resumed run continues bit for bit on all
+    four ranks, and the offline converter reads that checkpoint into exactly the trainer's own HF export."""
+    import os
+
+    from safetensors.torch import load_file
+
+    import convert_checkpoint
+
     hf_dir = make_model_dir(model_root, "qwen3_moe", initializer_range=0.1)
-    save_dir = str(tmp_path / "ckpt")
+    save_dir, export_dir = str(tmp_path / "ckpt"), str(tmp_path / "live_export")
     flags = ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
              "--expert-tensor-parallel-size", "1")
     uninterrupted = spawn(4, _worker, hf_dir, "fp32", False, save_dir, False, flags)
-    resumed = spawn(4, _worker, hf_dir, "fp32", False, save_dir, True, flags)
+    assert sorted(d for d in os.listdir(os.path.join(save_dir, "iter_0000002")) if d.startswith("mp_rank")) == [
+        "mp_rank_00_000", "mp_rank_01_001"]
+    resumed = spawn(4, _worker, hf_dir, "fp32", False, save_dir, True, flags, export_dir)
     for rank in range(4):
         assert resumed[rank][0] == uninterrupted[rank][0], "losses after the resume differ"
         assert resumed[rank][2] == uninterrupted[rank][2], "parameters after the resume differ"
+    converted = convert_checkpoint.megatron_to_hf(save_dir, str(tmp_path / "converted"))
+
+    def tensors(directory):
+        out = {}
+        for name in os.listdir(directory):
+            if name.endswith(".safetensors"):
+                out.update(load_file(os.path.join(directory, name)))
+        return out
+
+    live, offline = tensors(export_dir), tensors(converted)
+    assert sorted(live) == sorted(offline) and any(".experts.7." in n for n in live)
+    for name, tensor in live.items():
+        assert torch.equal(offline[name], tensor), name
