@@ -347,8 +347,9 @@ def load_distributed_optimizer_shard(optimizer, shard: list) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointRanks:
-    """Where this rank sits: its shard directory (TP, PP, EP), its DP rank, whether it writes its shard file (expert-
-    data-parallel rank 0: the same as DP rank 0 without expert parallelism) and whether it commits."""
+    """Where this rank sits: its shard directory (TP, PP, EP), its DP rank, whether it writes its shard file (the
+    directory's lowest rank: DP rank 0 without expert parallelism, expert-data-parallel rank 0 with it) and whether
+    it commits. `from_parallel_state` is collective."""
 
     tp_rank: int = 0
     pp_rank: int = 0
@@ -364,10 +365,15 @@ class CheckpointRanks:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        return cls(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                   ps.get_pipeline_model_parallel_world_size(), ps.get_data_parallel_rank(), dist.get_rank() == 0,
-                   ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
-                   ps.get_expert_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0)
+        rank, cp0 = dist.get_rank(), ps.get_context_parallel_rank() == 0
+        position = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                    ps.get_expert_model_parallel_rank())
+        marks = _gather((rank, position, cp0))
+        # the lowest rank of each shard directory writes it: expert-data-parallel rank 0 where it holds that TP rank's
+        # dense shard, and also the ranks whose TP rank no such rank has (expert-TP x EP < TP)
+        writes = cp0 and rank == min(r for r, p, c in marks if p == position and c)
+        return cls(position[0], position[1], ps.get_pipeline_model_parallel_world_size(), ps.get_data_parallel_rank(),
+                   rank == 0, position[2], ps.get_expert_model_parallel_world_size(), writes)
 
     @property
     def shard_dir(self) -> str:
@@ -410,7 +416,7 @@ def save_checkpoint(root: str, iteration: int, chunks: list, metadata: dict[str,
                     keep: int | None = None) -> str:
     """Save model, optimizer, every DP rank's RNG state and the run state atomically; collective over all ranks.
 
-    Expert-DP rank 0 of each (TP, PP, EP) position writes the shard file; with the distributed optimizer every rank also
+    The lowest rank of each (TP, PP, EP) position writes the shard file; with the distributed optimizer every rank also
     writes its optimizer shard. Writers report sizes and sha256 to the committer, which records them in
     checksums.json, commits, moves the tracker and keeps the newest `keep` iterations."""
     stage = staging_dir(root, iteration)

@@ -15,6 +15,7 @@ GLOBAL_BATCH, MICRO_BATCH, SEQ = 8, 2, 48
 
 
 def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=(), export_dir=None):
+    import os
     import random
 
     import torch
@@ -33,7 +34,7 @@ def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=()
     argv += ["--load", save_dir] if resume else []
     argv += list(extra)
     args = build_parser("test").parse_args(argv)
-    hf_config = validate_args(args, 2)
+    hf_config = validate_args(args, int(os.environ["WORLD_SIZE"]))
     initialize_megatron(args)
     setup = setup_model_and_optimizer(args, hf_config, run_kind="test")
     start = setup.run_state["step"] if resume else 0
@@ -47,7 +48,7 @@ def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=()
     tokenizer = load_tokenizer(hf_dir)
     examples = arithmetic_task(11, 99, train_size=GLOBAL_BATCH * 4, eval_size=8).train
     dp_rank = ps.get_data_parallel_rank()
-    per_rank = GLOBAL_BATCH // 2
+    per_rank = GLOBAL_BATCH // ps.get_data_parallel_world_size()
     losses, draws = [], []
     for step in range(start, 4):
         rows = examples[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH][dp_rank * per_rank:(dp_rank + 1) * per_rank]
@@ -98,9 +99,13 @@ def test_resume_is_bit_exact_moe_ep2(model_root, tmp_path, precision, distribute
 
 
 @pytest.mark.slow
-def test_resume_is_bit_exact_moe_tp2_ep2_expert_tp1(model_root, tmp_path):
-    """Expert-TP 1 under TP2 (the production recipe's shape): whole experts per rank, dense weights split over TP;
-    the ranks that save write `mp_rank_00_000` and `mp_rank_01_001`, the resumed run continues bit for bit on all
+@pytest.mark.parametrize("tp,directories", [
+    (2, ["mp_rank_00_000", "mp_rank_01_001"]),
+    # expert-TP x EP < TP: expert-data-parallel rank 0 holds TP ranks 0 and 1 only; ranks 2 and 3 write theirs
+    (4, ["mp_rank_00_000", "mp_rank_01_001", "mp_rank_02_000", "mp_rank_03_001"])])
+def test_resume_is_bit_exact_moe_ep2_expert_tp1(model_root, tmp_path, tp, directories):
+    """Expert-TP 1 under TP2 and TP4 at EP2 on four ranks (the production recipe's shape): whole experts per rank,
+    dense weights split over TP; every TP rank's dense shard is saved, the resumed run continues bit for bit on all
     four ranks, and the offline converter reads that checkpoint into exactly the trainer's own HF export."""
     import os
 
@@ -110,11 +115,11 @@ def test_resume_is_bit_exact_moe_tp2_ep2_expert_tp1(model_root, tmp_path):
 
     hf_dir = make_model_dir(model_root, "qwen3_moe", initializer_range=0.1)
     save_dir, export_dir = str(tmp_path / "ckpt"), str(tmp_path / "live_export")
-    flags = ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+    flags = ("--tensor-model-parallel-size", str(tp), "--sequence-parallel", "--expert-model-parallel-size", "2",
              "--expert-tensor-parallel-size", "1")
     uninterrupted = spawn(4, _worker, hf_dir, "fp32", False, save_dir, False, flags)
-    assert sorted(d for d in os.listdir(os.path.join(save_dir, "iter_0000002")) if d.startswith("mp_rank")) == [
-        "mp_rank_00_000", "mp_rank_01_001"]
+    assert sorted(d for d in os.listdir(os.path.join(save_dir, "iter_0000002")) if d.startswith("mp_rank")) == \
+        directories
     resumed = spawn(4, _worker, hf_dir, "fp32", False, save_dir, True, flags, export_dir)
     for rank in range(4):
         assert resumed[rank][0] == uninterrupted[rank][0], "losses after the resume differ"
