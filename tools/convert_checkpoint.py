@@ -11,7 +11,7 @@ Megatron checkpoint, go through HF: megatron-to-hf, then hf-to-megatron with the
 from __future__ import annotations
 
 import argparse
-import itertools
+import math
 import os
 import re
 import sys
@@ -48,17 +48,29 @@ def _expert_name(name: str, expert: int) -> str:
     return re.sub(r"\.local_experts\.\d+\.", f".local_experts.{expert}.", name)
 
 
+def shard_directories(tp: int, ep: int, etp: int) -> list[tuple[int, int]]:
+    """The (TP rank, EP rank) shard directories a run at TP x EP x expert-TP saves: one per position some rank holds
+    (megatron: rank r has TP rank r mod TP and EP rank (r // expert-TP) mod EP; all of them within lcm(TP, expert-TP
+    x EP) ranks). Every TP x EP pair when expert-TP = TP."""
+    return sorted({(r % tp, (r // etp) % ep) for r in range(math.lcm(tp, etp * ep))})
+
+
 def hf_to_megatron(hf_dir: str, save: str, tp: int, pp: int, divisible_by: int = 128, iteration: int = 0,
-                   ep: int = 1) -> str:
-    """Write a Megatron checkpoint of the HF model at TP x PP (x EP for MoE: one directory per expert-parallel rank
-    with the dense weights and that rank's experts under their local index); return its iteration directory."""
+                   ep: int = 1, etp: int | None = None) -> str:
+    """Write a Megatron checkpoint of the HF model at TP x PP (x EP x expert-TP for MoE: one directory per position
+    of `shard_directories`, with the dense TP shard and that EP rank's experts under their local index, split over
+    expert-TP); return its iteration directory."""
     hf_config = load_hf_config(hf_dir)
     layout = argparse.Namespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 virtual_pipeline_model_parallel_size=None, seq_length=1,
-                                expert_model_parallel_size=ep, expert_tensor_parallel_size=None,
+                                expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                                 sequence_parallel=tp > 1)
     validate_model_args(layout, hf_config, f"{hf_dir}/config.json")
-    build = _build_config(hf_config, tp, divisible_by)
+    etp = etp or tp
+    if tp % etp:
+        raise ArgumentValidationError(f"--expert-tensor-parallel-size {etp} must divide --tensor-model-parallel-size "
+                                      f"{tp} (megatron places expert-TP rank k on the TP ranks equal to k modulo it)")
+    build = _build_config(hf_config, tp, divisible_by, etp)
     shape = build.shape
     reader = HFCheckpointReader(hf_dir)
     os.makedirs(save, exist_ok=True)
@@ -68,23 +80,23 @@ def hf_to_megatron(hf_dir: str, save: str, tp: int, pp: int, divisible_by: int =
         num_local = shape.num_experts // ep
         names = megatron_param_names(shape.model_type, layers, pp_rank == 0, pp_rank == pp - 1,
                                      shape.tie_word_embeddings, range(num_local))
-        for ep_rank, tp_rank in itertools.product(range(ep), range(tp)):
-            ctx = shard_context(build, tp_rank)  # expert-TP = TP in checkpoints the converter writes
+        for tp_rank, ep_rank in shard_directories(tp, ep, etp):
+            ctx, expert_ctx = shard_context(build, tp_rank), shard_context(build, tp_rank % etp, expert=True)
             state = {}
             for name in names:
                 layer, _ = split_layer(name)
                 local = expert_index(name)
                 # read expert ep_rank * num_local + local, store it under its local index
                 source = name if local is None else _expert_name(name, ep_rank * num_local + local)
-                shard = megatron_shard_from_hf(source, layer, shape.model_type, ctx, reader.get,
-                                               shape.tie_word_embeddings)
+                shard = megatron_shard_from_hf(source, layer, shape.model_type, ctx if local is None else expert_ctx,
+                                               reader.get, shape.tie_word_embeddings)
                 state[_local_name(name, layers.start)] = shard.clone()
             write_rank_state(stage, tp_rank, pp_rank, pp,
                              {"model": state, "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION},
                              ep_rank, ep)
     write_metadata(stage, {"hf_config": hf_config, "tensor_model_parallel_size": tp,
                            "pipeline_model_parallel_size": pp, "expert_model_parallel_size": ep,
-                           "make_vocab_size_divisible_by": divisible_by,
+                           "expert_tensor_parallel_size": etp, "make_vocab_size_divisible_by": divisible_by,
                            "padded_vocab_size": build.padded_vocab_size, "iteration": iteration,
                            "source": os.path.abspath(hf_dir)}, hf_dir)
     return commit_checkpoint(save, iteration)
@@ -176,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     to_m.add_argument("--save", required=True, help="Megatron checkpoint directory to write.")
     to_m.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size of the checkpoint.")
     to_m.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP size of the checkpoint.")
+    to_m.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                      help="Expert-TP size of the checkpoint (MoE; default: TP). Below TP only the shard directories "
+                           "megatron's ranks hold are written, as a run at that layout saves them.")
     to_m.add_argument("--expert-model-parallel-size", type=int, default=1,
                       help="EP size of the checkpoint (MoE: one directory per expert-parallel rank).")
     to_m.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
@@ -193,12 +208,12 @@ def main(argv=None) -> int:
     try:
         if args.direction == "hf-to-megatron":
             for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-                         "make_vocab_size_divisible_by"):
-                if getattr(args, flag) < 1:
+                         "expert_tensor_parallel_size", "make_vocab_size_divisible_by"):
+                if getattr(args, flag) is not None and getattr(args, flag) < 1:
                     raise ArgumentValidationError(f"--{flag.replace('_', '-')} must be a positive integer")
             out = hf_to_megatron(args.hf_dir, args.save, args.tensor_model_parallel_size,
                                  args.pipeline_model_parallel_size, args.make_vocab_size_divisible_by,
-                                 ep=args.expert_model_parallel_size)
+                                 ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
         else:
             out = megatron_to_hf(args.load, args.save)
     except (ArgumentValidationError, FileNotFoundError, KeyError, RuntimeError) as err:

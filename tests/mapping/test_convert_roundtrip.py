@@ -19,10 +19,10 @@ def _read_all(hf_dir):
     return {n: reader.get(n) for n in reader.names()}
 
 
-def roundtrip_mismatches(hf_dir, work, tp, pp, ep=1):
-    """Convert hf_dir to Megatron at TP x PP (x EP) and back; return the tensor names that differ (or are
-    missing)."""
-    convert_checkpoint.hf_to_megatron(hf_dir, os.path.join(work, "megatron"), tp, pp, ep=ep)
+def roundtrip_mismatches(hf_dir, work, tp, pp, ep=1, etp=None):
+    """Convert hf_dir to Megatron at TP x PP (x EP x expert-TP) and back; return the tensor names that differ (or
+    are missing)."""
+    convert_checkpoint.hf_to_megatron(hf_dir, os.path.join(work, "megatron"), tp, pp, ep=ep, etp=etp)
     out = convert_checkpoint.megatron_to_hf(os.path.join(work, "megatron"), os.path.join(work, "hf"))
     before, after = _read_all(hf_dir), _read_all(out)
     bad = sorted(set(before) ^ set(after))
@@ -61,6 +61,48 @@ def test_roundtrip_tp2_pp2_bit_exact_and_loads_in_transformers(arch, model_root,
     assert all(torch.equal(ref[k], out[k]) for k in ref)
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     assert tok.apply_chat_template([{"role": "user", "content": "1+1"}], tokenize=False).startswith("<|im_start|>")
+
+
+def _load_and_export_worker(load, export_dir, flags):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_ais.arguments import build_parser, validate_args
+    from megatron_ais.initialize import initialize_megatron
+    from megatron_ais.mapping.distributed import save_hf_checkpoint
+    from megatron_ais.model import ModelBuildConfig
+    from megatron_ais.training import build_loaded_chunks
+
+    args = build_parser("test").parse_args(["--load", load, "--fp32", "--seq-length", "16", *flags])
+    hf_config = validate_args(args, int(os.environ["WORLD_SIZE"]))
+    initialize_megatron(args)
+    build = ModelBuildConfig.from_args(args, hf_config)
+    chunks, assets, _ = build_loaded_chunks(args, build)
+    save_hf_checkpoint(chunks, build, hf_config, export_dir, ps.get_tensor_model_parallel_group(),
+                       ps.get_pipeline_model_parallel_group(),
+                       ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0,
+                       assets_from=assets)
+    dist.barrier()
+
+
+@pytest.mark.slow
+def test_moe_checkpoint_at_expert_tp1_under_tp2(model_root, tmp_path):
+    """hf-to-megatron at TP2 x EP2 x expert-TP 1 writes the shard directories a run at that layout saves (whole
+    experts); back to HF bit for bit, and a 4-rank trainer at that layout --loads it and exports the same tensors."""
+    from distributed import spawn
+
+    hf_dir = make_model_dir(model_root, "qwen3_moe", initializer_range=0.1)
+    assert roundtrip_mismatches(hf_dir, str(tmp_path), 2, 1, 2, 1) == []
+    shards = sorted(d for d in os.listdir(tmp_path / "megatron" / "iter_0000000") if d.startswith("mp_rank"))
+    assert shards == ["mp_rank_00_000", "mp_rank_01_001"]
+    assert convert_checkpoint.shard_directories(4, 2, 1) == [(0, 0), (1, 1), (2, 0), (3, 1)]
+    assert convert_checkpoint.shard_directories(2, 2, 2) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    flags = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+             "--expert-tensor-parallel-size", "1"]
+    spawn(4, _load_and_export_worker, str(tmp_path / "megatron"), str(tmp_path / "live"), flags)
+    source, live = _read_all(hf_dir), _read_all(str(tmp_path / "live"))
+    assert sorted(source) == sorted(live)
+    assert all(torch.equal(live[n], source[n].to(live[n].dtype)) for n in source)
 
 
 def test_wrong_mapping_breaks_the_roundtrip(model_root, tmp_path, monkeypatch):
