@@ -140,10 +140,7 @@ def decode_ref(text: str):
 
 def buffer_data(ref) -> torch.Tensor:
     """The bytes behind a ref, mapped: a shared-memory file copy-on-write, a CUDA IPC handle in place."""
-    if isinstance(ref, str):
-        return map_file(ref)
-    rebuild, args = ref
-    return rebuild(*args)
+    return map_file(ref) if isinstance(ref, str) else CudaBuffer.open(ref, 0).data
 
 
 def map_file(path: str) -> torch.Tensor:

@@ -65,10 +65,9 @@ class HFTarget:
     name: str
     shape: tuple[int, ...]
     param: torch.Tensor
-    pieces: list[Piece] | None  # this rank's pieces (empty: another rank writes them all)
+    pieces: list[Piece]  # this rank's pieces (empty: other ranks write them all)
     quantized: bool
     blockwise_local: bool  # every rank's pieces respect block boundaries: quantize per piece
-    dense_pieces: list[Piece] = dataclasses.field(default_factory=list)  # this TP rank's, whoever writes
 
     def engine_names(self) -> list[str]:
         return [self.name, self.name + SCALE_SUFFIX] if self.quantized else [self.name]
@@ -142,20 +141,21 @@ def hf_targets(chunks: list, build, ctx, policy: QuantizationPolicy, expert_ctx=
     every rank, ordered by local expert index, then EP rank); a rank has pieces only of the experts it holds."""
     rules = rules_for(build.shape.model_type)
     num_local = build.shape.num_experts // role.ep_size if build.shape.is_moe else 0
-    targets = _stage_targets(chunks, build, ctx, policy, expert_ctx, role, rules, num_local)
-    owners = iter(dense_owners([_numel(t.shape) for t in targets if t.pieces is None], role.dense_replicas))
-    for target in targets:
-        if target.pieces is None:  # a dense tensor: written by its owner replica's TP ranks
-            target.pieces = target.dense_pieces if next(owners) == role.dense_replica else []
+    targets, dense = _stage_targets(chunks, build, ctx, policy, expert_ctx, role, rules, num_local)
+    # a dense tensor is written by the TP ranks of its owner replica only
+    for index, owner in zip(dense, dense_owners([_numel(targets[i].shape) for i in dense], role.dense_replicas)):
+        if owner != role.dense_replica:
+            targets[index].pieces = []
     return targets
 
 
-def _stage_targets(chunks, build, ctx, policy, expert_ctx, role, rules, num_local) -> list[HFTarget]:
-    """hf_targets before the dense tensors are shared out: their `pieces` are None, this rank's TP pieces in
-    `dense_pieces`."""
+def _stage_targets(chunks, build, ctx, policy, expert_ctx, role, rules, num_local
+                   ) -> tuple[list[HFTarget], list[int]]:
+    """hf_targets before the dense tensors are shared out (every data-parallel replica holds its TP pieces of all
+    of them); also return the dense targets' indices."""
     from megatron_ais.model import unwrap_model
 
-    targets = []
+    targets, dense = [], []
     for chunk in chunks:
         for name, layer, param in global_parameters(unwrap_model(chunk)):
             rule = rules.get(split_layer(name)[1])
@@ -173,14 +173,13 @@ def _stage_targets(chunks, build, ctx, policy, expert_ctx, role, rules, num_loca
                 for index, (hf_name, shape) in enumerate(zip(rule.format(layer, global_expert)[1], shapes)):
                     quantized = policy.quantizes(hf_name)
                     per_rank = [[p for p in rank_pieces if p.hf_index == index] for rank_pieces in pieces]
-                    target = HFTarget(hf_name, shape, param.detach(), None, quantized,
-                                      quantized and _block_aligned(per_rank, shape, policy.block_size))
-                    if expert is not None:
-                        target.pieces = per_rank[param_ctx.tp_rank] if role.experts and held else []
-                    else:
-                        target.dense_pieces = per_rank[param_ctx.tp_rank]
-                    targets.append(target)
-    return targets
+                    writes = held and role.experts if expert is not None else role.dense
+                    if expert is None:
+                        dense.append(len(targets))
+                    targets.append(HFTarget(hf_name, shape, param.detach(),
+                                            per_rank[param_ctx.tp_rank] if writes else [], quantized,
+                                            quantized and _block_aligned(per_rank, shape, policy.block_size)))
+    return targets, dense
 
 
 def plan_stage(targets: list[HFTarget], policy: QuantizationPolicy, bucket_bytes: int) -> StagePlan:
