@@ -8,13 +8,16 @@ import traceback
 import torch.multiprocessing as mp
 
 
+RESULT_WAIT_S = 120.0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, target, args, queue) -> None:
+def _worker(rank: int, world_size: int, port: int, target, args, queue, received) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     import torch
@@ -25,6 +28,9 @@ def _worker(rank: int, world_size: int, port: int, target, args, queue) -> None:
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         _teardown_distributed()
+        # tensors in a result travel as file descriptors this process must still hold when the parent unpickles
+        # them: stay alive until it has
+        received.wait(RESULT_WAIT_S)
 
 
 def _teardown_distributed() -> None:
@@ -49,9 +55,10 @@ def spawn(world_size: int, target, *args, timeout: float = 600.0) -> list:
     Raises with the failing rank's traceback if any rank fails.
     """
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue, received = ctx.Queue(), ctx.Event()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, target, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, target, args, queue, received))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
@@ -65,6 +72,7 @@ def spawn(world_size: int, target, *args, timeout: float = 600.0) -> list:
                 errors.append(f"rank {rank}:\n{value}")
                 break
     finally:
+        received.set()
         for p in procs:
             p.join(timeout=5 if errors else 60)
             if p.is_alive():
