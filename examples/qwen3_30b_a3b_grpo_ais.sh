@@ -41,8 +41,9 @@ TP=${TP:-4}
 PP=${PP:-1}
 EP=${EP:-8}
 ETP=${ETP:-1}
-# Rollouts: FP8 Qwen3-30B-A3B is about 31 GB of weights; rollout TP2 leaves most of two H100s for the KV cache and
-# keeps every expert's 768 rows a multiple of the 128-row FP8 block per rank (768 / 2 = 384).
+# Rollouts: FP8 Qwen3-30B-A3B is about 31 GB of weights; rollout TP2 puts half on each of GPUs 0 and 1, which the
+# engine shares with trainer ranks 0 and 1 (about 16 GB of weights + 16 GB of KV cache + 2 GB each, next to the
+# trainer's ~35 GB), and keeps every expert's 768 rows a multiple of the 128-row FP8 block per rank (768 / 2 = 384).
 ROLLOUT_TP=${ROLLOUT_TP:-2}
 
 DISTRIBUTED_ARGS=(
@@ -94,7 +95,7 @@ ROLLOUT_ARGS=(
     --rollout-kv-cache-dtype auto
     --rollout-placement separate
     --rollout-tensor-parallel-size "$ROLLOUT_TP"
-    --rollout-kv-cache-gb 40
+    --rollout-kv-cache-gb 16              # per GPU; the engine checks its budget against the free memory
     --rollout-max-num-seqs 256
     --rollout-max-model-len 4096
     --max-new-tokens 3072

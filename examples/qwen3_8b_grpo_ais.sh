@@ -85,7 +85,7 @@ ROLLOUT_ARGS=(
     --rollout-kv-cache-dtype auto
     --rollout-placement separate
     --rollout-tensor-parallel-size "$ROLLOUT_TP"
-    --rollout-kv-cache-gb 20
+    --rollout-kv-cache-gb 20              # on GPU 0 next to trainer rank 0: 20 + 9 GB of weights + 2 GB
     --rollout-max-num-seqs 256
     --rollout-max-model-len 4096
     --max-new-tokens 3072

@@ -261,4 +261,8 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> di
     if getattr(args, "rollout_kv_cache_calibration_sequences", 1) < 1:
         raise ArgumentValidationError("--rollout-kv-cache-calibration-sequences "
                                       f"{args.rollout_kv_cache_calibration_sequences} must be at least 1")
+    utilization = getattr(args, "rollout_gpu_memory_utilization", None)
+    if utilization is not None and not 0 < utilization <= 1:
+        raise ArgumentValidationError(f"--rollout-gpu-memory-utilization {utilization} must be in (0, 1] (or left "
+                                      "out: the engine then asks vLLM for its own budget)")
     return hf_config

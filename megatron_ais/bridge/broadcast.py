@@ -28,6 +28,22 @@ def host_address() -> str:
         return "127.0.0.1"
 
 
+def device_uuid() -> str | None:
+    """The physical GPU this process computes on (None without CUDA): device indices differ between processes
+    with different CUDA_VISIBLE_DEVICES, UUIDs do not."""
+    if not torch.cuda.is_available():
+        return None
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+
+def feed_backend(root_device: str | None, member_devices: list[str | None]) -> str:
+    """NCCL when the root and every member compute on GPUs of their own; gloo (host memory) otherwise: on CPU, and
+    when a member shares the root's GPU (an engine worker on the trainer rank's GPU), which NCCL refuses ("duplicate
+    GPU") — such a worker would better be fed by `shm` (CUDA IPC)."""
+    devices = [root_device, *member_devices]
+    return "nccl" if None not in devices and len(set(devices)) == len(devices) else "gloo"
+
+
 def join_weight_group(host: str, port: int, rank: int, world: int, backend: str):
     """Join the feed group as `rank` (0 = the engine's rank, which hosts the store)."""
     store = dist.TCPStore(host, port, world, rank == 0, timeout=TIMEOUT)
@@ -42,11 +58,16 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], options).wait()
 
 
+def feed_device(backend: str) -> str:
+    """Where the feed group's bytes travel from and to: device memory for NCCL, host memory for gloo."""
+    return "cuda" if backend == "nccl" else "cpu"
+
+
 def broadcast_bytes(group, data: torch.Tensor, chunk_bytes: int, device: str = "cpu") -> None:
-    """Root: send `data` (uint8) in chunks of at most `chunk_bytes` (one chunk on the device at a time)."""
+    """Root: send `data` (uint8, anywhere) in chunks of at most `chunk_bytes`, each moved to `device` first (one
+    chunk there at a time)."""
     for start in range(0, data.numel(), chunk_bytes):
-        chunk = data[start: start + chunk_bytes]
-        _broadcast(group, chunk if device == "cpu" else chunk.to(device))
+        _broadcast(group, data[start: start + chunk_bytes].to(device))
 
 
 def receive_bytes(group, out: torch.Tensor, chunk_bytes: int) -> torch.Tensor:

@@ -2,6 +2,7 @@
 the distribution it sampled from, and takes in-place weight updates from the bridge."""
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import dataclasses
 import json
@@ -15,6 +16,7 @@ from megatron_ais.rollout.kv_scales import add_kv_cache_calibration_args
 PRECISIONS = ("bf16", "fp8", "fp32")
 WEIGHT_FEEDS = ("shm", "broadcast")
 FEED_CHUNK_BYTES = 64 << 20
+ENGINE_OVERHEAD_BYTES = 2 << 30  # CUDA context, activations of vLLM's profile run, sampler buffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +62,13 @@ class EngineConfig:
     block_size: int = 128
     tensor_parallel_size: int = 1
     weight_feed: str = "shm"
+    gpu_memory_utilization: float | None = None  # None: the engine's own budget (engine_memory_fraction)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise ValueError(f"--rollout-precision {self.precision!r} must be one of {PRECISIONS}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--rollout-gpu-memory-utilization {self.gpu_memory_utilization} must be in (0, 1]")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--rollout-tensor-parallel-size {self.tensor_parallel_size} must be at least 1")
         if self.weight_feed not in WEIGHT_FEEDS:
@@ -100,6 +105,24 @@ def prepare_engine_dir(config: EngineConfig, out_dir: str) -> str:
     return out_dir
 
 
+def engine_memory_fraction(kv_cache_bytes: int, weight_bytes: int, tensor_parallel_size: int, total_bytes: int,
+                           overhead_bytes: int = ENGINE_OVERHEAD_BYTES) -> float:
+    """The `gpu_memory_utilization` to give vLLM for an engine whose KV cache size is set explicitly.
+
+    vLLM then uses the fraction for one thing only: it refuses to start unless the GPU's free memory is at least
+    fraction x total. Its default (0.92) can never pass on a GPU the engine shares with a trainer rank, so the engine
+    asks for its own budget per GPU: its KV cache, its tensor-parallel share of the weights and a fixed overhead.
+    """
+    budget = kv_cache_bytes + -(-weight_bytes // tensor_parallel_size) + overhead_bytes
+    if budget > total_bytes:
+        raise ValueError(f"the rollout engine needs about {budget / 2**30:.1f} GiB per GPU (KV cache "
+                         f"{kv_cache_bytes / 2**30:.1f} GiB from --rollout-kv-cache-gb, weights "
+                         f"{weight_bytes / tensor_parallel_size / 2**30:.1f} GiB, {overhead_bytes / 2**30:.1f} GiB "
+                         f"of activations and context) but a GPU has {total_bytes / 2**30:.1f} GiB: lower "
+                         "--rollout-kv-cache-gb or raise --rollout-tensor-parallel-size")
+    return budget / total_bytes
+
+
 PLACEMENTS = ("colocated", "separate")
 
 
@@ -132,6 +155,8 @@ class RolloutEngine:
         kwargs = {}
         if config.kv_cache_dtype != "auto":
             kwargs["kv_cache_dtype"] = config.kv_cache_dtype
+        if torch.cuda.is_available():
+            kwargs["gpu_memory_utilization"] = self._gpu_memory_utilization()
         self.llm = LLM(model=self.engine_dir, dtype="float32" if config.precision == "fp32" else "bfloat16",
                        enforce_eager=config.enforce_eager, max_model_len=config.max_model_len,
                        max_num_seqs=config.max_num_seqs, seed=config.seed,
@@ -139,6 +164,23 @@ class RolloutEngine:
                        kv_cache_memory_bytes=int(config.kv_cache_gb * (1 << 30)),
                        logprobs_mode="processed_logprobs",
                        worker_extension_cls="megatron_ais.rollout.worker_extension.WeightSyncExtension", **kwargs)
+
+    def _gpu_memory_utilization(self) -> float:
+        """`--rollout-gpu-memory-utilization`, or the engine's own budget, refused here with the flags to change
+        when this GPU (the one the engine's first worker shares with this trainer rank) has not that much free."""
+        config = self.config
+        if config.gpu_memory_utilization is not None:
+            return config.gpu_memory_utilization
+        free, total = torch.cuda.mem_get_info()
+        weights = os.path.getsize(os.path.join(self.engine_dir, "model.safetensors"))
+        fraction = engine_memory_fraction(int(config.kv_cache_gb * (1 << 30)), weights, config.tensor_parallel_size,
+                                          total)
+        if fraction * total > free:
+            raise RuntimeError(f"the rollout engine needs about {fraction * total / 2**30:.1f} GiB of GPU "
+                               f"{torch.cuda.current_device()} and {free / 2**30:.1f} GiB are free next to the "
+                               "trainer: lower --rollout-kv-cache-gb or the trainer's memory (--micro-batch-size, "
+                               "--use-distributed-optimizer, more tensor/pipeline parallelism)")
+        return fraction
 
     def _worker(self):
         if self.placement != "colocated":
@@ -180,17 +222,19 @@ class RolloutEngine:
         return self.version
 
     def _join_feed_group(self):
-        """Form the feed group with the engine's workers (once per engine start)."""
-        from megatron_ais.bridge.broadcast import free_port, host_address, join_weight_group
+        """Form the feed group with the engine's workers (once per engine start); return it and the device its
+        bytes travel on."""
+        from megatron_ais.bridge.broadcast import (device_uuid, feed_backend, feed_device, free_port, host_address,
+                                                   join_weight_group)
 
         if self._feed_group is None:
             host, port = host_address(), free_port()
             world = 1 + self.config.tensor_parallel_size
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            backend = feed_backend(device_uuid(), self.llm.collective_rpc("megatron_ais_device_uuid"))
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 root = pool.submit(join_weight_group, host, port, 0, world, backend)
                 self.llm.collective_rpc("megatron_ais_join_weight_group", args=(host, port, world, backend))
-                self._feed_group = root.result()
+                self._feed_group = root.result(), feed_device(backend)
         return self._feed_group
 
     def _broadcast_update(self, ref, entries: list, entries_json: str) -> None:
@@ -198,10 +242,9 @@ class RolloutEngine:
         tensor against its entry before applying any."""
         from megatron_ais.bridge.broadcast import broadcast_bytes
 
-        group = self._join_feed_group()
+        group, device = self._join_feed_group()
         nbytes = max(e.offset + e.nbytes for e in entries)
         data = buffer_data(ref)[:nbytes]
-        device = "cuda" if torch.cuda.is_available() else "cpu"
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             sending = pool.submit(broadcast_bytes, group, data, FEED_CHUNK_BYTES, device)
             self.llm.collective_rpc("megatron_ais_receive_broadcast", args=(entries_json, nbytes, FEED_CHUNK_BYTES))
@@ -378,7 +421,18 @@ def add_rollout_args(parser) -> None:
                    help="How a separate engine's workers get each verified sync: shm = they map the bridge's "
                         "shared-memory staging arena (same node); broadcast = the engine's rank sends it over a "
                         "process group of its own (gloo on CPU, NCCL on GPU) and every worker verifies it.")
-    g.add_argument("--rollout-kv-cache-gb", type=float, default=1.0, help="KV-cache memory of the engine (GiB).")
+    g.add_argument("--rollout-kv-cache-gb", type=float, default=1.0,
+                   help="KV-cache memory of the engine (GiB; per GPU on CUDA).")
+    g.add_argument("--rollout-gpu-memory-utilization", type=float, default=None,
+                   help="vLLM's gpu_memory_utilization (CUDA only). With an explicit KV-cache size vLLM uses it only "
+                        "to refuse to start below that fraction of free memory; default: the engine's own budget "
+                        "(KV cache + its share of the weights + 2 GiB), so that it can share a GPU with a trainer "
+                        "rank (vLLM's 0.92 never could).")
+    g.add_argument("--rollout-enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="Run the engine eagerly (default). --no-rollout-enforce-eager lets vLLM compile and capture "
+                        "CUDA graphs (faster decoding on GPU; vLLM's layer-wise reload copies updates into the "
+                        "captured storage). The refit check's per-layer diagnosis uses forward hooks, which graph "
+                        "replays skip, and the MoE routing probe has not been tried under graphs.")
     g.add_argument("--rollout-max-num-seqs", type=int, default=64, help="Sequences the engine batches at once.")
     g.add_argument("--rollout-max-model-len", type=int, default=512, help="Longest prompt + response the engine serves.")
     g.add_argument("--verify-refit-interval", type=int, default=1,
@@ -391,4 +445,6 @@ def engine_config_from_args(args, model_dir: str) -> EngineConfig:
                         kv_cache_dtype=args.rollout_kv_cache_dtype, kv_cache_gb=args.rollout_kv_cache_gb,
                         max_model_len=args.rollout_max_model_len, max_num_seqs=args.rollout_max_num_seqs,
                         seed=args.seed, tensor_parallel_size=args.rollout_tensor_parallel_size,
-                        weight_feed=args.rollout_weight_feed)
+                        weight_feed=args.rollout_weight_feed,
+                        gpu_memory_utilization=args.rollout_gpu_memory_utilization,
+                        enforce_eager=args.rollout_enforce_eager)

@@ -169,12 +169,20 @@ class WeightSyncExtension:
         entries = [ManifestEntry.from_dict(e) for e in json.loads(entries_json)]
         return apply_weights_in_worker(self, arena_views(decode_ref(ref), entries))
 
+    def megatron_ais_device_uuid(self) -> str | None:
+        """The physical GPU of this worker (None on CPU), for the choice of the feed group's backend."""
+        from megatron_ais.bridge.broadcast import device_uuid
+
+        return device_uuid()
+
     def megatron_ais_join_weight_group(self, host: str, port: int, world: int, backend: str) -> int:
         """Join the bridge's feed group as member 1 + this worker's engine-TP rank; return that rank."""
-        from megatron_ais.bridge.broadcast import join_weight_group
+        from megatron_ais.bridge.broadcast import feed_device, join_weight_group
 
         rank = 1 + getattr(self, "rank", 0)
         self._megatron_ais_group = join_weight_group(host, port, rank, world, backend)
+        self._megatron_ais_feed_device = feed_device(backend)
+        self._megatron_ais_feed_buffer = None
         return rank
 
     def megatron_ais_receive_broadcast(self, entries_json: str, nbytes: int, chunk_bytes: int) -> int:
@@ -184,10 +192,10 @@ class WeightSyncExtension:
         from megatron_ais.bridge.broadcast import receive_bytes
         from megatron_ais.bridge.buckets import ManifestEntry, verify_tensor
 
-        buffer = getattr(self, "_megatron_ais_feed_buffer", None)
+        buffer = self._megatron_ais_feed_buffer
         if buffer is None or buffer.numel() < nbytes:
-            device = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL receives into device memory
-            buffer = self._megatron_ais_feed_buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            buffer = self._megatron_ais_feed_buffer = torch.empty(nbytes, dtype=torch.uint8,
+                                                                  device=self._megatron_ais_feed_device)
         receive_bytes(self._megatron_ais_group, buffer[:nbytes], chunk_bytes)
         entries = [ManifestEntry.from_dict(e) for e in json.loads(entries_json)]
         named = entry_views(buffer[:nbytes], entries)

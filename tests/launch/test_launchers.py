@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from megatron_ais.rollout.engine import engine_memory_fraction
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCH_PYTHON = os.path.join(ROOT, ".venv-launch", "bin", "python")
 NEMO_RUN = os.path.join(ROOT, "examples", "nemo_run_grpo_ais.py")
@@ -38,6 +40,11 @@ def test_example_script_is_valid_bash_and_its_flags_parse(script):
         assert args.tensor_model_parallel_size == int(env.get("TP", "4"))
         # 32 query / 8 (Qwen3-8B) or 4 (Qwen3-30B-A3B) KV heads must split over TP or share evenly
         assert 32 % args.tensor_model_parallel_size == 0
+        # the engine shares its GPUs with trainer ranks: its budget (KV cache + FP8 weights of about 9 GB for 8B,
+        # 31 GB for 30B-A3B, split over the engine's TP) leaves at least half of an 80 GB H100 to the trainer
+        fp8_weights = (31 if "30b_a3b" in script else 9) << 30
+        assert engine_memory_fraction(int(args.rollout_kv_cache_gb * (1 << 30)), fp8_weights,
+                                      args.rollout_tensor_parallel_size, 80 << 30) <= 0.5
         if "30b_a3b" in script:
             world = 8 * int(env.get("SLURM_NNODES", "2"))
             assert args.expert_model_parallel_size == 8 and args.sequence_parallel

@@ -10,8 +10,9 @@ from conftest import make_model_dir
 from megatron_ais.arguments import build_parser
 from megatron_ais.bridge.sync import BridgeConfig, add_bridge_args
 from megatron_ais.rollout.batch import rollouts_to_batch
-from megatron_ais.rollout.engine import EngineConfig, Rollout, add_rollout_args, engine_config_from_args, \
-    prepare_engine_dir
+from megatron_ais.bridge.broadcast import feed_backend, feed_device
+from megatron_ais.rollout.engine import ENGINE_OVERHEAD_BYTES, EngineConfig, Rollout, add_rollout_args, \
+    engine_config_from_args, engine_memory_fraction, prepare_engine_dir
 
 
 def _args(*argv):
@@ -26,15 +27,44 @@ def test_flags_to_configs():
     bridge = BridgeConfig.from_args(args)
     assert bridge.bucket_bytes == 8 << 20 and bridge.policy.precision == "bf16"
     assert bridge.policy.exclude == ("layers\\.0\\.",)
+    assert engine.enforce_eager and engine.gpu_memory_utilization is None
     with pytest.raises(ValueError, match="--rollout-precision 'int4'"):
         EngineConfig(model_dir="/m", precision="int4")
+    engine = engine_config_from_args(_args("--no-rollout-enforce-eager", "--rollout-gpu-memory-utilization", "0.4"),
+                                     "/m")
+    assert not engine.enforce_eager and engine.gpu_memory_utilization == 0.4
+    with pytest.raises(ValueError, match="--rollout-gpu-memory-utilization 1.5 must be in"):
+        engine_config_from_args(_args("--rollout-gpu-memory-utilization", "1.5"), "/m")
+
+
+def test_engine_memory_fraction_is_the_engines_own_budget():
+    gib = 1 << 30
+    # an 8B FP8 engine (about 9 GiB of weights) with a 20 GiB KV cache on an 80 GiB GPU, at engine TP 1 and 2
+    assert engine_memory_fraction(20 * gib, 9 * gib, 1, 80 * gib) == (20 + 9 + ENGINE_OVERHEAD_BYTES / gib) / 80
+    assert engine_memory_fraction(20 * gib, 9 * gib, 2, 80 * gib) == (20 + 4.5 + ENGINE_OVERHEAD_BYTES / gib) / 80
+    assert engine_memory_fraction(20 * gib, 9 * gib, 1, 80 * gib) < 0.92  # vLLM's default, refused next to a trainer
+    with pytest.raises(ValueError, match="lower --rollout-kv-cache-gb or raise --rollout-tensor-parallel-size"):
+        engine_memory_fraction(75 * gib, 9 * gib, 1, 80 * gib)
+
+
+@pytest.mark.parametrize("root,members,expected", [
+    (None, [None, None], "gloo"),             # CPU
+    ("GPU-a", ["GPU-b", "GPU-c"], "nccl"),     # engine workers on GPUs of their own
+    ("GPU-a", ["GPU-a", "GPU-b"], "gloo"),     # worker 0 on the trainer rank's GPU: NCCL refuses duplicate GPUs
+    ("GPU-a", ["GPU-b", "GPU-b"], "gloo"),
+    ("GPU-a", [None], "gloo"),
+])
+def test_feed_backend_avoids_shared_gpus(root, members, expected):
+    assert feed_backend(root, members) == expected
+    assert feed_device(expected) == ("cuda" if expected == "nccl" else "cpu")
 
 
 @pytest.mark.parametrize("argv,expected", [
     (["--rollout-kv-cache-scale-margin", "0.5"], "--rollout-kv-cache-scale-margin 0.5 must be at least 1"),
     (["--rollout-kv-cache-calibration-sequences", "0"], "--rollout-kv-cache-calibration-sequences 0 must be"),
+    (["--rollout-gpu-memory-utilization", "0"], r"--rollout-gpu-memory-utilization 0.0 must be in \(0, 1\]"),
 ])
-def test_kv_cache_calibration_flags_are_validated(model_root, argv, expected):
+def test_rollout_flags_are_validated(model_root, argv, expected):
     from megatron_ais.arguments import ALL_GROUPS, ArgumentValidationError, validate_args
 
     hf_dir = make_model_dir(model_root, "qwen3", hidden_size=128, intermediate_size=256)
