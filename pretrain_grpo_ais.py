@@ -18,7 +18,7 @@ from megatron_ais.rollout.engine import add_rollout_args
 
 def build_grpo_parser():
     """Return the parser of every pretrain_grpo_ais.py flag, grouped by concern."""
-    return build_parser(__doc__.splitlines()[0], ALL_GROUPS + (add_task_args, add_grpo_args, add_correction_args,
+    return build_parser(__doc__.split("\n\n")[0], ALL_GROUPS + (add_task_args, add_grpo_args, add_correction_args,
                                                                add_rollout_args, add_bridge_args, add_recipe_args))
 
 

@@ -33,7 +33,7 @@ RECIPES = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--executor", choices=("local", "slurm"), default="local", help="Where the job runs.")
     parser.add_argument("--dryrun", action="store_true", help="Print what would run (the sbatch script on Slurm).")

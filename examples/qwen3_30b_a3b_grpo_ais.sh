@@ -71,7 +71,7 @@ TRAINING_ARGS=(
     --adam-beta2 0.98
     --clip-grad 1.0
     --grpo-steps 500
-    --prompts-per-step 256        # x 8 samples = 2048 sequences per rollout batch
+    --prompts-per-step 192        # x 8 samples = 1536 sequences: 4 whole mini-batches at DP 2, 4, 6 or 8
     --group-size 8
     --num-minibatches 4           # 4 optimizer steps per rollout batch (off-policy within the batch)
     --ppo-epochs 1

@@ -34,8 +34,8 @@ OUTPUT_DIR=${OUTPUT_DIR:-/results/qwen3-8b-grpo-ais}
 # optimizer), so DP = WORLD_SIZE / 4 = 2, 4, 6 or 8 replicas.
 TP=${TP:-4}
 PP=${PP:-1}
-# Rollouts: FP8 Qwen3-8B (about 9 GB of weights) fits one H100 with room for a large KV cache, so each
-# engine is TP1; vLLM's continuous batching prefers more independent engines to wider ones at this size.
+# Rollouts: one engine (on the first node, its worker on GPU 0 beside trainer rank 0). FP8 Qwen3-8B (about 9 GB of
+# weights) fits one H100 with room for a large KV cache, so the engine is TP1.
 ROLLOUT_TP=${ROLLOUT_TP:-1}
 
 DISTRIBUTED_ARGS=(
@@ -63,7 +63,7 @@ TRAINING_ARGS=(
     --adam-beta2 0.98
     --clip-grad 1.0
     --grpo-steps 500
-    --prompts-per-step 256        # x 8 samples = 2048 sequences per rollout batch
+    --prompts-per-step 192        # x 8 samples = 1536 sequences: 4 whole mini-batches at DP 2, 4, 6 or 8
     --group-size 8
     --num-minibatches 4           # 4 optimizer steps per rollout batch (off-policy within the batch)
     --ppo-epochs 1

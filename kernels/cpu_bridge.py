@@ -195,9 +195,12 @@ def copy_check_finite(src: torch.Tensor, dst: torch.Tensor, position: Position |
     position = position or Position.whole(dst)
     lib = library()
     if lib is None or src.device.type != "cpu" or dst.device.type != "cpu" or src.numel() == 0:
+        # checked where the source lives (the same bytes the copy writes): a GPU arena may be on another device,
+        # which should not run every rank's checks; the caller waits for the copy before it reports the bucket
+        bad = int((~torch.isfinite(src)).sum()) if src.is_floating_point() else 0
+        sums = checksum_sums(src, position)
         dst.copy_(src)
-        bad = int((~torch.isfinite(dst)).sum()) if dst.is_floating_point() else 0
-        return bad, checksum_sums(dst, position)
+        return bad, sums
     rows, cols, src_stride = _rows_view(src)
     _, _, dst_stride = _rows_view(dst)
     size = src.element_size()
@@ -253,7 +256,8 @@ _TORCH_CHUNK = 1 << 24  # elements per pass: the int64 temporaries stay a few hu
 
 def checksum_sums_torch(t: torch.Tensor, position: Position | None = None) -> tuple[int, int]:
     """`checksum_sums` in torch integer ops on any device (int64 sums and products wrap mod 2^64 as the C kernel's
-    unsigned ones do), a row chunk at a time."""
+    unsigned ones do), at most `_TORCH_CHUNK` elements at a time (rows, or pieces of a long row: a flat embedding's
+    int64 temporaries would otherwise take tens of GB)."""
     position = position or Position.whole(t)
     if t.numel() == 0:
         return 0, 0
@@ -263,17 +267,18 @@ def checksum_sums_torch(t: torch.Tensor, position: Position | None = None) -> tu
     cols = matrix.shape[1]
     mask = (1 << (8 * width)) - 1 if width < 8 else None
     a = b = 0
-    step = max(1, _TORCH_CHUNK // cols)
-    columns = torch.arange(cols, device=t.device, dtype=torch.int64) + (position.col0 + 1)
-    for r0 in range(0, rows, step):
-        block = matrix[r0:r0 + step].contiguous()
-        values = block.view(-1).view(_SIGNED_VIEWS[width]).to(torch.int64).view(block.shape[0], cols)
-        if mask is not None:
-            values = values & mask
-        starts = (torch.arange(block.shape[0], device=t.device, dtype=torch.int64) + (position.row0 + r0)) \
-            * position.ncols
-        a += int(values.sum())
-        b += int((values * (starts[:, None] + columns[None, :])).sum())
+    row_step, col_step = max(1, _TORCH_CHUNK // cols), min(cols, _TORCH_CHUNK)
+    for r0 in range(0, rows, row_step):
+        starts = (torch.arange(min(row_step, rows - r0), device=t.device, dtype=torch.int64)
+                  + (position.row0 + r0)) * position.ncols
+        for c0 in range(0, cols, col_step):
+            block = matrix[r0:r0 + row_step, c0:c0 + col_step].contiguous()
+            values = block.view(-1).view(_SIGNED_VIEWS[width]).to(torch.int64).view(block.shape)
+            if mask is not None:
+                values = values & mask
+            columns = torch.arange(block.shape[1], device=t.device, dtype=torch.int64) + (position.col0 + c0 + 1)
+            a += int(values.sum())
+            b += int((values * (starts[:, None] + columns[None, :])).sum())
     return a & _MASK, b & _MASK
 
 

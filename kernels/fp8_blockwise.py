@@ -8,6 +8,8 @@ tensors, both tested against the reference.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 FP8_E4M3_MAX = 448.0
@@ -100,12 +102,12 @@ if triton is not None:
         inside = (rows[:, None] < m) & (cols[None, :] < n)
         x = tl.load(w_ptr + rows[:, None] * stride_wm + cols[None, :], mask=inside, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x)), 1e-10)
-        scale = amax / 448.0
+        scale = tl.math.div_rn(amax, 448.0)  # IEEE division: the reference's bits (plain / is approximate)
         if POW2:  # round up to a power of two on the bits: clear the mantissa, bump the exponent if it was not 0
             bits = scale.to(tl.int32, bitcast=True)
             bits = tl.where((bits & 0x7FFFFF) != 0, (bits & 0x7F800000) + 0x800000, bits)
             scale = bits.to(tl.float32, bitcast=True)
-        q = tl.clamp(x / scale, -448.0, 448.0)
+        q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
         tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(tl.float8e4nv), mask=inside)
         tl.store(s_ptr + pid_m * n_blocks_n + pid_n, scale)
 
@@ -121,8 +123,10 @@ def blockwise_fp8_quantize_triton(w: torch.Tensor, block_size: int = 128, pow2_s
     mb, nb = scale_shape((m, n), block_size)
     q = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=w.device)
     scale_inv = torch.empty((mb, nb), dtype=torch.float32, device=w.device)
-    _blockwise_fp8_quantize_kernel[(mb, nb)](w, q, scale_inv, m, n, w.stride(0), q.stride(0), nb,
-                                             BLOCK=block_size, POW2=pow2_scale)
+    # Triton launches on the current device: make it the tensor's (an arena view may live on another GPU)
+    with torch.cuda.device(w.device) if w.is_cuda else contextlib.nullcontext():
+        _blockwise_fp8_quantize_kernel[(mb, nb)](w, q, scale_inv, m, n, w.stride(0), q.stride(0), nb,
+                                                 BLOCK=block_size, POW2=pow2_scale)
     return q, scale_inv
 
 

@@ -21,7 +21,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
     g.add_argument("--hf-dir", default=None,
                    help="Hugging Face model directory (config.json, *.safetensors, tokenizer). Its config defines "
-                        "the architecture (llama, qwen2, qwen3); its weights initialise the run unless --load is given.")
+                        "the architecture (llama, qwen2, qwen3, qwen3_moe); its weights initialise the run unless --load is given.")
     precision = g.add_mutually_exclusive_group()
     precision.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
                            help="Train in BF16 through megatron's Float16Module with fp32 main weights (default).")
@@ -47,7 +47,8 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
                    help="Model chunks per pipeline stage for the interleaved 1F1B schedule (needs PP > 1).")
     g.add_argument("--context-parallel-size", type=int, default=1,
-                   help="CP: split sequences over this many ranks (Transformer Engine attention only).")
+                   help="CP: split sequences over this many ranks. Not supported yet (only 1): the training steps "
+                        "do not split sequences, and megatron's CP attention needs Transformer Engine.")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="EP: distribute MoE experts over this many ranks.")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
@@ -62,10 +63,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     """Optimizer, batch and schedule flags."""
     g = parser.add_argument_group("training")
     g.add_argument("--seed", type=int, default=1234, help="Seed for data, initialisation and dropout.")
-    g.add_argument("--train-iters", type=int, default=10, help="Optimizer steps to run.")
     g.add_argument("--micro-batch-size", type=int, default=2, help="Sequences per micro-batch per DP rank.")
-    g.add_argument("--global-batch-size", type=int, default=None,
-                   help="Sequences per optimizer step over all DP ranks (default: micro batch x DP).")
     g.add_argument("--lr", type=float, default=1e-3, help="Peak learning rate (Adam).")
     g.add_argument("--weight-decay", type=float, default=0.0, help="Decoupled weight decay.")
     g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
@@ -140,6 +138,13 @@ def validate_parallel_args(args: argparse.Namespace, world_size: int | None = No
             "raise the PP size")
     if args.sequence_parallel and tp == 1:
         raise ArgumentValidationError("--sequence-parallel needs --tensor-model-parallel-size > 1; drop the flag")
+    if args.sequence_parallel and args.seq_length % tp:
+        raise ArgumentValidationError(f"--sequence-parallel splits sequences over TP: --seq-length {args.seq_length} "
+                                      f"must be a multiple of --tensor-model-parallel-size {tp}")
+    if args.context_parallel_size > 1:
+        raise ArgumentValidationError(
+            f"--context-parallel-size {args.context_parallel_size}: the training steps do not split sequences over "
+            "context-parallel ranks (and megatron's context-parallel attention needs Transformer Engine); use 1")
     if world_size is not None:
         mp = model_parallel_size(args)
         if world_size % mp:
@@ -238,6 +243,7 @@ def load_hf_config(hf_dir: str) -> dict[str, Any]:
 def validate_args(args: argparse.Namespace, world_size: int | None = None) -> dict[str, Any]:
     """Validate all flags before anything heavy starts; return the model's HF config."""
     validate_parallel_args(args, world_size)
+    _positive(args, "log-interval")
     if args.load is not None:
         from megatron_ais.checkpointing import read_checkpoint_metadata
         hf_config = read_checkpoint_metadata(args.load)["hf_config"]

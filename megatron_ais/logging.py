@@ -10,7 +10,9 @@ from typing import Any
 class RunLogger:
     """One console line per step, tensorboard scalars and summary.json for a run directory."""
 
-    def __init__(self, output_dir: str, tensorboard_dir: str | None, enabled: bool):
+    def __init__(self, output_dir: str, tensorboard_dir: str | None, enabled: bool, resume_step: int | None = None):
+        """`resume_step`: a run resumed from that step's checkpoint; what an earlier run logged for later steps
+        (before it died) is dropped from metrics.jsonl and, by tensorboard's purge, from the event files."""
         self.enabled = enabled
         self.output_dir = output_dir
         self.writer = None
@@ -18,10 +20,13 @@ class RunLogger:
             os.makedirs(output_dir, exist_ok=True)
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(tensorboard_dir or os.path.join(output_dir, "tensorboard"))
+            if resume_step is not None:
+                drop_logged_steps_after(os.path.join(output_dir, "metrics.jsonl"), resume_step)
+            self.writer = SummaryWriter(tensorboard_dir or os.path.join(output_dir, "tensorboard"),
+                                        purge_step=None if resume_step is None else resume_step + 1)
 
-    def step(self, step: int, scalars: dict[str, float], line: str) -> None:
-        """Write the step's scalars to tensorboard and metrics.jsonl, and print its console line."""
+    def step(self, step: int, scalars: dict[str, float], line: str | None) -> None:
+        """Write the step's scalars to tensorboard and metrics.jsonl, and print its console line (if any)."""
         if not self.enabled:
             return
         for name, value in scalars.items():
@@ -29,7 +34,8 @@ class RunLogger:
                 self.writer.add_scalar(name, value, step)
         with open(os.path.join(self.output_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, **{k: v for k, v in scalars.items() if v is not None}}) + "\n")
-        print(line, flush=True)
+        if line is not None:
+            print(line, flush=True)
 
     def info(self, message: str) -> None:
         """Print a message from the logging rank."""
@@ -47,6 +53,20 @@ class RunLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def drop_logged_steps_after(path: str, step: int) -> int:
+    """Rewrite a metrics.jsonl without the records of steps after `step` (atomically); return how many went."""
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        lines = f.readlines()
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    if len(kept) < len(lines):
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+    return len(lines) - len(kept)
 
 
 def grpo_console_line(step: int, metrics: dict[str, float]) -> str:

@@ -66,13 +66,22 @@ def evaluate(engine, tokenizer, task, args) -> dict[str, float]:
 # flags that may change between a run and its resumption without changing what it computes
 RESUME_FREE_FLAGS = ("load", "save", "grpo_steps", "output_dir", "tensorboard_dir", "save_interval", "log_interval",
                      "keep_checkpoints", "eval_interval")
+# flags whose saved values a resumed run keeps (its data order, sampling seeds and KL reference)
+RESUME_KEPT_FLAGS = ("seed", "rollout_seed", "ref_load")
+
+
+def saved_flags(args) -> dict:
+    """The flags a checkpoint records (every plain value, unset ones as None)."""
+    return {k: v for k, v in vars(args).items() if v is None or isinstance(v, (int, float, str, bool))}
 
 
 def changed_flags(saved: dict, args) -> list[str]:
-    """Return `--flag saved -> now` for every flag that differs from the saved run (resume-free flags aside)."""
+    """Return `--flag saved -> now` for every flag that differs from the saved run (resume-free flags aside, and
+    flags this entry point does not have); those whose saved value is kept say so."""
     current = vars(args)
-    return [f"--{k.replace('_', '-')} {v!r} -> {current.get(k)!r}" for k, v in sorted(saved.items())
-            if k not in RESUME_FREE_FLAGS and current.get(k) != v]
+    return [f"--{k.replace('_', '-')} {v!r} -> {current[k]!r}"
+            + (" (ignored: the saved run's value is kept)" if k in RESUME_KEPT_FLAGS else "")
+            for k, v in sorted(saved.items()) if k in current and k not in RESUME_FREE_FLAGS and current[k] != v]
 
 
 def step_examples(task, args, data_seed: int, step: int) -> list:
@@ -109,8 +118,13 @@ def from_last_stage(obj):
 
 def refit_precision(args) -> str:
     """Which tolerance row of the refit check applies: an FP8 KV cache rounds K and V like FP8 weights round the
-    linear layers, so any engine with one is held to the FP8 engine's bound."""
-    return "fp8" if args.rollout_kv_cache_dtype == "fp8" else args.rollout_precision
+    linear layers, so any engine with one is held to the FP8 engine's bound; an fp32 engine is compared with a BF16
+    trainer's log-probs to the BF16 bound (the trainer's own rounding)."""
+    if args.rollout_kv_cache_dtype == "fp8":
+        return "fp8"
+    if args.rollout_precision == "fp32" and args.precision == "bf16":
+        return "bf16"
+    return args.rollout_precision
 
 
 def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups, vocab_size: int, precision: str,
@@ -151,6 +165,54 @@ def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups
     return routing_mismatch(engine.probe_routing(probe), [maps[i] for i in sorted(maps)])
 
 
+def validate_grpo_args(args, world_size: int) -> None:
+    """Check the loop's flags before anything heavy starts (after `validate_args`): counts, the rollout batch's
+    split into data-parallel shares, mini-batches and micro-batches, and every config the flags build."""
+    from megatron_ais.ais import AISConfig
+    from megatron_ais.arguments import ArgumentValidationError, model_parallel_size
+    from megatron_ais.bridge.sync import BridgeConfig
+    from megatron_ais.grpo.loss import PolicyLossConfig
+    from megatron_ais.rollout.engine import engine_config_from_args
+
+    for name in ("grpo-steps", "prompts-per-step", "num-minibatches", "ppo-epochs", "max-new-tokens", "eval-interval",
+                 "eval-samples", "eval-prompts", "num-examples"):
+        value = getattr(args, name.replace("-", "_"))
+        if value < 1:
+            raise ArgumentValidationError(f"--{name} {value} must be at least 1")
+    if args.group_size < 2:
+        raise ArgumentValidationError(f"--group-size {args.group_size}: GRPO's advantages compare the responses to "
+                                      "one prompt, so a group needs at least 2")
+    if args.max_new_tokens >= args.seq_length:
+        raise ArgumentValidationError(f"--max-new-tokens {args.max_new_tokens} leaves no room for the prompt in "
+                                      f"--seq-length {args.seq_length}; raise --seq-length or lower --max-new-tokens")
+    dp = world_size // model_parallel_size(args)
+    sequences = args.prompts_per_step * args.group_size
+    if sequences % dp:
+        raise ArgumentValidationError(
+            f"a rollout batch of --prompts-per-step {args.prompts_per_step} x --group-size {args.group_size} = "
+            f"{sequences} sequences does not split over {dp} data-parallel ranks; use a multiple of {dp}")
+    per_rank = sequences // dp
+    if per_rank % args.num_minibatches:
+        raise ArgumentValidationError(
+            f"{per_rank} sequences per data-parallel rank do not split into --num-minibatches {args.num_minibatches} "
+            "equal mini-batches; change --num-minibatches or --prompts-per-step")
+    if (per_rank // args.num_minibatches) % args.micro_batch_size:
+        raise ArgumentValidationError(
+            f"mini-batches of {per_rank // args.num_minibatches} sequences per data-parallel rank are not a multiple "
+            f"of --micro-batch-size {args.micro_batch_size} (every micro-batch must be full: pipeline stages "
+            "exchange fixed shapes); change --micro-batch-size or the batch flags")
+    if args.rollout_tensor_parallel_size > 1 and args.rollout_placement == "colocated":
+        raise ArgumentValidationError("--rollout-tensor-parallel-size > 1 needs --rollout-placement separate (vLLM's "
+                                      "own worker processes form the engine's tensor-parallel group)")
+    try:
+        PolicyLossConfig.from_args(args)
+        AISConfig.from_args(args)
+        BridgeConfig.from_args(args)
+        engine_config_from_args(args, args.hf_dir or "")
+    except ValueError as err:
+        raise ArgumentValidationError(str(err)) from err
+
+
 def _reference_source(args) -> dict:
     """Where the frozen KL reference comes from: --ref-load, else what this run started from."""
     if args.ref_load:
@@ -174,18 +236,24 @@ def run_grpo(args) -> dict:
     from megatron_ais.logging import RunLogger, grpo_console_line
     from megatron_ais.mapping.distributed import save_hf_checkpoint
     from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig, engine_config_from_args
-    from megatron_ais.rollout.kv_scales import calibrate_kv_cache_scales, rollout_sequences
+    from megatron_ais.rollout.kv_scales import KVCacheScales, calibrate_kv_cache_scales, rollout_sequences
     from megatron_ais.rollout.verify import probe_tokens
     from megatron_ais.sft import load_tokenizer
     from megatron_ais.training import build_reference_chunks, setup_model_and_optimizer
 
     start = time.time()
-    hf_config = validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
-    if args.rollout_placement == "colocated" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    hf_config = validate_args(args, world_size)
+    validate_grpo_args(args, world_size)
+    if args.rollout_placement == "colocated" and world_size > 1:
         from megatron_ais.arguments import ArgumentValidationError
         raise ArgumentValidationError("--rollout-placement colocated needs a single-rank trainer (an in-process vLLM "
                                       "engine owns torch.distributed); use --rollout-placement separate")
     task = build_task(args)  # bad task flags or prompt files fail before anything heavy starts
+    if len(task.train) < args.prompts_per_step:
+        from megatron_ais.data.tasks import TaskError
+        raise TaskError(f"--prompts-per-step {args.prompts_per_step} exceeds the {len(task.train)} training "
+                        "examples of the task; lower it or raise --num-examples")
     initialize_megatron(args)
     setup = setup_model_and_optimizer(args, hf_config, run_kind="grpo")
     resumed = setup.run_state or {}
@@ -202,7 +270,9 @@ def run_grpo(args) -> dict:
     tokenizer = load_tokenizer(setup.assets_dir)
     if data_seed != args.seed:
         task = build_task(argparse.Namespace(**{**vars(args), "seed": data_seed}))
-    log = RunLogger(args.output_dir, args.tensorboard_dir, is_engine_rank)
+    # a resumed run's logs continue from the checkpoint: later steps logged before the crash are dropped
+    log = RunLogger(args.output_dir, args.tensorboard_dir, is_engine_rank,
+                    resume_step=start_step if setup.run_state is not None else None)
     # the engine starts from an HF export of the initial policy, written one file per pipeline stage
     init_dir = os.path.join(args.output_dir, "engine_init")
     save_hf_checkpoint(setup.chunks, build, hf_config, init_dir, tp_group, ps.get_pipeline_model_parallel_group(),
@@ -243,18 +313,17 @@ def run_grpo(args) -> dict:
             log.info(f"bridge: {stats.tensors} tensors in {stats.buckets} buckets, {stats.bytes / 1e6:.1f} MB from "
                      f"this stage by {stats.transport}, {stats.seconds:.2f} s")
 
-    def recalibrate_kv_cache(sequences: list[list[int]]) -> dict[str, float]:
-        """FP8 KV cache: measure the synced policy's K/V scales on `sequences` (split over DP ranks) and install
-        them in the engine (collective on every rank); return their largest K and V scale for the logs."""
+    def recalibrate_kv_cache(sequences: list[list[int]]) -> KVCacheScales | None:
+        """FP8 KV cache: measure the synced policy's K/V scales on `sequences` (split over DP ranks; collective on
+        every rank) and install them in the engine."""
         if args.rollout_kv_cache_dtype != "fp8":
-            return {}
+            return None
         scales = calibrate_kv_cache_scales(setup.ddp_chunks, sequences[:args.rollout_kv_cache_calibration_sequences],
                                            args.seq_length, args.micro_batch_size, groups, build.shape.vocab_size,
                                            build.shape.num_layers, args.rollout_kv_cache_scale_margin)
         if engine is not None:
             engine.set_kv_cache_scales(scales)
-        return {"rollout/kv_cache_k_scale_max": max(k for _, k, _ in scales.scales),
-                "rollout/kv_cache_v_scale_max": max(v for _, _, v in scales.scales)}
+        return scales
 
     def step_prompts(step: int) -> list[list[int]]:
         return _prompt_ids(tokenizer, [e.prompt for e in step_examples(task, args, data_seed, step)])
@@ -265,11 +334,18 @@ def run_grpo(args) -> dict:
         if changed:
             log.info("flags that differ from the saved run: " + ", ".join(changed))
         before = resumed.get("eval_before", {})
-        # the engine holds what the bridge would have sent after the saved step
+        # the engine holds what the bridge would have sent after the saved step, with the KV-cache scales the
+        # uninterrupted run measured then (on that step's rollouts)
         sync_engine(start_step)
-        recalibrate_kv_cache(step_prompts(start_step + 1))
+        saved_scales = resumed.get("kv_cache_scales")
+        if saved_scales is not None and args.rollout_kv_cache_dtype == "fp8":
+            kv_cache_scales = KVCacheScales(tuple(tuple(row) for row in saved_scales))
+            if engine is not None:
+                engine.set_kv_cache_scales(kv_cache_scales)
+        else:
+            kv_cache_scales = recalibrate_kv_cache(step_prompts(start_step + 1))
     else:
-        recalibrate_kv_cache(step_prompts(start_step + 1))
+        kv_cache_scales = recalibrate_kv_cache(step_prompts(start_step + 1))
         before = evaluate(engine, tokenizer, task, args) if is_engine_rank else {}
     accuracy_before = before.get("eval/accuracy")
     for step in range(start_step + 1, args.grpo_steps + 1):
@@ -302,8 +378,8 @@ def run_grpo(args) -> dict:
         result = grpo_train_step(setup.ddp_chunks, setup.optimizer, batch, grpo, state, groups, reference)
         t_train = time.time() - t0 - t_rollout
         sync_engine(step)
-        kv_scales = recalibrate_kv_cache(rollout_sequences(batch.tokens, batch.mask,
-                                                           args.rollout_kv_cache_calibration_sequences))
+        kv_cache_scales = recalibrate_kv_cache(rollout_sequences(batch.tokens, batch.mask,
+                                                                 args.rollout_kv_cache_calibration_sequences))
         routing = None
         if args.verify_refit_interval and step % args.verify_refit_interval == 0:
             routing = verify_refit_on_all_ranks(engine, setup.ddp_chunks, probe, groups, build.shape.vocab_size,
@@ -312,7 +388,9 @@ def run_grpo(args) -> dict:
         metrics = from_last_stage(dict(result.metrics))
         if routing is not None:
             metrics["rollout/routing_mismatch"] = routing
-        metrics.update(kv_scales)
+        if kv_cache_scales is not None:
+            metrics.update({"rollout/kv_cache_k_scale_max": max(k for _, k, _ in kv_cache_scales.scales),
+                            "rollout/kv_cache_v_scale_max": max(v for _, _, v in kv_cache_scales.scales)})
         metrics.update({"rollout/reward": float(batch.rewards.mean()), "time/rollout_s": t_rollout,
                         "time/train_s": t_train, "time/sync_s": t_sync,
                         "rollout/tokens_per_s": float(batch.mask.sum()) / max(t_rollout, 1e-9)})
@@ -325,15 +403,17 @@ def run_grpo(args) -> dict:
                 log.info(f"step {step}: the rollout engine died during evaluation ({type(err).__name__}); "
                          "skipping this evaluation")
         history.append({"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
+        console = step % args.log_interval == 0 or step == args.grpo_steps
         log.step(step, metrics, f"{grpo_console_line(step, metrics)} | reward {metrics['rollout/reward']:.3f} "
                                 f"acc {metrics.get('eval/accuracy', float('nan')):.3f} | "
                                 f"{metrics['rollout/tokens_per_s']:.0f} tok/s | rollout {t_rollout:.1f}s train "
-                                f"{t_train:.1f}s sync {t_sync:.1f}s")
+                                f"{t_train:.1f}s sync {t_sync:.1f}s" if console else None)
         if args.save and (step == args.grpo_steps or (args.save_interval and step % args.save_interval == 0)):
             run_state = {"kind": "grpo", "step": step, "ais_state": state.state_dict(), "data_seed": data_seed,
                          "rollout_seed": rollout_seed, "consumed_prompts": step * args.prompts_per_step,
                          "reference_source": reference_source, "history": history, "eval_before": before,
-                         "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}}
+                         "args": saved_flags(args),
+                         "kv_cache_scales": None if kv_cache_scales is None else list(kv_cache_scales.scales)}
             save_checkpoint(args.save, step, setup.chunks, checkpoint_metadata(args, build, hf_config, step),
                             setup.assets_dir, ranks, optimizer=setup.optimizer, run_state=run_state,
                             dp_group=ps.get_data_parallel_group(), keep=args.keep_checkpoints)

@@ -11,8 +11,11 @@ from megatron_ais.data.tasks import Example
 
 
 def add_sft_args(parser: argparse.ArgumentParser) -> None:
-    """SFT data flags."""
+    """SFT schedule and export flags."""
     g = parser.add_argument_group("sft")
+    g.add_argument("--train-iters", type=int, default=10, help="Optimizer steps to run.")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="Sequences per optimizer step over all DP ranks (default: micro batch x DP).")
     g.add_argument("--export-hf-dir", default=None,
                    help="After training, export the model as a HF checkpoint here (each PP stage writes its file).")
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from conftest import ROOT, make_model_dir
-from megatron_ais.arguments import ArgumentValidationError, build_parser, validate_args, validate_model_args
+from megatron_ais.arguments import ALL_GROUPS, ArgumentValidationError, build_parser, validate_args, validate_model_args
 from megatron_ais.checkpointing import CheckpointError
 from megatron_ais.model import ModelShape, check_supported_hf_config
 
@@ -15,7 +15,9 @@ CONFIG = {"model_type": "llama", "num_attention_heads": 6, "num_key_value_heads"
 
 
 def _args(*argv):
-    return build_parser("test").parse_args(list(argv))
+    from megatron_ais.sft import add_sft_args
+
+    return build_parser("test", ALL_GROUPS + (add_sft_args,)).parse_args(list(argv))
 
 
 @pytest.mark.parametrize("argv,config,expected", [

@@ -144,7 +144,9 @@ def _run_until_killed(cmd, cwd):
 def test_sigkill_mid_step_then_resume_equals_uninterrupted(model_root, tmp_path):
     checkpoint = _converted_checkpoint(model_root, tmp_path)
     full_out, cut_out = tmp_path / "full", tmp_path / "cut"
-    bigger = ("--prompts-per-step", "16", "--max-new-tokens", "24")  # a step long enough to be killed inside
+    # a step long enough to be killed inside; an FP8 KV cache, whose scales the uninterrupted run measured on step
+    # 2's rollouts, which the resumed run no longer has (the checkpoint carries them)
+    bigger = ("--prompts-per-step", "16", "--max-new-tokens", "24", "--rollout-kv-cache-dtype", "fp8")
     full = subprocess.run(_command(checkpoint, full_out, 4, "--save", str(full_out / "ckpt"), "--save-interval", "2",
                                    *bigger), capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     assert full.returncode == 0, full.stderr[-4000:]

@@ -1,7 +1,11 @@
-"""A resumed run lists the flags that differ from the saved run, ignoring those that may change on resume."""
+"""A resumed run lists the flags that differ from the saved run (ignoring those that may change on resume, saying
+which ones the saved run's values override), and its logs continue from the checkpoint: what the earlier run
+logged for later steps before it died is dropped from metrics.jsonl and tensorboard."""
 import argparse
+import json
 
-from megatron_ais.recipe import changed_flags
+from megatron_ais.logging import RunLogger
+from megatron_ais.recipe import changed_flags, saved_flags
 
 
 def test_changed_flags_lists_only_what_changes_the_computation():
@@ -9,3 +13,34 @@ def test_changed_flags_lists_only_what_changes_the_computation():
     now = argparse.Namespace(lr=1e-3, grpo_steps=80, load="runs/default/checkpoint", task="digit_sort", group_size=8)
     assert changed_flags(saved, now) == ["--lr 0.0003 -> 0.001"]
     assert changed_flags({}, now) == []
+
+
+def test_flags_unset_in_the_saved_run_and_kept_values_are_reported():
+    saved = saved_flags(argparse.Namespace(rollout_seed=None, lr=1e-3, exclude=["a"], train_iters=10))
+    assert saved == {"rollout_seed": None, "lr": 1e-3, "train_iters": 10}  # lists are not recorded
+    now = argparse.Namespace(rollout_seed=7, lr=1e-3)
+    # train_iters belongs to another entry point (an SFT checkpoint's flags): not a change
+    assert changed_flags(saved, now) == ["--rollout-seed None -> 7 (ignored: the saved run's value is kept)"]
+
+
+def _scalars(tensorboard_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(tensorboard_dir)
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
+def test_resumed_logs_continue_from_the_checkpoint(tmp_path):
+    out = str(tmp_path)
+    first = RunLogger(out, None, True)
+    for step in (1, 2, 3, 4):
+        first.step(step, {"rollout/reward": float(step)}, None)
+    first.close()  # the run died after logging step 4; its last checkpoint is step 2
+    resumed = RunLogger(out, None, True, resume_step=2)
+    for step in (3, 4):
+        resumed.step(step, {"rollout/reward": 10.0 * step}, f"step {step}")
+    resumed.close()
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [(r["step"], r["rollout/reward"]) for r in records] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+    assert _scalars(str(tmp_path / "tensorboard"), "rollout/reward") == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]

@@ -90,7 +90,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[:argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="Flags after `--` go to every pretrain_grpo_ais.py run unchanged.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--load", required=True, help="SFT (or any) Megatron checkpoint every arm starts from.")
     parser.add_argument("--output-dir", default="runs/ablation", help="One sub-directory per arm, table, figure.")

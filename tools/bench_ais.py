@@ -73,7 +73,7 @@ def _bench_worker(hf_dir: str, sequences: int, seq_length: int, repeats: int) ->
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sequences", type=int, default=16, help="Rollout batch size (sequences, both ranks).")
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)

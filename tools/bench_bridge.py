@@ -90,7 +90,7 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, p
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", choices=("qwen3", "qwen3_moe"), default="qwen3",
                         help="qwen3: dense, TP2. qwen3_moe: experts spread by EP2 (TP1), each rank writing its own.")
     parser.add_argument("--num-experts", type=int, default=16, help="qwen3_moe: experts per layer.")

@@ -179,7 +179,7 @@ def megatron_to_hf(load: str, save: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = parser.add_subparsers(dest="direction", required=True)
     to_m = sub.add_parser("hf-to-megatron", help="HF safetensors -> sharded Megatron checkpoint",

@@ -117,7 +117,7 @@ def make_tiny_model(args) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--arch", choices=("llama", "qwen2", "qwen3", "qwen3_moe"), default="llama",
                    help="HF architecture family.")

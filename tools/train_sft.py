@@ -12,7 +12,7 @@ from megatron_ais.sft import add_sft_args, run_sft
 
 
 def main(argv=None) -> int:
-    parser = build_parser(__doc__.splitlines()[0], ALL_GROUPS + (add_task_args, add_sft_args))
+    parser = build_parser(__doc__.split("\n\n")[0], ALL_GROUPS + (add_task_args, add_sft_args))
     args = parser.parse_args(argv)
     try:
         summary = run_sft(args)

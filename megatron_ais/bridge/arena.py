@@ -18,6 +18,9 @@ import tempfile
 import torch
 
 _NAME = re.compile(r"megatron-ais-(\d+)-[\w.-]+")
+# the bytes of the buffers this process created, by encoded ref: a CUDA IPC handle cannot be opened by the process
+# that made it, so its own readers (a colocated engine, the broadcast feed's root) take the tensor itself
+_CREATED_HERE: dict[str, torch.Tensor] = {}
 
 
 def shared_directory() -> str:
@@ -56,6 +59,8 @@ class SharedBuffer:
         elif os.path.getsize(path) < self.nbytes:
             raise ValueError(f"shared buffer {path} holds {os.path.getsize(path)} bytes, {self.nbytes} expected")
         self.data = torch.from_file(path, shared=True, size=self.nbytes, dtype=torch.uint8)
+        if create:
+            _CREATED_HERE[path] = self.data
 
     @classmethod
     def create(cls, tag: str, nbytes: int) -> "SharedBuffer":
@@ -72,13 +77,19 @@ class SharedBuffer:
 
     def close(self) -> None:
         self.data = None
-        if self.owner and os.path.exists(self.path):
-            os.remove(self.path)
+        if self.owner:
+            _CREATED_HERE.pop(self.path, None)
+            if os.path.exists(self.path):
+                os.remove(self.path)
 
 
 class CudaBuffer:
     """`nbytes` bytes of GPU memory that other processes of the node map through a CUDA IPC handle (torch's own,
-    `reduce_tensor`: the creator keeps the memory alive, openers get a tensor on the creator's device)."""
+    `reduce_tensor`: the creator keeps the memory alive, openers get a tensor on the creator's GPU). The ref names
+    that GPU by UUID, since device indices differ between processes that see different CUDA_VISIBLE_DEVICES."""
+
+    # position of the device index among `reduce_tensor`'s arguments for `rebuild_cuda_tensor`
+    _DEVICE_ARG = 6
 
     def __init__(self, data: torch.Tensor, ref: tuple, owner: bool):
         self.data, self.ref, self.owner, self.nbytes = data, ref, owner, data.numel()
@@ -88,12 +99,19 @@ class CudaBuffer:
         from torch.multiprocessing.reductions import reduce_tensor
 
         data = torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=torch.cuda.current_device())
-        return cls(data, reduce_tensor(data), owner=True)
+        rebuild, args = reduce_tensor(data)
+        buffer = cls(data, (rebuild, args, gpu_uuid(data.device.index)), owner=True)
+        _CREATED_HERE[encode_ref(buffer.ref)] = data
+        return buffer
 
     @classmethod
     def open(cls, ref: tuple, nbytes: int) -> "CudaBuffer":
-        rebuild, args = ref
-        data = rebuild(*args)
+        data = _CREATED_HERE.get(encode_ref(ref))
+        if data is None:
+            rebuild, args, uuid = ref
+            args = list(args)
+            args[cls._DEVICE_ARG] = local_gpu_index(uuid)
+            data = rebuild(*args)
         if data.numel() < nbytes:
             raise ValueError(f"CUDA IPC buffer holds {data.numel()} bytes, {nbytes} expected")
         return cls(data, ref, owner=False)
@@ -102,7 +120,24 @@ class CudaBuffer:
         return byte_view(self.data, offset, dtype, shape)
 
     def close(self) -> None:
+        if self.owner:
+            _CREATED_HERE.pop(encode_ref(self.ref), None)
         self.data = None
+
+
+def gpu_uuid(index: int) -> str:
+    """The UUID of this process's GPU `index`."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def local_gpu_index(uuid: str) -> int:
+    """This process's index of the GPU with `uuid`; a clear error when this process does not see it."""
+    for index in range(torch.cuda.device_count()):
+        if gpu_uuid(index) == uuid:
+            return index
+    raise ValueError(f"a CUDA IPC buffer lives on GPU {uuid}, which this process does not see (its "
+                     f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); trainer and engine "
+                     "processes of a node must see the GPU that holds the bridge's staging arena")
 
 
 def byte_view(data: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -139,7 +174,11 @@ def decode_ref(text: str):
 
 
 def buffer_data(ref) -> torch.Tensor:
-    """The bytes behind a ref, mapped: a shared-memory file copy-on-write, a CUDA IPC handle in place."""
+    """The bytes behind a ref: the buffer itself in the process that created it; elsewhere mapped, a shared-memory
+    file copy-on-write, a CUDA IPC handle in place."""
+    data = _CREATED_HERE.get(encode_ref(ref))
+    if data is not None:
+        return data
     return map_file(ref) if isinstance(ref, str) else CudaBuffer.open(ref, 0).data
 
 

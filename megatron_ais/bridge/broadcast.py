@@ -33,7 +33,9 @@ def device_uuid() -> str | None:
     with different CUDA_VISIBLE_DEVICES, UUIDs do not."""
     if not torch.cuda.is_available():
         return None
-    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    from megatron_ais.bridge.arena import gpu_uuid
+
+    return gpu_uuid(torch.cuda.current_device())
 
 
 def feed_backend(root_device: str | None, member_devices: list[str | None]) -> str:

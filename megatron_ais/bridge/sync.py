@@ -130,6 +130,8 @@ def dense_writer_replicas(stage_marks: list[tuple]) -> list[int]:
 
 def _copy_checked(src: torch.Tensor, dst: torch.Tensor, position: Position, name: str) -> tuple[int, int]:
     """Copy a piece into place; return its checksum sums; refuse NaN/Inf naming the tensor."""
+    if src.dtype != dst.dtype and src.device.type != "cpu":
+        src = src.to(dst.dtype)  # converted on its own GPU, so that the checks run there too
     if src.dtype == dst.dtype:
         bad, sums = copy_check_finite(src, dst, position)
     else:
@@ -146,12 +148,20 @@ def _quantize_into(src: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, 
     """Quantize a piece into place; return the checksum sums of its codes and of its scales."""
     if supports_quantize(src):
         q_sums = fp8_quantize_into(src, q_out, s_out, policy.block_size, policy.pow2_scale, name, q_position)
-    else:
-        q, s = blockwise_fp8_quantize(src, policy.block_size, policy.pow2_scale, name=name)
-        q_out.copy_(q)
-        s_out.copy_(s)
-        q_sums = checksum_sums(q_out, q_position)
-    return q_sums, checksum_sums(s_out, s_position)
+        return q_sums, checksum_sums(s_out, s_position)
+    q, s = blockwise_fp8_quantize(src, policy.block_size, policy.pow2_scale, name=name)
+    sums = checksum_sums(q, q_position), checksum_sums(s, s_position)  # where the quantizer ran, as for copies
+    q_out.copy_(q)
+    s_out.copy_(s)
+    return sums
+
+
+def wait_for_device_writes(buffer) -> None:
+    """Block until this process's copies into a GPU buffer are done: other processes read it next (the engine's
+    verifier, the stage's sender) and CUDA orders nothing across processes."""
+    if buffer is not None and buffer.data.is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.synchronize(buffer.data.device)
 
 
 def _add(sums: dict[str, list[int]], name: str, piece: tuple[int, int]) -> None:
@@ -369,6 +379,7 @@ class WeightBridge:
                 stats.written_bytes += self._write(index, sums)
             except ValueError as err:
                 error = str(err)
+            wait_for_device_writes(self.buffer)
             if bucket.scratch:
                 error = self._agree(error)  # every piece is in the scratch area before the sender quantizes it
                 if error is None and self.layout.is_sender:
@@ -376,6 +387,7 @@ class WeightBridge:
                         self._quantize_scratch(bucket, targets, sums)
                     except ValueError as err:
                         error = str(err)
+                    wait_for_device_writes(self.buffer)
             manifest, error = self._manifest(bucket, sums, error)
             if error is not None:
                 base_error = error

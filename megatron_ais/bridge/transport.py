@@ -181,6 +181,10 @@ def send_manifest(dst: int, sync_id: int, manifest: list[ManifestEntry], window:
     dist.send_object_list([("bucket", sync_id, manifest, span)], dst=dst)
     if window is not None:
         dist.send(window, dst=dst)
+        if window.is_cuda:
+            # NCCL's wait only orders this GPU's stream: the stage's other writers refill the buffer with the next
+            # bucket as soon as they pass the next barrier, so the bytes must be gone before this returns
+            torch.cuda.current_stream(window.device).synchronize()
 
 
 def send_end(dst: int, sync_id: int, error: str | None) -> None:
@@ -204,7 +208,7 @@ def receive_stage(src: int, stage: int, receiver: SyncReceiver, stage_bytes: int
             if 0 <= start and start + nbytes <= stage_bytes:
                 dist.recv(receiver.window(stage, start, start + nbytes), src=src)
             else:
-                dist.recv(torch.empty(nbytes, dtype=torch.uint8), src=src)
+                dist.recv(torch.empty(nbytes, dtype=torch.uint8, device=receiver.arena.data.device), src=src)
                 receiver.abort(f"sync {sync_id} refused: stage {stage} sent bytes [{start}, {start + nbytes}) "
                                f"outside its {stage_bytes} bytes")
         receiver.receive(sync_id, stage, payload)

@@ -23,6 +23,8 @@ def _share_worker():
         buffer.data[:half] = torch.arange(half, device=buffer.data.device, dtype=torch.int64).to(torch.uint8)
         torch.cuda.synchronize()
         ref = [buffer.ref]
+        # the creator cannot open its own IPC handle: its readers get the buffer itself
+        assert buffer_data(decode_ref(encode_ref(buffer.ref))).data_ptr() == buffer.data.data_ptr()
     dist.broadcast_object_list(ref, src=0)
     if rank == 1:
         buffer = open_staging_buffer(ref[0], nbytes)

@@ -29,7 +29,7 @@ def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=()
     from megatron_ais.training import lm_forward_step, reduce_lm_loss, setup_model_and_optimizer, train_step
 
     argv = ["--hf-dir", hf_dir, f"--{precision}", "--seq-length", str(SEQ), "--lr", "3e-3",
-            "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(GLOBAL_BATCH)]
+            "--micro-batch-size", str(MICRO_BATCH)]
     argv += ["--use-distributed-optimizer"] if distributed_optimizer else []
     argv += ["--load", save_dir] if resume else []
     argv += list(extra)

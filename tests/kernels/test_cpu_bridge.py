@@ -148,7 +148,8 @@ def test_without_the_kernels_the_references_are_used():
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.int64])
 def test_device_checksum_in_torch_ops_equals_the_definition(dtype, monkeypatch):
     """The checksum of device tensors (GPU arenas) is computed with torch int64 ops where the tensor lives; on CPU
-    it must equal the definition: strided views, positions whose products wrap mod 2^64, several row chunks."""
+    it must equal the definition: strided views, positions whose products wrap mod 2^64, several row chunks, and a
+    row longer than a chunk (a flat tensor) taken in pieces."""
     monkeypatch.setattr(cpu_bridge, "_TORCH_CHUNK", 1000)
     g = torch.Generator().manual_seed(3)
     size = torch.empty(0, dtype=dtype).element_size()

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from megatron_ais.recipe import validate_grpo_args
 from megatron_ais.rollout.engine import engine_memory_fraction
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,6 +46,9 @@ def test_example_script_is_valid_bash_and_its_flags_parse(script):
         fp8_weights = (31 if "30b_a3b" in script else 9) << 30
         assert engine_memory_fraction(int(args.rollout_kv_cache_gb * (1 << 30)), fp8_weights,
                                       args.rollout_tensor_parallel_size, 80 << 30) <= 0.5
+        # the rollout batch splits into whole DP shares, mini-batches and micro-batches at every documented size
+        for nodes in ((2, 3, 4) if "30b_a3b" in script else (1, 2, 3, 4)):
+            validate_grpo_args(args, 8 * nodes)
         if "30b_a3b" in script:
             world = 8 * int(env.get("SLURM_NNODES", "2"))
             assert args.expert_model_parallel_size == 8 and args.sequence_parallel

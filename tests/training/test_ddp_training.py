@@ -31,7 +31,7 @@ def _train_worker(hf_dir, precision, distributed_optimizer):
     from megatron_ais.training import lm_forward_step, reduce_lm_loss, setup_model_and_optimizer, train_step
 
     argv = ["--hf-dir", hf_dir, f"--{precision}", "--seq-length", str(SEQ), "--lr", "3e-3",
-            "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(GLOBAL_BATCH)]
+            "--micro-batch-size", str(MICRO_BATCH)]
     argv += ["--use-distributed-optimizer"] if distributed_optimizer else []
     args = build_parser("test").parse_args(argv)
     hf_config = validate_args(args, dist.get_world_size() if dist.is_initialized() else 2)

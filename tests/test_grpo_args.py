@@ -1,0 +1,49 @@
+"""pretrain_grpo_ais.py's loop flags are checked before anything heavy starts: counts, the split of a rollout batch
+into data-parallel shares, mini-batches and micro-batches, and every config the flags build."""
+import pytest
+
+from megatron_ais.arguments import ArgumentValidationError
+from megatron_ais.recipe import refit_precision, validate_grpo_args
+from pretrain_grpo_ais import build_grpo_parser
+
+
+def _args(*argv):
+    return build_grpo_parser().parse_args(["--hf-dir", "/m", *argv])
+
+
+def test_defaults_and_the_make_run_recipe_pass():
+    validate_grpo_args(_args(), 1)
+    validate_grpo_args(_args("--prompts-per-step", "32", "--group-size", "8", "--micro-batch-size", "16",
+                             "--seq-length", "64"), 2)
+
+
+@pytest.mark.parametrize("argv,world,expected", [
+    (["--eval-interval", "0"], 1, "--eval-interval 0 must be at least 1"),
+    (["--eval-samples", "0"], 1, "--eval-samples 0 must be at least 1"),
+    (["--eval-prompts", "0"], 1, "--eval-prompts 0 must be at least 1"),
+    (["--num-minibatches", "0"], 1, "--num-minibatches 0 must be at least 1"),
+    (["--group-size", "1"], 1, "--group-size 1: GRPO's advantages compare"),
+    (["--max-new-tokens", "256"], 1, "--max-new-tokens 256 leaves no room for the prompt in --seq-length 256"),
+    # 3 x 4 = 12 sequences over DP 8
+    (["--prompts-per-step", "3", "--micro-batch-size", "1"], 8, "12 sequences does not split over 8 data-parallel"),
+    # 16 x 4 = 64 over DP 2 = 32 per rank, 3 mini-batches
+    (["--num-minibatches", "3"], 2, "32 sequences per data-parallel rank do not split into --num-minibatches 3"),
+    # 32 per rank, 4 mini-batches of 8, micro-batch 3
+    (["--num-minibatches", "4", "--micro-batch-size", "3"], 2, "mini-batches of 8 sequences per data-parallel rank "
+                                                               "are not a multiple of --micro-batch-size 3"),
+    (["--rollout-tensor-parallel-size", "2", "--rollout-placement", "colocated"], 1,
+     "--rollout-tensor-parallel-size > 1 needs --rollout-placement separate"),
+    (["--is-cap", "0.5"], 1, "--is-cap"),
+    (["--clip-low", "1.5"], 1, "--clip-low"),
+])
+def test_bad_loop_flags_are_refused_up_front(argv, world, expected):
+    with pytest.raises(ArgumentValidationError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        validate_grpo_args(_args(*argv), world)
+
+
+def test_refit_tolerance_row_follows_what_is_compared():
+    assert refit_precision(_args("--rollout-precision", "fp8")) == "fp8"
+    assert refit_precision(_args("--rollout-precision", "bf16", "--rollout-kv-cache-dtype", "fp8")) == "fp8"
+    # an fp32 engine against a BF16 trainer: the trainer's own rounding sets the bound
+    assert refit_precision(_args("--rollout-precision", "fp32")) == "bf16"
+    assert refit_precision(_args("--rollout-precision", "fp32", "--fp32")) == "fp32"
