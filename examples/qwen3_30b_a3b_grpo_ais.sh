@@ -42,8 +42,10 @@ PP=${PP:-1}
 EP=${EP:-8}
 ETP=${ETP:-1}
 # Rollouts: FP8 Qwen3-30B-A3B is about 31 GB of weights; rollout TP2 puts half on each of GPUs 0 and 1, which the
-# engine shares with trainer ranks 0 and 1 (about 16 GB of weights + 16 GB of KV cache + 2 GB each, next to the
-# trainer's ~35 GB), and keeps every expert's 768 rows a multiple of the 128-row FP8 block per rank (768 / 2 = 384).
+# engine shares with trainer ranks 0 and 1 (16 GB of weights + 12 GB of KV cache + 2 GB each, next to a trainer rank's
+# ~45 GB: 3.6B expert parameters with BF16 grads and a distributed optimizer over 2 expert-DP ranks), and keeps every
+# expert's 768 rows a multiple of the 128-row FP8 block per rank (768 / 2 = 384). The bridge's staging arena (one more
+# 31 GB copy) cannot fit on GPU 0 as well: it lives in host memory (--bridge-arena host).
 ROLLOUT_TP=${ROLLOUT_TP:-2}
 
 DISTRIBUTED_ARGS=(
@@ -95,13 +97,14 @@ ROLLOUT_ARGS=(
     --rollout-kv-cache-dtype auto
     --rollout-placement separate
     --rollout-tensor-parallel-size "$ROLLOUT_TP"
-    --rollout-kv-cache-gb 16              # per GPU; the engine checks its budget against the free memory
+    --rollout-kv-cache-gb 12              # per GPU; the engine checks its budget against the free memory
     --rollout-max-num-seqs 256
     --rollout-max-model-len 4096
     --max-new-tokens 3072
     --temperature 1.0
     --top-p 1.0
     --bridge-bucket-size-mb 512
+    --bridge-arena host                   # trainer GPUs copy their FP8 shards to /dev/shm, engine workers load them
     --verify-refit-interval 10            # probe-sequence refit check every 10 syncs
 )
 

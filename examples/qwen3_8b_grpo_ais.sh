@@ -85,7 +85,8 @@ ROLLOUT_ARGS=(
     --rollout-kv-cache-dtype auto
     --rollout-placement separate
     --rollout-tensor-parallel-size "$ROLLOUT_TP"
-    --rollout-kv-cache-gb 20              # on GPU 0 next to trainer rank 0: 20 + 9 GB of weights + 2 GB
+    --rollout-kv-cache-gb 20              # on GPU 0 next to trainer rank 0 (~28 GB): 20 + 9 GB of weights + 2 GB,
+                                          # and the bridge's 9 GB staging arena (--bridge-arena auto: GPU 0)
     --rollout-max-num-seqs 256
     --rollout-max-model-len 4096
     --max-new-tokens 3072

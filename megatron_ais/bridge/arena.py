@@ -148,10 +148,22 @@ def byte_view(data: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[
     return data[offset: offset + numel * dtype.itemsize].view(dtype).view(shape)
 
 
-def staging_buffer(tag: str, nbytes: int) -> SharedBuffer | CudaBuffer:
-    """A new buffer for the other processes of this node: GPU memory behind a CUDA IPC handle where CUDA is
-    available, shared memory otherwise."""
-    if torch.cuda.is_available():
+ARENA_PLACES = ("auto", "gpu", "host")
+
+
+def arena_on_gpu(place: str) -> bool:
+    """Where `--bridge-arena` puts the staging buffers: GPU memory (auto on CUDA nodes) or host shared memory."""
+    if place not in ARENA_PLACES:
+        raise ValueError(f"--bridge-arena {place!r} must be one of {ARENA_PLACES}")
+    if place == "gpu" and not torch.cuda.is_available():
+        raise ValueError("--bridge-arena gpu needs CUDA; use auto or host")
+    return place == "gpu" or (place == "auto" and torch.cuda.is_available())
+
+
+def staging_buffer(tag: str, nbytes: int, on_gpu: bool | None = None) -> SharedBuffer | CudaBuffer:
+    """A new buffer for the other processes of this node: GPU memory behind a CUDA IPC handle (`on_gpu`; default:
+    where CUDA is available), shared host memory otherwise."""
+    if torch.cuda.is_available() if on_gpu is None else on_gpu:
         return CudaBuffer.create(nbytes)
     return SharedBuffer.create(tag, nbytes)
 

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from kernels.cpu_bridge import (Position, checksum_sums, copy_check_finite, fold_checksum, fp8_quantize_into,
                                 supports_quantize)
 from kernels.fp8_blockwise import all_finite, blockwise_fp8_quantize
-from megatron_ais.bridge.arena import CudaBuffer, SharedBuffer, open_staging_buffer, staging_buffer
+from megatron_ais.bridge.arena import (ARENA_PLACES, CudaBuffer, SharedBuffer, arena_on_gpu, open_staging_buffer,
+                                       staging_buffer)
 from megatron_ais.bridge.buckets import ManifestEntry
 from megatron_ais.bridge.plan import HFTarget, StagePlan, WriterRole, hf_targets, plan_stage
 from megatron_ais.bridge.quantization import SCALE_SUFFIX, QuantizationPolicy
@@ -30,16 +31,24 @@ class BridgeConfig:
     bucket_size_mb: float = 512.0
     policy: QuantizationPolicy = QuantizationPolicy()
     transport: str = "auto"
+    arena: str = "auto"
+
+    def __post_init__(self):
+        arena_on_gpu(self.arena)  # refuses an unknown place, or gpu without CUDA
 
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_size_mb * (1 << 20))
 
+    @property
+    def arena_on_gpu(self) -> bool:
+        return arena_on_gpu(self.arena)
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "BridgeConfig":
         return cls(bucket_size_mb=args.bridge_bucket_size_mb, transport=args.bridge_transport,
-                   policy=QuantizationPolicy(precision=args.rollout_precision,
-                                             exclude=tuple(args.bridge_fp8_exclude or ())))
+                   arena=args.bridge_arena, policy=QuantizationPolicy(precision=args.rollout_precision,
+                                                                      exclude=tuple(args.bridge_fp8_exclude or ())))
 
 
 def add_bridge_args(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +63,12 @@ def add_bridge_args(parser: argparse.ArgumentParser) -> None:
                         "it directly; 'distributed' = each "
                         "pipeline stage's sender ships buckets point-to-point (gloo/NCCL); 'auto' = shm for "
                         "stages on the engine's node, distributed for the others.")
+    g.add_argument("--bridge-arena", choices=ARENA_PLACES, default="auto",
+                   help="Where the engine's staging arena (one engine-format copy of the weights, the price of atomic "
+                        "syncs) and shipped stages' bucket buffers live: gpu = GPU memory of the engine's rank, "
+                        "shared by CUDA IPC (device-to-device writes); host = shared host memory (/dev/shm: no GPU "
+                        "memory, PCIe copies both ways; for models whose arena does not fit beside the trainer and "
+                        "the engine); auto = gpu on CUDA nodes, host otherwise.")
     g.add_argument("--bridge-fp8-exclude", nargs="*", default=None, metavar="REGEX",
                    help="HF tensor-name patterns to keep in BF16 under FP8 rollouts (q/k/v and gate/up together).")
 
@@ -229,6 +244,7 @@ class WeightBridge:
         modes = self._stage_modes(infos[lay.engine_rank][5], infos[lay.engine_rank][0])
         shared = [None]
         if self.is_engine_rank:
+            self.receiver.arena_on_gpu = self.config.arena_on_gpu
             ref, offsets, scratch = self.receiver.prepare([i[2] for i in stages], self.stage_bytes,
                                                            [i[4] if m == "shm" else 0 for i, m in zip(stages, modes)])
             shared = [(ref, self.receiver.arena.nbytes, offsets, scratch)]
@@ -251,7 +267,8 @@ class WeightBridge:
         self.max_bucket = max((b.nbytes for b in plan.buckets), default=0)
         shared = [None]
         if self.layout.is_sender:
-            self.buffer = staging_buffer(f"bridge-stage{self.layout.pp_rank}", self.max_bucket + plan.scratch_bytes)
+            self.buffer = staging_buffer(f"bridge-stage{self.layout.pp_rank}", self.max_bucket + plan.scratch_bytes,
+                                         self.config.arena_on_gpu)
             shared = [self.buffer.ref]
         if dist.get_world_size(self.group) > 1:
             dist.broadcast_object_list(shared, src=self.layout.stage_senders[self.layout.pp_rank], group=self.group)

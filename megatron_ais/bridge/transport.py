@@ -15,7 +15,7 @@ reading bucket k overlaps the writing of bucket k + 1: every bucket has its own 
 the arena's tensors to the engine in one call only when every stage has delivered everything intact; a refused sync
 leaves the engine's weights untouched (the arena is a staging copy, not the engine's weights). A separate-process
 engine maps the arena itself (`apply_shared`). On CUDA nodes the arena is GPU memory shared by CUDA IPC instead of
-/dev/shm (`arena.staging_buffer`).
+/dev/shm unless `--bridge-arena host` keeps it in host memory (`arena.staging_buffer`).
 """
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ class SyncReceiver:
     pending: list = dataclasses.field(default_factory=list)  # checksum verifications of delivered buckets
     views: dict = dataclasses.field(default_factory=dict)  # (stage, name) -> the tensor's view of the arena
     verifier: concurrent.futures.ThreadPoolExecutor | None = None
+    arena_on_gpu: bool | None = None  # None: GPU memory where CUDA is available (`arena.staging_buffer`)
 
     def prepare(self, stages: list[list[EngineTensor]], stage_bytes: list[int], scratch_bytes: list[int]
                 ) -> tuple[object, tuple[int, ...], tuple[int, ...]]:
@@ -76,7 +77,7 @@ class SyncReceiver:
             if self.arena is not None:
                 self.arena.close()
             remove_stale_shared_files()
-            self.arena = staging_buffer("bridge-arena", total)
+            self.arena = staging_buffer("bridge-arena", total, self.arena_on_gpu)
         self.stage_offsets, self.expected, self.views = tuple(offsets), expected, {}
         return self.arena.ref, self.stage_offsets, tuple(scratch)
 

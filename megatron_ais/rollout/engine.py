@@ -10,7 +10,8 @@ import os
 
 import torch
 
-from megatron_ais.bridge.arena import arena_views, buffer_data, encode_ref, remove_stale_shared_files, shared_directory
+from megatron_ais.bridge.arena import (arena_on_gpu, arena_views, buffer_data, encode_ref, remove_stale_shared_files,
+                                       shared_directory)
 from megatron_ais.rollout.kv_scales import add_kv_cache_calibration_args
 
 PRECISIONS = ("bf16", "fp8", "fp32")
@@ -63,6 +64,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     weight_feed: str = "shm"
     gpu_memory_utilization: float | None = None  # None: the engine's own budget (engine_memory_fraction)
+    gpu_staging_arena: bool = False  # the bridge's staging arena will be allocated on this GPU too
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -175,11 +177,14 @@ class RolloutEngine:
         weights = os.path.getsize(os.path.join(self.engine_dir, "model.safetensors"))
         fraction = engine_memory_fraction(int(config.kv_cache_gb * (1 << 30)), weights, config.tensor_parallel_size,
                                           total)
-        if fraction * total > free:
+        # the bridge's staging arena holds the engine's tensors once more (allocated at the first sync)
+        arena = weights if config.gpu_staging_arena else 0
+        if fraction * total + arena > free:
             raise RuntimeError(f"the rollout engine needs about {fraction * total / 2**30:.1f} GiB of GPU "
-                               f"{torch.cuda.current_device()} and {free / 2**30:.1f} GiB are free next to the "
-                               "trainer: lower --rollout-kv-cache-gb or the trainer's memory (--micro-batch-size, "
-                               "--use-distributed-optimizer, more tensor/pipeline parallelism)")
+                               f"{torch.cuda.current_device()}, the bridge's staging arena {arena / 2**30:.1f} GiB, "
+                               f"and {free / 2**30:.1f} GiB are free next to the trainer: lower --rollout-kv-cache-gb, "
+                               "put the arena in host memory (--bridge-arena host) or lower the trainer's memory "
+                               "(--micro-batch-size, --use-distributed-optimizer, more model parallelism)")
         return fraction
 
     def _worker(self):
@@ -447,4 +452,5 @@ def engine_config_from_args(args, model_dir: str) -> EngineConfig:
                         seed=args.seed, tensor_parallel_size=args.rollout_tensor_parallel_size,
                         weight_feed=args.rollout_weight_feed,
                         gpu_memory_utilization=args.rollout_gpu_memory_utilization,
-                        enforce_eager=args.rollout_enforce_eager)
+                        enforce_eager=args.rollout_enforce_eager,
+                        gpu_staging_arena=arena_on_gpu(getattr(args, "bridge_arena", "auto")))

@@ -27,6 +27,8 @@ def test_flags_to_configs():
     bridge = BridgeConfig.from_args(args)
     assert bridge.bucket_bytes == 8 << 20 and bridge.policy.precision == "bf16"
     assert bridge.policy.exclude == ("layers\\.0\\.",)
+    assert bridge.arena_on_gpu == torch.cuda.is_available() and not BridgeConfig.from_args(
+        _args("--bridge-arena", "host")).arena_on_gpu
     assert engine.enforce_eager and engine.gpu_memory_utilization is None
     with pytest.raises(ValueError, match="--rollout-precision 'int4'"):
         EngineConfig(model_dir="/m", precision="int4")
@@ -63,14 +65,19 @@ def test_feed_backend_avoids_shared_gpus(root, members, expected):
     (["--rollout-kv-cache-scale-margin", "0.5"], "--rollout-kv-cache-scale-margin 0.5 must be at least 1"),
     (["--rollout-kv-cache-calibration-sequences", "0"], "--rollout-kv-cache-calibration-sequences 0 must be"),
     (["--rollout-gpu-memory-utilization", "0"], r"--rollout-gpu-memory-utilization 0.0 must be in \(0, 1\]"),
+    pytest.param(["--bridge-arena", "gpu"], "--bridge-arena gpu needs CUDA",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only")),
 ])
 def test_rollout_flags_are_validated(model_root, argv, expected):
-    from megatron_ais.arguments import ALL_GROUPS, ArgumentValidationError, validate_args
+    from megatron_ais.arguments import ArgumentValidationError, validate_args
+    from megatron_ais.recipe import validate_grpo_args
+    from pretrain_grpo_ais import build_grpo_parser
 
     hf_dir = make_model_dir(model_root, "qwen3", hidden_size=128, intermediate_size=256)
-    args = build_parser("t", ALL_GROUPS + (add_rollout_args,)).parse_args(["--hf-dir", hf_dir, *argv])
+    args = build_grpo_parser().parse_args(["--hf-dir", hf_dir, *argv])
     with pytest.raises(ArgumentValidationError, match=expected):
         validate_args(args, 1)
+        validate_grpo_args(args, 1)
 
 
 def test_engine_dir_layout(model_root, tmp_path):
