@@ -218,6 +218,12 @@ class WeightBridge:
                                  "must, and with 'shm' every stage must (use auto or distributed)")
             # the engine's own stage writes into the arena in process whatever the transport
             shipped = self.config.transport == "distributed" and stage != engine_stage
+            if (shipped or not local) and len(hosts) > 1:
+                raise ValueError(f"pipeline stage {stage}'s writers run on {list(hosts)}: a shipped stage assembles "
+                                 "each bucket in one node's shared buffer, so the ranks that write for it (its TP "
+                                 "ranks, and the EP x expert-TP ranks of MoE layers) must share a node; keep "
+                                 "--tensor-model-parallel-size and --expert-model-parallel-size x expert-TP within a "
+                                 "node")
             modes.append("distributed" if shipped or not local else "shm")
         return modes
 

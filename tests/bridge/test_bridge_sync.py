@@ -226,3 +226,23 @@ def test_dense_writers_share_out_by_size_and_never_add_a_node():
     assert dense_writer_replicas(experts_on_b) == [0, 1, 2]
     # context-parallel ranks other than 0 never write
     assert dense_writer_replicas([m[:3] + (m[2] == 0,) + m[4:] for m in marks]) == [0]
+
+
+@pytest.mark.parametrize("transport,hosts,expected", [
+    ("auto", (("a",), ("a",)), ["shm", "shm"]),
+    ("auto", (("a",), ("b",)), ["shm", "distributed"]),
+    ("distributed", (("a",), ("a",)), ["shm", "distributed"]),  # the engine's own stage writes in process
+    ("shm", (("a",), ("b",)), "--bridge-transport shm: pipeline stage 1 runs on \\['b'\\]"),
+    ("auto", (("a", "b"), ("a",)), "the engine's own stage must"),
+    ("auto", (("a",), ("b", "c")), "pipeline stage 1's writers run on \\['b', 'c'\\]: a shipped stage"),
+])
+def test_stage_transports_follow_the_hosts(transport, hosts, expected):
+    from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, WeightBridge
+
+    layout = BridgeLayout(engine_rank=0, stage_senders=(0, 2), is_sender=True, rank=0, hosts=hosts)
+    bridge = WeightBridge([], None, BridgeConfig(transport=transport), layout)
+    if isinstance(expected, list):
+        assert bridge._stage_modes("a", 0) == expected
+    else:
+        with pytest.raises(ValueError, match=expected):
+            bridge._stage_modes("a", 0)
