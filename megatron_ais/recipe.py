@@ -204,6 +204,10 @@ def validate_grpo_args(args, world_size: int) -> None:
     if args.rollout_tensor_parallel_size > 1 and args.rollout_placement == "colocated":
         raise ArgumentValidationError("--rollout-tensor-parallel-size > 1 needs --rollout-placement separate (vLLM's "
                                       "own worker processes form the engine's tensor-parallel group)")
+    if args.rollout_weight_feed == "broadcast" and args.rollout_placement == "colocated":
+        raise ArgumentValidationError("--rollout-weight-feed broadcast feeds a separate engine's workers; a colocated "
+                                      "engine takes the arena's tensors in process: drop the flag or use "
+                                      "--rollout-placement separate")
     try:
         PolicyLossConfig.from_args(args)
         AISConfig.from_args(args)

@@ -33,6 +33,8 @@ def test_defaults_and_the_make_run_recipe_pass():
                                                                "are not a multiple of --micro-batch-size 3"),
     (["--rollout-tensor-parallel-size", "2", "--rollout-placement", "colocated"], 1,
      "--rollout-tensor-parallel-size > 1 needs --rollout-placement separate"),
+    (["--rollout-weight-feed", "broadcast", "--rollout-placement", "colocated"], 1,
+     "--rollout-weight-feed broadcast feeds a separate engine's workers"),
     (["--is-cap", "0.5"], 1, "--is-cap"),
     (["--clip-low", "1.5"], 1, "--clip-low"),
 ])
