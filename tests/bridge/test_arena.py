@@ -16,7 +16,7 @@ def _read_in_another_process(ref, nbytes):
 
 
 def test_shared_buffer_by_ref_here_and_in_another_process():
-    buffer = staging_buffer("test-arena", 4096)
+    buffer = staging_buffer("test-arena", 4096, on_gpu=False)  # host memory, also on CUDA machines
     assert isinstance(buffer, SharedBuffer)
     try:
         buffer.view(0, torch.float32, (1024,)).copy_(torch.arange(1024, dtype=torch.float32))
