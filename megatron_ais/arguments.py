@@ -121,6 +121,12 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
             raise ArgumentValidationError(f"--{name} {value} must be a positive integer")
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def model_parallel_size(args: argparse.Namespace) -> int:
     """Return TP x PP x CP: the ranks one data-parallel replica spans."""
     return args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
@@ -136,6 +142,13 @@ def validate_parallel_args(args: argparse.Namespace, world_size: int | None = No
         raise ArgumentValidationError(
             "--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1; drop the flag or "
             "raise the PP size")
+    if args.virtual_pipeline_model_parallel_size is not None and pp == 2 and not _cuda_available():
+        # at PP2 a stage's previous and next stage are one rank, and the interleaved schedule exchanges activations
+        # and gradients with it in both directions in one batch: gloo matches them by peer and tag only and swaps
+        # them (wrong losses, found by tests/training/test_ddp_training.py); NCCL keeps their order
+        raise ArgumentValidationError(
+            "--virtual-pipeline-model-parallel-size with --pipeline-model-parallel-size 2 gives wrong results over "
+            "gloo (CPU): use a PP size of 3 or more, or drop the virtual pipeline")
     if args.sequence_parallel and tp == 1:
         raise ArgumentValidationError("--sequence-parallel needs --tensor-model-parallel-size > 1; drop the flag")
     if args.sequence_parallel and args.seq_length % tp:
@@ -245,8 +258,12 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> di
     validate_parallel_args(args, world_size)
     _positive(args, "log-interval")
     if args.load is not None:
-        from megatron_ais.checkpointing import read_checkpoint_metadata
-        hf_config = read_checkpoint_metadata(args.load)["hf_config"]
+        from megatron_ais.checkpointing import check_layout, read_checkpoint_metadata
+        metadata = read_checkpoint_metadata(args.load)
+        # before anything reads a rank's files, whose directory names depend on the layout
+        check_layout(metadata, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.load,
+                     args.expert_model_parallel_size, args.expert_tensor_parallel_size)
+        hf_config = metadata["hf_config"]
         source = f"checkpoint {args.load}"
     elif args.hf_dir is not None:
         hf_config = load_hf_config(args.hf_dir)

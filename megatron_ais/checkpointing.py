@@ -140,8 +140,13 @@ def read_checkpoint_metadata(root: str, iteration: int | None = None) -> dict[st
 
 
 def checkpoint_metadata(args, build, hf_config: dict, iteration: int) -> dict[str, Any]:
-    """Return the metadata every checkpoint of a run carries: HF config, parallel layout, vocabulary padding."""
+    """Return the metadata every checkpoint of a run carries: HF config, parallel layout (with the data-parallel
+    size and optimizer kind, which the distributed optimizer's shards depend on), vocabulary padding."""
+    from megatron.core import parallel_state as ps
+
     return {"hf_config": hf_config, "tensor_model_parallel_size": build.tensor_model_parallel_size,
+            "data_parallel_size": ps.get_data_parallel_world_size() if ps.model_parallel_is_initialized() else None,
+            "use_distributed_optimizer": bool(getattr(args, "use_distributed_optimizer", False)),
             "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
             "expert_model_parallel_size": build.expert_model_parallel_size,
             "expert_tensor_parallel_size": build.expert_tensor_parallel_size or build.tensor_model_parallel_size,
@@ -537,11 +542,28 @@ def _unshare_adam_steps(optimizer) -> None:
                 state["step"] = state["step"].clone()
 
 
-def restore_training_state(loaded: LoadedCheckpoint, optimizer, dp_rank: int) -> None:
+def check_optimizer_layout(metadata: dict[str, Any], distributed: bool, dp_size: int, root: str) -> None:
+    """Raise a CheckpointError naming the flags when the optimizer state cannot be resumed as this run is laid out:
+    distributed-optimizer shards belong to one data-parallel size, and the two optimizer kinds save different
+    states (checkpoints that predate these records are not checked)."""
+    saved_distributed, saved_dp = metadata.get("use_distributed_optimizer"), metadata.get("data_parallel_size")
+    if saved_distributed is not None and saved_distributed != distributed:
+        raise CheckpointError(f"--load {root} was saved {'with' if saved_distributed else 'without'} "
+                              f"--use-distributed-optimizer; resume {'with' if saved_distributed else 'without'} it, "
+                              "or start from its weights with --finetune")
+    if distributed and saved_dp is not None and saved_dp != dp_size:
+        raise CheckpointError(f"--load {root} holds distributed-optimizer shards of {saved_dp} data-parallel ranks, "
+                              f"this run has {dp_size}: resume with world size = TP x PP x {saved_dp}, or start from "
+                              "its weights with --finetune")
+
+
+def restore_training_state(loaded: LoadedCheckpoint, optimizer, dp_rank: int, dp_size: int | None = None) -> None:
     """Restore optimizer state (and distributed-optimizer shard) and this DP rank's RNG state."""
     if "optimizer" not in loaded.state:
         raise CheckpointError(f"checkpoint {iteration_dir(loaded.root, loaded.iteration)} holds no optimizer "
                               "state (weights only); start from it with --finetune")
+    if dp_size is not None:
+        check_optimizer_layout(loaded.metadata, _is_distributed(optimizer), dp_size, loaded.root)
     optimizer.load_state_dict(loaded.state["optimizer"])
     _unshare_adam_steps(optimizer)
     if _is_distributed(optimizer):

@@ -18,8 +18,12 @@ def add_recipe_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prompts-per-step", type=int, default=16, help="Prompts per rollout batch.")
     g.add_argument("--group-size", type=int, default=4, help="Responses sampled per prompt (the GRPO group).")
     g.add_argument("--max-new-tokens", type=int, default=16, help="Longest response.")
-    g.add_argument("--temperature", type=float, default=1.0, help="Rollout sampling temperature.")
-    g.add_argument("--top-p", type=float, default=1.0, help="Rollout nucleus sampling.")
+    g.add_argument("--temperature", type=float, default=1.0,
+                   help="Rollout sampling temperature (> 0); the trainer's log-probs use the same.")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="Rollout nucleus sampling. Below 1 only with --is-correction none: the engine's log-probs are "
+                        "renormalised over the nucleus and the trainer's are not, so every importance ratio would "
+                        "measure the truncation rather than the FP8 mismatch.")
     g.add_argument("--num-minibatches", type=int, default=1, help="Optimizer steps per rollout batch.")
     g.add_argument("--ppo-epochs", type=int, default=1, help="Passes over each rollout batch.")
     g.add_argument("--rollout-seed", type=int, default=None,
@@ -66,8 +70,9 @@ def evaluate(engine, tokenizer, task, args) -> dict[str, float]:
 # flags that may change between a run and its resumption without changing what it computes
 RESUME_FREE_FLAGS = ("load", "save", "grpo_steps", "output_dir", "tensorboard_dir", "save_interval", "log_interval",
                      "keep_checkpoints", "eval_interval")
-# flags whose saved values a resumed run keeps (its data order, sampling seeds and KL reference)
-RESUME_KEPT_FLAGS = ("seed", "rollout_seed", "ref_load")
+# flags whose saved values a resumed run keeps: its data order, sampling seeds and KL reference, and the optimizer's
+# hyper-parameters (restored with its state, as there is no learning-rate schedule to override them)
+RESUME_KEPT_FLAGS = ("seed", "rollout_seed", "ref_load", "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
 
 
 def saved_flags(args) -> dict:
@@ -179,6 +184,16 @@ def validate_grpo_args(args, world_size: int) -> None:
         value = getattr(args, name.replace("-", "_"))
         if value < 1:
             raise ArgumentValidationError(f"--{name} {value} must be at least 1")
+    if args.temperature <= 0:
+        raise ArgumentValidationError(f"--temperature {args.temperature} must be > 0 (the trainer's log-probs are "
+                                      "log_softmax(logits / temperature))")
+    if not 0 < args.top_p <= 1:
+        raise ArgumentValidationError(f"--top-p {args.top_p} must be in (0, 1]")
+    if args.top_p < 1 and args.is_correction != "none":
+        raise ArgumentValidationError(
+            f"--top-p {args.top_p} with --is-correction {args.is_correction}: the engine's log-probs are renormalised "
+            "over the nucleus and the trainer's are not, so the importance ratios would measure the truncation; use "
+            "--top-p 1 or --is-correction none")
     if args.group_size < 2:
         raise ArgumentValidationError(f"--group-size {args.group_size}: GRPO's advantages compare the responses to "
                                       "one prompt, so a group needs at least 2")

@@ -83,7 +83,11 @@ def train_step(ddp_chunks: list, optimizer, forward_step: Callable, data_iterato
     for chunk in ddp_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    iterator = data_iterator if len(ddp_chunks) == 1 else [data_iterator] * len(ddp_chunks)
+    if len(ddp_chunks) == 1:
+        iterator = data_iterator
+    else:  # the interleaved schedule takes every micro-batch once per model chunk, from that chunk's iterator
+        micro_batches = list(data_iterator)
+        iterator = [iter(micro_batches) for _ in ddp_chunks]
     losses = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iterator,
         model=ddp_chunks if len(ddp_chunks) > 1 else ddp_chunks[0],
@@ -185,6 +189,6 @@ def setup_model_and_optimizer(args, hf_config: dict, run_kind: str | None = None
     run_state = None
     saved_kind = (loaded.run_state or {}).get("kind") if loaded is not None else None
     if saved_kind is not None and saved_kind == run_kind and not args.finetune:
-        restore_training_state(loaded, optimizer, ps.get_data_parallel_rank())
+        restore_training_state(loaded, optimizer, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
         run_state = loaded.run_state
     return TrainingSetup(build, chunks, ddp_chunks, optimizer, assets, loaded, run_state)

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT, make_model_dir
 from megatron_ais.arguments import ALL_GROUPS, ArgumentValidationError, build_parser, validate_args, validate_model_args
@@ -60,6 +61,12 @@ def test_valid_layouts_pass_including_fewer_kv_heads_than_tp():
     (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible by --tensor-model-parallel-size 2"),
     (["--virtual-pipeline-model-parallel-size", "2"], 1, "needs --pipeline-model-parallel-size > 1"),
     (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "255"], 2,
+     "--seq-length 255 must be a multiple of --tensor-model-parallel-size 2"),
+    (["--context-parallel-size", "2"], 2, "--context-parallel-size 2: the training steps do not split"),
+    pytest.param(["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"], 2,
+                 "with --pipeline-model-parallel-size 2 gives wrong results over gloo",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="gloo (CPU) only")),
     (["--global-batch-size", "6", "--micro-batch-size", "4"], 2, "--global-batch-size 6 is not divisible"),
     (["--make-vocab-size-divisible-by", "0"], 1, "--make-vocab-size-divisible-by 0 must be a positive integer"),
 ])

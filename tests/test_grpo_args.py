@@ -13,6 +13,7 @@ def _args(*argv):
 
 def test_defaults_and_the_make_run_recipe_pass():
     validate_grpo_args(_args(), 1)
+    validate_grpo_args(_args("--top-p", "0.9", "--is-correction", "none"), 1)
     validate_grpo_args(_args("--prompts-per-step", "32", "--group-size", "8", "--micro-batch-size", "16",
                              "--seq-length", "64"), 2)
 
@@ -35,6 +36,8 @@ def test_defaults_and_the_make_run_recipe_pass():
      "--rollout-tensor-parallel-size > 1 needs --rollout-placement separate"),
     (["--rollout-weight-feed", "broadcast", "--rollout-placement", "colocated"], 1,
      "--rollout-weight-feed broadcast feeds a separate engine's workers"),
+    (["--temperature", "0"], 1, "--temperature 0.0 must be > 0"),
+    (["--top-p", "0.9"], 1, "--top-p 0.9 with --is-correction ais: the engine's log-probs are renormalised"),
     (["--is-cap", "0.5"], 1, "--is-cap"),
     (["--clip-low", "1.5"], 1, "--clip-low"),
 ])

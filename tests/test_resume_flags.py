@@ -11,7 +11,10 @@ from megatron_ais.recipe import changed_flags, saved_flags
 def test_changed_flags_lists_only_what_changes_the_computation():
     saved = {"lr": 3e-4, "grpo_steps": 50, "load": "sft", "task": "digit_sort", "group_size": 8}
     now = argparse.Namespace(lr=1e-3, grpo_steps=80, load="runs/default/checkpoint", task="digit_sort", group_size=8)
-    assert changed_flags(saved, now) == ["--lr 0.0003 -> 0.001"]
+    # the optimizer's hyper-parameters come back with its state
+    assert changed_flags(saved, now) == ["--lr 0.0003 -> 0.001 (ignored: the saved run's value is kept)"]
+    now.group_size = 4
+    assert changed_flags(saved, now)[0] == "--group-size 8 -> 4"
     assert changed_flags({}, now) == []
 
 

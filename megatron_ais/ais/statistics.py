@@ -6,6 +6,8 @@ not depend on how it was split over ranks or micro-batches.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -13,7 +15,7 @@ from megatron_ais.ais.config import AISConfig
 
 STAT_NAMES = (
     "n",                          # N: valid units
-    "sum_abs_logratio",           # Σ|δ|                      divergence severity
+    "sum_abs_logratio",           # Σ|δ| (per sequence: |mean δ|) divergence severity
     "sum_band_weight",            # Σw̃, w̃ = clip(w, 1/C, C)   reliability
     "sum_band_weight_sq",         # Σw̃²
     "sum_adv_sq",                 # ΣÂ²                       variance amplification
@@ -45,6 +47,16 @@ def unit_log_ratios(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tens
     return per_seq.clamp(-config.logratio_clamp, config.logratio_clamp), (counts > 0).float()
 
 
+def severity_log_ratios(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                        config: AISConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """δ per unit as the divergence severity measures it: the unit's δ, except that a sequence-level (product)
+    weight's Σδ is replaced by the sequence's mean δ (§2.6: Σ|mean δ|) — a sum grows with the response length and
+    would saturate the severity on every long response."""
+    if config.level == "sequence":
+        config = dataclasses.replace(config, level="geometric")
+    return unit_log_ratios(trainer_logprobs, rollout_logprobs, mask, config)
+
+
 def unit_advantages(advantages: torch.Tensor, mask: torch.Tensor, config: AISConfig) -> torch.Tensor:
     """Return Â per unit: per token, or the sequence's advantage (its masked token mean) per sequence."""
     valid = mask > 0
@@ -58,13 +70,14 @@ def mismatch_statistics(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.
                         mask: torch.Tensor, config: AISConfig) -> torch.Tensor:
     """Return the fp64 vector of sums in STAT_NAMES order for tensors of shape [batch, seq]."""
     delta, m = unit_log_ratios(trainer_logprobs.detach(), rollout_logprobs.detach(), mask, config)
+    severity = severity_log_ratios(trainer_logprobs.detach(), rollout_logprobs.detach(), mask, config)[0].double()
     adv_sq = unit_advantages(advantages.detach(), mask, config).double().pow(2)
     delta, m = delta.double(), m.double()
     w = delta.exp()
     cap = config.cap
     trunc = w.clamp(max=cap)
     band = w.clamp(1.0 / cap, cap)
-    terms = (m, delta.abs(), band, band * band, adv_sq, trunc * trunc * adv_sq, w, w * w, trunc, trunc * trunc,
+    terms = (m, severity.abs(), band, band * band, adv_sq, trunc * trunc * adv_sq, w, w * w, trunc, trunc * trunc,
              w - 1.0 - delta, (w > cap).double())
     return torch.stack([(m * t).sum() for t in terms])
 
@@ -78,8 +91,9 @@ def reduce_statistics(stats: torch.Tensor, group) -> torch.Tensor:
 
 def max_abs_logratio(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
                      config: AISConfig, group=None) -> float:
-    """Return max |δ| over valid units of the whole batch (all-reduce MAX; logging only, never enters λ)."""
-    delta, m = unit_log_ratios(trainer_logprobs.detach(), rollout_logprobs.detach(), mask, config)
+    """Return max |δ| over valid units of the whole batch, δ as the severity measures it (all-reduce MAX; logging
+    only, never enters λ)."""
+    delta, m = severity_log_ratios(trainer_logprobs.detach(), rollout_logprobs.detach(), mask, config)
     value = torch.where(m > 0, delta.abs(), torch.zeros((), dtype=delta.dtype)).max().double().reshape(1) \
         if delta.numel() else torch.zeros(1, dtype=torch.float64)
     if group is not None and dist.get_world_size(group) > 1:

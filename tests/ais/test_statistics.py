@@ -129,8 +129,12 @@ def test_sequence_level_statistics_count_sequences():
     cfg = AISConfig(level="sequence")
     stats = mismatch_statistics(trainer, rollout, adv, mask, cfg)
     assert stats[INDEX["n"]].item() == float((mask.sum(-1) > 0).sum())
-    expected = (((trainer - rollout) * mask).sum(-1)).abs().sum().item()
+    # severity: Σ over sequences of |mean δ| (§2.6), not |Σδ|, which would grow with the response length
+    expected = (((trainer - rollout) * mask).sum(-1) / mask.sum(-1).clamp(min=1)).abs().sum().item()
     assert stats[INDEX["sum_abs_logratio"]].item() == pytest.approx(expected, rel=1e-6)
+    # while the weights stay the sequence's product: Σw = Σ exp(Σδ)
+    expected_w = (((trainer - rollout) * mask).sum(-1).double().exp() * (mask.sum(-1) > 0)).sum().item()
+    assert stats[INDEX["sum_weight"]].item() == pytest.approx(expected_w, rel=1e-6)
 
 
 def test_anchored_severity_and_ema_state_round_trip():

@@ -48,3 +48,30 @@ def test_layout_mismatch_names_flags_and_fix(tmp_path):
 def test_rank_directory_names_follow_megatron_lm():
     assert ckpt.rank_dir_name(1, 0, 1) == "mp_rank_01"
     assert ckpt.rank_dir_name(1, 2, 4) == "mp_rank_01_002"
+
+
+def test_optimizer_layout_mismatch_names_flags_and_fix(tmp_path):
+    root = str(tmp_path)
+    distributed_dp2 = {"use_distributed_optimizer": True, "data_parallel_size": 2}
+    ckpt.check_optimizer_layout(distributed_dp2, True, 2, root)
+    ckpt.check_optimizer_layout({}, True, 4, root)  # saved before these were recorded: not checked
+    ckpt.check_optimizer_layout({"use_distributed_optimizer": False, "data_parallel_size": 2}, False, 4, root)
+    with pytest.raises(ckpt.CheckpointError, match="shards of 2 data-parallel ranks, this run has 4: resume with "
+                                                   "world size = TP x PP x 2, or .* --finetune"):
+        ckpt.check_optimizer_layout(distributed_dp2, True, 4, root)
+    with pytest.raises(ckpt.CheckpointError, match="saved with --use-distributed-optimizer; resume with it"):
+        ckpt.check_optimizer_layout(distributed_dp2, False, 2, root)
+
+
+def test_layout_change_is_refused_before_any_rank_file_is_read(model_root, tmp_path):
+    import convert_checkpoint
+    from conftest import make_model_dir
+    from megatron_ais.arguments import build_parser, validate_args
+
+    hf_dir = make_model_dir(model_root, "qwen3", hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                            num_key_value_heads=2)
+    load = str(tmp_path / "tp1")
+    convert_checkpoint.hf_to_megatron(hf_dir, load, 1, 1)
+    args = build_parser("t").parse_args(["--load", load, "--tensor-model-parallel-size", "2"])
+    with pytest.raises(ckpt.CheckpointError, match="saved at TP1 x PP1 .* --tensor-model-parallel-size 2"):
+        validate_args(args, 2)

@@ -1,6 +1,8 @@
 """Three optimizer steps at DP2 through megatron DDP + optimizer: the first loss equals transformers' loss on
-the same global batch, the loss decreases, and both replicas end bit-identical."""
+the same global batch, the loss decreases, and both replicas end bit-identical; the same losses through the
+interleaved pipeline schedule (PP4 x 2 virtual stages) as in one process."""
 import hashlib
+import os
 
 import pytest
 import torch
@@ -21,8 +23,7 @@ def _global_batch(hf_dir, step):
     return micro_batches(encoded, list(range(GLOBAL_BATCH)), GLOBAL_BATCH)[0]
 
 
-def _train_worker(hf_dir, precision, distributed_optimizer):
-    import torch.distributed as dist
+def _train_worker(hf_dir, precision, distributed_optimizer, extra=()):
     from megatron.core import parallel_state as ps
 
     from megatron_ais.arguments import build_parser, validate_args
@@ -33,8 +34,8 @@ def _train_worker(hf_dir, precision, distributed_optimizer):
     argv = ["--hf-dir", hf_dir, f"--{precision}", "--seq-length", str(SEQ), "--lr", "3e-3",
             "--micro-batch-size", str(MICRO_BATCH)]
     argv += ["--use-distributed-optimizer"] if distributed_optimizer else []
-    args = build_parser("test").parse_args(argv)
-    hf_config = validate_args(args, dist.get_world_size() if dist.is_initialized() else 2)
+    args = build_parser("test").parse_args(argv + list(extra))
+    hf_config = validate_args(args, int(os.environ["WORLD_SIZE"]))
     initialize_megatron(args)
     setup = setup_model_and_optimizer(args, hf_config)
     chunks, ddp, optimizer = setup.chunks, setup.ddp_chunks, setup.optimizer
@@ -78,3 +79,18 @@ def test_three_steps_dp2(model_root, precision, distributed_optimizer):
     reference = _hf_token_mean_loss(hf_dir, _global_batch(hf_dir, 0))
     tolerance = 1e-4 if precision == "fp32" else 5e-2
     assert abs(losses0[0] - reference) <= tolerance * max(1.0, abs(reference)), (losses0[0], reference)
+
+
+@pytest.mark.slow
+def test_three_steps_through_the_interleaved_pipeline_schedule(model_root):
+    """Every model chunk takes every micro-batch from an iterator of its own (one shared iterator would hand each
+    chunk a different micro-batch, then run dry)."""
+    hf_dir = make_model_dir(model_root, "qwen2", num_layers=8)
+    results = spawn(4, _train_worker, hf_dir, "fp32", False,
+                    ("--pipeline-model-parallel-size", "4", "--virtual-pipeline-model-parallel-size", "2"))
+    losses = results[3][0]  # the last pipeline stage reports the loss
+    reference = _hf_token_mean_loss(hf_dir, _global_batch(hf_dir, 0))
+    assert abs(losses[0] - reference) <= 1e-4 * max(1.0, abs(reference)), (losses[0], reference)
+    # the same three optimizer steps in one process (no pipeline): same losses after every update
+    single = spawn(1, _train_worker, hf_dir, "fp32", False)[0][0]
+    assert losses == pytest.approx(single, rel=1e-5), (losses, single)
