@@ -408,17 +408,25 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def prune_checkpoints(root: str, keep: int) -> None:
-    """Remove all but the newest `keep` committed iterations (the tracker's is always kept)."""
+def prune_checkpoints(root: str, keep: int, protect: tuple[int, ...] = ()) -> None:
+    """Remove all but the newest `keep` committed iterations (the tracker's, and `protect`ed ones such as a run's
+    KL reference, are always kept)."""
     latest = read_tracker(root)
     for iteration in committed_iterations(root)[keep:]:
-        if iteration != latest:
-            shutil.rmtree(iteration_dir(root, iteration), ignore_errors=True)
+        if iteration != latest and iteration not in protect:
+            # renamed first: a crash during the removal must not leave a half-deleted iter_N that looks like a
+            # checkpoint (one whose checksums.json went first would pass for a weights-only one)
+            doomed = iteration_dir(root, iteration) + ".deleting"
+            os.replace(iteration_dir(root, iteration), doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+    for name in os.listdir(root):  # what a crash left mid-removal
+        if name.endswith(".deleting"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def save_checkpoint(root: str, iteration: int, chunks: list, metadata: dict[str, Any], hf_assets_from: str | None,
                     ranks: CheckpointRanks, optimizer=None, run_state: dict | None = None, dp_group=None,
-                    keep: int | None = None) -> str:
+                    keep: int | None = None, protect: tuple[int, ...] = ()) -> str:
     """Save model, optimizer, every DP rank's RNG state and the run state atomically; collective over all ranks.
 
     The lowest rank of each (TP, PP, EP) position writes the shard file; with the distributed optimizer every rank also
@@ -450,7 +458,7 @@ def save_checkpoint(root: str, iteration: int, chunks: list, metadata: dict[str,
         _atomic_write_text(os.path.join(stage, CHECKSUMS), json.dumps(checksums, indent=1, sort_keys=True))
         commit_checkpoint(root, iteration)
         if keep:
-            prune_checkpoints(root, keep)
+            prune_checkpoints(root, keep, protect)
     _barrier()
     return iteration_dir(root, iteration)
 
@@ -502,14 +510,21 @@ def newest_verified_iteration(root: str) -> int:
     raise CheckpointError(f"{root}: every checkpoint failed verification (see the warnings above)")
 
 
-def load_checkpoint(root: str, ranks: CheckpointRanks, distributed_optimizer: bool = False) -> LoadedCheckpoint:
-    """Load this rank's part of the newest checkpoint that every rank verifies; collective when distributed.
+def load_checkpoint(root: str, ranks: CheckpointRanks, distributed_optimizer: bool = False,
+                    iteration: int | None = None) -> LoadedCheckpoint:
+    """Load this rank's part of the newest checkpoint that every rank verifies (or of `iteration` only);
+    collective when distributed.
 
     A checkpoint any rank finds truncated or corrupted is refused (with the reason) and the next older usable
     one is tried."""
     import torch.distributed as dist
 
-    for iteration in usable_iterations(root):
+    candidates = usable_iterations(root)
+    if iteration is not None:
+        if iteration not in candidates:
+            raise CheckpointError(f"{root} no longer holds a usable iteration {iteration} (usable: {candidates})")
+        candidates = [iteration]
+    for iteration in candidates:
         metadata = _read_metadata(root, iteration)
         files = [ranks.rank_file()]
         has_distrib = os.path.isfile(os.path.join(iteration_dir(root, iteration), ranks.distrib_optim_file()))

@@ -232,11 +232,22 @@ def validate_grpo_args(args, world_size: int) -> None:
         raise ArgumentValidationError(str(err)) from err
 
 
-def _reference_source(args) -> dict:
-    """Where the frozen KL reference comes from: --ref-load, else what this run started from."""
+def _reference_source(args, loaded) -> dict:
+    """Where the frozen KL reference comes from: --ref-load, else what this run started from; a checkpoint with the
+    iteration it had then, so that a resumed run (whose --load has newer iterations, perhaps its own) keeps it."""
+    from megatron_ais.checkpointing import usable_iterations
+
     if args.ref_load:
-        return {"load": args.ref_load}
-    return {"load": args.load} if args.load else {"hf_dir": args.hf_dir}
+        return {"load": args.ref_load, "iteration": usable_iterations(args.ref_load)[0]}
+    return {"load": args.load, "iteration": loaded.iteration} if args.load else {"hf_dir": args.hf_dir}
+
+
+def _protected_iterations(reference_source: dict, save: str | None) -> tuple[int, ...]:
+    """The iterations of --save that pruning must keep: the KL reference's, when it lives there."""
+    load, iteration = reference_source.get("load"), reference_source.get("iteration")
+    if save and load and iteration is not None and os.path.realpath(load) == os.path.realpath(save):
+        return (iteration,)
+    return ()
 
 
 def run_grpo(args) -> dict:
@@ -279,7 +290,7 @@ def run_grpo(args) -> dict:
     start_step = resumed.get("step", 0)
     data_seed = resumed.get("data_seed", args.seed)
     rollout_seed = resumed.get("rollout_seed", args.seed if args.rollout_seed is None else args.rollout_seed)
-    reference_source = resumed.get("reference_source") or _reference_source(args)
+    reference_source = resumed.get("reference_source") or _reference_source(args, setup.loaded)
     build, groups = setup.build, ParallelGroups.from_parallel_state()
     ranks = CheckpointRanks.from_parallel_state()
     layout = BridgeLayout.from_parallel_state()
@@ -435,7 +446,8 @@ def run_grpo(args) -> dict:
                          "kv_cache_scales": None if kv_cache_scales is None else list(kv_cache_scales.scales)}
             save_checkpoint(args.save, step, setup.chunks, checkpoint_metadata(args, build, hf_config, step),
                             setup.assets_dir, ranks, optimizer=setup.optimizer, run_state=run_state,
-                            dp_group=ps.get_data_parallel_group(), keep=args.keep_checkpoints)
+                            dp_group=ps.get_data_parallel_group(), keep=args.keep_checkpoints,
+                            protect=_protected_iterations(reference_source, args.save) if args.kl_coef else ())
             log.info(f"saved checkpoint {args.save} iteration {step}")
     summary = {"accuracy_before": accuracy_before, "greedy_accuracy_before": before.get("eval/greedy_accuracy"),
                "accuracy_after": next((h["eval/accuracy"] for h in reversed(history) if "eval/accuracy" in h),

@@ -137,9 +137,9 @@ class TrainingSetup:
     run_state: dict | None = None
 
 
-def build_loaded_chunks(args, build):
-    """Return (this rank's model chunks with the --load or --hf-dir weights, directory of the tokenizer,
-    the LoadedCheckpoint or None)."""
+def build_loaded_chunks(args, build, iteration: int | None = None):
+    """Return (this rank's model chunks with the --load (its newest usable iteration, or `iteration`) or --hf-dir
+    weights, directory of the tokenizer, the LoadedCheckpoint or None)."""
     from megatron.core import parallel_state as ps
 
     from megatron_ais.checkpointing import CheckpointRanks, check_layout, load_checkpoint, load_model_state
@@ -149,7 +149,7 @@ def build_loaded_chunks(args, build):
     chunks = build_model_chunks(build)
     if args.load:
         ranks = CheckpointRanks.from_parallel_state()
-        loaded = load_checkpoint(args.load, ranks, args.use_distributed_optimizer)
+        loaded = load_checkpoint(args.load, ranks, args.use_distributed_optimizer, iteration)
         check_layout(loaded.metadata, build.tensor_model_parallel_size, ranks.pp_size, args.load, ranks.ep_size,
                      build.expert_tensor_parallel_size)
         load_model_state(chunks, loaded.state)
@@ -160,12 +160,13 @@ def build_loaded_chunks(args, build):
 
 def build_reference_chunks(args, build, source: dict | None = None) -> list:
     """Return a frozen copy of a policy for the KL penalty, in the trainer's layout: `source` is
-    {"load": checkpoint dir} or {"hf_dir": HF dir}; default the run's own --load / --hf-dir."""
+    {"load": checkpoint dir, "iteration": its iteration (None: the newest)} or {"hf_dir": HF dir}; default the run's
+    own --load / --hf-dir."""
     import argparse
 
     if source is not None:
         args = argparse.Namespace(**{**vars(args), "load": source.get("load"), "hf_dir": source.get("hf_dir")})
-    chunks, _, _ = build_loaded_chunks(args, build)
+    chunks, _, _ = build_loaded_chunks(args, build, (source or {}).get("iteration"))
     for chunk in chunks:
         chunk.requires_grad_(False)
         chunk.eval()

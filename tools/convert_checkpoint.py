@@ -18,13 +18,14 @@ import sys
 import time
 
 from megatron_ais.arguments import ArgumentValidationError, load_hf_config, validate_model_args
-from megatron_ais.checkpointing import (CHECKPOINT_VERSION, RANK_FILE, CheckpointError, HF_ASSETS, commit_checkpoint,
+from megatron_ais.checkpointing import (CHECKPOINT_VERSION, RANK_FILE, TRACKER, CheckpointError, HF_ASSETS,
+                                        commit_checkpoint,
                                         iteration_dir, load_rank_state, newest_verified_iteration, prepare_staging,
                                         rank_dir_name, read_checkpoint_metadata, write_metadata, write_rank_state)
 from megatron_ais.mapping.distributed import shard_context, stage_file_name, write_hf_index_and_config
 from megatron_ais.mapping.hf_io import HFCheckpointReader, hf_tensors_from_shards, megatron_shard_from_hf
 from megatron_ais.mapping.rules import canonical_name, expert_index, megatron_param_names, split_layer, with_layer
-from megatron_ais.model import ModelBuildConfig, ModelShape
+from megatron_ais.model import ModelBuildConfig, ModelShape, check_supported_hf_config
 
 
 def _build_config(hf_config: dict, tp: int, divisible_by: int, etp: int | None = None) -> ModelBuildConfig:
@@ -61,6 +62,10 @@ def hf_to_megatron(hf_dir: str, save: str, tp: int, pp: int, divisible_by: int =
     of `shard_directories`, with the dense TP shard and that EP rank's experts under their local index, split over
     expert-TP); return its iteration directory."""
     hf_config = load_hf_config(hf_dir)
+    check_supported_hf_config(hf_config)  # what training would refuse is not converted either
+    if os.path.isfile(os.path.join(save, TRACKER)):
+        raise ArgumentValidationError(f"--save {save} already holds a checkpoint run (its {TRACKER}); converting into "
+                                      "it would re-point the run at this iteration: choose an empty directory")
     layout = argparse.Namespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 virtual_pipeline_model_parallel_size=None, seq_length=1,
                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
@@ -216,7 +221,7 @@ def main(argv=None) -> int:
                                  ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
         else:
             out = megatron_to_hf(args.load, args.save)
-    except (ArgumentValidationError, FileNotFoundError, KeyError, RuntimeError) as err:
+    except (ValueError, FileNotFoundError, KeyError, RuntimeError) as err:  # ArgumentValidationError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"{args.direction}: wrote {out} in {time.time() - start:.1f}s")

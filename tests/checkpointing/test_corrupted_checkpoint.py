@@ -13,14 +13,14 @@ class _Tiny(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.full((4, 4), float(value)))
 
 
-def _save(root, iteration, value, keep=None):
+def _save(root, iteration, value, keep=None, protect=()):
     model = _Tiny(value)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     model.weight.grad = torch.ones(4, 4)
     optimizer.step()
     meta = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "hf_config": {}}
     ckpt.save_checkpoint(root, iteration, [model], meta, None, ckpt.CheckpointRanks(), optimizer=optimizer,
-                         run_state={"kind": "test", "step": iteration}, keep=keep)
+                         run_state={"kind": "test", "step": iteration}, keep=keep, protect=protect)
     return model.weight.detach().clone()
 
 
@@ -80,6 +80,31 @@ def test_keep_prunes_old_iterations(tmp_path):
     for iteration in range(1, 5):
         _save(root, iteration, iteration, keep=2)
     assert ckpt.committed_iterations(root) == [4, 3]
+    # a removal that a crash interrupted is finished by the next prune, never taken for a checkpoint
+    os.makedirs(os.path.join(root, "iter_0000002.deleting", "mp_rank_00"))
+    _save(root, 5, 5.0, keep=2)
+    assert ckpt.committed_iterations(root) == [5, 4] and sorted(os.listdir(root)) == [
+        "iter_0000004", "iter_0000005", ckpt.TRACKER]
+
+
+def test_a_kl_reference_iteration_is_kept_and_loaded_by_number(tmp_path):
+    """A run that saves into its own --load directory keeps its KL reference (the iteration it started from) and
+    loads exactly that one, not the newest, when it resumes."""
+    from megatron_ais.recipe import _protected_iterations
+
+    root = str(tmp_path)
+    reference = _save(root, 1, 1.0)
+    source = {"load": root + "/", "iteration": 1}
+    for iteration in range(2, 5):
+        _save(root, iteration, iteration, keep=2, protect=_protected_iterations(source, root))
+    assert ckpt.committed_iterations(root) == [4, 3, 1]
+    loaded = ckpt.load_checkpoint(root, ckpt.CheckpointRanks(), iteration=1)
+    assert loaded.iteration == 1 and torch.equal(loaded.state["model"]["weight"], reference)
+    assert ckpt.load_checkpoint(root, ckpt.CheckpointRanks()).iteration == 4
+    with pytest.raises(ckpt.CheckpointError, match="no longer holds a usable iteration 2"):
+        ckpt.load_checkpoint(root, ckpt.CheckpointRanks(), iteration=2)
+    assert _protected_iterations(source, str(tmp_path / "elsewhere")) == ()
+    assert _protected_iterations({"hf_dir": "/m"}, root) == ()
 
 
 def test_restore_refuses_weights_only_checkpoint(tmp_path):

@@ -184,3 +184,13 @@ def test_roundtrip_holds_for_random_shapes(case, tmp_path_factory):
                                     "mp_rank_00" + ("_000" if pp > 1 else ""), "model_optim_rng.pt"))["model"]
     emb = shard["embedding.word_embeddings.weight"]
     assert emb.shape[0] * tp % (128 * tp) == 0 and emb.shape[0] * tp >= case["vocab"]
+
+
+def test_converting_into_a_run_directory_is_refused(model_root, tmp_path):
+    from megatron_ais.arguments import ArgumentValidationError
+
+    hf_dir = make_model_dir(model_root, "qwen3", hidden_size=128, intermediate_size=256)
+    save = str(tmp_path / "run")
+    convert_checkpoint.hf_to_megatron(hf_dir, save, 1, 1)
+    with pytest.raises(ArgumentValidationError, match="already holds a checkpoint run"):
+        convert_checkpoint.hf_to_megatron(hf_dir, save, 1, 1)
