@@ -280,9 +280,11 @@ def load_model_state(chunks: list, state: dict) -> None:
 
 
 def file_digest(path: str) -> dict[str, Any]:
-    """Return the size and sha256 of a file."""
+    """Return the size and sha256 of a file (flushed to disk first: the tracker must never point at files that a
+    power loss could still truncate)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
+        os.fsync(f.fileno())
         for block in iter(lambda: f.read(1 << 22), b""):
             digest.update(block)
     return {"size": os.path.getsize(path), "sha256": digest.hexdigest()}
@@ -454,13 +456,30 @@ def save_checkpoint(root: str, iteration: int, chunks: list, metadata: dict[str,
         os.replace(path + ".tmp", path)
         written[ranks.distrib_optim_file()] = file_digest(path)
     checksums = {name: entry for part in _gather(written) for name, entry in part.items()}
+    problem = None
     if ranks.is_committer:
-        _atomic_write_text(os.path.join(stage, CHECKSUMS), json.dumps(checksums, indent=1, sort_keys=True))
-        commit_checkpoint(root, iteration)
-        if keep:
-            prune_checkpoints(root, keep, protect)
-    _barrier()
+        problem = staging_problem(stage, checksums)
+        if problem is None:
+            _atomic_write_text(os.path.join(stage, CHECKSUMS), json.dumps(checksums, indent=1, sort_keys=True))
+            commit_checkpoint(root, iteration)
+            if keep:
+                prune_checkpoints(root, keep, protect)
+    problem = next((p for p in _gather(problem) if p), None)  # every rank learns it, none waits
+    if problem is not None:
+        raise CheckpointError(f"checkpoint iteration {iteration} not committed (the last one stays): {problem}")
     return iteration_dir(root, iteration)
+
+
+def staging_problem(stage: str, checksums: dict[str, dict[str, Any]]) -> str | None:
+    """What keeps a staging directory from being committed: files the writers reported that the committer does not
+    see at their size (a --save directory that is not one filesystem shared by every node)."""
+    missing = [name for name, entry in sorted(checksums.items())
+               if not os.path.isfile(os.path.join(stage, name))
+               or os.path.getsize(os.path.join(stage, name)) != entry["size"]]
+    if missing:
+        return (f"{len(missing)} rank file(s) are missing or short in {stage} as the committing rank sees it (e.g. "
+                f"{missing[0]}); --save must be a directory every node shares")
+    return None
 
 
 @dataclasses.dataclass

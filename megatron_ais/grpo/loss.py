@@ -48,7 +48,9 @@ def add_grpo_args(parser: argparse.ArgumentParser) -> None:
                    help="token-mean: Σ over tokens / tokens in the global batch; seq-mean-token-sum: per-sequence "
                         "sums / sequences; seq-mean-token-mean: per-sequence means / sequences.")
     g.add_argument("--advantage-no-std", action="store_true",
-                   help="Centre rewards per group without dividing by the group's standard deviation.")
+                   help="Centre rewards per group without dividing by the group's standard deviation (by default "
+                        "advantages are (r - mean) / (std + eps) with the population std, ddof 0; verl and TRL use "
+                        "the sample std, which scales advantages by sqrt((G-1)/G)).")
     g.add_argument("--advantage-leave-one-out", action="store_true",
                    help="Baseline each response with the mean reward of the other responses of its group (RLOO).")
 

@@ -75,3 +75,16 @@ def test_layout_change_is_refused_before_any_rank_file_is_read(model_root, tmp_p
     args = build_parser("t").parse_args(["--load", load, "--tensor-model-parallel-size", "2"])
     with pytest.raises(ckpt.CheckpointError, match="saved at TP1 x PP1 .* --tensor-model-parallel-size 2"):
         validate_args(args, 2)
+
+
+def test_files_the_committer_cannot_see_block_the_commit(tmp_path):
+    root = str(tmp_path)
+    stage = ckpt.prepare_staging(root, 3)
+    ckpt.write_rank_state(stage, 0, 0, 1, {"model": {"w": torch.ones(2)}})
+    own = ckpt.file_digest(os.path.join(stage, "mp_rank_00", ckpt.RANK_FILE))
+    assert ckpt.staging_problem(stage, {"mp_rank_00/" + ckpt.RANK_FILE: own}) is None
+    # another node's rank wrote into a --save directory this node does not share
+    other = {"mp_rank_00/" + ckpt.RANK_FILE: own, "mp_rank_01/" + ckpt.RANK_FILE: own}
+    assert "1 rank file(s) are missing or short" in ckpt.staging_problem(stage, other)
+    short = {"mp_rank_00/" + ckpt.RANK_FILE: {**own, "size": own["size"] + 1}}
+    assert "mp_rank_00/" in ckpt.staging_problem(stage, short)
