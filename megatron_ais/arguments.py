@@ -271,9 +271,18 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> di
     else:
         raise ArgumentValidationError("no model given: pass --hf-dir DIR (Hugging Face model) or --load DIR "
                                       "(Megatron checkpoint)")
-    from megatron_ais.model import check_supported_hf_config
+    from megatron_ais.model import ModelShape, check_supported_hf_config
     check_supported_hf_config(hf_config)
     validate_model_args(args, hf_config, source)
+    saved_padded = metadata.get("padded_vocab_size") if args.load is not None else None
+    padded = ModelShape.from_hf_config(hf_config).padded_vocab_size(args.make_vocab_size_divisible_by,
+                                                                    args.tensor_model_parallel_size)
+    if saved_padded is not None and saved_padded != padded:
+        from megatron_ais.checkpointing import CheckpointError
+        raise CheckpointError(f"--load {args.load} holds a vocabulary padded to {saved_padded} rows, this run pads to "
+                              f"{padded} (--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by}); use "
+                              f"the saved run's --make-vocab-size-divisible-by "
+                              f"{metadata.get('make_vocab_size_divisible_by', '(see its megatron_ais.json)')}")
     if getattr(args, "save_interval", None) is not None and not args.save:
         raise ArgumentValidationError("--save-interval needs --save DIR")
     if getattr(args, "keep_checkpoints", 1) < 1:

@@ -539,6 +539,10 @@ def load_checkpoint(root: str, ranks: CheckpointRanks, distributed_optimizer: bo
     import torch.distributed as dist
 
     candidates = usable_iterations(root)
+    if dist.is_initialized():  # every rank tries the same iterations in the same order (rank 0's view)
+        shared = [candidates]
+        dist.broadcast_object_list(shared, src=0)
+        candidates = shared[0]
     if iteration is not None:
         if iteration not in candidates:
             raise CheckpointError(f"{root} no longer holds a usable iteration {iteration} (usable: {candidates})")

@@ -75,6 +75,11 @@ def test_layout_change_is_refused_before_any_rank_file_is_read(model_root, tmp_p
     args = build_parser("t").parse_args(["--load", load, "--tensor-model-parallel-size", "2"])
     with pytest.raises(ckpt.CheckpointError, match="saved at TP1 x PP1 .* --tensor-model-parallel-size 2"):
         validate_args(args, 2)
+    args = build_parser("t").parse_args(["--load", load, "--make-vocab-size-divisible-by", "256"])
+    with pytest.raises(ckpt.CheckpointError, match="padded to 384 rows, this run pads to 512 .* "
+                                                   "--make-vocab-size-divisible-by 128"):
+        validate_args(args, 1)
+    validate_args(build_parser("t").parse_args(["--load", load]), 1)
 
 
 def test_files_the_committer_cannot_see_block_the_commit(tmp_path):
