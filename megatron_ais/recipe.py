@@ -216,6 +216,9 @@ def validate_grpo_args(args, world_size: int) -> None:
             f"mini-batches of {per_rank // args.num_minibatches} sequences per data-parallel rank are not a multiple "
             f"of --micro-batch-size {args.micro_batch_size} (every micro-batch must be full: pipeline stages "
             "exchange fixed shapes); change --micro-batch-size or the batch flags")
+    if args.rollout_placement == "colocated" and world_size > 1:
+        raise ArgumentValidationError("--rollout-placement colocated needs a single-rank trainer (an in-process vLLM "
+                                      "engine owns torch.distributed); use --rollout-placement separate")
     if args.rollout_tensor_parallel_size > 1 and args.rollout_placement == "colocated":
         raise ArgumentValidationError("--rollout-tensor-parallel-size > 1 needs --rollout-placement separate (vLLM's "
                                       "own worker processes form the engine's tensor-parallel group)")
@@ -275,10 +278,6 @@ def run_grpo(args) -> dict:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     hf_config = validate_args(args, world_size)
     validate_grpo_args(args, world_size)
-    if args.rollout_placement == "colocated" and world_size > 1:
-        from megatron_ais.arguments import ArgumentValidationError
-        raise ArgumentValidationError("--rollout-placement colocated needs a single-rank trainer (an in-process vLLM "
-                                      "engine owns torch.distributed); use --rollout-placement separate")
     task = build_task(args)  # bad task flags or prompt files fail before anything heavy starts
     if len(task.train) < args.prompts_per_step:
         from megatron_ais.data.tasks import TaskError

@@ -34,6 +34,7 @@ def test_defaults_and_the_make_run_recipe_pass():
                                                                "are not a multiple of --micro-batch-size 3"),
     (["--rollout-tensor-parallel-size", "2", "--rollout-placement", "colocated"], 1,
      "--rollout-tensor-parallel-size > 1 needs --rollout-placement separate"),
+    (["--rollout-placement", "colocated"], 2, "--rollout-placement colocated needs a single-rank trainer"),
     (["--rollout-weight-feed", "broadcast", "--rollout-placement", "colocated"], 1,
      "--rollout-weight-feed broadcast feeds a separate engine's workers"),
     (["--temperature", "0"], 1, "--temperature 0.0 must be > 0"),
