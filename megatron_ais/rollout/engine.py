@@ -144,6 +144,7 @@ class RolloutEngine:
         if placement == "separate":
             remove_stale_shared_files()
         self.version = 0
+        self.starts = 0  # engines started so far (a restart replaces a crashed one)
         self.llm = None
         self._feed_group = None
         self.kv_cache_scales = None  # the last calibrated FP8 KV-cache scales (re-installed after a restart)
@@ -166,6 +167,7 @@ class RolloutEngine:
                        kv_cache_memory_bytes=int(config.kv_cache_gb * (1 << 30)),
                        logprobs_mode="processed_logprobs",
                        worker_extension_cls="megatron_ais.rollout.worker_extension.WeightSyncExtension", **kwargs)
+        self.starts += 1
 
     def _gpu_memory_utilization(self) -> float:
         """`--rollout-gpu-memory-utilization`, or the engine's own budget, refused here with the flags to change
@@ -177,8 +179,9 @@ class RolloutEngine:
         weights = os.path.getsize(os.path.join(self.engine_dir, "model.safetensors"))
         fraction = engine_memory_fraction(int(config.kv_cache_gb * (1 << 30)), weights, config.tensor_parallel_size,
                                           total)
-        # the bridge's staging arena holds the engine's tensors once more (allocated at the first sync)
-        arena = weights if config.gpu_staging_arena else 0
+        # the bridge's staging arena holds the engine's tensors once more (allocated at the first sync, so already
+        # taken from the free memory when a crashed engine is restarted)
+        arena = weights if config.gpu_staging_arena and self.starts == 0 else 0
         if fraction * total + arena > free:
             raise RuntimeError(f"the rollout engine needs about {fraction * total / 2**30:.1f} GiB of GPU "
                                f"{torch.cuda.current_device()}, the bridge's staging arena {arena / 2**30:.1f} GiB, "
