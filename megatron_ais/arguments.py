@@ -121,12 +121,6 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
             raise ArgumentValidationError(f"--{name} {value} must be a positive integer")
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def model_parallel_size(args: argparse.Namespace) -> int:
     """Return TP x PP x CP: the ranks one data-parallel replica spans."""
     return args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
@@ -142,7 +136,9 @@ def validate_parallel_args(args: argparse.Namespace, world_size: int | None = No
         raise ArgumentValidationError(
             "--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1; drop the flag or "
             "raise the PP size")
-    if args.virtual_pipeline_model_parallel_size is not None and pp == 2 and not _cuda_available():
+    from megatron_ais import platform
+
+    if args.virtual_pipeline_model_parallel_size is not None and pp == 2 and not platform.is_cuda():
         # at PP2 a stage's previous and next stage are one rank, and the interleaved schedule exchanges activations
         # and gradients with it in both directions in one batch: gloo matches them by peer and tag only and swaps
         # them (wrong losses, found by tests/training/test_ddp_training.py); NCCL keeps their order
@@ -271,18 +267,12 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> di
     else:
         raise ArgumentValidationError("no model given: pass --hf-dir DIR (Hugging Face model) or --load DIR "
                                       "(Megatron checkpoint)")
-    from megatron_ais.model import ModelShape, check_supported_hf_config
+    from megatron_ais.model import check_supported_hf_config
     check_supported_hf_config(hf_config)
     validate_model_args(args, hf_config, source)
-    saved_padded = metadata.get("padded_vocab_size") if args.load is not None else None
-    padded = ModelShape.from_hf_config(hf_config).padded_vocab_size(args.make_vocab_size_divisible_by,
-                                                                    args.tensor_model_parallel_size)
-    if saved_padded is not None and saved_padded != padded:
-        from megatron_ais.checkpointing import CheckpointError
-        raise CheckpointError(f"--load {args.load} holds a vocabulary padded to {saved_padded} rows, this run pads to "
-                              f"{padded} (--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by}); use "
-                              f"the saved run's --make-vocab-size-divisible-by "
-                              f"{metadata.get('make_vocab_size_divisible_by', '(see its megatron_ais.json)')}")
+    if args.load is not None:
+        from megatron_ais.checkpointing import check_vocab_padding
+        check_vocab_padding(metadata, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size, args.load)
     if getattr(args, "save_interval", None) is not None and not args.save:
         raise ArgumentValidationError("--save-interval needs --save DIR")
     if getattr(args, "keep_checkpoints", 1) < 1:

@@ -242,6 +242,22 @@ def check_layout(metadata: dict[str, Any], tp: int, pp: int, root: str, ep: int 
             "tools/convert_checkpoint.py megatron-to-hf then hf-to-megatron with the new sizes")
 
 
+def check_vocab_padding(metadata: dict[str, Any], divisible_by: int, tp: int, root: str) -> None:
+    """Raise a CheckpointError naming the flag when this run would pad the vocabulary to another size than the
+    checkpoint's (checkpoints that predate the record are not checked)."""
+    from megatron_ais.model import ModelShape
+
+    saved = metadata.get("padded_vocab_size")
+    if saved is None:
+        return
+    padded = ModelShape.from_hf_config(metadata["hf_config"]).padded_vocab_size(divisible_by, tp)
+    if padded != saved:
+        raise CheckpointError(f"--load {root} holds a vocabulary padded to {saved} rows, this run pads to {padded} "
+                              f"(--make-vocab-size-divisible-by {divisible_by}); use the saved run's "
+                              f"--make-vocab-size-divisible-by "
+                              f"{metadata.get('make_vocab_size_divisible_by', '(see its megatron_ais.json)')}")
+
+
 def _model_keys(num_chunks: int) -> list[str]:
     # Megatron-LM's convention: "model", or "model0", "model1", ... with virtual pipeline chunks
     return ["model"] if num_chunks == 1 else [f"model{i}" for i in range(num_chunks)]

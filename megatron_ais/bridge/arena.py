@@ -163,7 +163,7 @@ def arena_on_gpu(place: str) -> bool:
 def staging_buffer(tag: str, nbytes: int, on_gpu: bool | None = None) -> SharedBuffer | CudaBuffer:
     """A new buffer for the other processes of this node: GPU memory behind a CUDA IPC handle (`on_gpu`; default:
     where CUDA is available), shared host memory otherwise."""
-    if torch.cuda.is_available() if on_gpu is None else on_gpu:
+    if arena_on_gpu("auto") if on_gpu is None else on_gpu:
         return CudaBuffer.create(nbytes)
     return SharedBuffer.create(tag, nbytes)
 
@@ -188,10 +188,10 @@ def decode_ref(text: str):
 def buffer_data(ref) -> torch.Tensor:
     """The bytes behind a ref: the buffer itself in the process that created it; elsewhere mapped, a shared-memory
     file copy-on-write, a CUDA IPC handle in place."""
-    data = _CREATED_HERE.get(encode_ref(ref))
-    if data is not None:
-        return data
-    return map_file(ref) if isinstance(ref, str) else CudaBuffer.open(ref, 0).data
+    if not isinstance(ref, str):
+        return CudaBuffer.open(ref, 0).data  # which takes its own buffer in the process that created it
+    data = _CREATED_HERE.get(ref)
+    return map_file(ref) if data is None else data
 
 
 def map_file(path: str) -> torch.Tensor:
