@@ -1,7 +1,7 @@
 """CPU kernels of the resharding bridge (`csrc/bridge_cpu.c`), built on first use with the system C compiler
 and called through ctypes, beside their torch / NumPy references:
 
-    fp8_quantize_into            one pass per 128-row strip: amax, scale, divide, round to e4m3
+    fp8_quantize_into            one pass per 128-row strip: amax, scale, multiply, round to e4m3
                                  (reference: kernels.fp8_blockwise.blockwise_fp8_quantize_reference)
     copy_check_finite            copy a 2-D view and count NaN/Inf on the way (reference: copy_ + isfinite)
     checksum_sums / checksum     position-weighted checksum of a tensor's elements (reference: NumPy)
@@ -160,6 +160,8 @@ def fp8_quantize_into(w: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Ten
     lib = library()
     if lib is None or not supports_quantize(w):
         raise RuntimeError(f"{name}: the CPU FP8 kernel cannot take this tensor ({w.dtype}, {tuple(w.shape)})")
+    if q_out.device.type != "cpu" or scale_out.device.type != "cpu":
+        raise RuntimeError(f"{name}: the CPU FP8 kernel writes host memory only, not {q_out.device}")
     m, n = w.shape
     if tuple(q_out.shape) != (m, n) or tuple(scale_out.shape) != scale_shape((m, n), block_size):
         raise ValueError(f"{name}: output shapes {tuple(q_out.shape)}, {tuple(scale_out.shape)} do not fit {(m, n)}")

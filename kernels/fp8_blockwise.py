@@ -1,8 +1,10 @@
 """Blockwise FP8 (e4m3) weight quantization in the DeepSeek-V3 / vLLM `weight_scale_inv` format.
 
 `w` [M, N] is cut into block_size x block_size blocks (edge blocks partial); each block b gets
-`scale_inv[b] = amax(|w_b|) / 448` (fp32) and `q_b = w_b / scale_inv[b]` cast to float8_e4m3fn, so that
-`q.float() * scale_inv` (each scale broadcast over its block) reconstructs `w`. A torch reference runs
+`scale_inv[b] = amax(|w_b|) / 448` (fp32) and `q_b = w_b * (448 / amax(|w_b|))` cast to float8_e4m3fn, so that
+`q.float() * scale_inv` (each scale broadcast over its block) reconstructs `w`. The codes multiply by a per-block
+factor, as DeepGEMM's `per_block_cast_to_fp8` does, rather than divide each element (an IEEE division per element
+is many instructions on a GPU). With power-of-two scales the factor is `1 / scale_inv`, exactly. A torch reference runs
 everywhere; the Triton kernel is used automatically for CUDA tensors and the C kernel of `cpu_bridge.py` for CPU
 tensors, both tested against the reference.
 """
@@ -25,14 +27,22 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
-def _check(w: torch.Tensor, block_size: int, name: str) -> None:
+def _check_shape(w: torch.Tensor, block_size: int, name: str) -> None:
     if w.dim() != 2:
         raise ValueError(f"{name}: blockwise FP8 needs a 2-D tensor, got shape {tuple(w.shape)}")
     if block_size < 1:
         raise ValueError(f"block_size {block_size} must be positive")
+
+
+def _refuse_non_finite(w: torch.Tensor, name: str) -> None:
+    bad = int((~torch.isfinite(w)).sum())
+    raise ValueError(f"{name}: {bad} NaN/Inf values; refusing to quantize a corrupt weight")
+
+
+def _check(w: torch.Tensor, block_size: int, name: str) -> None:
+    _check_shape(w, block_size, name)
     if not all_finite(w):
-        bad = int((~torch.isfinite(w)).sum())
-        raise ValueError(f"{name}: {bad} NaN/Inf values; refusing to quantize a corrupt weight")
+        _refuse_non_finite(w, name)
 
 
 def scale_shape(shape: tuple[int, int], block_size: int = 128) -> tuple[int, int]:
@@ -66,11 +76,16 @@ def blockwise_fp8_quantize_reference(w: torch.Tensor, block_size: int = 128, pow
     blocks = padded.view(mb, block_size, nb, block_size)
     # amax over the contiguous dim first, in the input dtype (max/min are exact in any float format)
     amax = torch.maximum(blocks.amax(dim=3), -blocks.amin(dim=3)).amax(dim=1).float().clamp(min=AMAX_EPS)
-    scale_inv = amax / FP8_E4M3_MAX
+    # true divisions on every device: CUDA turns `tensor / python scalar` into a multiplication by the reciprocal
+    # (one bit off amax / 448 for some amax), and `scalar / tensor` is reciprocal * scalar everywhere
+    e4m3_max = torch.full_like(amax, FP8_E4M3_MAX)
+    scale_inv = amax / e4m3_max
+    factor = e4m3_max / amax
     if pow2_scale:
         scale_inv = round_up_to_power_of_two(scale_inv)
-    # |w / scale| <= 448 up to fp32 rounding; the clamp keeps a 448.00003 from becoming NaN in e4m3fn
-    q = torch.div(blocks, scale_inv[:, None, :, None]).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        factor = 1.0 / scale_inv
+    # |w * factor| <= 448 up to fp32 rounding; the clamp keeps a 448.00003 from becoming NaN in e4m3fn
+    q = torch.mul(blocks, factor[:, None, :, None]).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     q = q.view(mb * block_size, nb * block_size)[:m, :n].to(torch.float8_e4m3fn)
     return q.contiguous(), scale_inv.float().contiguous()
 
@@ -95,38 +110,62 @@ if triton is not None:
     @triton.jit
     def _blockwise_fp8_quantize_kernel(w_ptr, q_ptr, s_ptr, m, n, stride_wm, stride_qm, n_blocks_n,
                                        BLOCK: tl.constexpr, POW2: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        # consecutive programs walk along a row of blocks: their reads share DRAM pages (+7-9 % on an H100)
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
         rows = pid_m * BLOCK + tl.arange(0, BLOCK)
         cols = pid_n * BLOCK + tl.arange(0, BLOCK)
         inside = (rows[:, None] < m) & (cols[None, :] < n)
         x = tl.load(w_ptr + rows[:, None] * stride_wm + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(x)), 1e-10)
+        magnitude = tl.abs(x)
+        finite = magnitude <= 3.4028234663852886e38  # false for NaN and Inf
+        amax = tl.maximum(tl.max(tl.where(finite, magnitude, 0.0)), 1e-10)
         scale = tl.math.div_rn(amax, 448.0)  # IEEE division: the reference's bits (plain / is approximate)
+        factor = tl.math.div_rn(448.0, amax)
         if POW2:  # round up to a power of two on the bits: clear the mantissa, bump the exponent if it was not 0
             bits = scale.to(tl.int32, bitcast=True)
             bits = tl.where((bits & 0x7FFFFF) != 0, (bits & 0x7F800000) + 0x800000, bits)
             scale = bits.to(tl.float32, bitcast=True)
-        q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
+            factor = tl.math.div_rn(1.0, scale)
+        q = tl.clamp(x * factor, -448.0, 448.0)
         tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(tl.float8e4nv), mask=inside)
-        tl.store(s_ptr + pid_m * n_blocks_n + pid_n, scale)
+        # the NaN/Inf check rides on this pass: a corrupt block gets scale -1 (valid scales are > 0), so the host
+        # reads the small scale tensor instead of the weight a second time
+        corrupt = tl.max(tl.where(finite, 0, 1))
+        tl.store(s_ptr + pid_m * n_blocks_n + pid_n, tl.where(corrupt > 0, -1.0, scale))
+
+
+# a 128x128 block held in registers: 16 warps keep it at 32 fp32 values per thread, the fastest of 4/8/16 on an H100
+# (docs/benchmarks.md; tools/bench_fp8_quant.py sweeps it)
+TRITON_NUM_WARPS = 16
+
+
+def blockwise_fp8_quantize_triton_into(w: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor,
+                                       block_size: int = 128, pow2_scale: bool = False, *,
+                                       num_warps: int = TRITON_NUM_WARPS) -> None:
+    """Launch the kernel into preallocated outputs (contiguous `w` [M, N] on CUDA). A block holding NaN/Inf gets
+    scale -1: the caller checks the scales (`blockwise_fp8_quantize_triton` does)."""
+    m, n = w.shape
+    mb, nb = scale_shape((m, n), block_size)
+    # Triton launches on the current device: make it the tensor's (an arena view may live on another GPU)
+    with torch.cuda.device(w.device) if w.is_cuda else contextlib.nullcontext():
+        _blockwise_fp8_quantize_kernel[(nb, mb)](w, q_out, scale_out, m, n, w.stride(0), q_out.stride(0), nb,
+                                                 BLOCK=block_size, POW2=pow2_scale, num_warps=num_warps)
 
 
 def blockwise_fp8_quantize_triton(w: torch.Tensor, block_size: int = 128, pow2_scale: bool = False,
-                                  name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton kernel (one program per block); same contract as the reference."""
+                                  name: str = "weight", *, num_warps: int = TRITON_NUM_WARPS
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton kernel (one program per block, one read of `w`); same contract as the reference."""
     if triton is None:
         raise RuntimeError("triton is not installed")
-    _check(w, block_size, name)
+    _check_shape(w, block_size, name)
     w = w.contiguous()
-    m, n = w.shape
-    mb, nb = scale_shape((m, n), block_size)
-    q = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=w.device)
-    scale_inv = torch.empty((mb, nb), dtype=torch.float32, device=w.device)
-    # Triton launches on the current device: make it the tensor's (an arena view may live on another GPU)
-    with torch.cuda.device(w.device) if w.is_cuda else contextlib.nullcontext():
-        _blockwise_fp8_quantize_kernel[(mb, nb)](w, q, scale_inv, m, n, w.stride(0), q.stride(0), nb,
-                                                 BLOCK=block_size, POW2=pow2_scale)
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    scale_inv = torch.empty(scale_shape(tuple(w.shape), block_size), dtype=torch.float32, device=w.device)
+    blockwise_fp8_quantize_triton_into(w, q, scale_inv, block_size, pow2_scale, num_warps=num_warps)
+    if not bool((scale_inv > 0).all()):
+        _refuse_non_finite(w, name)
     return q, scale_inv
 
 

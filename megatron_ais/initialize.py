@@ -58,8 +58,8 @@ def initialize_model_parallel(sizes: ParallelSizes) -> None:
         context_parallel_size=sizes.context,
         expert_model_parallel_size=sizes.expert,
         expert_tensor_parallel_size=sizes.expert_tensor,
-        # the gloo copies of the DP groups are only used by the distributed optimizer's checkpoint path
-        create_gloo_process_groups=not platform.is_cuda(),
+        # megatron's optimizer setup asks for the gloo copies of the DP groups (Megatron-LM's default as well)
+        create_gloo_process_groups=True,
     )
 
 

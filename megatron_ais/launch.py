@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import os
+import queue as queue_module
+import signal
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -49,10 +52,15 @@ def _teardown_distributed() -> None:
         dist.destroy_process_group()
 
 
+def _exit_reason(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
 def spawn(world_size: int, target, *args, timeout: float = 600.0) -> list:
     """Run `target(*args)` on `world_size` local ranks (env set as torchrun does); return results in rank order.
 
-    Raises with the failing rank's traceback if any rank fails.
+    Raises with the failing rank's traceback if any rank fails, naming the signal if one died without a word (a
+    segfault in a kernel, the OOM killer), and after `timeout` seconds without every result.
     """
     ctx = mp.get_context("spawn")
     queue, received = ctx.Queue(), ctx.Event()
@@ -63,14 +71,22 @@ def spawn(world_size: int, target, *args, timeout: float = 600.0) -> list:
         p.start()
     results: dict[int, object] = {}
     errors = []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout)
+        while len(results) < world_size and not errors:
+            try:
+                rank, status, value = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                errors += [f"rank {r}: died ({_exit_reason(p.exitcode)}) before reporting"
+                           for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+                if not errors and time.monotonic() > deadline:
+                    raise TimeoutError(f"no result from ranks {sorted(set(range(world_size)) - set(results))} "
+                                       f"after {timeout:.0f} s") from None
+                continue
             if status == "ok":
                 results[rank] = value
             else:
                 errors.append(f"rank {rank}:\n{value}")
-                break
     finally:
         received.set()
         for p in procs:

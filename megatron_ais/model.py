@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_ais import platform
 from megatron_ais.arguments import ArgumentValidationError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -206,7 +207,8 @@ def transformer_config(build: ModelBuildConfig):
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=build.init_method_std,
-        use_cpu_initialization=True,
+        # on CUDA megatron initialises on the GPU (RoPE frequencies, TP shards); the weights are loaded after
+        use_cpu_initialization=not platform.is_cuda(),
         params_dtype=dtype,
         bf16=build.precision == "bf16",
         pipeline_dtype=dtype,
@@ -251,6 +253,8 @@ def layer_spec(build: ModelBuildConfig):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=experts is not None, qk_layernorm=build.shape.qk_norm)
     # the local spec's experts are SequentialMLP (one GEMM per expert): what runs on CPU
+    if experts is not None:
+        platform.define_missing_te_general_gemm()
     return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
                                                     qk_layernorm=build.shape.qk_norm, normalization="RMSNorm")
 
@@ -290,6 +294,8 @@ def build_model_chunks(build: ModelBuildConfig) -> list:
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             vp_stage=stage,
         )
+        if platform.is_cuda():  # as Megatron-LM's get_model: whatever megatron built on the host follows
+            model.cuda(torch.cuda.current_device())
         if build.precision == "bf16":
             model = Float16Module(model.config, model)
         chunks.append(model)

@@ -31,7 +31,9 @@ MoE (found with the tiny Qwen3-MoE, local spec, SequentialMLP experts, alltoall 
      MoEAlltoAllTokenDispatcher.__init__ creates a "cuda_dtoh_stream": "torch.cuda.Stream requires CUDA support".
   M2 device="cuda" literals in moe_utils (aux-loss tracker): the P4 proxy.
   M3 moe_utils.te_general_gemm -> None
-     RouterGatingLinearFunction.forward: "NameError: name 'te_general_gemm' is not defined" without TE.
+     RouterGatingLinearFunction.forward: "NameError: name 'te_general_gemm' is not defined" without TE. Not
+     CPU-specific (an H100 without TE hits it too): `define_missing_te_general_gemm`, called by the model
+     builder for the local spec on every device.
   M4 alltoall split sizes as lists
      the dispatcher passes numpy arrays to all_to_all_single: "TypeError: all_to_all_single(): incompatible
      function arguments" on torch 2.13.
@@ -74,6 +76,12 @@ def is_cuda() -> bool:
 def device() -> torch.device:
     """Return the device megatron tensors live on: the current CUDA device, or the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if is_cuda() else torch.device("cpu")
+
+
+def to_device(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Return `tensors` on the trainer's device (the same tensors on CPU)."""
+    target = device()
+    return {name: t.to(target, non_blocking=True) for name, t in tensors.items()}
 
 
 def distributed_backend() -> str:
@@ -238,14 +246,21 @@ def apply_cpu_compat() -> bool:
     return True
 
 
-def _patch_moe() -> None:  # M1, M3, M4 (M2 is in _CUDA_LITERAL_MODULES)
+def define_missing_te_general_gemm() -> None:
+    """M3, on any device: megatron-core 0.16.1's router gating reads `te_general_gemm`, which exists only when
+    Transformer Engine imported; without TE it is None (megatron's own fallback then runs)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _patch_moe() -> None:  # M1, M4 (M2 is in _CUDA_LITERAL_MODULES, M3 in define_missing_te_general_gemm)
     from megatron.core.tensor_parallel import mappings
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.moe import token_dispatcher
 
     torch.cuda.Stream = _NullStream
     torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
     all_to_all = mappings.all_to_all
 
     def all_to_all_with_lists(group, input_, output_split_sizes_=None, input_split_sizes=None):

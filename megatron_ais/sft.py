@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from megatron_ais import platform
 from megatron_ais.data.tasks import Example
 
 
@@ -54,7 +55,7 @@ def micro_batches(encoded: list[dict], indices: list[int], micro_batch_size: int
         batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
         seq = batch["tokens"].shape[1]
         batch["position_ids"] = torch.arange(seq).unsqueeze(0).expand(len(rows), seq).contiguous()
-        out.append(batch)
+        out.append(platform.to_device(batch))
     return out
 
 

@@ -1,5 +1,7 @@
 """Bridge sync speed at TP2 (gloo, CPU): BF16 and FP8 syncs of a ~100M-parameter model into an in-process
-receiver, against a plain copy of the same bytes measured in the same processes.
+receiver, against a plain copy of the same bytes measured in the same processes. On a CUDA machine the model, the
+staging arena, the quantizer (Triton) and the baseline copy are on the GPU, one GPU per rank
+(`--tensor-model-parallel-size 1` on a one-GPU machine).
 
     .venv/bin/python tools/bench_bridge.py [--hidden-size 768 --num-layers 10 --vocab-size 16384] [--repeats 5]
 
@@ -21,25 +23,34 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+def _wall(cuda: bool) -> float:
+    """perf_counter after the GPU's queued work is done (CUDA), so that wall times cover device work."""
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, parallel: list[str]) -> dict:
     import torch.distributed as dist
 
     from kernels.cpu_bridge import fp8_blockwise_quantize_cpu, library
-    from kernels.fp8_blockwise import blockwise_fp8_quantize_reference
+    from kernels.fp8_blockwise import blockwise_fp8_quantize_reference, blockwise_fp8_quantize_triton
     from megatron_ais.arguments import build_parser, validate_args
     from megatron_ais.bridge.quantization import QuantizationPolicy
     from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, WeightBridge
     from megatron_ais.bridge.transport import SyncReceiver
     from megatron_ais.initialize import initialize_megatron
     from megatron_ais.model import ModelBuildConfig
+    from megatron_ais.platform import device, is_cuda
     from megatron_ais.training import build_loaded_chunks
 
     args = build_parser("bench").parse_args(["--hf-dir", hf_dir, "--bf16", "--seq-length", "64", *parallel])
-    hf_config = validate_args(args, 2)
+    hf_config = validate_args(args, int(os.environ["WORLD_SIZE"]))
     initialize_megatron(args)
     build = ModelBuildConfig.from_args(args, hf_config)
     chunks, _, _ = build_loaded_chunks(args, build)
     layout = BridgeLayout.from_parallel_state()
+    cuda = is_cuda()
     result = {}
     for precision in ("bf16", "fp8"):
         config = BridgeConfig(bucket_size_mb=bucket_mb, policy=QuantizationPolicy(precision=precision),
@@ -49,11 +60,11 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, p
         times, moved = [], 0
         for sync_id in range(repeats + 1):  # the first sync maps the shared buffers
             dist.barrier()
-            t0 = time.perf_counter()
+            t0 = _wall(cuda)
             stats = bridge.sync(sync_id)
             dist.barrier()
             if sync_id:
-                times.append(time.perf_counter() - t0)
+                times.append(_wall(cuda) - t0)
             moved = stats.bytes or moved
         result[precision] = {"seconds": statistics.median(times), "bytes": moved}
         bridge.close()
@@ -61,31 +72,34 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, p
             receiver.close()
     # baseline: a plain copy of the BF16 sync's bytes, in buffers the size of one bucket
     total = result["bf16"]["bytes"] if layout.rank == 0 else 0
-    src = torch.empty(int(bucket_mb * (1 << 20)), dtype=torch.uint8).random_()
+    src = torch.empty(int(bucket_mb * (1 << 20)), dtype=torch.uint8, device=device()).random_()
     dst = torch.empty_like(src)
     copies = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = _wall(cuda)
         left = total
         while left > 0:
             n = min(left, src.numel())
             dst[:n].copy_(src[:n])
             left -= n
-        copies.append(time.perf_counter() - t0)
+        copies.append(_wall(cuda) - t0)
     result["copy_seconds"] = statistics.median(copies)
-    weight = torch.randn(4096, 4096, dtype=torch.bfloat16)
+    weight = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device())
     quantizers = {"torch reference": blockwise_fp8_quantize_reference}
-    if library() is not None:
+    if cuda:
+        quantizers["Triton"] = blockwise_fp8_quantize_triton
+    elif library() is not None:
         quantizers["C kernel"] = fp8_blockwise_quantize_cpu
     result["quant_gbps"] = {}
     for name, quantize in quantizers.items():
+        quantize(weight)  # warm-up: Triton compiles on the first call
         quant = []
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = _wall(cuda)
             quantize(weight)
-            quant.append(time.perf_counter() - t0)
+            quant.append(_wall(cuda) - t0)
         result["quant_gbps"][name] = weight.numel() * weight.element_size() / statistics.median(quant) / 1e9
-    result["threads"] = torch.get_num_threads()
+    result["device"] = torch.cuda.get_device_name() if cuda else f"{torch.get_num_threads()} thread/rank"
     return result
 
 
@@ -102,6 +116,8 @@ def main(argv=None) -> int:
     parser.add_argument("--bucket-size-mb", type=float, default=64.0)
     parser.add_argument("--repeats", type=int, default=15,
                         help="Measured syncs per precision (the median is reported).")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=2,
+                        help="qwen3: TP size = number of ranks (on CUDA one GPU per rank).")
     parser.add_argument("--transport", choices=("auto", "shm", "distributed"), default="auto",
                         help="--bridge-transport of the measured syncs (auto = shm on one machine)")
     args = parser.parse_args(argv)
@@ -115,14 +131,16 @@ def main(argv=None) -> int:
             "--num-layers", str(args.num_layers), "--intermediate-size", str(args.intermediate_size),
             "--vocab-size", str(args.vocab_size), "--num-attention-heads", "6", "--num-key-value-heads", "2",
             "--head-dim", "128", *(moe if args.arch == "qwen3_moe" else [])]))
+        tp = args.tensor_model_parallel_size
         parallel = (["--expert-model-parallel-size", "2"] if args.arch == "qwen3_moe" else
-                    ["--tensor-model-parallel-size", "2"])
-        results = spawn(2, _bench_worker, hf_dir, args.repeats, args.bucket_size_mb, args.transport, parallel)
+                    ["--tensor-model-parallel-size", str(tp)])
+        world = 2 if args.arch == "qwen3_moe" else tp
+        results = spawn(world, _bench_worker, hf_dir, args.repeats, args.bucket_size_mb, args.transport, parallel)
     r = results[0]
     bf16, fp8 = r["bf16"], r["fp8"]
-    layout = "EP2 (MoE)" if args.arch == "qwen3_moe" else "TP2"
+    layout = "EP2 (MoE)" if args.arch == "qwen3_moe" else f"TP{tp}"
     # a BF16 sync moves every parameter once, in 2 bytes
-    print(f"| {layout}, {args.transport}, {r['threads']} thread/rank, {bf16['bytes'] / 2e6:.0f}M params | "
+    print(f"| {layout}, {args.transport}, {r['device']}, {bf16['bytes'] / 2e6:.0f}M params | "
           "bytes moved | seconds "
           "(median) | GB/s |")
     print("|---|---|---|---|")

@@ -1,27 +1,48 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one run for a lent H100/H200 (the `device` tool copies the working tree there):
 # the gpu-marked tests that the image's packages allow (Triton quantizer bit-exact against the reference, CUDA IPC
-# staging buffers between processes, the bridge into a CUDA arena when megatron-core travels as a wheel) and the
-# quantizer-against-copy benchmark of the bridge issue's GPU target. Everything it prints also lands in OUT_DIR.
+# staging buffers between processes; with megatron-core: a GRPO + AIS step with the trainer on the GPU, megatron's
+# MoE logits on the GPU against transformers, the bridge into a CUDA arena), the quantizer-against-copy benchmark of
+# the bridge issue's GPU target and the bridge benchmark at TP1 on the GPU.
+# Everything it prints also lands in OUT_DIR; each step has a time limit so that one hang cannot eat the lease.
 #
 #   bash tools/device_checks.sh [OUT_DIR]        # OUT_DIR defaults to $OUT (the device tool's), else /tmp/device-checks
 #
 # The image has torch, triton, transformers, pytest and hypothesis but not megatron-core: carry it as a wheel in
-# .whl/ (python 3.12, see the device tool's notes); without it the bridge test is skipped, the rest still run.
+# .whl/ (python 3.12, see the device tool's notes); without it the megatron steps are skipped, the rest still run.
+# DEVICE_CHECKS_BRIDGE=0 skips the bridge test and benchmark.
 set -uo pipefail
 out=${1:-${OUT:-/tmp/device-checks}}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+        && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-tests=(tests/kernels/test_fp8_blockwise.py tests/bridge/test_cuda_arena.py)
-if python3 -c "import megatron.core" 2>/dev/null; then
-    tests+=(tests/bridge/test_bridge_sync.py)
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
+} 2>&1 | tee "$out/gpu.txt"
+status=0
+run_tests() {  # run_tests SECONDS PYTEST_ARGS...: appends to the log, remembers a failure
+    timeout "$1" python3 -m pytest -q -rs --tb=short "${@:2}" 2>&1 | tee -a "$out/gpu_tests.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+}
+run_tests 120 -m gpu tests/kernels/test_fp8_blockwise.py tests/bridge/test_cuda_arena.py
+megatron=0
+python3 -c "import megatron.core" 2>/dev/null && megatron=1
+bridge=$megatron
+[ "${DEVICE_CHECKS_BRIDGE:-1}" = 1 ] || bridge=0
+if [ "$megatron" = 1 ]; then
+    run_tests 150 -m gpu tests/grpo/test_grpo_step.py
+    run_tests 90 tests/model/test_moe_parity.py::test_moe_logits_equal_hf_at_ep1
 fi
-python3 -m pytest -q -m gpu -rs "${tests[@]}" 2>&1 | tee "$out/gpu_tests.log"
-status=${PIPESTATUS[0]}
-python3 tools/bench_fp8_quant.py 2>&1 | tee "$out/bench_fp8_quant.txt"
+if [ "$bridge" = 1 ]; then
+    run_tests 150 -m gpu tests/bridge/test_bridge_sync.py
+fi
+{ timeout 60 python3 tools/bench_fp8_quant.py --repeats 50
+  timeout 60 python3 tools/bench_fp8_quant.py --rows 4096 --cols 14336 --repeats 50
+} 2>&1 | tee "$out/bench_fp8_quant.txt"
+if [ "$bridge" = 1 ]; then
+    timeout 150 python3 tools/bench_bridge.py --tensor-model-parallel-size 1 --repeats 5 2>&1 | tee "$out/bench_bridge.txt"
+fi
 exit "$status"

@@ -56,10 +56,11 @@ static inline __m128i e4m3_x16(__m512 v) {
     return _mm512_cvtepi32_epi8(r); /* keeps each lane's low byte, as the scalar path's uint8_t casts do */
 }
 
-/* Quantize row[c0, c1) with scale sc into q[c0, ...) 16 elements at a time; return where the scalar tail starts. */
-static inline int64_t quantize_segment_avx512(const char *row, int dtype, int64_t c0, int64_t c1, float sc,
+/* Quantize row[c0, c1) times the block's factor into q[c0, ...) 16 elements at a time; return where the scalar
+ * tail starts. */
+static inline int64_t quantize_segment_avx512(const char *row, int dtype, int64_t c0, int64_t c1, float factor,
                                               uint8_t *q) {
-    const __m512 s = _mm512_set1_ps(sc);
+    const __m512 f = _mm512_set1_ps(factor);
     int64_t c = c0;
     for (; c + 16 <= c1; c += 16) {
         __m512 x;
@@ -68,7 +69,7 @@ static inline int64_t quantize_segment_avx512(const char *row, int dtype, int64_
         else
             x = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + c))), 16));
-        _mm_storeu_si128((__m128i *)(q + c), e4m3_x16(_mm512_div_ps(x, s)));
+        _mm_storeu_si128((__m128i *)(q + c), e4m3_x16(_mm512_mul_ps(x, f)));
     }
     return c;
 }
@@ -212,15 +213,15 @@ static inline void stream_copy(char *out, const char *in, int64_t len) {
 
 /* w [m, n] (row stride w_stride elements, bf16 or fp32) -> q [m, n] e4m3 (row stride q_stride) and
  * s [ceil(m/bs), ceil(n/bs)] fp32 (row stride s_stride) with s = max(amax, 1e-10) / 448 (rounded up to a power
- * of two if pow2) and q = clamp(w / s, -448, 448). Adds q's checksum sums to q_sums, q's element (r, c) having
- * flat index (q_row0 + r) * q_ncols + q_col0 + c in its tensor. Returns 0, or -1 if a value is NaN/Inf. */
+ * of two if pow2) and q = clamp(w * f, -448, 448), f = 448 / max(amax, 1e-10) (1 / s, exact, if pow2). Adds
+ * q's checksum sums to q_sums, q's element (r, c) having flat index (q_row0 + r) * q_ncols + q_col0 + c in its tensor. Returns 0, or -1 if a value is NaN/Inf. */
 int bridge_fp8_blockwise_quantize(const void *w, int dtype, int64_t m, int64_t n, int64_t w_stride, uint8_t *q,
                                   int64_t q_stride, float *s, int64_t s_stride, int64_t bs, int pow2,
                                   int64_t q_row0, int64_t q_ncols, int64_t q_col0, uint64_t *q_sums) {
     const uint32_t inf_bits = dtype == DT_FP32 ? 0x7F800000u : 0x7F80u;
     const int64_t esize = dtype == DT_FP32 ? 4 : 2;
     const int64_t nb = (n + bs - 1) / bs;
-    float scale[nb > 0 ? nb : 1];
+    float factor[nb > 0 ? nb : 1];
     uint32_t amax[nb > 0 ? nb : 1];
     float xs[bs];
     /* large outputs are converted row by row in L1 and streamed out (see STREAM_COPY_BYTES) */
@@ -242,13 +243,14 @@ int bridge_fp8_blockwise_quantize(const void *w, int dtype, int64_t m, int64_t n
             float a = magnitude_bits_to_f32(amax[j], dtype);
             a = a > 1e-10f ? a : 1e-10f;
             float sc = a / 448.0f;
+            factor[j] = 448.0f / a;
             if (pow2) { /* round up to a power of two: clear the mantissa, bump the exponent if it was not 0 */
                 uint32_t b;
                 memcpy(&b, &sc, 4);
                 if (b & 0x7FFFFFu) b = (b & 0xFF800000u) + 0x800000u;
                 memcpy(&sc, &b, 4);
+                factor[j] = 1.0f / sc;
             }
-            scale[j] = sc;
             s[(r0 / bs) * s_stride + j] = sc;
         }
         for (int64_t r = r0; r < r1; ++r) {
@@ -256,17 +258,17 @@ int bridge_fp8_blockwise_quantize(const void *w, int dtype, int64_t m, int64_t n
             uint8_t *qrow = stream ? qbuf : q + r * q_stride;
             for (int64_t j = 0; j < nb; ++j) {
                 int64_t c0 = j * bs, c1 = (j + 1) * bs < n ? (j + 1) * bs : n;
-                const float sc = scale[j];
+                const float f = factor[j];
                 int64_t c = c0;
 #if defined(__AVX512F__)
-                c = quantize_segment_avx512(row, dtype, c0, c1, sc, qrow);
+                c = quantize_segment_avx512(row, dtype, c0, c1, f, qrow);
 #endif
                 if (dtype == DT_FP32) {
                     const float *p = (const float *)row;
-                    for (int64_t k = c; k < c1; ++k) xs[k - c] = p[k] / sc;
+                    for (int64_t k = c; k < c1; ++k) xs[k - c] = p[k] * f;
                 } else {
                     const uint16_t *p = (const uint16_t *)row;
-                    for (int64_t k = c; k < c1; ++k) xs[k - c] = bf16_to_f32(p[k]) / sc;
+                    for (int64_t k = c; k < c1; ++k) xs[k - c] = bf16_to_f32(p[k]) * f;
                 }
                 for (int64_t k = c; k < c1; ++k) {
                     float x = xs[k - c] > 448.0f ? 448.0f : (xs[k - c] < -448.0f ? -448.0f : xs[k - c]);

@@ -95,7 +95,7 @@ def max_abs_logratio(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
     only, never enters λ)."""
     delta, m = severity_log_ratios(trainer_logprobs.detach(), rollout_logprobs.detach(), mask, config)
     value = torch.where(m > 0, delta.abs(), torch.zeros((), dtype=delta.dtype)).max().double().reshape(1) \
-        if delta.numel() else torch.zeros(1, dtype=torch.float64)
+        if delta.numel() else torch.zeros(1, dtype=torch.float64, device=delta.device)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return value.item()

@@ -161,7 +161,7 @@ def _copy_checked(src: torch.Tensor, dst: torch.Tensor, position: Position, name
 def _quantize_into(src: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, q_position: Position,
                    s_position: Position, policy: QuantizationPolicy, name: str) -> tuple[tuple[int, int], ...]:
     """Quantize a piece into place; return the checksum sums of its codes and of its scales."""
-    if supports_quantize(src):
+    if supports_quantize(src) and q_out.device.type == "cpu":
         q_sums = fp8_quantize_into(src, q_out, s_out, policy.block_size, policy.pow2_scale, name, q_position)
         return q_sums, checksum_sums(s_out, s_position)
     q, s = blockwise_fp8_quantize(src, policy.block_size, policy.pow2_scale, name=name)

@@ -8,6 +8,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from megatron_ais import platform
 from megatron_ais.ais import (AISConfig, AISResult, AISState, ais_coefficient, apply_correction,
                               check_trainer_logprobs, exclude_invalid_sequences, max_abs_logratio,
                               mismatch_statistics, reduce_statistics)
@@ -31,6 +32,11 @@ class RolloutBatch:
     rollout_logprobs: torch.Tensor
     rewards: torch.Tensor
     group_size: int
+
+    def to(self, device: torch.device) -> "RolloutBatch":
+        """Return the batch with its tensors on `device`."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,14 +86,14 @@ class GRPOStepResult:
 
 
 def split_micro_batches(rows: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
-    """Return micro-batches of `micro_batch_size` rows, each with its position ids."""
+    """Return micro-batches of `micro_batch_size` rows, each with its position ids, on the trainer's device."""
     count = next(iter(rows.values())).shape[0]
     out = []
     for start in range(0, count, micro_batch_size):
         mb = {k: v[start:start + micro_batch_size] for k, v in rows.items()}
         seq = mb["tokens"].shape[1]
         mb["position_ids"] = torch.arange(seq).unsqueeze(0).expand(mb["tokens"].shape[0], seq).contiguous()
-        out.append(mb)
+        out.append(platform.to_device(mb))
     return out
 
 
@@ -132,7 +138,8 @@ def _policy_forward_step(config: GRPOConfig, groups: ParallelGroups, normalizer:
                                         config.loss, ref_logprobs=mb.get("ref_logprobs"), entropy=entropy)
         loss = aggregate(per_token, mb["keep"], config.loss.loss_agg, normalizer)
         keep = mb["keep"]
-        kl = (parts["kl"] * keep).sum().double() if "kl" in parts else torch.zeros((), dtype=torch.float64)
+        kl = (parts["kl"] * keep).sum().double() if "kl" in parts else \
+            torch.zeros((), dtype=torch.float64, device=keep.device)
         report = torch.stack([loss.detach().double(), (parts["clipped"] * keep).sum().double(), keep.sum().double(),
                               kl])
         return loss * scale, {"report": report}
@@ -151,6 +158,7 @@ def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GR
     if config.loss.kl_coef and reference_chunks is None:
         raise ValueError("--kl-coef > 0 needs a reference policy (reference_chunks)")
 
+    batch = batch.to(platform.device())
     total = batch.tokens.shape[0]
     if total % groups.data_parallel_size:
         raise ValueError(f"rollout batch of {total} sequences does not split over {groups.data_parallel_size} DP ranks")

@@ -89,7 +89,7 @@ def trainer_probe_logprobs(ddp_chunks: list, probe: list[int], groups, vocab_siz
 
     row = {"tokens": torch.tensor([probe[:-1]]), "labels": torch.tensor([probe[1:]])}
     logprobs = compute_logprobs(ddp_chunks, split_micro_batches(row, 1), len(probe) - 1, 1, groups, vocab_size)
-    return None if logprobs is None else logprobs[0]
+    return None if logprobs is None else logprobs[0].cpu()  # compared with the engine's on the host
 
 
 def _probe_with_hooks(ddp_chunks: list, probe: list[int], groups, vocab_size: int, pick, capture
@@ -109,7 +109,7 @@ def _probe_with_hooks(ddp_chunks: list, probe: list[int], groups, vocab_size: in
             value = capture(output)
             if layer.config.sequence_parallel:
                 value = gather_from_sequence_parallel_region(value)
-            captured[layer.layer_number - 1] = value.detach().clone()
+            captured[layer.layer_number - 1] = value.detach().to("cpu", copy=True)  # compared with the engine's
         return record
 
     handles = [pick(layer).register_forward_hook(hook(layer)) for chunk in ddp_chunks

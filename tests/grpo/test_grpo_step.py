@@ -1,6 +1,8 @@
 """A GRPO + AIS update on megatron at DP2 and at TP2: λ and the first policy loss equal a single-process
 reference built on transformers' log-probs, the gradient does not depend on the split, and the metrics reach
 tensorboard."""
+import os
+
 import pytest
 import torch
 
@@ -43,7 +45,7 @@ def _worker(hf_dir, tp, log_dir):
 
     args = build_parser("test").parse_args(["--hf-dir", hf_dir, "--fp32", "--seq-length", str(S),
                                             "--tensor-model-parallel-size", str(tp), "--lr", "1e-3"])
-    hf_config = validate_args(args, 2)
+    hf_config = validate_args(args, int(os.environ["WORLD_SIZE"]))
     initialize_megatron(args)
     setup = setup_model_and_optimizer(args, hf_config)
     build, chunks, ddp, optimizer = setup.build, setup.chunks, setup.ddp_chunks, setup.optimizer
@@ -72,7 +74,7 @@ def _worker(hf_dir, tp, log_dir):
         unchanged = all(torch.equal(a, p) for a, p in zip(before, chunks[0].parameters()))
         guards = (partial_result.skipped, partial_result.metrics["guard/excluded_sequences"], skipped.skipped,
                   unchanged, result.metrics["train/kl"], partial_result.metrics["train/kl"])
-    return result.ais.lam.hex(), result.metrics, line, guards
+    return result.ais.lam.hex(), result.metrics, line, guards, next(chunks[0].parameters()).device.type
 
 
 def _reference(hf_dir):
@@ -97,7 +99,7 @@ def test_grpo_ais_step_dp2_and_tp2_match_reference(model_root, tmp_path):
     ref_lam, ref_loss = _reference(hf_dir)
     dp2 = spawn(2, _worker, hf_dir, 1, str(tmp_path / "dp2"))
     tp2 = spawn(2, _worker, hf_dir, 2, str(tmp_path / "tp2"))
-    for lam_hex, metrics, line, _ in dp2 + tp2:
+    for lam_hex, metrics, line, *_ in dp2 + tp2:
         assert f"λ {float.fromhex(lam_hex):.4f}" in line and "excluded 0" in line
         assert float.fromhex(lam_hex) == pytest.approx(ref_lam, rel=1e-4)
         assert metrics["train/policy_loss"] == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
@@ -116,3 +118,16 @@ def test_grpo_ais_step_dp2_and_tp2_match_reference(model_root, tmp_path):
                 "ais/ess_ratio_raw", "ais/max_abs_logratio", "ais/frac_truncated", "guard/excluded_sequences"):
         assert tag in tags, tag
     assert events.Scalars("ais/lambda")[0].value == pytest.approx(ref_lam, rel=1e-4)
+
+
+@pytest.mark.gpu
+def test_grpo_ais_step_on_cuda_matches_reference(model_root, tmp_path):
+    """On a GPU the trainer holds the model and the batch there (the statistics' all-reduce over NCCL) and gives the
+    single-process CPU reference's λ and policy loss; the guards behave as on CPU."""
+    hf_dir = make_model_dir(model_root, "qwen3")
+    ref_lam, ref_loss = _reference(hf_dir)
+    ((lam_hex, metrics, line, guards, on),) = spawn(1, _worker, hf_dir, 1, str(tmp_path / "gpu"))
+    assert on == "cuda"
+    assert float.fromhex(lam_hex) == pytest.approx(ref_lam, rel=1e-4)
+    assert metrics["train/policy_loss"] == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
+    assert guards[:4] == (False, 2.0, True, True) and guards[4] == 0.0 < guards[5]

@@ -71,6 +71,15 @@ for m, n, block, pow2 in [(300, 200, 128, False), (77, 129, 64, True), (128, 128
                     float((q.float() == q_ref.float()).float().mean()),
                     int(torch.count_nonzero(q[:min(m, 32), :min(n, 32)].float())),
                     bool((err <= 0.5 * w.abs() + full_s * 2.0 ** -9).all())))
+refused = []
+for bad in (float("nan"), float("inf"), float("-inf")):
+    w = torch.randn(200, 140)
+    w[150, 133] = bad  # in a partial edge block: the check must see masked-in elements only
+    try:
+        blockwise_fp8_quantize_triton(w, 128, False, name="layers.1.mlp.up_proj.weight")
+    except ValueError as err:
+        refused.append("layers.1.mlp.up_proj.weight: 1 NaN/Inf" in str(err))
+results.append(refused == [True, True, True])
 print(results)
 """
 
@@ -81,7 +90,8 @@ def test_triton_kernel_under_interpreter_matches_reference():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
     out = subprocess.run([sys.executable, "-c", INTERPRETER_CHECK], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    results = eval(out.stdout.strip().splitlines()[-1])
+    *results, refused = eval(out.stdout.strip().splitlines()[-1])
+    assert refused  # NaN, Inf and -Inf found by the kernel's own pass, reported with the tensor's name
     for scales_equal, shape_ok, code_match, zero_codes, within_factor_two in results:
         # Scales, indexing and masks are exact. The interpreter's cast to float8e4nv is not torch's
         # round-to-nearest-even: a few percent of codes land one binade low (docs/install.md), so codes are
@@ -96,10 +106,14 @@ def test_triton_kernel_bit_exact_on_gpu():
 
     for m, n, pow2 in [(4096, 1024, False), (1000, 333, True)]:
         w = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        q, s = blockwise_fp8_quantize_triton(w, 128, pow2)
         q_ref, s_ref = blockwise_fp8_quantize_reference(w, 128, pow2)
-        assert torch.equal(s, s_ref)
-        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+        for warps in (4, 8, 16):
+            q, s = blockwise_fp8_quantize_triton(w, 128, pow2, num_warps=warps)
+            assert torch.equal(s, s_ref)
+            assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+        w[m - 1, n - 1] = float("nan")
+        with pytest.raises(ValueError, match="w.gpu: 1 NaN/Inf"):
+            blockwise_fp8_quantize_triton(w, 128, pow2, name="w.gpu")
 
 
 def test_all_finite_fast_path_is_exact():

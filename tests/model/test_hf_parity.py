@@ -11,12 +11,15 @@ TOLERANCE = 1e-4
 
 
 def _pipeline_logits(chunks, tokens):
-    """Return full-vocabulary logits [b, s, V_padded] on the last stage, None elsewhere."""
+    """Return full-vocabulary logits [b, s, V_padded] (on the host) on the last stage, None elsewhere."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    from megatron_ais.platform import device
+
+    tokens = tokens.to(device())
+    position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
@@ -31,7 +34,7 @@ def _pipeline_logits(chunks, tokens):
     local = out[0]["logits"]
     parts = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
     dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
-    return torch.cat(parts, dim=-1)
+    return torch.cat(parts, dim=-1).cpu()
 
 
 def _naive_fc1_shard(self, hf, ctx):

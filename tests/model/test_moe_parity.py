@@ -42,8 +42,9 @@ def _moe_worker(hf_dir, tp, ep, local_numbering=False):
     with torch.no_grad():
         ref = hf(tokens).logits
     diff = (logits[..., : build.shape.vocab_size] - ref).abs().max().item()
+    on = next(chunks[0].parameters()).device.type
     ps.destroy_model_parallel()
-    return diff, experts[0], type(layers[0].mlp.experts).__name__
+    return diff, experts[0], type(layers[0].mlp.experts).__name__, on
 
 
 @pytest.fixture(scope="module")
@@ -53,21 +54,22 @@ def moe_dir(model_root):
 
 
 def test_moe_logits_equal_hf_at_ep1(moe_dir):
-    ((diff, experts, kind),) = spawn(1, _moe_worker, moe_dir, 1, 1)
+    ((diff, experts, kind, on),) = spawn(1, _moe_worker, moe_dir, 1, 1)
     assert kind == "SequentialMLP" and experts == list(range(8))
+    assert on == ("cuda" if torch.cuda.is_available() else "cpu")  # the trainer runs on the GPU where there is one
     assert diff <= TOLERANCE
 
 
 @pytest.mark.slow
 def test_moe_logits_equal_hf_at_ep2_and_local_numbering_is_caught(moe_dir):
     results = spawn(2, _moe_worker, moe_dir, 1, 2)
-    assert sorted(e for _, e, _ in results) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # each rank holds its own experts
-    assert all(diff <= TOLERANCE for diff, _, _ in results)
+    assert sorted(e for _, e, _, _ in results) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # each rank holds its own experts
+    assert all(diff <= TOLERANCE for diff, *_ in results)
     wrong = spawn(2, _moe_worker, moe_dir, 1, 2, True)
-    assert all(diff > 100 * TOLERANCE for diff, _, _ in wrong)
+    assert all(diff > 100 * TOLERANCE for diff, *_ in wrong)
 
 
 @pytest.mark.slow
 def test_moe_logits_equal_hf_at_ep2_tp2(moe_dir):
     results = spawn(4, _moe_worker, moe_dir, 2, 2)
-    assert all(diff <= TOLERANCE for diff, _, _ in results)
+    assert all(diff <= TOLERANCE for diff, *_ in results)
