@@ -4,10 +4,14 @@ from __future__ import annotations
 import torch
 
 
+def invalid_sequences(rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Return [B] bool: the sequences holding a non-finite rollout log-prob on a valid token."""
+    return (~torch.isfinite(rollout_logprobs) & (mask > 0)).any(dim=-1)
+
+
 def exclude_invalid_sequences(rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Return (mask with every sequence holding a non-finite rollout log-prob zeroed, number excluded)."""
-    bad_token = ~torch.isfinite(rollout_logprobs) & (mask > 0)
-    bad_sequence = bad_token.any(dim=-1)
+    bad_sequence = invalid_sequences(rollout_logprobs, mask)
     cleaned = mask * (~bad_sequence).unsqueeze(-1).to(mask.dtype)
     return cleaned, int(bad_sequence.sum())
 

@@ -5,23 +5,30 @@ import torch
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = True,
-                     leave_one_out: bool = False, eps: float = 1e-6) -> torch.Tensor:
+                     leave_one_out: bool = False, eps: float = 1e-6, valid: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """Return advantages [n] for rewards [n] laid out as consecutive groups of `group_size` responses.
 
     Default (GRPO): (r - mean_group) / (std_group + eps). leave_one_out: baseline = mean of the other responses
     (RLOO). normalize_std=False: Dr. GRPO style, centred only. Groups with identical rewards give zeros.
+    `valid` [n] (bool): responses left out of training (a NaN rollout log-prob) are left out of their group's
+    statistics too and get advantage 0; a group's statistics are those of its valid members.
     """
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
+    if leave_one_out and group_size < 2:
+        raise ValueError("leave-one-out advantages need a group size of at least 2")
     r = rewards.double().view(-1, group_size)
-    if leave_one_out:
-        if group_size < 2:
-            raise ValueError("leave-one-out advantages need a group size of at least 2")
-        baseline = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
+    keep = torch.ones_like(r) if valid is None else valid.to(r.device).double().view(-1, group_size)
+    count = keep.sum(dim=1, keepdim=True)
+    total = (r * keep).sum(dim=1, keepdim=True)
+    mean = total / count.clamp(min=1)
+    if leave_one_out:  # a member alone in its group has no baseline: advantage 0
+        baseline = torch.where(count > 1, (total - r) / (count - 1).clamp(min=1), r)
     else:
-        baseline = r.mean(dim=1, keepdim=True)
+        baseline = mean
     adv = r - baseline
     if normalize_std:
-        std = r.std(dim=1, keepdim=True, unbiased=False) if group_size > 1 else torch.zeros_like(baseline)
+        std = (((r - mean) ** 2 * keep).sum(dim=1, keepdim=True) / count.clamp(min=1)).sqrt()
         adv = adv / (std + eps)
-    return adv.flatten().float()
+    return (adv * keep).flatten().float()

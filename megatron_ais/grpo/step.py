@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from megatron_ais import platform
 from megatron_ais.ais import (AISConfig, AISResult, AISState, ais_coefficient, apply_correction,
-                              check_trainer_logprobs, exclude_invalid_sequences, max_abs_logratio,
+                              check_trainer_logprobs, exclude_invalid_sequences, invalid_sequences, max_abs_logratio,
                               mismatch_statistics, reduce_statistics)
 from megatron_ais.ais.coefficient import EMPTY_RESULT
 from megatron_ais.grpo.advantages import group_advantages
@@ -164,8 +164,11 @@ def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GR
         raise ValueError(f"rollout batch of {total} sequences does not split over {groups.data_parallel_size} DP ranks")
     per_rank = total // groups.data_parallel_size
     rows = slice(groups.data_parallel_rank * per_rank, (groups.data_parallel_rank + 1) * per_rank)
+    # a sequence left out for a NaN rollout log-prob is left out of its group's mean and std too (the batch is the
+    # same on every rank, so every rank computes the same advantages)
     advantages = group_advantages(batch.rewards, batch.group_size, config.advantage_normalize_std,
-                                  config.advantage_leave_one_out)
+                                  config.advantage_leave_one_out,
+                                  valid=~invalid_sequences(batch.rollout_logprobs, batch.mask))
     mask, excluded = exclude_invalid_sequences(batch.rollout_logprobs[rows], batch.mask[rows].float())
     counts = torch.tensor([float(excluded), float(mask.sum())], dtype=torch.float64)
     dist.all_reduce(counts, group=groups.data_parallel_group)

@@ -73,3 +73,21 @@ def test_group_advantages():
     assert torch.allclose(loo[:4], torch.tensor([1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3]))
     with pytest.raises(ValueError, match="groups of 3"):
         group_advantages(rewards, 3)
+
+
+@pytest.mark.parametrize("leave_one_out", [False, True])
+def test_group_advantages_leave_excluded_responses_out(leave_one_out):
+    """A response excluded from training (NaN rollout log-prob) leaves its group's statistics: the others get the
+    advantages of the group without it (closed form), it gets 0; a group left with one member gets 0 (RLOO)."""
+    rewards = torch.tensor([1.0, 0.0, 5.0, 1.0, 3.0, 7.0, 7.0, 7.0])
+    valid = torch.tensor([True, True, False, True, True, False, False, False])
+    adv = group_advantages(rewards, 4, leave_one_out=leave_one_out, valid=valid)
+    kept = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
+    if leave_one_out:
+        baseline = (kept.sum() - kept) / 2
+    else:
+        baseline = kept.mean()
+    expected = (kept - baseline) / (kept.std(unbiased=False) + 1e-6)
+    assert torch.allclose(adv[[0, 1, 3]], expected.float(), atol=1e-6)
+    assert adv[2] == 0 and torch.equal(adv[4:], torch.zeros(4))
+    assert not torch.allclose(group_advantages(rewards, 4, leave_one_out=leave_one_out)[[0, 1, 3]], adv[[0, 1, 3]])
