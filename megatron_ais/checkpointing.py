@@ -15,6 +15,7 @@ Parameter names are stored with local-spec names and stage-local layer indices, 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -33,6 +34,7 @@ HF_ASSETS = "hf_assets"
 RANK_FILE = "model_optim_rng.pt"
 CHECKSUMS = "checksums.json"
 ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
+REPLACED_DIR = re.compile(r"^(iter_\d{7})\.old$")
 CHECKPOINT_VERSION = 3.0
 # files of a HF model directory that are not weights and travel with a checkpoint
 HF_ASSET_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -81,10 +83,23 @@ def _read_metadata(root: str, iteration: int) -> dict[str, Any]:
         raise CheckpointError(f"{path} is unreadable ({err})") from err
 
 
+def restore_interrupted_resave(root: str) -> None:
+    """A re-save of iteration N moves the committed iter_N aside (iter_N.old) until the new copy takes its place; a
+    crash between the two renames leaves only iter_N.old. Put it back (idempotent: another rank may win the race)."""
+    for name in os.listdir(root):
+        m = REPLACED_DIR.match(name)
+        if m and not os.path.exists(os.path.join(root, m.group(1))):
+            with contextlib.suppress(OSError):
+                os.replace(os.path.join(root, name), os.path.join(root, m.group(1)))
+
+
 def committed_iterations(root: str) -> list[int]:
-    """Return the committed iterations under root, newest first (staging and replaced copies excluded)."""
-    names = os.listdir(root) if os.path.isdir(root) else []
-    return sorted((int(m.group(1)) for m in map(ITERATION_DIR.match, names) if m), reverse=True)
+    """Return the committed iterations under root, newest first (staging and replaced copies excluded, an
+    interrupted re-save restored first)."""
+    if not os.path.isdir(root):
+        return []
+    restore_interrupted_resave(root)
+    return sorted((int(m.group(1)) for m in map(ITERATION_DIR.match, os.listdir(root)) if m), reverse=True)
 
 
 def checkpoint_problem(root: str, iteration: int) -> str | None:

@@ -34,6 +34,24 @@ def test_crash_before_commit_keeps_last_good_checkpoint(tmp_path):
     assert torch.equal(ckpt.load_rank_state(root, 0, 0, 1)["model"]["w"], torch.full((2,), 3.0))
 
 
+def test_crash_inside_a_resave_keeps_the_old_copy_loadable(tmp_path):
+    """Re-saving iteration N moves iter_N aside before the new copy takes its place: a crash between the two
+    renames (only iter_N.old and the staging copy left) must not lose the checkpoint."""
+    root = str(tmp_path)
+    _save(root, 1, 1.0)
+    _save(root, 2, 2.0)
+    stage = ckpt.prepare_staging(root, 2)
+    ckpt.write_metadata(stage, {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                                "hf_config": {}}, None)
+    ckpt.write_rank_state(stage, 0, 0, 1, {"model": {"w": torch.full((2,), 3.0)}})
+    os.replace(ckpt.iteration_dir(root, 2), ckpt.iteration_dir(root, 2) + ".old")  # the crash point
+    assert ckpt.usable_iterations(root)[0] == 2  # not the older iteration 1
+    assert torch.equal(ckpt.load_rank_state(root, 0, 0, 1)["model"]["w"], torch.full((2,), 2.0))
+    assert not os.path.exists(ckpt.iteration_dir(root, 2) + ".old")
+    _save(root, 2, 3.0)  # the re-save, run again, completes
+    assert torch.equal(ckpt.load_rank_state(root, 0, 0, 1)["model"]["w"], torch.full((2,), 3.0))
+
+
 def test_layout_mismatch_names_flags_and_fix(tmp_path):
     meta = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1}
     with pytest.raises(ckpt.CheckpointError, match="--tensor-model-parallel-size 1 .*convert_checkpoint.py"):
