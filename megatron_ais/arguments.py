@@ -254,7 +254,8 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> di
     validate_parallel_args(args, world_size)
     _positive(args, "log-interval")
     if args.load is not None:
-        from megatron_ais.checkpointing import check_layout, read_checkpoint_metadata
+        from megatron_ais.checkpointing import check_layout, read_checkpoint_metadata, restore_interrupted_resave
+        restore_interrupted_resave(args.load)  # a re-save interrupted between its two renames is put back
         metadata = read_checkpoint_metadata(args.load)
         # before anything reads a rank's files, whose directory names depend on the layout
         check_layout(metadata, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.load,

@@ -16,7 +16,9 @@ Parameter names are stored with local-spec names and stage-local layer indices, 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -84,22 +86,54 @@ def _read_metadata(root: str, iteration: int) -> dict[str, Any]:
 
 
 def restore_interrupted_resave(root: str) -> None:
-    """A re-save of iteration N moves the committed iter_N aside (iter_N.old) until the new copy takes its place; a
-    crash between the two renames leaves only iter_N.old. Put it back (idempotent: another rank may win the race)."""
+    """Where a filesystem cannot swap directories atomically, a re-save of iteration N moves the committed iter_N
+    aside (iter_N.old) before the new copy takes its place: a crash between the two renames leaves only
+    iter_N.old, which is put back here; one left beside a committed iter_N (a crash during its removal) is removed.
+    Called by the run that owns the directory (startup, load, save), never by plain readers; idempotent, and
+    ranks racing on it are harmless."""
+    if not os.path.isdir(root):
+        return
     for name in os.listdir(root):
         m = REPLACED_DIR.match(name)
-        if m and not os.path.exists(os.path.join(root, m.group(1))):
+        if m is None:
+            continue
+        old, final = os.path.join(root, name), os.path.join(root, m.group(1))
+        if os.path.exists(final):
+            _remove_directory(old)
+        else:
             with contextlib.suppress(OSError):
-                os.replace(os.path.join(root, name), os.path.join(root, m.group(1)))
+                os.replace(old, final)
+
+
+def _remove_directory(path: str) -> None:
+    """Rename to .deleting first: a crash during the removal must not leave a half-deleted directory under a name
+    that looks like a checkpoint (one whose checksums.json went first would pass for a weights-only one)."""
+    doomed = path + ".deleting"
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def exchange_paths(a: str, b: str) -> bool:
+    """Swap two directory entries in one atomic step (Linux renameat2 with RENAME_EXCHANGE); return False where the
+    C library, the kernel or the filesystem cannot, so that the caller falls back to two renames."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), a)
 
 
 def committed_iterations(root: str) -> list[int]:
-    """Return the committed iterations under root, newest first (staging and replaced copies excluded, an
-    interrupted re-save restored first)."""
-    if not os.path.isdir(root):
-        return []
-    restore_interrupted_resave(root)
-    return sorted((int(m.group(1)) for m in map(ITERATION_DIR.match, os.listdir(root)) if m), reverse=True)
+    """Return the committed iterations under root, newest first (staging and replaced copies excluded)."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted((int(m.group(1)) for m in map(ITERATION_DIR.match, names) if m), reverse=True)
 
 
 def checkpoint_problem(root: str, iteration: int) -> str | None:
@@ -207,6 +241,7 @@ def write_metadata(stage: str, metadata: dict[str, Any], hf_assets_from: str | N
 
 def prepare_staging(root: str, iteration: int) -> str:
     """Create an empty staging directory for an iteration (removing a crashed attempt) and return it."""
+    restore_interrupted_resave(root)
     stage = staging_dir(root, iteration)
     if os.path.isdir(stage):
         shutil.rmtree(stage)
@@ -220,12 +255,16 @@ def commit_checkpoint(root: str, iteration: int) -> str:
     if not os.path.isfile(os.path.join(stage, METADATA)):
         raise CheckpointError(f"refusing to commit {stage}: it has no {METADATA}")
     if os.path.isdir(final):
-        # re-saving an iteration: keep the old copy until the new one is in place
-        old = final + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(stage, final)
-        shutil.rmtree(old)
+        # re-saving an iteration: swap the new copy in atomically, so that iter_N holds one complete copy at every
+        # instant; where the filesystem cannot, move the old copy aside first (restore_interrupted_resave)
+        if exchange_paths(stage, final):
+            _remove_directory(stage)  # it holds the old copy now
+        else:
+            old = final + ".old"
+            _remove_directory(old)
+            os.replace(final, old)
+            os.replace(stage, final)
+            _remove_directory(old)
     else:
         os.replace(stage, final)
     _atomic_write_text(os.path.join(root, TRACKER), str(iteration))
@@ -447,11 +486,7 @@ def prune_checkpoints(root: str, keep: int, protect: tuple[int, ...] = ()) -> No
     latest = read_tracker(root)
     for iteration in committed_iterations(root)[keep:]:
         if iteration != latest and iteration not in protect:
-            # renamed first: a crash during the removal must not leave a half-deleted iter_N that looks like a
-            # checkpoint (one whose checksums.json went first would pass for a weights-only one)
-            doomed = iteration_dir(root, iteration) + ".deleting"
-            os.replace(iteration_dir(root, iteration), doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+            _remove_directory(iteration_dir(root, iteration))
     for name in os.listdir(root):  # what a crash left mid-removal
         if name.endswith(".deleting"):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
@@ -569,6 +604,8 @@ def load_checkpoint(root: str, ranks: CheckpointRanks, distributed_optimizer: bo
     one is tried."""
     import torch.distributed as dist
 
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        restore_interrupted_resave(root)
     candidates = usable_iterations(root)
     if dist.is_initialized():  # every rank tries the same iterations in the same order (rank 0's view)
         shared = [candidates]

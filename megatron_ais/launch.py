@@ -52,8 +52,28 @@ def _teardown_distributed() -> None:
         dist.destroy_process_group()
 
 
+def _record(rank: int, status: str, value, results: dict, errors: list) -> None:
+    if status == "ok":
+        results[rank] = value
+    else:
+        errors.append(f"rank {rank}:\n{value}")
+
+
+def _drain(queue, results: dict, errors: list) -> None:
+    while True:
+        try:
+            _record(*queue.get(timeout=0.5), results, errors)
+        except queue_module.Empty:
+            return
+
+
 def _exit_reason(code: int) -> str:
-    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"signal {signal.Signals(-code).name}"
+    except ValueError:  # a real-time signal has no name
+        return f"signal {-code}"
 
 
 def spawn(world_size: int, target, *args, timeout: float = 600.0) -> list:
@@ -71,26 +91,28 @@ def spawn(world_size: int, target, *args, timeout: float = 600.0) -> list:
         p.start()
     results: dict[int, object] = {}
     errors = []
-    deadline = time.monotonic() + timeout
+    deadline, timed_out = time.monotonic() + timeout, False
     try:
         while len(results) < world_size and not errors:
             try:
                 rank, status, value = queue.get(timeout=1.0)
             except queue_module.Empty:
-                errors += [f"rank {r}: died ({_exit_reason(p.exitcode)}) before reporting"
-                           for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+                if dead:
+                    # a rank may have reported just before it died (e.g. in its teardown): take what arrived first
+                    _drain(queue, results, errors)
+                    errors += [f"rank {r}: died ({_exit_reason(procs[r].exitcode)}) before reporting"
+                               for r in dead if r not in results]
                 if not errors and time.monotonic() > deadline:
+                    timed_out = True
                     raise TimeoutError(f"no result from ranks {sorted(set(range(world_size)) - set(results))} "
                                        f"after {timeout:.0f} s") from None
                 continue
-            if status == "ok":
-                results[rank] = value
-            else:
-                errors.append(f"rank {rank}:\n{value}")
+            _record(rank, status, value, results, errors)
     finally:
         received.set()
         for p in procs:
-            p.join(timeout=5 if errors else 60)
+            p.join(timeout=5 if errors or timed_out else 60)
             if p.is_alive():
                 p.terminate()
     if errors:

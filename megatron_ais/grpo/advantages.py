@@ -21,7 +21,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool
     r = rewards.double().view(-1, group_size)
     keep = torch.ones_like(r) if valid is None else valid.to(r.device).double().view(-1, group_size)
     count = keep.sum(dim=1, keepdim=True)
-    total = (r * keep).sum(dim=1, keepdim=True)
+    total = torch.where(keep > 0, r, 0.0).sum(dim=1, keepdim=True)  # an excluded member's reward may be anything
     mean = total / count.clamp(min=1)
     if leave_one_out:  # a member alone in its group has no baseline: advantage 0
         baseline = torch.where(count > 1, (total - r) / (count - 1).clamp(min=1), r)
@@ -29,6 +29,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool
         baseline = mean
     adv = r - baseline
     if normalize_std:
-        std = (((r - mean) ** 2 * keep).sum(dim=1, keepdim=True) / count.clamp(min=1)).sqrt()
+        std = (torch.where(keep > 0, r - mean, 0.0) ** 2).sum(dim=1, keepdim=True).div(count.clamp(min=1)).sqrt()
         adv = adv / (std + eps)
-    return (adv * keep).flatten().float()
+    return torch.where(keep > 0, adv, 0.0).flatten().float()

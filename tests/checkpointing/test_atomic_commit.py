@@ -1,5 +1,6 @@
 """Checkpoints are committed atomically: a crash mid-save leaves the previous checkpoint loadable."""
 import os
+import shutil
 
 import pytest
 import torch
@@ -34,9 +35,30 @@ def test_crash_before_commit_keeps_last_good_checkpoint(tmp_path):
     assert torch.equal(ckpt.load_rank_state(root, 0, 0, 1)["model"]["w"], torch.full((2,), 3.0))
 
 
-def test_crash_inside_a_resave_keeps_the_old_copy_loadable(tmp_path):
-    """Re-saving iteration N moves iter_N aside before the new copy takes its place: a crash between the two
-    renames (only iter_N.old and the staging copy left) must not lose the checkpoint."""
+def test_exchange_paths_swaps_two_directories(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "from_a").write_text("a")
+    (tmp_path / "b").mkdir()
+    if not ckpt.exchange_paths(str(tmp_path / "a"), str(tmp_path / "b")):
+        pytest.skip("this filesystem cannot exchange paths atomically (the two-rename fallback is tested below)")
+    assert os.listdir(tmp_path / "b") == ["from_a"] and os.listdir(tmp_path / "a") == []
+
+
+@pytest.mark.parametrize("atomic_exchange", [True, False])
+def test_resave_replaces_the_copy_and_leaves_nothing_behind(tmp_path, monkeypatch, atomic_exchange):
+    root = str(tmp_path)
+    if not atomic_exchange:  # a filesystem without renameat2(RENAME_EXCHANGE): two renames
+        monkeypatch.setattr(ckpt, "exchange_paths", lambda a, b: False)
+    _save(root, 2, 2.0)
+    _save(root, 2, 3.0)
+    assert torch.equal(ckpt.load_rank_state(root, 0, 0, 1)["model"]["w"], torch.full((2,), 3.0))
+    assert sorted(os.listdir(root)) == ["iter_0000002", ckpt.TRACKER]
+
+
+def test_crash_inside_a_two_rename_resave_keeps_the_old_copy(tmp_path):
+    """Without an atomic exchange, re-saving iteration N moves iter_N aside before the new copy takes its place: a
+    crash between the two renames (only iter_N.old and the staging copy left) must not lose the checkpoint; the
+    run's next start or save puts it back, and an iter_N.old left beside a committed iter_N is removed."""
     root = str(tmp_path)
     _save(root, 1, 1.0)
     _save(root, 2, 2.0)
@@ -45,11 +67,14 @@ def test_crash_inside_a_resave_keeps_the_old_copy_loadable(tmp_path):
                                 "hf_config": {}}, None)
     ckpt.write_rank_state(stage, 0, 0, 1, {"model": {"w": torch.full((2,), 3.0)}})
     os.replace(ckpt.iteration_dir(root, 2), ckpt.iteration_dir(root, 2) + ".old")  # the crash point
-    assert ckpt.usable_iterations(root)[0] == 2  # not the older iteration 1
+    assert ckpt.usable_iterations(root)[0] == 1  # a plain reader changes nothing and sees the older copy
+    ckpt.restore_interrupted_resave(root)  # what validate_args, load_checkpoint and prepare_staging do first
+    assert ckpt.usable_iterations(root)[0] == 2
     assert torch.equal(ckpt.load_rank_state(root, 0, 0, 1)["model"]["w"], torch.full((2,), 2.0))
-    assert not os.path.exists(ckpt.iteration_dir(root, 2) + ".old")
-    _save(root, 2, 3.0)  # the re-save, run again, completes
+    shutil.copytree(ckpt.iteration_dir(root, 1), ckpt.iteration_dir(root, 2) + ".old")  # a stale leftover
+    _save(root, 2, 3.0)
     assert torch.equal(ckpt.load_rank_state(root, 0, 0, 1)["model"]["w"], torch.full((2,), 3.0))
+    assert sorted(os.listdir(root)) == ["iter_0000001", "iter_0000002", ckpt.TRACKER]
 
 
 def test_layout_mismatch_names_flags_and_fix(tmp_path):

@@ -122,8 +122,8 @@ def test_grpo_ais_step_dp2_and_tp2_match_reference(model_root, tmp_path):
 
 @pytest.mark.gpu
 def test_grpo_ais_step_on_cuda_matches_reference(model_root, tmp_path):
-    """On a GPU the trainer holds the model and the batch there (the statistics' all-reduce over NCCL) and gives the
-    single-process CPU reference's λ and policy loss; the guards behave as on CPU."""
+    """On a GPU the trainer holds the model and the batch there and gives the single-process CPU reference's λ and
+    policy loss; the guards behave as on CPU (one rank, one GPU: the collectives have a single member)."""
     hf_dir = make_model_dir(model_root, "qwen3")
     ref_lam, ref_loss = _reference(hf_dir)
     ((lam_hex, metrics, line, guards, on),) = spawn(1, _worker, hf_dir, 1, str(tmp_path / "gpu"))

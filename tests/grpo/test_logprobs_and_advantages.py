@@ -79,7 +79,7 @@ def test_group_advantages():
 def test_group_advantages_leave_excluded_responses_out(leave_one_out):
     """A response excluded from training (NaN rollout log-prob) leaves its group's statistics: the others get the
     advantages of the group without it (closed form), it gets 0; a group left with one member gets 0 (RLOO)."""
-    rewards = torch.tensor([1.0, 0.0, 5.0, 1.0, 3.0, 7.0, 7.0, 7.0])
+    rewards = torch.tensor([1.0, 0.0, float("nan"), 1.0, 3.0, 7.0, 7.0, 7.0])  # an excluded reward may be anything
     valid = torch.tensor([True, True, False, True, True, False, False, False])
     adv = group_advantages(rewards, 4, leave_one_out=leave_one_out, valid=valid)
     kept = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
