@@ -19,6 +19,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _cpu_paths_unless_marked_gpu(request, monkeypatch):
+    """Tests not marked `gpu` test the CPU paths on any machine: the processes they spawn see no GPU (on a one-GPU
+    machine their extra ranks could not each get one). gpu-marked tests see the machine's GPUs."""
+    if "gpu" not in request.keywords:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 def make_model_dir(root, arch="llama", **overrides) -> str:
     """Write a small HF model with tools/make_tiny_model.py's code and return its directory."""
     import make_tiny_model

@@ -33,8 +33,7 @@ python3 -c "import megatron.core" 2>/dev/null && megatron=1
 bridge=$megatron
 [ "${DEVICE_CHECKS_BRIDGE:-1}" = 1 ] || bridge=0
 if [ "$megatron" = 1 ]; then
-    run_tests 150 -m gpu tests/grpo/test_grpo_step.py
-    run_tests 90 tests/model/test_moe_parity.py::test_moe_logits_equal_hf_at_ep1
+    run_tests 240 -m gpu tests/grpo/test_grpo_step.py tests/model/test_moe_parity.py
 fi
 if [ "$bridge" = 1 ]; then
     run_tests 150 -m gpu tests/bridge/test_bridge_sync.py
