@@ -196,9 +196,9 @@ def copy_check_finite(src: torch.Tensor, dst: torch.Tensor, position: Position |
         raise ValueError(f"copy of {tuple(src.shape)} {src.dtype} into {tuple(dst.shape)} {dst.dtype}")
     position = position or Position.whole(dst)
     lib = library()
-    if lib is None or src.device.type != "cpu" or dst.device.type != "cpu" or src.numel() == 0:
-        # checked where the source lives (the same bytes the copy writes): a GPU arena may be on another device,
-        # which should not run every rank's checks; the caller waits for the copy before it reports the bucket
+    if src.device.type != "cpu" and src.element_size() in _SIGNED_VIEWS:
+        return copy_check_finite_torch(src, dst, position)
+    if lib is None or dst.device.type != "cpu" or src.numel() == 0:
         bad = int((~torch.isfinite(src)).sum()) if src.is_floating_point() else 0
         sums = checksum_sums(src, position)
         dst.copy_(src)
@@ -256,19 +256,41 @@ _SIGNED_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _TORCH_CHUNK = 1 << 24  # elements per pass: the int64 temporaries stay a few hundred MB at most
 
 
+def copy_check_finite_torch(src: torch.Tensor, dst: torch.Tensor, position: Position) -> tuple[int, tuple[int, int]]:
+    """`copy_check_finite` in torch ops where `src` lives (a GPU rank's shard; the arena may be on another device,
+    which should not run every rank's checks): the NaN/Inf count and the checksum sums come back to the host in one
+    read, one synchronisation per piece. The caller waits for the copy before it reports the bucket."""
+    bad = (~torch.isfinite(src)).sum().reshape(1) if src.is_floating_point() else \
+        torch.zeros(1, dtype=torch.int64, device=src.device)
+    count, a, b = torch.cat([bad.to(torch.int64), checksum_sums_device(src, position)]).tolist()
+    dst.copy_(src)
+    return count, unsigned_sums(a, b)
+
+
+def unsigned_sums(a: int, b: int) -> tuple[int, int]:
+    """Checksum sums read back from int64 device tensors, as the C kernel's unsigned 64-bit values."""
+    return a & _MASK, b & _MASK
+
+
 def checksum_sums_torch(t: torch.Tensor, position: Position | None = None) -> tuple[int, int]:
-    """`checksum_sums` in torch integer ops on any device (int64 sums and products wrap mod 2^64 as the C kernel's
-    unsigned ones do), at most `_TORCH_CHUNK` elements at a time (rows, or pieces of a long row: a flat embedding's
-    int64 temporaries would otherwise take tens of GB)."""
+    """`checksum_sums` in torch integer ops on any device: `checksum_sums_device`, read back once."""
+    return unsigned_sums(*checksum_sums_device(t, position).tolist())
+
+
+def checksum_sums_device(t: torch.Tensor, position: Position | None = None) -> torch.Tensor:
+    """The checksum sums (A, B) as an int64 tensor [2] where `t` lives, without a host synchronisation, so that a
+    caller reads several figures back at once (int64 sums and products wrap mod 2^64 as the C kernel's unsigned
+    ones do); at most `_TORCH_CHUNK` elements at a time (rows, or pieces of a long row: a flat embedding's int64
+    temporaries would otherwise take tens of GB)."""
     position = position or Position.whole(t)
+    total = torch.zeros(2, dtype=torch.int64, device=t.device)
     if t.numel() == 0:
-        return 0, 0
+        return total
     width = t.element_size()
     rows = 1 if t.dim() <= 1 else t.shape[0]
     matrix = t.detach().reshape(rows, -1)
     cols = matrix.shape[1]
     mask = (1 << (8 * width)) - 1 if width < 8 else None
-    a = b = 0
     row_step, col_step = max(1, _TORCH_CHUNK // cols), min(cols, _TORCH_CHUNK)
     for r0 in range(0, rows, row_step):
         starts = (torch.arange(min(row_step, rows - r0), device=t.device, dtype=torch.int64)
@@ -279,9 +301,8 @@ def checksum_sums_torch(t: torch.Tensor, position: Position | None = None) -> tu
             if mask is not None:
                 values = values & mask
             columns = torch.arange(block.shape[1], device=t.device, dtype=torch.int64) + (position.col0 + c0 + 1)
-            a += int(values.sum())
-            b += int((values * (starts[:, None] + columns[None, :])).sum())
-    return a & _MASK, b & _MASK
+            total += torch.stack([values.sum(), (values * (starts[:, None] + columns[None, :])).sum()])
+    return total
 
 
 def checksum_sums_reference(t: torch.Tensor, position: Position | None = None) -> tuple[int, int]:

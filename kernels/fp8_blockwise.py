@@ -34,7 +34,8 @@ def _check_shape(w: torch.Tensor, block_size: int, name: str) -> None:
         raise ValueError(f"block_size {block_size} must be positive")
 
 
-def _refuse_non_finite(w: torch.Tensor, name: str) -> None:
+def refuse_non_finite(w: torch.Tensor, name: str) -> None:
+    """Raise the error for a weight holding NaN/Inf, with their count and the tensor's name."""
     bad = int((~torch.isfinite(w)).sum())
     raise ValueError(f"{name}: {bad} NaN/Inf values; refusing to quantize a corrupt weight")
 
@@ -42,7 +43,7 @@ def _refuse_non_finite(w: torch.Tensor, name: str) -> None:
 def _check(w: torch.Tensor, block_size: int, name: str) -> None:
     _check_shape(w, block_size, name)
     if not all_finite(w):
-        _refuse_non_finite(w, name)
+        refuse_non_finite(w, name)
 
 
 def scale_shape(shape: tuple[int, int], block_size: int = 128) -> tuple[int, int]:
@@ -153,10 +154,12 @@ def blockwise_fp8_quantize_triton_into(w: torch.Tensor, q_out: torch.Tensor, sca
                                                  BLOCK=block_size, POW2=pow2_scale, num_warps=num_warps)
 
 
-def blockwise_fp8_quantize_triton(w: torch.Tensor, block_size: int = 128, pow2_scale: bool = False,
-                                  name: str = "weight", *, num_warps: int = TRITON_NUM_WARPS
-                                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton kernel (one program per block, one read of `w`); same contract as the reference."""
+def blockwise_fp8_quantize_deferred(w: torch.Tensor, block_size: int = 128, pow2_scale: bool = False,
+                                    name: str = "weight", *, num_warps: int = TRITON_NUM_WARPS
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton kernel without a host synchronisation: (q, scale_inv, corrupt), `corrupt` an int64 [1] count of
+    the blocks holding NaN/Inf (their codes are garbage), for the caller to read back with its other figures and
+    refuse the weight if non-zero (`refuse_non_finite`)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     _check_shape(w, block_size, name)
@@ -164,8 +167,16 @@ def blockwise_fp8_quantize_triton(w: torch.Tensor, block_size: int = 128, pow2_s
     q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
     scale_inv = torch.empty(scale_shape(tuple(w.shape), block_size), dtype=torch.float32, device=w.device)
     blockwise_fp8_quantize_triton_into(w, q, scale_inv, block_size, pow2_scale, num_warps=num_warps)
-    if not bool((scale_inv > 0).all()):
-        _refuse_non_finite(w, name)
+    return q, scale_inv, (scale_inv <= 0).sum().reshape(1).to(torch.int64)
+
+
+def blockwise_fp8_quantize_triton(w: torch.Tensor, block_size: int = 128, pow2_scale: bool = False,
+                                  name: str = "weight", *, num_warps: int = TRITON_NUM_WARPS
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton kernel (one program per block, one read of `w`); same contract as the reference."""
+    q, scale_inv, corrupt = blockwise_fp8_quantize_deferred(w, block_size, pow2_scale, name, num_warps=num_warps)
+    if int(corrupt):
+        refuse_non_finite(w, name)
     return q, scale_inv
 
 

@@ -12,9 +12,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from kernels.cpu_bridge import (Position, checksum_sums, copy_check_finite, fold_checksum, fp8_quantize_into,
-                                supports_quantize)
-from kernels.fp8_blockwise import all_finite, blockwise_fp8_quantize
+from kernels import fp8_blockwise
+from kernels.cpu_bridge import (Position, checksum_sums, checksum_sums_device, copy_check_finite, fold_checksum,
+                                fp8_quantize_into, supports_quantize, unsigned_sums)
+from kernels.fp8_blockwise import (all_finite, blockwise_fp8_quantize, blockwise_fp8_quantize_deferred,
+                                   refuse_non_finite)
 from megatron_ais.bridge.arena import (ARENA_PLACES, CudaBuffer, SharedBuffer, arena_on_gpu, open_staging_buffer,
                                        staging_buffer)
 from megatron_ais.bridge.buckets import ManifestEntry
@@ -164,6 +166,16 @@ def _quantize_into(src: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, 
     if supports_quantize(src) and q_out.device.type == "cpu":
         q_sums = fp8_quantize_into(src, q_out, s_out, policy.block_size, policy.pow2_scale, name, q_position)
         return q_sums, checksum_sums(s_out, s_position)
+    if src.is_cuda and fp8_blockwise.triton is not None:
+        # the corrupt-block count and both checksums come back in one read: one host synchronisation per piece
+        q, s, corrupt = blockwise_fp8_quantize_deferred(src, policy.block_size, policy.pow2_scale, name)
+        bad, qa, qb, sa, sb = torch.cat([corrupt, checksum_sums_device(q, q_position),
+                                         checksum_sums_device(s, s_position)]).tolist()
+        if bad:
+            refuse_non_finite(src, name)
+        q_out.copy_(q)
+        s_out.copy_(s)
+        return unsigned_sums(qa, qb), unsigned_sums(sa, sb)
     q, s = blockwise_fp8_quantize(src, policy.block_size, policy.pow2_scale, name=name)
     sums = checksum_sums(q, q_position), checksum_sums(s, s_position)  # where the quantizer ran, as for copies
     q_out.copy_(q)

@@ -158,3 +158,19 @@ def test_device_checksum_in_torch_ops_equals_the_definition(dtype, monkeypatch):
                            (data.view(-1)[:1234], cpu_bridge.Position(0, 1234, 0))):
         assert cpu_bridge.checksum_sums_torch(view, position) == cpu_bridge.checksum_sums_reference(view, position)
     assert cpu_bridge.checksum_sums_torch(data[:0]) == (0, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
+def test_torch_copy_check_equals_the_c_kernel(dtype):
+    """The device path of copy_check_finite (torch ops, one read-back per piece: GPU shards) gives the C kernel's
+    NaN/Inf count and checksum sums, and copies the same bytes."""
+    g = torch.Generator().manual_seed(11)
+    src = (torch.randn(53, 300, generator=g) * 100).to(dtype)
+    if dtype.is_floating_point:
+        src[7, 9], src[40, 299] = float("nan"), float("-inf")
+    position = cpu_bridge.Position(3, 1 << 33, 17)
+    c_dst, torch_dst = torch.zeros_like(src), torch.zeros_like(src)
+    expected = cpu_bridge.copy_check_finite(src, c_dst, position)
+    assert cpu_bridge.copy_check_finite_torch(src, torch_dst, position) == expected
+    assert expected[0] == (2 if dtype.is_floating_point else 0)
+    assert torch.equal(torch_dst.view(torch.uint8), c_dst.view(torch.uint8))
