@@ -167,7 +167,7 @@ def blockwise_fp8_quantize_deferred(w: torch.Tensor, block_size: int = 128, pow2
     q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
     scale_inv = torch.empty(scale_shape(tuple(w.shape), block_size), dtype=torch.float32, device=w.device)
     blockwise_fp8_quantize_triton_into(w, q, scale_inv, block_size, pow2_scale, num_warps=num_warps)
-    return q, scale_inv, (scale_inv <= 0).sum().reshape(1).to(torch.int64)
+    return q, scale_inv, (~(scale_inv > 0)).sum().reshape(1).to(torch.int64)  # a NaN scale counts too
 
 
 def blockwise_fp8_quantize_triton(w: torch.Tensor, block_size: int = 128, pow2_scale: bool = False,
