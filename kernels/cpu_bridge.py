@@ -245,11 +245,26 @@ def checksum_sums(t: torch.Tensor, position: Position | None = None) -> tuple[in
 
 def checksum(t: torch.Tensor) -> int:
     """Return the 64-bit checksum of a contiguous tensor (any dtype, any device)."""
-    if not t.is_contiguous():
-        raise ValueError("checksum needs a contiguous tensor")
-    t = t.detach()
-    flat = t.reshape(-1) if t.dim() != 1 else t
-    return fold_checksum(t.numel() * t.element_size(), checksum_sums(flat))
+    return checksums([t])[0]
+
+
+def checksums(tensors: list[torch.Tensor]) -> list[int]:
+    """Return the 64-bit checksum of each contiguous tensor: the C kernel on host tensors, torch ops where device
+    tensors live, whose sums come back together (`read_back`: one synchronisation, not one per tensor)."""
+    sums: list = [None] * len(tensors)
+    deferred, figures = [], []
+    for i, t in enumerate(tensors):
+        if not t.is_contiguous():
+            raise ValueError("checksum needs a contiguous tensor")
+        flat = t.detach().reshape(-1)
+        if flat.device.type != "cpu" and flat.element_size() in _SIGNED_VIEWS:
+            deferred.append(i)
+            figures.append(checksum_sums_device(flat))
+        else:
+            sums[i] = checksum_sums(flat)
+    for i, (a, b) in zip(deferred, read_back(figures)):
+        sums[i] = unsigned_sums(a, b)
+    return [fold_checksum(t.numel() * t.element_size(), s) for t, s in zip(tensors, sums)]
 
 
 _SIGNED_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -257,14 +272,37 @@ _TORCH_CHUNK = 1 << 24  # elements per pass: the int64 temporaries stay a few hu
 
 
 def copy_check_finite_torch(src: torch.Tensor, dst: torch.Tensor, position: Position) -> tuple[int, tuple[int, int]]:
+    """`copy_check_finite` in torch ops where `src` lives: `copy_check_finite_deferred`, read back at once."""
+    count, a, b = copy_check_finite_deferred(src, dst, position).tolist()
+    return count, unsigned_sums(a, b)
+
+
+def copy_check_finite_deferred(src: torch.Tensor, dst: torch.Tensor, position: Position) -> torch.Tensor:
     """`copy_check_finite` in torch ops where `src` lives (a GPU rank's shard; the arena may be on another device,
-    which should not run every rank's checks): the NaN/Inf count and the checksum sums come back to the host in one
-    read, one synchronisation per piece. The caller waits for the copy before it reports the bucket."""
+    which should not run every rank's checks), without a host synchronisation: return an int64 [3] tensor on
+    `src`'s device, (NaN/Inf count, checksum sums A, B), for the caller to read back with its other figures
+    (`read_back`). The caller waits for the copy before it reports the bucket."""
     bad = (~torch.isfinite(src)).sum().reshape(1) if src.is_floating_point() else \
         torch.zeros(1, dtype=torch.int64, device=src.device)
-    count, a, b = torch.cat([bad.to(torch.int64), checksum_sums_device(src, position)]).tolist()
+    figures = torch.cat([bad.to(torch.int64), checksum_sums_device(src, position)])
     dst.copy_(src)
-    return count, unsigned_sums(a, b)
+    return figures
+
+
+def read_back(figures: list[torch.Tensor]) -> list[list[int]]:
+    """Read 1-D int64 tensors back to the host with one transfer per device (one synchronisation for a whole
+    bucket's figures instead of one per tensor piece); return their values in order."""
+    values: list = [None] * len(figures)
+    by_device: dict = {}
+    for i, f in enumerate(figures):
+        by_device.setdefault(f.device, []).append(i)
+    for indices in by_device.values():
+        flat = torch.cat([figures[i] for i in indices]).tolist()
+        start = 0
+        for i in indices:
+            values[i] = flat[start: start + figures[i].numel()]
+            start += figures[i].numel()
+    return values
 
 
 def unsigned_sums(a: int, b: int) -> tuple[int, int]:

@@ -67,6 +67,21 @@ def blockwise_fp8_quantize_reference(w: torch.Tensor, block_size: int = 128, pow
                                      name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference: return (q float8_e4m3fn [M, N], scale_inv float32 [ceil(M/bs), ceil(N/bs)])."""
     _check(w, block_size, name)
+    return _quantize_reference(w, block_size, pow2_scale)
+
+
+def blockwise_fp8_quantize_reference_deferred(w: torch.Tensor, block_size: int = 128, pow2_scale: bool = False,
+                                              name: str = "weight"
+                                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch reference under the Triton kernel's deferred contract (`blockwise_fp8_quantize_deferred`), for
+    devices without it: (q, scale_inv, corrupt), `corrupt` an int64 [1] count of the NaN/Inf elements, computed
+    where `w` lives without a host synchronisation; the codes are garbage where it is non-zero."""
+    _check_shape(w, block_size, name)
+    corrupt = (~torch.isfinite(w)).sum().reshape(1).to(torch.int64)
+    return (*_quantize_reference(w, block_size, pow2_scale), corrupt)
+
+
+def _quantize_reference(w: torch.Tensor, block_size: int, pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
     m, n = w.shape
     mb, nb = scale_shape((m, n), block_size)
     if m % block_size or n % block_size:

@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import socket
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from kernels import fp8_blockwise
-from kernels.cpu_bridge import (Position, checksum_sums, checksum_sums_device, copy_check_finite, fold_checksum,
-                                fp8_quantize_into, supports_quantize, unsigned_sums)
+from kernels.cpu_bridge import (Position, checksum_sums, checksum_sums_device, copy_check_finite,
+                                copy_check_finite_deferred, fold_checksum, fp8_quantize_into, read_back,
+                                supports_quantize, unsigned_sums)
 from kernels.fp8_blockwise import (all_finite, blockwise_fp8_quantize, blockwise_fp8_quantize_deferred,
-                                   refuse_non_finite)
+                                   blockwise_fp8_quantize_reference_deferred, refuse_non_finite)
 from megatron_ais.bridge.arena import (ARENA_PLACES, CudaBuffer, SharedBuffer, arena_on_gpu, open_staging_buffer,
                                        staging_buffer)
 from megatron_ais.bridge.buckets import ManifestEntry
@@ -145,42 +148,92 @@ def dense_writer_replicas(stage_marks: list[tuple]) -> list[int]:
     return [d for d in sorted({m[2] for m in ranks}) if all(m[6] in hosts for m in ranks if m[2] == d)]
 
 
-def _copy_checked(src: torch.Tensor, dst: torch.Tensor, position: Position, name: str) -> tuple[int, int]:
-    """Copy a piece into place; return its checksum sums; refuse NaN/Inf naming the tensor."""
-    if src.dtype != dst.dtype and src.device.type != "cpu":
-        src = src.to(dst.dtype)  # converted on its own GPU, so that the checks run there too
-    if src.dtype == dst.dtype:
-        bad, sums = copy_check_finite(src, dst, position)
-    else:
-        dst.copy_(src)
-        bad = 0 if all_finite(dst) else int((~torch.isfinite(dst)).sum())
-        sums = checksum_sums(dst, position)
-    if bad:
-        raise ValueError(f"{name}: {bad} NaN/Inf values; refusing to send a corrupt weight to the engine")
-    return sums
+def _on_host(*tensors: torch.Tensor) -> bool:
+    """Whether a piece is written by the host kernels, its figures known at once; otherwise torch ops write it
+    where its source lives and its figures come back at the bucket's end (`BucketSums`)."""
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def _refuse_copy(name: str, bad: int) -> None:
+    raise ValueError(f"{name}: {bad} NaN/Inf values; refusing to send a corrupt weight to the engine")
+
+
+class BucketSums:
+    """The checksum sums of the tensors this rank writes in one bucket. The host kernels' figures are added as they
+    come; figures that torch ops compute on a GPU stay there until `resolve` reads them all back at once — one host
+    synchronisation per bucket instead of one per piece — and refuses the first corrupt piece by name."""
+
+    def __init__(self):
+        self.totals: dict[str, list[int]] = {}
+        self._deferred: list[tuple[torch.Tensor, tuple[str | None, ...], Callable[[int], None]]] = []
+
+    def add(self, name: str, piece: tuple[int, int]) -> None:
+        total = self.totals.setdefault(name, [0, 0])
+        total[0] = (total[0] + piece[0]) & 0xFFFFFFFFFFFFFFFF
+        total[1] = (total[1] + piece[1]) & 0xFFFFFFFFFFFFFFFF
+
+    def defer(self, figures: torch.Tensor, names: tuple[str | None, ...], refuse: Callable[[int], None]) -> None:
+        """`figures`: int64 [1 + 2 len(names)] where they were computed — the piece's corrupt count, then the
+        (A, B) sums of each named tensor (None: not counted); `refuse(count)` raises for a corrupt piece."""
+        self._deferred.append((figures, names, refuse))
+
+    def resolve(self) -> dict[str, list[int]]:
+        """Read the deferred figures back, refuse the first corrupt piece, and return every tensor's sums."""
+        deferred, self._deferred = self._deferred, []
+        for (_, names, refuse), values in zip(deferred, read_back([f for f, _, _ in deferred])):
+            if values[0]:
+                refuse(values[0])
+            for k, name in enumerate(names):
+                if name is not None:
+                    self.add(name, unsigned_sums(values[1 + 2 * k], values[2 + 2 * k]))
+        return self.totals
+
+
+def _copy_checked(src: torch.Tensor, dst: torch.Tensor, position: Position, name: str, sums: BucketSums,
+                  counted: bool = True) -> None:
+    """Copy a piece into place, adding its checksum sums to `sums` (when `counted`); refuse NaN/Inf naming the
+    tensor."""
+    if _on_host(src, dst):
+        if src.dtype == dst.dtype:
+            bad, piece = copy_check_finite(src, dst, position)
+        else:
+            dst.copy_(src)
+            bad = 0 if all_finite(dst) else int((~torch.isfinite(dst)).sum())
+            piece = checksum_sums(dst, position)
+        if bad:
+            _refuse_copy(name, bad)
+        if counted:
+            sums.add(name, piece)
+        return
+    src = src.to(dst.dtype)  # converted where it lives, so that the checks run there too
+    sums.defer(copy_check_finite_deferred(src, dst, position), (name if counted else None,),
+               functools.partial(_refuse_copy, name))
 
 
 def _quantize_into(src: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, q_position: Position,
-                   s_position: Position, policy: QuantizationPolicy, name: str) -> tuple[tuple[int, int], ...]:
-    """Quantize a piece into place; return the checksum sums of its codes and of its scales."""
-    if supports_quantize(src) and q_out.device.type == "cpu":
-        q_sums = fp8_quantize_into(src, q_out, s_out, policy.block_size, policy.pow2_scale, name, q_position)
-        return q_sums, checksum_sums(s_out, s_position)
-    if src.is_cuda and fp8_blockwise.triton is not None:
-        # the corrupt-block count and both checksums come back in one read: one host synchronisation per piece
-        q, s, corrupt = blockwise_fp8_quantize_deferred(src, policy.block_size, policy.pow2_scale, name)
-        bad, qa, qb, sa, sb = torch.cat([corrupt, checksum_sums_device(q, q_position),
-                                         checksum_sums_device(s, s_position)]).tolist()
-        if bad:
-            refuse_non_finite(src, name)
+                   s_position: Position, policy: QuantizationPolicy, name: str, scale_name: str,
+                   sums: BucketSums) -> None:
+    """Quantize a piece into place, adding the checksum sums of its codes and of its scales to `sums`."""
+    if _on_host(src, q_out, s_out):
+        if supports_quantize(src):
+            sums.add(name, fp8_quantize_into(src, q_out, s_out, policy.block_size, policy.pow2_scale, name,
+                                             q_position))
+            sums.add(scale_name, checksum_sums(s_out, s_position))
+            return
+        q, s = blockwise_fp8_quantize(src, policy.block_size, policy.pow2_scale, name=name)
+        sums.add(name, checksum_sums(q, q_position))
+        sums.add(scale_name, checksum_sums(s, s_position))
         q_out.copy_(q)
         s_out.copy_(s)
-        return unsigned_sums(qa, qb), unsigned_sums(sa, sb)
-    q, s = blockwise_fp8_quantize(src, policy.block_size, policy.pow2_scale, name=name)
-    sums = checksum_sums(q, q_position), checksum_sums(s, s_position)  # where the quantizer ran, as for copies
+        return
+    quantize = blockwise_fp8_quantize_deferred if src.is_cuda and fp8_blockwise.triton is not None \
+        else blockwise_fp8_quantize_reference_deferred
+    q, s, corrupt = quantize(src, policy.block_size, policy.pow2_scale, name)
+    # checksummed where the quantizer ran, as for copies
+    sums.defer(torch.cat([corrupt, checksum_sums_device(q, q_position), checksum_sums_device(s, s_position)]),
+               (name, scale_name), lambda _: refuse_non_finite(src, name))
     q_out.copy_(q)
     s_out.copy_(s)
-    return sums
 
 
 def wait_for_device_writes(buffer) -> None:
@@ -189,12 +242,6 @@ def wait_for_device_writes(buffer) -> None:
     if buffer is not None and buffer.data.is_cuda:
         torch.cuda.synchronize()
         torch.cuda.synchronize(buffer.data.device)
-
-
-def _add(sums: dict[str, list[int]], name: str, piece: tuple[int, int]) -> None:
-    total = sums.setdefault(name, [0, 0])
-    total[0] = (total[0] + piece[0]) & 0xFFFFFFFFFFFFFFFF
-    total[1] = (total[1] + piece[1]) & 0xFFFFFFFFFFFFFFFF
 
 
 class WeightBridge:
@@ -337,25 +384,21 @@ class WeightBridge:
                                p.length * q.numel() // q.shape[p.dim]))
         return pieces
 
-    def _write(self, index: int, sums: dict[str, list[int]]) -> int:
+    def _write(self, index: int, sums: BucketSums) -> int:
         """Write this rank's pieces of bucket `index` (FP8 pieces quantized on the way), adding each piece's
-        checksum sums to `sums[name]`; return the bytes written."""
+        checksum sums to `sums`; return the bytes written."""
         written = 0
         for piece in self._bucket_pieces[index]:
             if piece[0] == "copy":
                 _, src, dst, position, name, counted, nbytes = piece
-                piece_sums = _copy_checked(src, dst, position, name)
-                if counted:
-                    _add(sums, name, piece_sums)
+                _copy_checked(src, dst, position, name, sums, counted)
             else:
                 _, src, q, s, q_position, s_position, name, scale_name, nbytes = piece
-                q_sums, s_sums = _quantize_into(src, q, s, q_position, s_position, self.config.policy, name)
-                _add(sums, name, q_sums)
-                _add(sums, scale_name, s_sums)
+                _quantize_into(src, q, s, q_position, s_position, self.config.policy, name, scale_name, sums)
             written += nbytes
         return written
 
-    def _quantize_scratch(self, bucket, targets: list[HFTarget], sums: dict[str, list[int]]) -> None:
+    def _quantize_scratch(self, bucket, targets: list[HFTarget], sums: BucketSums) -> None:
         """The stage's sender: quantize the FP8 tensors whose pieces were assembled in the scratch region."""
         base, scratch_base = self._placement(bucket)
         tensors = self._tensors
@@ -365,10 +408,8 @@ class WeightBridge:
             main, scale = tensors[name], tensors[name + SCALE_SUFFIX]
             q = self.buffer.view(base + main.offset, main.torch_dtype, main.shape)
             s = self.buffer.view(base + scale.offset, scale.torch_dtype, scale.shape)
-            q_sums, s_sums = _quantize_into(full, q, s, Position.whole(q), Position.whole(s), self.config.policy,
-                                            name)
-            _add(sums, main.name, q_sums)
-            _add(sums, scale.name, s_sums)
+            _quantize_into(full, q, s, Position.whole(q), Position.whole(s), self.config.policy, main.name,
+                           scale.name, sums)
 
     def _first_error(self, error: str | None) -> str:
         """After the stage's writers learnt that one failed: every writer leaves with the first one's error."""
@@ -409,9 +450,10 @@ class WeightBridge:
         for index, (bucket, targets) in enumerate(zip(plan.buckets, self._bucket_targets)):
             if index and self.mode == "distributed" and dist.get_world_size(self.group) > 1:
                 dist.barrier(group=self.group)  # the sender has shipped the last bucket out of the shared buffer
-            error, sums = None, {}
+            error, sums = None, BucketSums()
             try:
                 stats.written_bytes += self._write(index, sums)
+                sums.resolve()
             except ValueError as err:
                 error = str(err)
             wait_for_device_writes(self.buffer)
@@ -420,10 +462,11 @@ class WeightBridge:
                 if error is None and self.layout.is_sender:
                     try:
                         self._quantize_scratch(bucket, targets, sums)
+                        sums.resolve()
                     except ValueError as err:
                         error = str(err)
                     wait_for_device_writes(self.buffer)
-            manifest, error = self._manifest(bucket, sums, error)
+            manifest, error = self._manifest(bucket, sums.totals, error)
             if error is not None:
                 base_error = error
                 break

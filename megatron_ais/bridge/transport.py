@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ais.bridge.arena import CudaBuffer, SharedBuffer, remove_stale_shared_files, staging_buffer
-from megatron_ais.bridge.buckets import ManifestEntry, verify_tensor
+from megatron_ais.bridge.buckets import ManifestEntry, verify_tensors
 from megatron_ais.bridge.plan import EngineTensor
 
 TRANSPORTS = ("auto", "shm", "distributed")
@@ -169,8 +169,7 @@ class SyncReceiver:
 def _verify_tensors(checks: list[tuple[ManifestEntry, torch.Tensor]]) -> str | None:
     """Return the first mismatch between tensors and their manifest entries, None when all match."""
     try:
-        for entry, tensor in checks:
-            verify_tensor(entry, tensor)
+        verify_tensors(checks)
     except ValueError as err:
         return str(err)
     return None

@@ -190,7 +190,7 @@ class WeightSyncExtension:
         apply them all; a mismatch raises before the model is touched."""
         from megatron_ais.bridge.arena import entry_views
         from megatron_ais.bridge.broadcast import receive_bytes
-        from megatron_ais.bridge.buckets import ManifestEntry, verify_tensor
+        from megatron_ais.bridge.buckets import ManifestEntry, verify_tensors
 
         buffer = self._megatron_ais_feed_buffer
         if buffer is None or buffer.numel() < nbytes:
@@ -199,6 +199,5 @@ class WeightSyncExtension:
         receive_bytes(self._megatron_ais_group, buffer[:nbytes], chunk_bytes)
         entries = [ManifestEntry.from_dict(e) for e in json.loads(entries_json)]
         named = entry_views(buffer[:nbytes], entries)
-        for entry, (_, tensor) in zip(entries, named):
-            verify_tensor(entry, tensor)
+        verify_tensors([(entry, tensor) for entry, (_, tensor) in zip(entries, named)])
         return apply_weights_in_worker(self, named)

@@ -246,3 +246,68 @@ def test_stage_transports_follow_the_hosts(transport, hosts, expected):
     else:
         with pytest.raises(ValueError, match=expected):
             bridge._stage_modes("a", 0)
+
+
+def _written_by_worker(hf_dir, host_kernels):
+    """Syncs at TP2 through the host kernels or, with `host_kernels` False, through the torch path GPU ranks take
+    (figures kept where they are computed and read back once per bucket): the applied tensors, then the errors of
+    syncs with a NaN in rank 1's shard of a down_proj."""
+    from megatron_ais.arguments import build_parser, validate_args
+    from megatron_ais.bridge import sync as bridge_sync
+    from megatron_ais.bridge.quantization import QuantizationPolicy
+    from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, sync_weights_to_engine
+    from megatron_ais.bridge.transport import SyncError, SyncReceiver
+    from megatron_ais.initialize import initialize_megatron
+    from megatron_ais.model import ModelBuildConfig
+    from megatron_ais.training import build_loaded_chunks
+
+    if not host_kernels:
+        bridge_sync._on_host = lambda *tensors: False
+    args = build_parser("test").parse_args(["--hf-dir", hf_dir, "--bf16", "--seq-length", "16",
+                                            "--tensor-model-parallel-size", "2"])
+    hf_config = validate_args(args, 2)
+    initialize_megatron(args)
+    build = ModelBuildConfig.from_args(args, hf_config)
+    chunks, _, _ = build_loaded_chunks(args, build)
+    layout = BridgeLayout.from_parallel_state()
+    applied, errors = [], []
+    receiver = SyncReceiver(apply=lambda ts: applied.append({n: t.clone() for n, t in ts})) \
+        if layout.rank == 0 else None
+    fc2 = next(p for n, p in chunks[0].named_parameters() if n.endswith("decoder.layers.1.mlp.linear_fc2.weight"))
+    for sync_id, (precision, corrupt) in enumerate([("bf16", False), ("fp8", False), ("bf16", True), ("fp8", True)]):
+        config = BridgeConfig(bucket_size_mb=BUCKET_MB, policy=QuantizationPolicy(precision=precision))
+        original = fc2.detach().clone()
+        if corrupt and layout.rank == 1:
+            with torch.no_grad():
+                fc2[3, 5] = float("nan")
+        try:
+            sync_weights_to_engine(chunks, build, config, layout, sync_id, receiver)
+        except SyncError as err:
+            errors.append(str(err))
+        with torch.no_grad():
+            fc2.copy_(original)
+    if receiver is not None:
+        receiver.close()
+    return layout.rank, applied, errors
+
+
+@pytest.mark.slow
+def test_torch_path_writes_what_the_host_kernels_write_and_refuses_nan(model_root):
+    """The path GPU ranks take (torch ops where the shard lives, NaN counts and checksum sums read back once per
+    bucket, the torch reference quantizer) writes exactly the host kernels' bytes and the same manifests, here at TP2
+    with one KV head (pieces assembled in the scratch area) on CPU; a NaN in one rank's shard refuses the sync on
+    every rank, naming the tensor, and nothing is applied."""
+    model = make_model_dir(model_root, "qwen3", num_key_value_heads=1)
+    results = {}
+    for host_kernels in (True, False):
+        for rank, applied, errors in spawn(2, _written_by_worker, model, host_kernels):
+            results[host_kernels, rank] = applied, errors
+    host, torch_path = results[True, 0][0], results[False, 0][0]
+    assert len(host) == len(torch_path) == 2  # bf16 then fp8; the corrupt syncs applied nothing
+    for expected, got in zip(host, torch_path):
+        assert expected.keys() == got.keys()
+        assert all(torch.equal(expected[n].view(torch.uint8), got[n].view(torch.uint8)) for n in expected)
+    assert any(t.dtype == torch.float8_e4m3fn for t in torch_path[1].values())
+    for key, (_, errors) in results.items():
+        assert len(errors) == 2, key
+        assert all("model.layers.1.mlp.down_proj.weight: " in e and "NaN/Inf" in e for e in errors), errors

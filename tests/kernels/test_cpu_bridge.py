@@ -174,3 +174,18 @@ def test_torch_copy_check_equals_the_c_kernel(dtype):
     assert cpu_bridge.copy_check_finite_torch(src, torch_dst, position) == expected
     assert expected[0] == (2 if dtype.is_floating_point else 0)
     assert torch.equal(torch_dst.view(torch.uint8), c_dst.view(torch.uint8))
+
+
+def test_read_back_and_batched_checksums():
+    from kernels.cpu_bridge import (checksum_sums_device, checksum_sums_reference, checksums, fold_checksum,
+                                    read_back, unsigned_sums)
+
+    figures = [torch.tensor([3]), torch.arange(5), torch.tensor([-1, 2**62])]
+    assert read_back(figures) == [[3], [0, 1, 2, 3, 4], [-1, 2**62]]
+    tensors = [torch.randn(7, 300).to(torch.bfloat16), torch.randint(0, 255, (1000,), dtype=torch.uint8),
+               torch.randn(3, 5)]
+    assert checksums(tensors) == [fold_checksum(t.numel() * t.element_size(), checksum_sums_reference(t.reshape(-1)))
+                                  for t in tensors]
+    # the device-side sums (what a GPU rank reads back in one transfer) equal the C kernel's unsigned ones
+    assert [unsigned_sums(*v) for v in read_back([checksum_sums_device(t.reshape(-1)) for t in tensors])] == \
+        [checksum_sums_reference(t.reshape(-1)) for t in tensors]
