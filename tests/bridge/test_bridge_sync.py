@@ -145,26 +145,32 @@ def _rss_kib(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
+def _two_rank_bf16_model(hf_dir, parallel_flag):
+    """Megatron initialised for two ranks split by `parallel_flag` (TP or PP), the model loaded from `hf_dir`."""
+    from megatron_ais.arguments import build_parser, validate_args
+    from megatron_ais.bridge.sync import BridgeLayout
+    from megatron_ais.initialize import initialize_megatron
+    from megatron_ais.model import ModelBuildConfig
+    from megatron_ais.training import build_loaded_chunks
+
+    args = build_parser("test").parse_args(["--hf-dir", hf_dir, "--bf16", "--seq-length", "16", parallel_flag, "2"])
+    hf_config = validate_args(args, 2)
+    initialize_megatron(args)
+    build = ModelBuildConfig.from_args(args, hf_config)
+    chunks, _, _ = build_loaded_chunks(args, build)
+    return chunks, build, BridgeLayout.from_parallel_state()
+
+
 def _memory_worker(hf_dir, bucket_mb):
     import ctypes
 
     import torch.distributed as dist
 
-    from megatron_ais.arguments import build_parser, validate_args
     from megatron_ais.bridge.quantization import QuantizationPolicy
-    from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, WeightBridge
+    from megatron_ais.bridge.sync import BridgeConfig, WeightBridge
     from megatron_ais.bridge.transport import SyncReceiver
-    from megatron_ais.initialize import initialize_megatron
-    from megatron_ais.model import ModelBuildConfig
-    from megatron_ais.training import build_loaded_chunks
 
-    args = build_parser("test").parse_args(["--hf-dir", hf_dir, "--bf16", "--seq-length", "16",
-                                            "--pipeline-model-parallel-size", "2"])
-    hf_config = validate_args(args, 2)
-    initialize_megatron(args)
-    build = ModelBuildConfig.from_args(args, hf_config)
-    chunks, _, _ = build_loaded_chunks(args, build)
-    layout = BridgeLayout.from_parallel_state()
+    chunks, build, layout = _two_rank_bf16_model(hf_dir, "--pipeline-model-parallel-size")
     receiver = SyncReceiver(apply=lambda tensors: None) if layout.rank == 0 else None
     config = BridgeConfig(bucket_size_mb=bucket_mb, policy=QuantizationPolicy(precision="fp8"),
                           transport="distributed")
@@ -252,24 +258,14 @@ def _written_by_worker(hf_dir, host_kernels):
     """Syncs at TP2 through the host kernels or, with `host_kernels` False, through the torch path GPU ranks take
     (figures kept where they are computed and read back once per bucket): the applied tensors, then the errors of
     syncs with a NaN in rank 1's shard of a down_proj."""
-    from megatron_ais.arguments import build_parser, validate_args
     from megatron_ais.bridge import sync as bridge_sync
     from megatron_ais.bridge.quantization import QuantizationPolicy
-    from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, sync_weights_to_engine
+    from megatron_ais.bridge.sync import BridgeConfig, sync_weights_to_engine
     from megatron_ais.bridge.transport import SyncError, SyncReceiver
-    from megatron_ais.initialize import initialize_megatron
-    from megatron_ais.model import ModelBuildConfig
-    from megatron_ais.training import build_loaded_chunks
 
     if not host_kernels:
         bridge_sync._on_host = lambda *tensors: False
-    args = build_parser("test").parse_args(["--hf-dir", hf_dir, "--bf16", "--seq-length", "16",
-                                            "--tensor-model-parallel-size", "2"])
-    hf_config = validate_args(args, 2)
-    initialize_megatron(args)
-    build = ModelBuildConfig.from_args(args, hf_config)
-    chunks, _, _ = build_loaded_chunks(args, build)
-    layout = BridgeLayout.from_parallel_state()
+    chunks, build, layout = _two_rank_bf16_model(hf_dir, "--tensor-model-parallel-size")
     applied, errors = [], []
     receiver = SyncReceiver(apply=lambda ts: applied.append({n: t.clone() for n, t in ts})) \
         if layout.rank == 0 else None
