@@ -145,16 +145,17 @@ def _rss_kib(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def _two_rank_bf16_model(hf_dir, parallel_flag):
-    """Megatron initialised for two ranks split by `parallel_flag` (TP or PP), the model loaded from `hf_dir`."""
+def _bf16_model(hf_dir, parallel_flag, size=2):
+    """Megatron initialised for `size` ranks split by `parallel_flag` (TP or PP), the model loaded from `hf_dir`."""
     from megatron_ais.arguments import build_parser, validate_args
     from megatron_ais.bridge.sync import BridgeLayout
     from megatron_ais.initialize import initialize_megatron
     from megatron_ais.model import ModelBuildConfig
     from megatron_ais.training import build_loaded_chunks
 
-    args = build_parser("test").parse_args(["--hf-dir", hf_dir, "--bf16", "--seq-length", "16", parallel_flag, "2"])
-    hf_config = validate_args(args, 2)
+    args = build_parser("test").parse_args(["--hf-dir", hf_dir, "--bf16", "--seq-length", "16", parallel_flag,
+                                            str(size)])
+    hf_config = validate_args(args, size)
     initialize_megatron(args)
     build = ModelBuildConfig.from_args(args, hf_config)
     chunks, _, _ = build_loaded_chunks(args, build)
@@ -170,7 +171,7 @@ def _memory_worker(hf_dir, bucket_mb):
     from megatron_ais.bridge.sync import BridgeConfig, WeightBridge
     from megatron_ais.bridge.transport import SyncReceiver
 
-    chunks, build, layout = _two_rank_bf16_model(hf_dir, "--pipeline-model-parallel-size")
+    chunks, build, layout = _bf16_model(hf_dir, "--pipeline-model-parallel-size")
     receiver = SyncReceiver(apply=lambda tensors: None) if layout.rank == 0 else None
     config = BridgeConfig(bucket_size_mb=bucket_mb, policy=QuantizationPolicy(precision="fp8"),
                           transport="distributed")
@@ -254,10 +255,10 @@ def test_stage_transports_follow_the_hosts(transport, hosts, expected):
             bridge._stage_modes("a", 0)
 
 
-def _written_by_worker(hf_dir, host_kernels):
-    """Syncs at TP2 through the host kernels or, with `host_kernels` False, through the torch path GPU ranks take
-    (figures kept where they are computed and read back once per bucket): the applied tensors, then the errors of
-    syncs with a NaN in rank 1's shard of a down_proj."""
+def _written_by_worker(hf_dir, host_kernels, tp=2):
+    """Syncs at TP `tp` through the host kernels or, with `host_kernels` False, through the torch path GPU ranks
+    take (figures kept where they are computed and read back once per bucket): the applied tensors, then the errors
+    of syncs with a NaN in the last rank's shard of a down_proj."""
     from megatron_ais.bridge import sync as bridge_sync
     from megatron_ais.bridge.quantization import QuantizationPolicy
     from megatron_ais.bridge.sync import BridgeConfig, sync_weights_to_engine
@@ -265,15 +266,15 @@ def _written_by_worker(hf_dir, host_kernels):
 
     if not host_kernels:
         bridge_sync._on_host = lambda *tensors: False
-    chunks, build, layout = _two_rank_bf16_model(hf_dir, "--tensor-model-parallel-size")
+    chunks, build, layout = _bf16_model(hf_dir, "--tensor-model-parallel-size", tp)
     applied, errors = [], []
-    receiver = SyncReceiver(apply=lambda ts: applied.append({n: t.clone() for n, t in ts})) \
+    receiver = SyncReceiver(apply=lambda ts: applied.append({n: t.cpu().clone() for n, t in ts})) \
         if layout.rank == 0 else None
     fc2 = next(p for n, p in chunks[0].named_parameters() if n.endswith("decoder.layers.1.mlp.linear_fc2.weight"))
     for sync_id, (precision, corrupt) in enumerate([("bf16", False), ("fp8", False), ("bf16", True), ("fp8", True)]):
         config = BridgeConfig(bucket_size_mb=BUCKET_MB, policy=QuantizationPolicy(precision=precision))
         original = fc2.detach().clone()
-        if corrupt and layout.rank == 1:
+        if corrupt and layout.rank == tp - 1:
             with torch.no_grad():
                 fc2[3, 5] = float("nan")
         try:
@@ -307,3 +308,14 @@ def test_torch_path_writes_what_the_host_kernels_write_and_refuses_nan(model_roo
     for key, (_, errors) in results.items():
         assert len(errors) == 2, key
         assert all("model.layers.1.mlp.down_proj.weight: " in e and "NaN/Inf" in e for e in errors), errors
+
+
+@pytest.mark.gpu
+def test_nan_on_a_gpu_rank_is_refused_by_name(model_root):
+    """On a GPU rank the NaN count travels with the bucket's other figures (one read-back per bucket): the sync is
+    still refused with the tensor's name and nothing is applied, while clean syncs go through."""
+    assert torch.cuda.is_available()
+    model = make_model_dir(model_root, "qwen3", num_key_value_heads=1)
+    ((_, applied, errors),) = spawn(1, _written_by_worker, model, False, 1)
+    assert len(applied) == 2 and any(t.dtype == torch.float8_e4m3fn for t in applied[1].values())
+    assert len(errors) == 2 and all("model.layers.1.mlp.down_proj.weight: " in e and "NaN/Inf" in e for e in errors)
