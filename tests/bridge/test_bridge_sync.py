@@ -255,37 +255,39 @@ def test_stage_transports_follow_the_hosts(transport, hosts, expected):
             bridge._stage_modes("a", 0)
 
 
-def _written_by_worker(hf_dir, host_kernels, tp=2):
-    """Syncs at TP `tp` through the host kernels or, with `host_kernels` False, through the torch path GPU ranks
-    take (figures kept where they are computed and read back once per bucket): the applied tensors, then the errors
-    of syncs with a NaN in the last rank's shard of a down_proj."""
+def _written_by_worker(hf_dir, paths, tp=2):
+    """Syncs at TP `tp` through each of `paths`: the host kernels (True) or the torch path GPU ranks take (False:
+    figures kept where they are computed and read back once per bucket). Per path: the applied tensors, then the
+    errors of syncs with a NaN in the last rank's shard of a down_proj."""
     from megatron_ais.bridge import sync as bridge_sync
     from megatron_ais.bridge.quantization import QuantizationPolicy
     from megatron_ais.bridge.sync import BridgeConfig, sync_weights_to_engine
     from megatron_ais.bridge.transport import SyncError, SyncReceiver
 
-    if not host_kernels:
-        bridge_sync._on_host = lambda *tensors: False
     chunks, build, layout = _bf16_model(hf_dir, "--tensor-model-parallel-size", tp)
-    applied, errors = [], []
-    receiver = SyncReceiver(apply=lambda ts: applied.append({n: t.cpu().clone() for n, t in ts})) \
-        if layout.rank == 0 else None
     fc2 = next(p for n, p in chunks[0].named_parameters() if n.endswith("decoder.layers.1.mlp.linear_fc2.weight"))
-    for sync_id, (precision, corrupt) in enumerate([("bf16", False), ("fp8", False), ("bf16", True), ("fp8", True)]):
-        config = BridgeConfig(bucket_size_mb=BUCKET_MB, policy=QuantizationPolicy(precision=precision))
-        original = fc2.detach().clone()
-        if corrupt and layout.rank == tp - 1:
+    original_on_host, sync_id, results = bridge_sync._on_host, 0, {}
+    for host_kernels in paths:
+        bridge_sync._on_host = original_on_host if host_kernels else (lambda *tensors: False)
+        applied, errors = results.setdefault(host_kernels, ([], []))
+        receiver = SyncReceiver(apply=lambda ts: applied.append({n: t.cpu().clone() for n, t in ts})) \
+            if layout.rank == 0 else None
+        for precision, corrupt in [("bf16", False), ("fp8", False), ("bf16", True), ("fp8", True)]:
+            config = BridgeConfig(bucket_size_mb=BUCKET_MB, policy=QuantizationPolicy(precision=precision))
+            original = fc2.detach().clone()
+            if corrupt and layout.rank == tp - 1:
+                with torch.no_grad():
+                    fc2[3, 5] = float("nan")
+            try:
+                sync_weights_to_engine(chunks, build, config, layout, sync_id, receiver)
+            except SyncError as err:
+                errors.append(str(err))
             with torch.no_grad():
-                fc2[3, 5] = float("nan")
-        try:
-            sync_weights_to_engine(chunks, build, config, layout, sync_id, receiver)
-        except SyncError as err:
-            errors.append(str(err))
-        with torch.no_grad():
-            fc2.copy_(original)
-    if receiver is not None:
-        receiver.close()
-    return layout.rank, applied, errors
+                fc2.copy_(original)
+            sync_id += 1
+        if receiver is not None:
+            receiver.close()
+    return layout.rank, results
 
 
 @pytest.mark.slow
@@ -295,19 +297,17 @@ def test_torch_path_writes_what_the_host_kernels_write_and_refuses_nan(model_roo
     with one KV head (pieces assembled in the scratch area) on CPU; a NaN in one rank's shard refuses the sync on
     every rank, naming the tensor, and nothing is applied."""
     model = make_model_dir(model_root, "qwen3", num_key_value_heads=1)
-    results = {}
-    for host_kernels in (True, False):
-        for rank, applied, errors in spawn(2, _written_by_worker, model, host_kernels):
-            results[host_kernels, rank] = applied, errors
-    host, torch_path = results[True, 0][0], results[False, 0][0]
+    results = dict(spawn(2, _written_by_worker, model, (True, False)))
+    host, torch_path = results[0][True][0], results[0][False][0]
     assert len(host) == len(torch_path) == 2  # bf16 then fp8; the corrupt syncs applied nothing
     for expected, got in zip(host, torch_path):
         assert expected.keys() == got.keys()
         assert all(torch.equal(expected[n].view(torch.uint8), got[n].view(torch.uint8)) for n in expected)
     assert any(t.dtype == torch.float8_e4m3fn for t in torch_path[1].values())
-    for key, (_, errors) in results.items():
-        assert len(errors) == 2, key
-        assert all("model.layers.1.mlp.down_proj.weight: " in e and "NaN/Inf" in e for e in errors), errors
+    for rank, per_path in results.items():
+        for host_kernels, (_, errors) in per_path.items():
+            assert len(errors) == 2, (rank, host_kernels)
+            assert all("model.layers.1.mlp.down_proj.weight: " in e and "NaN/Inf" in e for e in errors), errors
 
 
 @pytest.mark.gpu
@@ -316,6 +316,7 @@ def test_nan_on_a_gpu_rank_is_refused_by_name(model_root):
     still refused with the tensor's name and nothing is applied, while clean syncs go through."""
     assert torch.cuda.is_available()
     model = make_model_dir(model_root, "qwen3", num_key_value_heads=1)
-    ((_, applied, errors),) = spawn(1, _written_by_worker, model, False, 1)
+    ((_, results),) = spawn(1, _written_by_worker, model, (False,), 1)
+    applied, errors = results[False]
     assert len(applied) == 2 and any(t.dtype == torch.float8_e4m3fn for t in applied[1].values())
     assert len(errors) == 2 and all("model.layers.1.mlp.down_proj.weight: " in e and "NaN/Inf" in e for e in errors)
