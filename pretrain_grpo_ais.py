@@ -1,33 +1,28 @@
 """GRPO with FP8 vLLM rollouts and Adaptive Importance Sampling on Megatron-Core (the way pretrain_gpt.py sits
-over megatron): flags and the loop live in megatron_ais.
+over megatron): the flags become typed configs once, here; the run lives in megatron_ais.grpo.run.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 pretrain_grpo_ais.py \\
         --load runs/sft/checkpoint --rollout-precision fp8 --is-correction ais --grpo-steps 20
 """
+import os
 import sys
 
-from megatron_ais.ais import add_correction_args
-from megatron_ais.arguments import ALL_GROUPS, ArgumentValidationError, build_parser
-from megatron_ais.bridge.sync import add_bridge_args
-from megatron_ais.checkpointing import CheckpointError
-from megatron_ais.data.tasks import TaskError, add_task_args
-from megatron_ais.grpo.loss import add_grpo_args
-from megatron_ais.recipe import add_recipe_args, run_grpo
-from megatron_ais.rollout.engine import add_rollout_args
+from megatron_ais.arguments import GRPO_FLAGS, GRPORunConfig, build_parser
+from megatron_ais.errors import USAGE_ERRORS
+from megatron_ais.grpo.run import GRPORun
 
 
 def build_grpo_parser():
     """Return the parser of every pretrain_grpo_ais.py flag, grouped by concern."""
-    return build_parser(__doc__.split("\n\n")[0], ALL_GROUPS + (add_task_args, add_grpo_args, add_correction_args,
-                                                               add_rollout_args, add_bridge_args, add_recipe_args))
+    return build_parser(__doc__.split("\n\n")[0], GRPO_FLAGS)
 
 
 def main(argv=None) -> int:
     parser = build_grpo_parser()
     args = parser.parse_args(argv)
     try:
-        summary = run_grpo(args)
-    except (ArgumentValidationError, CheckpointError, TaskError) as err:
+        summary = GRPORun(GRPORunConfig.from_args(args, int(os.environ.get("WORLD_SIZE", "1")))).run()
+    except USAGE_ERRORS as err:
         parser.error(str(err))
     import torch.distributed as dist
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -30,6 +30,9 @@ from typing import Any
 
 import torch
 
+from megatron_ais.errors import CheckpointError
+from megatron_ais.flags import FlagConfig, flag
+
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "megatron_ais.json"
 HF_ASSETS = "hf_assets"
@@ -43,8 +46,35 @@ HF_ASSET_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map
                   "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, or does not fit the requested layout."""
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig(FlagConfig):
+    """Where a run starts from and where it saves."""
+
+    load: str | None = flag(None, "Megatron checkpoint directory to start from (written by "
+                                  "tools/convert_checkpoint.py or a previous run). Overrides the weights of --hf-dir.",
+                            type=str)
+    save: str | None = flag(None, "Directory to write checkpoints to (model, optimizer, RNG states, run state; "
+                                  "atomic, with a checksum per file). Point --load at it to resume.", type=str)
+    save_interval: int | None = flag(None, "Save a checkpoint every this many steps.", type=int)
+    keep_checkpoints: int = flag(2, "Committed iterations kept under --save (older ones are removed); more than one "
+                                    "lets a corrupted newest checkpoint fall back to the previous one.")
+    finetune: bool = flag(False, "Take only the weights of --load: fresh optimizer, RNG and step counter (like "
+                                 "Megatron-LM). Implied for weights-only checkpoints (converted from HF or written by "
+                                 "SFT runs).")
+
+    def __post_init__(self):
+        from megatron_ais.errors import ArgumentValidationError
+
+        if self.save_interval is not None and not self.save:
+            raise ArgumentValidationError("--save-interval needs --save DIR")
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ArgumentValidationError(f"--save-interval {self.save_interval} must be a positive integer")
+        if self.keep_checkpoints < 1:
+            raise ArgumentValidationError(f"--keep-checkpoints {self.keep_checkpoints} must be at least 1")
+
+    def saves_at(self, step: int, last_step: int) -> bool:
+        """Whether the run saves after `step`: every --save-interval steps and after its last step."""
+        return bool(self.save) and (step == last_step or bool(self.save_interval and step % self.save_interval == 0))
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -188,19 +218,18 @@ def read_checkpoint_metadata(root: str, iteration: int | None = None) -> dict[st
     return _read_metadata(root, usable_iterations(root)[0] if iteration is None else iteration)
 
 
-def checkpoint_metadata(args, build, hf_config: dict, iteration: int) -> dict[str, Any]:
-    """Return the metadata every checkpoint of a run carries: HF config, parallel layout (with the data-parallel
-    size and optimizer kind, which the distributed optimizer's shards depend on), vocabulary padding."""
-    from megatron.core import parallel_state as ps
-
-    return {"hf_config": hf_config, "tensor_model_parallel_size": build.tensor_model_parallel_size,
-            "data_parallel_size": ps.get_data_parallel_world_size() if ps.model_parallel_is_initialized() else None,
-            "use_distributed_optimizer": bool(getattr(args, "use_distributed_optimizer", False)),
-            "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
-            "expert_model_parallel_size": build.expert_model_parallel_size,
-            "expert_tensor_parallel_size": build.expert_tensor_parallel_size or build.tensor_model_parallel_size,
-            "make_vocab_size_divisible_by": args.make_vocab_size_divisible_by,
-            "padded_vocab_size": build.padded_vocab_size, "iteration": iteration}
+def checkpoint_metadata(build, hf_config: dict, iteration: int, data_parallel_size: int | None = None,
+                        use_distributed_optimizer: bool | None = None, **extra) -> dict[str, Any]:
+    """Return the metadata every checkpoint carries: HF config, parallel layout (with the data-parallel size and
+    optimizer kind, which the distributed optimizer's shards depend on; None for weights-only checkpoints),
+    vocabulary padding, iteration, and `extra` (a converted checkpoint's source)."""
+    layout = build.layout
+    return {"hf_config": hf_config, "tensor_model_parallel_size": layout.tensor,
+            "data_parallel_size": data_parallel_size, "use_distributed_optimizer": use_distributed_optimizer,
+            "pipeline_model_parallel_size": layout.pipeline, "expert_model_parallel_size": layout.expert,
+            "expert_tensor_parallel_size": layout.expert_tensor_size,
+            "make_vocab_size_divisible_by": build.make_vocab_size_divisible_by,
+            "padded_vocab_size": build.padded_vocab_size, "iteration": iteration, **extra}
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -282,17 +311,17 @@ def load_rank_state(root: str, tp_rank: int, pp_rank: int, pp_size: int, iterati
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def check_layout(metadata: dict[str, Any], tp: int, pp: int, root: str, ep: int = 1, etp: int | None = None) -> None:
+def check_layout(metadata: dict[str, Any], layout, root: str) -> None:
     """Raise a CheckpointError naming the flags when a checkpoint was saved at another TP / PP / EP / expert-TP
-    layout (expert-TP defaults to TP, as in megatron; checkpoints that predate its record are not checked on it)."""
-    saved_etp = metadata.get("expert_tensor_parallel_size")
+    layout than the ParallelLayout `layout` (checkpoints that predate the expert-TP record are not checked on it)."""
+    tp, pp, ep, etp = layout.tensor, layout.pipeline, layout.expert, layout.expert_tensor_size
     saved = (metadata["tensor_model_parallel_size"], metadata["pipeline_model_parallel_size"],
-             metadata.get("expert_model_parallel_size", 1), saved_etp or etp or tp)
-    if saved != (tp, pp, ep, etp or tp):
+             metadata.get("expert_model_parallel_size", 1), metadata.get("expert_tensor_parallel_size") or etp)
+    if saved != (tp, pp, ep, etp):
         raise CheckpointError(
             f"--load {root} was saved at TP{saved[0]} x PP{saved[1]} x EP{saved[2]} x expert-TP{saved[3]} but the run "
             f"uses --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} --expert-model-parallel-size "
-            f"{ep} --expert-tensor-parallel-size {etp or tp}; use the saved sizes, or reshard: "
+            f"{ep} --expert-tensor-parallel-size {etp}; use the saved sizes, or reshard: "
             "tools/convert_checkpoint.py megatron-to-hf then hf-to-megatron with the new sizes")
 
 

@@ -1,7 +1,6 @@
 """Process groups, megatron parallel state and seeds, in the order Megatron-LM's `initialize_megatron` uses."""
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import random
@@ -11,26 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ais import platform
-from megatron_ais.arguments import validate_parallel_args
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelSizes:
-    """The parallel layout of a run; DP is derived from the world size."""
-
-    tensor: int = 1
-    pipeline: int = 1
-    virtual_pipeline: int | None = None
-    context: int = 1
-    expert: int = 1
-    expert_tensor: int | None = None
-
-    @classmethod
-    def from_args(cls, args) -> "ParallelSizes":
-        """Return the sizes named by the parallelism flags."""
-        return cls(tensor=args.tensor_model_parallel_size, pipeline=args.pipeline_model_parallel_size,
-                   virtual_pipeline=args.virtual_pipeline_model_parallel_size, context=args.context_parallel_size,
-                   expert=args.expert_model_parallel_size, expert_tensor=args.expert_tensor_parallel_size)
+from megatron_ais.parallel import ParallelLayout
 
 
 def initialize_distributed(timeout_minutes: int = 30) -> None:
@@ -47,17 +27,12 @@ def initialize_distributed(timeout_minutes: int = 30) -> None:
                             timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
-def initialize_model_parallel(sizes: ParallelSizes) -> None:
+def initialize_model_parallel(layout: ParallelLayout) -> None:
     """Create megatron's TP / PP / VPP / CP / EP / DP groups for the current world."""
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=sizes.tensor,
-        pipeline_model_parallel_size=sizes.pipeline,
-        virtual_pipeline_model_parallel_size=sizes.virtual_pipeline,
-        context_parallel_size=sizes.context,
-        expert_model_parallel_size=sizes.expert,
-        expert_tensor_parallel_size=sizes.expert_tensor,
+        **layout.megatron_sizes(),
         # megatron's optimizer setup asks for the gloo copies of the DP groups (Megatron-LM's default as well)
         create_gloo_process_groups=True,
     )
@@ -75,15 +50,13 @@ def set_random_seed(seed: int) -> None:
     model_parallel_cuda_manual_seed(stage_seed)
 
 
-def initialize_megatron(args) -> ParallelSizes:
-    """Apply the CPU compatibility layer, start torch.distributed, build parallel state and seed; return the sizes."""
+def initialize_megatron(layout: ParallelLayout, seed: int) -> None:
+    """Apply the CPU compatibility layer, start torch.distributed, build parallel state for `layout` and seed."""
     platform.apply_cpu_compat()
     initialize_distributed()
-    validate_parallel_args(args, dist.get_world_size())
-    sizes = ParallelSizes.from_args(args)
-    initialize_model_parallel(sizes)
-    set_random_seed(args.seed)
-    return sizes
+    layout.data_parallel(dist.get_world_size())  # refuses a world the layout does not fit
+    initialize_model_parallel(layout)
+    set_random_seed(seed)
 
 
 def destroy_megatron() -> None:

@@ -4,29 +4,24 @@ from __future__ import annotations
 import os
 import queue as queue_module
 import signal
-import socket
 import time
 import traceback
 
 import torch.multiprocessing as mp
 
+from megatron_ais.distributed import free_port
+
 
 RESULT_WAIT_S = 120.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, target, args, queue, received) -> None:
+def _worker(rank: int, world_size: int, port: int, target, target_args, queue, received) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     import torch
     torch.set_num_threads(1)
     try:
-        queue.put((rank, "ok", target(*args)))
+        queue.put((rank, "ok", target(*target_args)))
     except BaseException:  # report every failure to the parent with its traceback
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -84,7 +79,7 @@ def spawn(world_size: int, target, *args, timeout: float = 600.0) -> list:
     """
     ctx = mp.get_context("spawn")
     queue, received = ctx.Queue(), ctx.Event()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, target, args, queue, received))
              for r in range(world_size)]
     for p in procs:

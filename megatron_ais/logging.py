@@ -1,10 +1,32 @@
 """Console lines, tensorboard scalars and the run summary; only the designated logging rank writes."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 from typing import Any
+
+from megatron_ais.errors import ArgumentValidationError
+from megatron_ais.flags import FlagConfig, flag
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig(FlagConfig):
+    """Where a run writes its logs and how often it prints."""
+
+    output_dir: str = flag("runs/default", "Run directory: tensorboard events, summary.json, figures.")
+    log_interval: int = flag(1, "Print one console line every this many steps.")
+    tensorboard_dir: str | None = flag(None, "Tensorboard event directory (default: <output-dir>/tensorboard).",
+                                       type=str)
+
+    def __post_init__(self):
+        if self.log_interval < 1:
+            raise ArgumentValidationError(f"--log-interval {self.log_interval} must be a positive integer")
+
+    def prints(self, step: int, last_step: int) -> bool:
+        """Whether `step`'s console line is printed: every --log-interval steps and the last."""
+        return step % self.log_interval == 0 or step == last_step
 
 
 class RunLogger:

@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from megatron_ais import platform
-from megatron_ais.arguments import ArgumentValidationError
+from megatron_ais.errors import ArgumentValidationError
+from megatron_ais.flags import FlagConfig, flag
+from megatron_ais.parallel import ParallelLayout
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 MOE_MODEL_TYPES = ("qwen3_moe",)
@@ -86,6 +90,17 @@ def rope_theta(cfg: dict[str, Any]) -> float:
     return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
+def load_hf_config(hf_dir: str) -> dict[str, Any]:
+    """Return the parsed config.json of a HF model directory, with a clear error when it is missing."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ArgumentValidationError(
+            f"--hf-dir {hf_dir} has no config.json; point it at a Hugging Face model directory "
+            "(e.g. one made by tools/make_tiny_model.py)")
+    with open(path) as f:
+        return json.load(f)
+
+
 def check_supported_hf_config(cfg: dict[str, Any]) -> None:
     """Raise ArgumentValidationError naming the feature when a HF config cannot be represented exactly."""
     model_type = cfg.get("model_type")
@@ -138,41 +153,110 @@ def use_transformer_engine(transformer_impl: str) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
+class ModelConfig(FlagConfig):
+    """Where the model comes from and how the trainer runs it; its shape comes from the HF config."""
+
+    hf_dir: str | None = flag(
+        None, "Hugging Face model directory (config.json, *.safetensors, tokenizer). Its config defines the "
+              "architecture (llama, qwen2, qwen3, qwen3_moe); its weights initialise the run unless --load is given.",
+        type=str)
+    precision: str = flag("bf16", "", switches={
+        "--bf16": ("bf16", "Train in BF16 through megatron's Float16Module with fp32 main weights (default)."),
+        "--fp32": ("fp32", "Train in FP32 (exact comparisons, debugging).")})
+    make_vocab_size_divisible_by: int = flag(
+        128, "Pad the vocabulary to a multiple of this value times --tensor-model-parallel-size, as Megatron-LM "
+             "does. Padded rows are added on load and trimmed on export.")
+    transformer_impl: str = flag("auto", "Layer spec: Transformer Engine when importable ('auto'), or megatron's "
+                                         "local modules.", choices=("auto", "transformer_engine", "local"))
+    seq_length: int = flag(256, "Longest sequence (prompt + response) the trainer sees; also the rotary table "
+                                "length.")
+
+    def __post_init__(self):
+        for name, value in (("make-vocab-size-divisible-by", self.make_vocab_size_divisible_by),
+                            ("seq-length", self.seq_length)):
+            if value < 1:
+                raise ArgumentValidationError(f"--{name} {value} must be a positive integer")
+
+
+def check_model_layout(hf_config: dict[str, Any], layout: ParallelLayout, seq_length: int | None,
+                       source: str = "config.json") -> None:
+    """Check a model's shape (its HF config) against the parallel layout and the sequence length (None: a
+    checkpoint's layout, no sequences)."""
+    tp = layout.tensor
+    heads = hf_config["num_attention_heads"]
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    if heads % tp:
+        raise ArgumentValidationError(
+            f"--num-attention-heads {heads} ({source}) is not divisible by --tensor-model-parallel-size {tp}; "
+            f"use a TP size that divides {heads}")
+    if kv_heads % tp and tp % kv_heads:
+        raise ArgumentValidationError(
+            f"--num-key-value-heads {kv_heads} ({source}) and --tensor-model-parallel-size {tp} must divide one "
+            f"another (KV heads are split over TP, or shared by several TP ranks when fewer); use a TP size that "
+            f"divides or is a multiple of {kv_heads}")
+    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
+    qkv_rows = head_dim * (heads + 2 * kv_heads)
+    if qkv_rows % tp:
+        raise ArgumentValidationError(
+            f"the fused QKV projection has {qkv_rows} rows (head_dim {head_dim} x (heads {heads} + 2 x KV heads "
+            f"{kv_heads})), not divisible by --tensor-model-parallel-size {tp}; choose a smaller TP size")
+    if hf_config["intermediate_size"] % tp:
+        raise ArgumentValidationError(f"--intermediate-size {hf_config['intermediate_size']} ({source}) is not "
+                                      f"divisible by --tensor-model-parallel-size {tp}")
+    check_moe_layout(hf_config, layout, source)
+    layers = hf_config["num_hidden_layers"]
+    if layers % layout.model_chunks:
+        raise ArgumentValidationError(
+            f"--num-layers {layers} ({source}) is not divisible by --pipeline-model-parallel-size {layout.pipeline} "
+            f"x --virtual-pipeline-model-parallel-size {layout.virtual_pipeline or 1} = {layout.model_chunks}; "
+            "choose sizes whose product divides the layer count")
+    max_pos = hf_config.get("max_position_embeddings")
+    if seq_length is not None and max_pos is not None and seq_length > max_pos:
+        raise ArgumentValidationError(
+            f"--seq-length {seq_length} exceeds max_position_embeddings {max_pos} ({source}); lower it")
+
+
+def check_moe_layout(hf_config: dict[str, Any], layout: ParallelLayout, source: str = "config.json") -> None:
+    """Check the expert-parallel sizes against the model's experts (and refuse them for a dense model)."""
+    experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")
+    if not experts:
+        if layout.expert > 1 or layout.expert_tensor:
+            raise ArgumentValidationError(
+                f"--expert-model-parallel-size / --expert-tensor-parallel-size need a MoE model; {source} has "
+                "no experts: drop the flags")
+        return
+    if experts % layout.expert:
+        raise ArgumentValidationError(
+            f"num_experts {experts} ({source}) is not divisible by --expert-model-parallel-size {layout.expert}")
+    if hf_config["moe_intermediate_size"] % layout.expert_tensor_size:
+        raise ArgumentValidationError(
+            f"moe_intermediate_size {hf_config['moe_intermediate_size']} ({source}) is not divisible by the expert "
+            f"tensor-parallel size {layout.expert_tensor_size}")
+    if layout.tensor > 1 and not layout.sequence_parallel:
+        raise ArgumentValidationError(
+            "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (megatron-core refuses to train "
+            "the token dispatcher without it); add the flag")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelBuildConfig:
-    """Everything `build_gpt_model` needs besides process groups; built once from parsed args."""
+    """Everything `build_gpt_model` needs besides process groups: the model's shape, precision and parallel layout."""
 
     shape: ModelShape
     precision: str = "bf16"
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int | None = None
-    sequence_parallel: bool = False
+    layout: ParallelLayout = ParallelLayout()
     make_vocab_size_divisible_by: int = 128
     seq_length: int = 256
     use_te: bool = False
     init_method_std: float = 0.02
 
     @classmethod
-    def from_args(cls, args, hf_config: dict[str, Any]) -> "ModelBuildConfig":
-        """Return the build config for parsed, validated args and the model's HF config."""
-        return cls(
-            shape=ModelShape.from_hf_config(hf_config),
-            precision=args.precision,
-            tensor_model_parallel_size=args.tensor_model_parallel_size,
-            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-            context_parallel_size=args.context_parallel_size,
-            expert_model_parallel_size=args.expert_model_parallel_size,
-            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-            sequence_parallel=args.sequence_parallel,
-            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-            seq_length=args.seq_length,
-            use_te=use_transformer_engine(args.transformer_impl),
-            init_method_std=hf_config.get("initializer_range", 0.02),
-        )
+    def create(cls, model: ModelConfig, layout: ParallelLayout, hf_config: dict[str, Any]) -> "ModelBuildConfig":
+        """Return the build config of a model config, a layout and the model's HF config."""
+        return cls(shape=ModelShape.from_hf_config(hf_config), precision=model.precision, layout=layout,
+                   make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, seq_length=model.seq_length,
+                   use_te=use_transformer_engine(model.transformer_impl),
+                   init_method_std=hf_config.get("initializer_range", 0.02))
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -180,7 +264,7 @@ class ModelBuildConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        return self.shape.padded_vocab_size(self.make_vocab_size_divisible_by, self.tensor_model_parallel_size)
+        return self.shape.padded_vocab_size(self.make_vocab_size_divisible_by, self.layout.tensor)
 
 
 def transformer_config(build: ModelBuildConfig):
@@ -212,13 +296,8 @@ def transformer_config(build: ModelBuildConfig):
         params_dtype=dtype,
         bf16=build.precision == "bf16",
         pipeline_dtype=dtype,
-        tensor_model_parallel_size=build.tensor_model_parallel_size,
-        pipeline_model_parallel_size=build.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=build.virtual_pipeline_model_parallel_size,
-        context_parallel_size=build.context_parallel_size,
-        expert_model_parallel_size=build.expert_model_parallel_size,
-        expert_tensor_parallel_size=build.expert_tensor_parallel_size,
-        sequence_parallel=build.sequence_parallel,
+        **build.layout.megatron_sizes(),
+        sequence_parallel=build.layout.sequence_parallel,
         # fusions need apex / TE kernels; megatron's own dataclass defaults are already off for most
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -284,7 +363,7 @@ def build_model_chunks(build: ModelBuildConfig) -> list:
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.module import Float16Module
 
-    vpp = build.virtual_pipeline_model_parallel_size
+    vpp = build.layout.virtual_pipeline
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp is not None else None

@@ -1,24 +1,30 @@
 """Supervised fine-tuning on a task's reference responses with megatron-core (the warm-up before GRPO)."""
 from __future__ import annotations
 
-import argparse
-import os
+import dataclasses
 import time
 
 import torch
 
 from megatron_ais import platform
 from megatron_ais.data.tasks import Example
+from megatron_ais.errors import ArgumentValidationError
+from megatron_ais.flags import FlagConfig, flag
 
 
-def add_sft_args(parser: argparse.ArgumentParser) -> None:
-    """SFT schedule and export flags."""
-    g = parser.add_argument_group("sft")
-    g.add_argument("--train-iters", type=int, default=10, help="Optimizer steps to run.")
-    g.add_argument("--global-batch-size", type=int, default=None,
-                   help="Sequences per optimizer step over all DP ranks (default: micro batch x DP).")
-    g.add_argument("--export-hf-dir", default=None,
-                   help="After training, export the model as a HF checkpoint here (each PP stage writes its file).")
+@dataclasses.dataclass(frozen=True)
+class SFTConfig(FlagConfig):
+    """The supervised warm-up's schedule and export."""
+
+    train_iters: int = flag(10, "Optimizer steps to run.")
+    global_batch_size: int | None = flag(None, "Sequences per optimizer step over all DP ranks (default: micro batch "
+                                               "x DP).", type=int)
+    export_hf_dir: str | None = flag(None, "After training, export the model as a HF checkpoint here (each PP stage "
+                                           "writes its file).", type=str)
+
+    def __post_init__(self):
+        if self.train_iters < 1:
+            raise ArgumentValidationError(f"--train-iters {self.train_iters} must be at least 1")
 
 
 def load_tokenizer(path: str):
@@ -59,49 +65,26 @@ def micro_batches(encoded: list[dict], indices: list[int], micro_batch_size: int
     return out
 
 
-def run_sft(args) -> dict:
-    """Train with megatron-core on the task's reference responses; return the summary (also written on the
-    logging rank)."""
+def _train(setup, encoded: list[dict], config, log) -> list[float]:
+    """Run --train-iters optimizer steps over the encoded examples (each DP rank its share of every global batch);
+    return the loss history (last stage)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_ais.arguments import validate_args
-    from megatron_ais.checkpointing import CheckpointRanks, checkpoint_metadata, save_checkpoint
-    from megatron_ais.data.tasks import build_task
-    from megatron_ais.initialize import initialize_megatron
-    from megatron_ais.logging import RunLogger
-    from megatron_ais.mapping.distributed import save_hf_checkpoint
-    from megatron_ais.training import lm_forward_step, reduce_lm_loss, setup_model_and_optimizer, train_step
+    from megatron_ais.training import lm_forward_step, reduce_lm_loss, train_step
 
-    hf_config = validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
-    examples = build_task(args).train  # bad task flags or prompt files fail before anything heavy starts
-    initialize_megatron(args)
-    tp_rank = ps.get_tensor_model_parallel_rank()
+    training, iters = config.trainer.training, config.sft.train_iters
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    pp_size = ps.get_pipeline_model_parallel_world_size()
-    is_logger = ps.is_pipeline_last_stage() and tp_rank == 0 and dp_rank == 0
-    log = RunLogger(args.output_dir, args.tensorboard_dir, is_logger)
-
-    setup = setup_model_and_optimizer(args, hf_config)
-    build, chunks, ddp_chunks, optimizer, assets = (setup.build, setup.chunks, setup.ddp_chunks, setup.optimizer,
-                                                    setup.assets_dir)
-    tokenizer = load_tokenizer(assets)
-
-    encoded = [encode_sft_example(tokenizer, e, args.seq_length) for e in examples]
-    global_batch = args.global_batch_size or args.micro_batch_size * dp_size
+    global_batch = config.sft.global_batch_size or training.micro_batch_size * dp_size
     per_rank = global_batch // dp_size
-    order = torch.randperm(len(encoded), generator=torch.Generator().manual_seed(args.seed)).tolist()
-    log.info(f"SFT: {build.shape.model_type} {build.shape.num_layers} layers, TP{build.tensor_model_parallel_size} "
-             f"PP{pp_size} DP{dp_size}, {args.precision}, global batch {global_batch}, {args.train_iters} steps")
+    order = torch.randperm(len(encoded), generator=torch.Generator().manual_seed(training.seed)).tolist()
     history = []
-    start = time.time()
-    for step in range(1, args.train_iters + 1):
+    for step in range(1, iters + 1):
         t0 = time.time()
         first = ((step - 1) * global_batch) % len(order)
         window = [order[(first + i) % len(order)] for i in range(global_batch)]
-        mine = window[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        batches = micro_batches(encoded, mine, args.micro_batch_size)
-        result = train_step(ddp_chunks, optimizer, lm_forward_step, iter(batches), len(batches), args.seq_length,
-                            args.micro_batch_size)
+        batches = micro_batches(encoded, window[dp_rank * per_rank:(dp_rank + 1) * per_rank], training.micro_batch_size)
+        result = train_step(setup.ddp_chunks, setup.optimizer, lm_forward_step, iter(batches), len(batches),
+                            setup.build.seq_length, training.micro_batch_size)
         if not result.update_successful:
             raise RuntimeError(f"step {step}: optimizer skipped the update (non-finite gradients)")
         loss = reduce_lm_loss(result.losses, ps.get_data_parallel_group()) if ps.is_pipeline_last_stage() else None
@@ -109,23 +92,64 @@ def run_sft(args) -> dict:
         tokens = sum(int(b["loss_mask"].sum()) for b in batches) * dp_size
         if loss is not None:
             history.append(loss)
-        if step % args.log_interval == 0 or step == args.train_iters:
+        if config.trainer.logging.prints(step, iters):
             log.step(step, {"sft/loss": loss, "sft/grad_norm": result.grad_norm, "sft/step_seconds": seconds},
-                     f"step {step:5d}/{args.train_iters} | loss {loss if loss is None else f'{loss:.4f}'} | "
+                     f"step {step:5d}/{iters} | loss {loss if loss is None else f'{loss:.4f}'} | "
                      f"grad norm {result.grad_norm:.3f} | {tokens / seconds:8.0f} tok/s | {seconds:.2f}s")
-    if args.save:
-        save_checkpoint(
-            args.save, args.train_iters, chunks,
-            checkpoint_metadata(args, build, hf_config, args.train_iters),
-            assets, CheckpointRanks.from_parallel_state(), optimizer=optimizer,
-            run_state={"kind": "sft", "step": args.train_iters}, dp_group=ps.get_data_parallel_group(),
-            keep=args.keep_checkpoints)
-    if args.export_hf_dir:
-        save_hf_checkpoint(chunks, build, hf_config, args.export_hf_dir, ps.get_tensor_model_parallel_group(),
-                           ps.get_pipeline_model_parallel_group(), is_stage_writer=tp_rank == 0 and dp_rank == 0,
-                           dtype=torch.bfloat16 if hf_config.get("dtype") == "bfloat16" else None, assets_from=assets)
+    return history
+
+
+def _save_and_export(setup, hf_config: dict, config) -> None:
+    """The trained model as a checkpoint (--save) and as a HF directory (--export-hf-dir)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ais.checkpointing import CheckpointRanks, checkpoint_metadata, save_checkpoint
+    from megatron_ais.mapping.distributed import save_hf_checkpoint
+
+    checkpoint, iters = config.trainer.checkpoint, config.sft.train_iters
+    if checkpoint.save:
+        metadata = checkpoint_metadata(setup.build, hf_config, iters, ps.get_data_parallel_world_size(),
+                                       config.trainer.training.use_distributed_optimizer)
+        save_checkpoint(checkpoint.save, iters, setup.chunks, metadata, setup.assets_dir,
+                        CheckpointRanks.from_parallel_state(), optimizer=setup.optimizer,
+                        run_state={"kind": "sft", "step": iters}, dp_group=ps.get_data_parallel_group(),
+                        keep=checkpoint.keep_checkpoints)
+    if config.sft.export_hf_dir:
+        writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+        save_hf_checkpoint(setup.chunks, setup.build, hf_config, config.sft.export_hf_dir,
+                           ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
+                           is_stage_writer=writer, assets_from=setup.assets_dir,
+                           dtype=torch.bfloat16 if hf_config.get("dtype") == "bfloat16" else None)
+
+
+def run_sft(config) -> dict:
+    """Train with megatron-core on the task's reference responses (`config`: an arguments.SFTRunConfig); return
+    the summary (also written on the logging rank)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ais.data.tasks import build_task
+    from megatron_ais.logging import RunLogger
+    from megatron_ais.training import initialize_trainer, setup_model_and_optimizer
+
+    trainer = config.trainer
+    examples = build_task(trainer.task, trainer.training.seed).train  # bad task flags fail before anything heavy
+    hf_config, build = initialize_trainer(trainer)
+    is_logger = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 \
+        and ps.get_data_parallel_rank() == 0
+    log = RunLogger(trainer.logging.output_dir, trainer.logging.tensorboard_dir, is_logger)
+    setup = setup_model_and_optimizer(build, trainer.weights, trainer.training, trainer.checkpoint.finetune)
+    tokenizer = load_tokenizer(setup.assets_dir)
+    encoded = [encode_sft_example(tokenizer, e, build.seq_length) for e in examples]
+    dp_size = ps.get_data_parallel_world_size()
+    log.info(f"SFT: {build.shape.model_type} {build.shape.num_layers} layers, TP{trainer.layout.tensor} "
+             f"PP{trainer.layout.pipeline} DP{dp_size}, {build.precision}, global batch "
+             f"{config.sft.global_batch_size or trainer.training.micro_batch_size * dp_size}, "
+             f"{config.sft.train_iters} steps")
+    start = time.time()
+    history = _train(setup, encoded, config, log)
+    _save_and_export(setup, hf_config, config)
     summary = {"loss_first": history[0] if history else None, "loss_last": history[-1] if history else None,
-               "losses": history, "steps": args.train_iters, "wall_s": time.time() - start}
+               "losses": history, "steps": config.sft.train_iters, "wall_s": time.time() - start}
     log.summary(summary)
     log.close()
     return summary

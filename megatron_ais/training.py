@@ -6,25 +6,27 @@ from typing import Callable, Iterator
 
 import torch
 
+from megatron_ais.errors import ArgumentValidationError
+from megatron_ais.flags import FlagConfig, flag
+
 
 @dataclasses.dataclass(frozen=True)
-class OptimizerSettings:
-    """Adam and gradient settings, built once from the training flags."""
+class TrainingConfig(FlagConfig):
+    """Seed, micro-batch size, Adam and gradient settings, and the optimizer's sharding."""
 
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    use_distributed_optimizer: bool = False
+    seed: int = flag(1234, "Seed for data, initialisation and dropout.")
+    micro_batch_size: int = flag(2, "Sequences per micro-batch per DP rank.")
+    lr: float = flag(1e-3, "Peak learning rate (Adam).")
+    weight_decay: float = flag(0.0, "Decoupled weight decay.")
+    adam_beta1: float = flag(0.9, "Adam beta1.")
+    adam_beta2: float = flag(0.999, "Adam beta2.")
+    adam_eps: float = flag(1e-8, "Adam epsilon.")
+    clip_grad: float = flag(1.0, "Clip the global gradient norm to this value.")
+    use_distributed_optimizer: bool = flag(False, "Shard optimizer state over data-parallel ranks (ZeRO-1).")
 
-    @classmethod
-    def from_args(cls, args) -> "OptimizerSettings":
-        """Return the settings named by the training and parallelism flags."""
-        return cls(lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-                   adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-                   use_distributed_optimizer=args.use_distributed_optimizer)
+    def __post_init__(self):
+        if self.micro_batch_size < 1:
+            raise ArgumentValidationError(f"--micro-batch-size {self.micro_batch_size} must be a positive integer")
 
 
 def wrap_ddp(chunks: list, use_distributed_optimizer: bool) -> list:
@@ -47,7 +49,7 @@ def wrap_ddp(chunks: list, use_distributed_optimizer: bool) -> list:
     return wrapped
 
 
-def build_optimizer(ddp_chunks: list, settings: OptimizerSettings):
+def build_optimizer(ddp_chunks: list, settings: TrainingConfig):
     """Return megatron's optimizer (Adam; fp32 main weights under BF16) wired into the model config."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -122,6 +124,51 @@ def reduce_lm_loss(losses: list, dp_group) -> float | None:
     return (total[0] / total[1]).item()
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightSource:
+    """Where a policy's weights come from: a Megatron checkpoint (`load`; its `iteration`, or the newest usable one)
+    or else a HF model directory."""
+
+    load: str | None = None
+    hf_dir: str | None = None
+    iteration: int | None = None
+
+
+def read_model_config(model, layout, load: str | None) -> dict:
+    """Return the model's HF config, from the --load checkpoint's metadata or --hf-dir's config.json, once checked
+    against the run: the checkpoint's layout and vocabulary padding (before any rank file is read: their directory
+    names depend on the layout), the architecture's support, the layout's fit. The one place setup opens it."""
+    from megatron_ais.checkpointing import (check_layout, check_vocab_padding, read_checkpoint_metadata,
+                                            restore_interrupted_resave)
+    from megatron_ais.model import check_model_layout, check_supported_hf_config, load_hf_config
+
+    if load is not None:
+        restore_interrupted_resave(load)  # a re-save interrupted between its two renames is put back
+        metadata = read_checkpoint_metadata(load)
+        check_layout(metadata, layout, load)
+        check_vocab_padding(metadata, model.make_vocab_size_divisible_by, layout.tensor, load)
+        hf_config, source = metadata["hf_config"], f"checkpoint {load}"
+    elif model.hf_dir is not None:
+        hf_config, source = load_hf_config(model.hf_dir), f"{model.hf_dir}/config.json"
+    else:
+        raise ArgumentValidationError("no model given: pass --hf-dir DIR (Hugging Face model) or --load DIR "
+                                      "(Megatron checkpoint)")
+    check_supported_hf_config(hf_config)
+    check_model_layout(hf_config, layout, model.seq_length, source)
+    return hf_config
+
+
+def initialize_trainer(trainer) -> tuple[dict, object]:
+    """Read and check the model's config, then start megatron at the trainer's layout (`trainer`: an
+    arguments.TrainerConfig); return (the HF config, the ModelBuildConfig)."""
+    from megatron_ais.initialize import initialize_megatron
+    from megatron_ais.model import ModelBuildConfig
+
+    hf_config = read_model_config(trainer.model, trainer.layout, trainer.checkpoint.load)
+    initialize_megatron(trainer.layout, trainer.training.seed)
+    return hf_config, ModelBuildConfig.create(trainer.model, trainer.layout, hf_config)
+
+
 @dataclasses.dataclass
 class TrainingSetup:
     """A built, loaded and wrapped model with its optimizer; `assets_dir` holds the tokenizer; `loaded` is the
@@ -137,9 +184,9 @@ class TrainingSetup:
     run_state: dict | None = None
 
 
-def build_loaded_chunks(args, build, iteration: int | None = None):
-    """Return (this rank's model chunks with the --load (its newest usable iteration, or `iteration`) or --hf-dir
-    weights, directory of the tokenizer, the LoadedCheckpoint or None)."""
+def load_policy_chunks(build, source: WeightSource, distributed_optimizer: bool = False):
+    """Return (this rank's model chunks with the weights of `source`, directory of the tokenizer, the
+    LoadedCheckpoint or None)."""
     from megatron.core import parallel_state as ps
 
     from megatron_ais.checkpointing import CheckpointRanks, check_layout, load_checkpoint, load_model_state
@@ -147,49 +194,40 @@ def build_loaded_chunks(args, build, iteration: int | None = None):
     from megatron_ais.model import build_model_chunks
 
     chunks = build_model_chunks(build)
-    if args.load:
-        ranks = CheckpointRanks.from_parallel_state()
-        loaded = load_checkpoint(args.load, ranks, args.use_distributed_optimizer, iteration)
-        check_layout(loaded.metadata, build.tensor_model_parallel_size, ranks.pp_size, args.load, ranks.ep_size,
-                     build.expert_tensor_parallel_size)
+    if source.load:
+        loaded = load_checkpoint(source.load, CheckpointRanks.from_parallel_state(), distributed_optimizer,
+                                 source.iteration)
+        check_layout(loaded.metadata, build.layout, source.load)  # an older iteration may have another layout
         load_model_state(chunks, loaded.state)
         return chunks, loaded.assets_dir, loaded
-    load_hf_weights(chunks, args.hf_dir, build, ps.get_tensor_model_parallel_rank())
-    return chunks, args.hf_dir, None
+    load_hf_weights(chunks, source.hf_dir, build, ps.get_tensor_model_parallel_rank())
+    return chunks, source.hf_dir, None
 
 
-def build_reference_chunks(args, build, source: dict | None = None) -> list:
-    """Return a frozen copy of a policy for the KL penalty, in the trainer's layout: `source` is
-    {"load": checkpoint dir, "iteration": its iteration (None: the newest)} or {"hf_dir": HF dir}; default the run's
-    own --load / --hf-dir."""
-    import argparse
-
-    if source is not None:
-        args = argparse.Namespace(**{**vars(args), "load": source.get("load"), "hf_dir": source.get("hf_dir")})
-    chunks, _, _ = build_loaded_chunks(args, build, (source or {}).get("iteration"))
+def build_reference_chunks(build, source: WeightSource) -> list:
+    """Return a frozen copy of a policy for the KL penalty, in the trainer's layout."""
+    chunks, _, _ = load_policy_chunks(build, source)
     for chunk in chunks:
         chunk.requires_grad_(False)
         chunk.eval()
     return chunks
 
 
-def setup_model_and_optimizer(args, hf_config: dict, run_kind: str | None = None) -> TrainingSetup:
-    """Build this rank's model chunks, load --load (Megatron checkpoint) or --hf-dir weights, wrap in DDP and
-    build the optimizer. A --load checkpoint whose run state was saved by a run of kind `run_kind` is resumed:
-    optimizer, RNG and run state are restored, unless --finetune asks for its weights only. Parallel state must
-    be initialised."""
+def setup_model_and_optimizer(build, source: WeightSource, training: TrainingConfig, finetune: bool = False,
+                              run_kind: str | None = None) -> TrainingSetup:
+    """Build this rank's model chunks, load their weights from `source`, wrap in DDP and build the optimizer. A
+    checkpoint whose run state was saved by a run of kind `run_kind` is resumed: optimizer, RNG and run state are
+    restored, unless `finetune` asks for its weights only. Parallel state must be initialised."""
     from megatron.core import parallel_state as ps
 
     from megatron_ais.checkpointing import restore_training_state
-    from megatron_ais.model import ModelBuildConfig
 
-    build = ModelBuildConfig.from_args(args, hf_config)
-    chunks, assets, loaded = build_loaded_chunks(args, build)
-    ddp_chunks = wrap_ddp(chunks, args.use_distributed_optimizer)
-    optimizer = build_optimizer(ddp_chunks, OptimizerSettings.from_args(args))
+    chunks, assets, loaded = load_policy_chunks(build, source, training.use_distributed_optimizer)
+    ddp_chunks = wrap_ddp(chunks, training.use_distributed_optimizer)
+    optimizer = build_optimizer(ddp_chunks, training)
     run_state = None
     saved_kind = (loaded.run_state or {}).get("kind") if loaded is not None else None
-    if saved_kind is not None and saved_kind == run_kind and not args.finetune:
+    if saved_kind is not None and saved_kind == run_kind and not finetune:
         restore_training_state(loaded, optimizer, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
         run_state = loaded.run_state
     return TrainingSetup(build, chunks, ddp_chunks, optimizer, assets, loaded, run_state)

@@ -1,4 +1,5 @@
-"""Bad configurations are rejected before anything heavy starts, with messages naming the flag and the fix."""
+"""Bad configurations are rejected before anything heavy starts, with messages naming the flag and the fix: flag
+combinations when the configs are built, the model's shape and the checkpoint when the run reads them (once)."""
 import os
 import subprocess
 import sys
@@ -7,18 +8,30 @@ import pytest
 import torch
 
 from conftest import ROOT, make_model_dir
-from megatron_ais.arguments import ALL_GROUPS, ArgumentValidationError, build_parser, validate_args, validate_model_args
-from megatron_ais.checkpointing import CheckpointError
-from megatron_ais.model import ModelShape, check_supported_hf_config
+from megatron_ais.arguments import SFT_FLAGS, SFTRunConfig, build_parser
+from megatron_ais.errors import ArgumentValidationError, CheckpointError
+from megatron_ais.model import ModelShape, check_model_layout, check_supported_hf_config
+from megatron_ais.training import read_model_config
 
 CONFIG = {"model_type": "llama", "num_attention_heads": 6, "num_key_value_heads": 2, "hidden_size": 96,
           "num_hidden_layers": 4, "intermediate_size": 192, "vocab_size": 300, "max_position_embeddings": 512}
 
 
 def _args(*argv):
-    from megatron_ais.sft import add_sft_args
+    return build_parser("test", SFT_FLAGS).parse_args(list(argv))
 
-    return build_parser("test", ALL_GROUPS + (add_sft_args,)).parse_args(list(argv))
+
+def _check_model(argv, hf_config):
+    from megatron_ais.parallel import ParallelLayout
+
+    args = _args(*argv)
+    check_model_layout(hf_config, ParallelLayout.from_args(args), args.seq_length)
+
+
+def _check_run(argv, world):
+    """What an entry point checks before starting megatron: the flags, then the model they name."""
+    trainer = SFTRunConfig.from_args(_args(*argv), world).trainer
+    read_model_config(trainer.model, trainer.layout, trainer.checkpoint.load)
 
 
 @pytest.mark.parametrize("argv,config,expected", [
@@ -34,7 +47,7 @@ def _args(*argv):
 ])
 def test_model_shape_errors_name_the_flag(argv, config, expected):
     with pytest.raises(ArgumentValidationError, match=expected.replace("(", r"\(").replace(")", r"\)")):
-        validate_model_args(_args(*argv), {**CONFIG, **config})
+        _check_model(argv, {**CONFIG, **config})
 
 
 MOE = {**CONFIG, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
@@ -49,12 +62,12 @@ MOE = {**CONFIG, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_t
 ])
 def test_moe_errors_name_the_flag(argv, config, expected):
     with pytest.raises(ArgumentValidationError, match=expected.replace("(", r"\(").replace(")", r"\)")):
-        validate_model_args(_args(*argv), config)
+        _check_model(argv, config)
 
 
 def test_valid_layouts_pass_including_fewer_kv_heads_than_tp():
-    validate_model_args(_args("--tensor-model-parallel-size", "2"), {**CONFIG, "num_key_value_heads": 1})
-    validate_model_args(_args("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"), CONFIG)
+    _check_model(["--tensor-model-parallel-size", "2"], {**CONFIG, "num_key_value_heads": 1})
+    _check_model(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], CONFIG)
 
 
 @pytest.mark.parametrize("argv,world,expected", [
@@ -75,16 +88,16 @@ def test_parallel_errors_name_the_flag(argv, world, expected, tmp_path):
         import json
         json.dump(CONFIG, f)
     with pytest.raises(ArgumentValidationError, match=expected):
-        validate_args(_args("--hf-dir", str(tmp_path), *argv), world)
+        _check_run(["--hf-dir", str(tmp_path), *argv], world)
 
 
 def test_missing_model_and_checkpoint(tmp_path):
     with pytest.raises(ArgumentValidationError, match="pass --hf-dir DIR"):
-        validate_args(_args(), 1)
+        _check_run([], 1)
     with pytest.raises(ArgumentValidationError, match=f"--hf-dir {tmp_path} has no config.json"):
-        validate_args(_args("--hf-dir", str(tmp_path)), 1)
+        _check_run(["--hf-dir", str(tmp_path)], 1)
     with pytest.raises(CheckpointError, match=f"--load {tmp_path} has no latest_checkpointed_iteration.txt"):
-        validate_args(_args("--load", str(tmp_path)), 1)
+        _check_run(["--load", str(tmp_path)], 1)
 
 
 @pytest.mark.parametrize("change,expected", [

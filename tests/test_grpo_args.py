@@ -2,20 +2,44 @@
 into data-parallel shares, mini-batches and micro-batches, and every config the flags build."""
 import pytest
 
-from megatron_ais.arguments import ArgumentValidationError
-from megatron_ais.recipe import refit_precision, validate_grpo_args
+from megatron_ais.arguments import GRPORunConfig
+from megatron_ais.errors import ArgumentValidationError
+from megatron_ais.rollout.verify import refit_precision
 from pretrain_grpo_ais import build_grpo_parser
 
 
-def _args(*argv):
-    return build_grpo_parser().parse_args(["--hf-dir", "/m", *argv])
+def _config(*argv, world=1):
+    return GRPORunConfig.from_args(build_grpo_parser().parse_args(["--hf-dir", "/m", *argv]), world)
 
 
 def test_defaults_and_the_make_run_recipe_pass():
-    validate_grpo_args(_args(), 1)
-    validate_grpo_args(_args("--top-p", "0.9", "--is-correction", "none"), 1)
-    validate_grpo_args(_args("--prompts-per-step", "32", "--group-size", "8", "--micro-batch-size", "16",
-                             "--seq-length", "64"), 2)
+    _config()
+    _config("--top-p", "0.9", "--is-correction", "none")
+    config = _config("--prompts-per-step", "32", "--group-size", "8", "--micro-batch-size", "16", "--seq-length", "64",
+                     world=2)
+    assert config.trainer.training.micro_batch_size == 16 and config.loop.group_size == 8
+    assert config.engine.seed == config.trainer.training.seed  # the engine samples with the run's seed
+
+
+def test_configs_take_the_flags_and_keep_one_default():
+    """Every flag lands in its config field; a field's default is its flag's default."""
+    config = _config("--is-cap", "3", "--ais-exponents", "1", "0", "2", "--rollout-precision", "bf16",
+                     "--bridge-fp8-exclude", "q_proj", "--rollout-kv-cache-calibration-sequences", "4",
+                     "--advantage-no-std", "--no-rollout-enforce-eager", "--fp32")
+    assert config.correction.cap == 3.0 and config.correction.exponents == (1.0, 0.0, 2.0)
+    assert config.correction.variance_exponent == 2.0
+    assert config.engine.precision == "bf16" and not config.engine.enforce_eager
+    assert config.bridge.policy.precision == "bf16" and config.bridge.policy.exclude == ("q_proj",)
+    assert config.kv_calibration.sequences == 4 and config.advantages.no_std
+    assert config.trainer.model.precision == "fp32"
+    from megatron_ais.ais import AISConfig
+    from megatron_ais.bridge.config import BridgeConfig
+    from megatron_ais.rollout.engine import EngineConfig
+
+    defaults = _config()
+    assert defaults.correction == AISConfig()
+    assert defaults.bridge == BridgeConfig()
+    assert defaults.engine == EngineConfig(seed=defaults.engine.seed)
 
 
 @pytest.mark.parametrize("argv,world,expected", [
@@ -44,12 +68,17 @@ def test_defaults_and_the_make_run_recipe_pass():
 ])
 def test_bad_loop_flags_are_refused_up_front(argv, world, expected):
     with pytest.raises(ArgumentValidationError, match=expected.replace("(", r"\(").replace(")", r"\)")):
-        validate_grpo_args(_args(*argv), world)
+        _config(*argv, world=world)
+
+
+def _refit_row(*argv):
+    config = _config(*argv)
+    return refit_precision(config.engine, config.trainer.model.precision)
 
 
 def test_refit_tolerance_row_follows_what_is_compared():
-    assert refit_precision(_args("--rollout-precision", "fp8")) == "fp8"
-    assert refit_precision(_args("--rollout-precision", "bf16", "--rollout-kv-cache-dtype", "fp8")) == "fp8"
+    assert _refit_row("--rollout-precision", "fp8") == "fp8"
+    assert _refit_row("--rollout-precision", "bf16", "--rollout-kv-cache-dtype", "fp8") == "fp8"
     # an fp32 engine against a BF16 trainer: the trainer's own rounding sets the bound
-    assert refit_precision(_args("--rollout-precision", "fp32")) == "bf16"
-    assert refit_precision(_args("--rollout-precision", "fp32", "--fp32")) == "fp32"
+    assert _refit_row("--rollout-precision", "fp32") == "bf16"
+    assert _refit_row("--rollout-precision", "fp32", "--fp32") == "fp32"

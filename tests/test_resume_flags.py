@@ -4,24 +4,25 @@ logged for later steps before it died is dropped from metrics.jsonl and tensorbo
 import argparse
 import json
 
+from megatron_ais.flags import plain_flag_values
+from megatron_ais.grpo.state import changed_flags
 from megatron_ais.logging import RunLogger
-from megatron_ais.recipe import changed_flags, saved_flags
 
 
 def test_changed_flags_lists_only_what_changes_the_computation():
     saved = {"lr": 3e-4, "grpo_steps": 50, "load": "sft", "task": "digit_sort", "group_size": 8}
-    now = argparse.Namespace(lr=1e-3, grpo_steps=80, load="runs/default/checkpoint", task="digit_sort", group_size=8)
+    now = dict(lr=1e-3, grpo_steps=80, load="runs/default/checkpoint", task="digit_sort", group_size=8)
     # the optimizer's hyper-parameters come back with its state
     assert changed_flags(saved, now) == ["--lr 0.0003 -> 0.001 (ignored: the saved run's value is kept)"]
-    now.group_size = 4
+    now["group_size"] = 4
     assert changed_flags(saved, now)[0] == "--group-size 8 -> 4"
     assert changed_flags({}, now) == []
 
 
 def test_flags_unset_in_the_saved_run_and_kept_values_are_reported():
-    saved = saved_flags(argparse.Namespace(rollout_seed=None, lr=1e-3, exclude=["a"], train_iters=10))
+    saved = plain_flag_values(argparse.Namespace(rollout_seed=None, lr=1e-3, exclude=["a"], train_iters=10))
     assert saved == {"rollout_seed": None, "lr": 1e-3, "train_iters": 10}  # lists are not recorded
-    now = argparse.Namespace(rollout_seed=7, lr=1e-3)
+    now = dict(rollout_seed=7, lr=1e-3)
     # train_iters belongs to another entry point (an SFT checkpoint's flags): not a change
     assert changed_flags(saved, now) == ["--rollout-seed None -> 7 (ignored: the saved run's value is kept)"]
 

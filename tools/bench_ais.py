@@ -24,16 +24,15 @@ def _bench_worker(hf_dir: str, sequences: int, seq_length: int, repeats: int) ->
 
     from megatron_ais.ais import (AISConfig, AISState, ais_coefficient, apply_correction, max_abs_logratio,
                                   mismatch_statistics, reduce_statistics)
-    from megatron_ais.arguments import build_parser, validate_args
+    from megatron_ais.arguments import TrainerConfig, build_parser
     from megatron_ais.grpo.loss import PolicyLossConfig
     from megatron_ais.grpo.step import GRPOConfig, ParallelGroups, RolloutBatch, grpo_train_step
-    from megatron_ais.initialize import initialize_megatron
-    from megatron_ais.training import setup_model_and_optimizer
+    from megatron_ais.training import initialize_trainer, setup_model_and_optimizer
 
     args = build_parser("bench").parse_args(["--hf-dir", hf_dir, "--bf16", "--seq-length", str(seq_length)])
-    hf_config = validate_args(args, dist.get_world_size() if dist.is_initialized() else 2)
-    initialize_megatron(args)
-    setup = setup_model_and_optimizer(args, hf_config)
+    trainer = TrainerConfig.from_args(args, int(os.environ["WORLD_SIZE"]))
+    _, build = initialize_trainer(trainer)
+    setup = setup_model_and_optimizer(build, trainer.weights, trainer.training)
     build, ddp, optimizer = setup.build, setup.ddp_chunks, setup.optimizer
     groups = ParallelGroups.from_parallel_state()
     g = torch.Generator().manual_seed(0)

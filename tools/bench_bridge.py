@@ -35,20 +35,19 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, p
 
     from kernels.cpu_bridge import fp8_blockwise_quantize_cpu, library
     from kernels.fp8_blockwise import blockwise_fp8_quantize_reference, blockwise_fp8_quantize_triton
-    from megatron_ais.arguments import build_parser, validate_args
+    from megatron_ais.arguments import TrainerConfig, build_parser
+    from megatron_ais.bridge.config import BridgeConfig
+    from megatron_ais.bridge.layout import BridgeLayout
     from megatron_ais.bridge.quantization import QuantizationPolicy
-    from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, WeightBridge
-    from megatron_ais.bridge.transport import SyncReceiver
-    from megatron_ais.initialize import initialize_megatron
-    from megatron_ais.model import ModelBuildConfig
+    from megatron_ais.bridge.receiver import SyncReceiver
+    from megatron_ais.bridge.sync import WeightBridge
     from megatron_ais.platform import device, is_cuda
-    from megatron_ais.training import build_loaded_chunks
+    from megatron_ais.training import initialize_trainer, load_policy_chunks
 
     args = build_parser("bench").parse_args(["--hf-dir", hf_dir, "--bf16", "--seq-length", "64", *parallel])
-    hf_config = validate_args(args, int(os.environ["WORLD_SIZE"]))
-    initialize_megatron(args)
-    build = ModelBuildConfig.from_args(args, hf_config)
-    chunks, _, _ = build_loaded_chunks(args, build)
+    trainer = TrainerConfig.from_args(args, int(os.environ["WORLD_SIZE"]))
+    _, build = initialize_trainer(trainer)
+    chunks, _, _ = load_policy_chunks(build, trainer.weights)
     layout = BridgeLayout.from_parallel_state()
     cuda = is_cuda()
     result = {}

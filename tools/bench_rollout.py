@@ -62,7 +62,8 @@ def _engine_worker(hf_dir: str, precision: str, work: str, prompts: int, n: int,
     from megatron_ais.rollout.kv_scales import KVCacheScales
 
     engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision=precision, kv_cache_gb=1.0,
-                                        max_num_seqs=prompts * n, kv_cache_dtype=kv_cache_dtype), work)
+                                        max_num_seqs=prompts * n, kv_cache_dtype=kv_cache_dtype,
+                                        placement="colocated"), work)
     g = torch.Generator().manual_seed(0)
     batch = [torch.randint(10, 400, (16,), generator=g).tolist() for _ in range(prompts)]
     if kv_cache_dtype == "fp8":

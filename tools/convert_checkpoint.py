@@ -11,26 +11,27 @@ Megatron checkpoint, go through HF: megatron-to-hf, then hf-to-megatron with the
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import sys
 import time
 
-from megatron_ais.arguments import ArgumentValidationError, load_hf_config, validate_model_args
-from megatron_ais.checkpointing import (CHECKPOINT_VERSION, RANK_FILE, TRACKER, CheckpointError, HF_ASSETS,
-                                        commit_checkpoint,
-                                        iteration_dir, load_rank_state, newest_verified_iteration, prepare_staging,
-                                        rank_dir_name, read_checkpoint_metadata, write_metadata, write_rank_state)
+from megatron_ais.checkpointing import (CHECKPOINT_VERSION, HF_ASSETS, RANK_FILE, TRACKER, checkpoint_metadata,
+                                        commit_checkpoint, iteration_dir, load_rank_state, newest_verified_iteration,
+                                        prepare_staging, rank_dir_name, read_checkpoint_metadata, write_metadata,
+                                        write_rank_state)
+from megatron_ais.errors import ArgumentValidationError, CheckpointError
 from megatron_ais.mapping.distributed import shard_context, stage_file_name, write_hf_index_and_config
 from megatron_ais.mapping.hf_io import HFCheckpointReader, hf_tensors_from_shards, megatron_shard_from_hf
 from megatron_ais.mapping.rules import canonical_name, expert_index, megatron_param_names, split_layer, with_layer
-from megatron_ais.model import ModelBuildConfig, ModelShape, check_supported_hf_config
+from megatron_ais.model import ModelBuildConfig, ModelShape, check_model_layout, check_supported_hf_config, \
+    load_hf_config
+from megatron_ais.parallel import ParallelLayout
 
 
-def _build_config(hf_config: dict, tp: int, divisible_by: int, etp: int | None = None) -> ModelBuildConfig:
-    return ModelBuildConfig(shape=ModelShape.from_hf_config(hf_config), tensor_model_parallel_size=tp,
-                            make_vocab_size_divisible_by=divisible_by, expert_tensor_parallel_size=etp)
+def _build_config(hf_config: dict, layout: ParallelLayout, divisible_by: int) -> ModelBuildConfig:
+    return ModelBuildConfig(shape=ModelShape.from_hf_config(hf_config), layout=layout,
+                            make_vocab_size_divisible_by=divisible_by)
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
@@ -49,13 +50,6 @@ def _expert_name(name: str, expert: int) -> str:
     return re.sub(r"\.local_experts\.\d+\.", f".local_experts.{expert}.", name)
 
 
-def shard_directories(tp: int, ep: int, etp: int) -> list[tuple[int, int]]:
-    """The (TP rank, EP rank) shard directories a run at TP x EP x expert-TP saves: one per position some rank holds
-    (megatron: rank r has TP rank r mod TP and EP rank (r // expert-TP) mod EP; all of them within lcm(TP, expert-TP
-    x EP) ranks). Every TP x EP pair when expert-TP = TP."""
-    return sorted({(r % tp, (r // etp) % ep) for r in range(math.lcm(tp, etp * ep))})
-
-
 def hf_to_megatron(hf_dir: str, save: str, tp: int, pp: int, divisible_by: int = 128, iteration: int = 0,
                    ep: int = 1, etp: int | None = None) -> str:
     """Write a Megatron checkpoint of the HF model at TP x PP (x EP x expert-TP for MoE: one directory per position
@@ -66,16 +60,13 @@ def hf_to_megatron(hf_dir: str, save: str, tp: int, pp: int, divisible_by: int =
     if os.path.isfile(os.path.join(save, TRACKER)):
         raise ArgumentValidationError(f"--save {save} already holds a checkpoint run (its {TRACKER}); converting into "
                                       "it would re-point the run at this iteration: choose an empty directory")
-    layout = argparse.Namespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                virtual_pipeline_model_parallel_size=None, seq_length=1,
-                                expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-                                sequence_parallel=tp > 1)
-    validate_model_args(layout, hf_config, f"{hf_dir}/config.json")
-    etp = etp or tp
+    layout = ParallelLayout(tensor=tp, pipeline=pp, expert=ep, expert_tensor=etp, sequence_parallel=tp > 1)
+    check_model_layout(hf_config, layout, None, f"{hf_dir}/config.json")
+    etp = layout.expert_tensor_size
     if tp % etp:
         raise ArgumentValidationError(f"--expert-tensor-parallel-size {etp} must divide --tensor-model-parallel-size "
                                       f"{tp} (megatron places expert-TP rank k on the TP ranks equal to k modulo it)")
-    build = _build_config(hf_config, tp, divisible_by, etp)
+    build = _build_config(hf_config, layout, divisible_by)
     shape = build.shape
     reader = HFCheckpointReader(hf_dir)
     os.makedirs(save, exist_ok=True)
@@ -85,7 +76,7 @@ def hf_to_megatron(hf_dir: str, save: str, tp: int, pp: int, divisible_by: int =
         num_local = shape.num_experts // ep
         names = megatron_param_names(shape.model_type, layers, pp_rank == 0, pp_rank == pp - 1,
                                      shape.tie_word_embeddings, range(num_local))
-        for tp_rank, ep_rank in shard_directories(tp, ep, etp):
+        for tp_rank, ep_rank in layout.shard_directories():
             ctx, expert_ctx = shard_context(build, tp_rank), shard_context(build, tp_rank % etp, expert=True)
             state = {}
             for name in names:
@@ -99,11 +90,7 @@ def hf_to_megatron(hf_dir: str, save: str, tp: int, pp: int, divisible_by: int =
             write_rank_state(stage, tp_rank, pp_rank, pp,
                              {"model": state, "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION},
                              ep_rank, ep)
-    write_metadata(stage, {"hf_config": hf_config, "tensor_model_parallel_size": tp,
-                           "pipeline_model_parallel_size": pp, "expert_model_parallel_size": ep,
-                           "expert_tensor_parallel_size": etp, "make_vocab_size_divisible_by": divisible_by,
-                           "padded_vocab_size": build.padded_vocab_size, "iteration": iteration,
-                           "source": os.path.abspath(hf_dir)}, hf_dir)
+    write_metadata(stage, checkpoint_metadata(build, hf_config, iteration, source=os.path.abspath(hf_dir)), hf_dir)
     return commit_checkpoint(save, iteration)
 
 
@@ -124,7 +111,8 @@ def megatron_to_hf(load: str, save: str) -> str:
     etp = meta.get("expert_tensor_parallel_size") or tp
     if tp % etp:
         raise CheckpointError(f"{load}: expert-TP {etp} does not divide TP {tp}; the converter cannot place its shards")
-    build = _build_config(hf_config, tp, meta["make_vocab_size_divisible_by"], etp)
+    build = _build_config(hf_config, ParallelLayout(tensor=tp, pipeline=pp, expert=ep, expert_tensor=etp),
+                          meta["make_vocab_size_divisible_by"])
     shape = build.shape
     os.makedirs(save, exist_ok=True)
     from safetensors.torch import save_file

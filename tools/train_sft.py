@@ -3,20 +3,20 @@
     python -m torch.distributed.run --standalone --nproc-per-node 2 tools/train_sft.py \\
         --hf-dir runs/tiny-llama --tensor-model-parallel-size 2 --train-iters 20
 """
+import os
 import sys
 
-from megatron_ais.arguments import ALL_GROUPS, ArgumentValidationError, build_parser
-from megatron_ais.checkpointing import CheckpointError
-from megatron_ais.data.tasks import TaskError, add_task_args
-from megatron_ais.sft import add_sft_args, run_sft
+from megatron_ais.arguments import SFT_FLAGS, SFTRunConfig, build_parser
+from megatron_ais.errors import USAGE_ERRORS
+from megatron_ais.sft import run_sft
 
 
 def main(argv=None) -> int:
-    parser = build_parser(__doc__.split("\n\n")[0], ALL_GROUPS + (add_task_args, add_sft_args))
+    parser = build_parser(__doc__.split("\n\n")[0], SFT_FLAGS)
     args = parser.parse_args(argv)
     try:
-        summary = run_sft(args)
-    except (ArgumentValidationError, CheckpointError, TaskError) as err:
+        summary = run_sft(SFTRunConfig.from_args(args, int(os.environ.get("WORLD_SIZE", "1"))))
+    except USAGE_ERRORS as err:
         parser.error(str(err))
     import torch.distributed as dist
     if not dist.is_initialized() or dist.get_rank() == 0:

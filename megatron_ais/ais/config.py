@@ -1,14 +1,23 @@
 """Configuration of the mismatch correction (`--is-correction` and the AIS options)."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
+
+from megatron_ais.ais import diagnostics
+from megatron_ais.flags import FlagConfig, flag
 
 LEVELS = ("token", "sequence", "geometric")
 
 
+def correction_names() -> tuple[str, ...]:
+    """The registered corrections (`corrections.CORRECTIONS`, which imports this module)."""
+    from megatron_ais.ais.corrections import CORRECTIONS
+
+    return tuple(CORRECTIONS)
+
+
 @dataclasses.dataclass(frozen=True)
-class AISConfig:
+class AISConfig(FlagConfig):
     """AIS-R defaults (docs/ais-method.md §2.4) plus the baselines' thresholds.
 
     cap: the TIS truncation C, also the reliability band [1/C, C]; tau: severity scale τ_D (nats);
@@ -16,29 +25,42 @@ class AISConfig:
     smoothing of λ across rollout batches; logratio_clamp: safety clamp on δ.
     """
 
-    correction: str = "ais"
-    level: str = "token"
-    cap: float = 2.0
-    tau: float = 0.05
-    severity_exponent: float = 1.0
-    reliability_exponent: float = 1.0
-    variance_exponent: float = 1.0
-    lambda_min: float = 0.0
-    lambda_max: float = 1.0
-    ema: float = 0.0
+    correction: str = flag(
+        "ais", "none: plain GRPO; tis: truncated IS weights min(w, C); mis: reject tokens/sequences whose ratio leaves "
+               "[low, high] (dropped from the loss and its normaliser), IS weight otherwise; icepop: weight w inside "
+               "[low, high], zero outside (kept in the normaliser); ais: adaptive interpolation (1 - lambda) + lambda "
+               "* min(w, C) with one lambda per rollout batch.", name="--is-correction", choices=correction_names)
+    level: str = flag("token", "Ratio per token, per sequence (product of token ratios) or geometric (per-token "
+                               "mean).", name="--is-level", choices=LEVELS)
+    cap: float = flag(2.0, "Truncation C of TIS and AIS (reliability band [1/C, C]).", name="--is-cap")
+    mis_low: float | None = flag(None, "MIS lower acceptance bound (default 1/high).", name="--is-mask-low",
+                                 type=float)
+    mis_high: float = flag(2.0, "MIS upper acceptance bound.", name="--is-mask-high")
+    icepop_low: float = flag(0.5, "IcePop lower band edge alpha.")
+    icepop_high: float = flag(5.0, "IcePop upper band edge beta.")
+    tau: float = flag(0.05, "AIS severity scale tau_D in nats.", name="--ais-tau")
+    exponents: tuple[float, float, float] = flag(
+        (1.0, 1.0, 1.0), "Exponents of severity, reliability and variance amplification (0 ablates one).",
+        name="--ais-exponents", metavar=("A_S", "A_R", "A_V"))
+    lambda_min: float = flag(0.0, "Lower clip of lambda.", name="--ais-lambda-min")
+    lambda_max: float = flag(1.0, "Upper clip of lambda.", name="--ais-lambda-max")
+    ema: float = flag(0.0, "EMA factor beta for lambda across batches (0 = off).", name="--ais-ema")
+    severity: str = flag("mean_abs_logratio", "Divergence-severity diagnostic (anchored: relative to the first "
+                                              "--ais-anchor-steps batches).", name="--ais-severity",
+                         choices=sorted(diagnostics.SEVERITY))
+    reliability: str = flag("band_ess", "Weight-reliability diagnostic.", name="--ais-reliability",
+                            choices=sorted(diagnostics.RELIABILITY))
+    variance: str = flag("advantage_weighted", "Variance-amplification diagnostic.", name="--ais-variance",
+                         choices=sorted(diagnostics.VARIANCE))
+    combiner: str = flag("product", "How the three diagnostics become lambda.", name="--ais-combiner",
+                         choices=sorted(diagnostics.COMBINERS))
+    anchor_steps: int = flag(10, "Batches that define the anchored severity D0.", name="--ais-anchor-steps")
+    anchor_kappa: float = flag(1.0, "Anchored severity scale kappa.", name="--ais-anchor-kappa")
     logratio_clamp: float = 20.0
-    severity: str = "mean_abs_logratio"
-    reliability: str = "band_ess"
-    variance: str = "advantage_weighted"
-    combiner: str = "product"
-    anchor_steps: int = 10
-    anchor_kappa: float = 1.0
-    mis_low: float | None = None
-    mis_high: float = 2.0
-    icepop_low: float = 0.5
-    icepop_high: float = 5.0
 
     def __post_init__(self):
+        if self.correction not in correction_names():
+            raise ValueError(f"--is-correction {self.correction!r} must be one of {correction_names()}")
         if self.level not in LEVELS:
             raise ValueError(f"--is-level {self.level!r} must be one of {LEVELS}")
         if self.cap <= 1.0:
@@ -55,53 +77,18 @@ class AISConfig:
             raise ValueError(f"--icepop-low {self.icepop_low} must be below --icepop-high {self.icepop_high}")
 
     @property
+    def severity_exponent(self) -> float:
+        return self.exponents[0]
+
+    @property
+    def reliability_exponent(self) -> float:
+        return self.exponents[1]
+
+    @property
+    def variance_exponent(self) -> float:
+        return self.exponents[2]
+
+    @property
     def mis_band(self) -> tuple[float, float]:
         """Return the MIS acceptance band; the lower bound defaults to 1 / upper."""
         return (self.mis_low if self.mis_low is not None else 1.0 / self.mis_high, self.mis_high)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "AISConfig":
-        """Return the config named by the correction flags."""
-        a_s, a_r, a_v = args.ais_exponents
-        return cls(correction=args.is_correction, level=args.is_level, cap=args.is_cap, tau=args.ais_tau,
-                   severity_exponent=a_s, reliability_exponent=a_r, variance_exponent=a_v,
-                   lambda_min=args.ais_lambda_min, lambda_max=args.ais_lambda_max, ema=args.ais_ema,
-                   severity=args.ais_severity, reliability=args.ais_reliability, variance=args.ais_variance,
-                   combiner=args.ais_combiner, anchor_steps=args.ais_anchor_steps,
-                   anchor_kappa=args.ais_anchor_kappa, mis_low=args.is_mask_low, mis_high=args.is_mask_high,
-                   icepop_low=args.icepop_low, icepop_high=args.icepop_high)
-
-
-def add_correction_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of the rollout/trainer mismatch correction."""
-    from megatron_ais.ais import diagnostics
-
-    g = parser.add_argument_group("importance-sampling correction")
-    g.add_argument("--is-correction", choices=("none", "tis", "mis", "icepop", "ais"), default="ais",
-                   help="none: plain GRPO; tis: truncated IS weights min(w, C); mis: reject tokens/sequences whose "
-                        "ratio leaves [low, high] (dropped from the loss and its normaliser), IS weight otherwise; "
-                        "icepop: weight w inside [low, high], zero outside (kept in the normaliser); ais: adaptive "
-                        "interpolation (1 - lambda) + lambda * min(w, C) with one lambda per rollout batch.")
-    g.add_argument("--is-level", choices=LEVELS, default="token",
-                   help="Ratio per token, per sequence (product of token ratios) or geometric (per-token mean).")
-    g.add_argument("--is-cap", type=float, default=2.0, help="Truncation C of TIS and AIS (reliability band [1/C, C]).")
-    g.add_argument("--is-mask-low", type=float, default=None, help="MIS lower acceptance bound (default 1/high).")
-    g.add_argument("--is-mask-high", type=float, default=2.0, help="MIS upper acceptance bound.")
-    g.add_argument("--icepop-low", type=float, default=0.5, help="IcePop lower band edge alpha.")
-    g.add_argument("--icepop-high", type=float, default=5.0, help="IcePop upper band edge beta.")
-    g.add_argument("--ais-tau", type=float, default=0.05, help="AIS severity scale tau_D in nats.")
-    g.add_argument("--ais-exponents", type=float, nargs=3, default=(1.0, 1.0, 1.0), metavar=("A_S", "A_R", "A_V"),
-                   help="Exponents of severity, reliability and variance amplification (0 ablates one).")
-    g.add_argument("--ais-lambda-min", type=float, default=0.0, help="Lower clip of lambda.")
-    g.add_argument("--ais-lambda-max", type=float, default=1.0, help="Upper clip of lambda.")
-    g.add_argument("--ais-ema", type=float, default=0.0, help="EMA factor beta for lambda across batches (0 = off).")
-    g.add_argument("--ais-severity", choices=sorted(diagnostics.SEVERITY), default="mean_abs_logratio",
-                   help="Divergence-severity diagnostic (anchored: relative to the first --ais-anchor-steps batches).")
-    g.add_argument("--ais-reliability", choices=sorted(diagnostics.RELIABILITY), default="band_ess",
-                   help="Weight-reliability diagnostic.")
-    g.add_argument("--ais-variance", choices=sorted(diagnostics.VARIANCE), default="advantage_weighted",
-                   help="Variance-amplification diagnostic.")
-    g.add_argument("--ais-combiner", choices=sorted(diagnostics.COMBINERS), default="product",
-                   help="How the three diagnostics become lambda.")
-    g.add_argument("--ais-anchor-steps", type=int, default=10, help="Batches that define the anchored severity D0.")
-    g.add_argument("--ais-anchor-kappa", type=float, default=1.0, help="Anchored severity scale kappa.")

@@ -12,6 +12,7 @@ import torch
 
 from megatron_ais.ais.coefficient import AISResult, correction_weights, unit_weights
 from megatron_ais.ais.config import AISConfig
+from megatron_ais.registry import register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,27 +27,20 @@ CorrectionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AISConfig, AI
 CORRECTIONS: dict[str, CorrectionFn] = {}
 
 
-def register_correction(name: str):
-    def wrap(fn):
-        CORRECTIONS[name] = fn
-        return fn
-    return wrap
-
-
-@register_correction("none")
+@register(CORRECTIONS, "none")
 def no_correction(trainer_lp, rollout_lp, mask, config, result):
     """Plain GRPO: c = 1."""
     return Correction(torch.ones_like(mask, dtype=torch.float32), mask.float())
 
 
-@register_correction("tis")
+@register(CORRECTIONS, "tis")
 def truncated_is(trainer_lp, rollout_lp, mask, config, result):
     """TIS: c = min(w, C) (token, sequence-product or geometric ratio)."""
     w = unit_weights(trainer_lp, rollout_lp, mask, config)
     return Correction(w.clamp(max=config.cap).detach(), mask.float())
 
 
-@register_correction("mis")
+@register(CORRECTIONS, "mis")
 def masked_is(trainer_lp, rollout_lp, mask, config, result):
     """MIS: reject units whose ratio leaves [low, high] (dropped from loss and normaliser); c = w for the rest."""
     w = unit_weights(trainer_lp, rollout_lp, mask, config)
@@ -55,7 +49,7 @@ def masked_is(trainer_lp, rollout_lp, mask, config, result):
     return Correction((w * accept).detach(), mask.float() * accept)
 
 
-@register_correction("icepop")
+@register(CORRECTIONS, "icepop")
 def icepop(trainer_lp, rollout_lp, mask, config, result):
     """IcePop: c = w inside [α, β], 0 outside; masked tokens stay in the normaliser."""
     w = unit_weights(trainer_lp, rollout_lp, mask, config)
@@ -63,7 +57,7 @@ def icepop(trainer_lp, rollout_lp, mask, config, result):
     return Correction((w * inside).detach(), mask.float())
 
 
-@register_correction("ais")
+@register(CORRECTIONS, "ais")
 def adaptive_is(trainer_lp, rollout_lp, mask, config, result):
     """AIS: c = (1 - λ) + λ · min(w, C), one λ per rollout batch."""
     return Correction(correction_weights(trainer_lp, rollout_lp, result, config, mask), mask.float())

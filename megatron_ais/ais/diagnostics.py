@@ -9,24 +9,17 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Callable
 
-from megatron_ais.ais.config import AISConfig
+from megatron_ais.registry import register
 
 if TYPE_CHECKING:
     from megatron_ais.ais.coefficient import AISState
+    from megatron_ais.ais.config import AISConfig
 
-Diagnostic = Callable[[dict, AISConfig, "AISState"], float]
+Diagnostic = Callable[[dict, "AISConfig", "AISState"], float]
 SEVERITY: dict[str, Diagnostic] = {}
 RELIABILITY: dict[str, Diagnostic] = {}
 VARIANCE: dict[str, Diagnostic] = {}
-COMBINERS: dict[str, Callable[[float, float, float, AISConfig], float]] = {}
-
-
-def register(registry: dict, name: str):
-    """Decorator: add a function to a registry under `name`."""
-    def wrap(fn):
-        registry[name] = fn
-        return fn
-    return wrap
+COMBINERS: dict[str, Callable[[float, float, float, "AISConfig"], float]] = {}
 
 
 def mean_abs_logratio(s: dict) -> float:
@@ -86,7 +79,7 @@ def variance_none(s, config, state):
 
 
 @register(COMBINERS, "product")
-def combine_product(severity: float, reliability: float, variance: float, config: AISConfig) -> float:
+def combine_product(severity: float, reliability: float, variance: float, config: "AISConfig") -> float:
     """λ_raw = s_D^a_s · ρ^a_r · Γ^(-a_v)."""
     return (severity ** config.severity_exponent) * (reliability ** config.reliability_exponent) \
         * (variance ** -config.variance_exponent)

@@ -10,6 +10,7 @@ its `ref` (a path, or a CUDA IPC handle), which other processes pass to `open_st
 from __future__ import annotations
 
 import base64
+import dataclasses
 import os
 import pickle
 import re
@@ -204,6 +205,15 @@ def entry_views(data: torch.Tensor, entries: list) -> list[tuple[str, torch.Tens
     if any(e.offset + e.nbytes > data.numel() for e in entries):
         raise ValueError(f"{data.numel()} bytes are fewer than the manifest's entries need")
     return [(e.name, byte_view(data, e.offset, getattr(torch, e.dtype), e.shape)) for e in entries]
+
+
+@dataclasses.dataclass(frozen=True)
+class ArenaWeights:
+    """A verified staging arena as an engine receives it: its ref (a shared-memory path or a CUDA IPC handle) and the
+    manifest entries of every tensor, at absolute offsets."""
+
+    ref: object
+    entries: tuple
 
 
 def arena_views(ref, entries: list) -> list[tuple[str, torch.Tensor]]:

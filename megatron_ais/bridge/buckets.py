@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import torch
 
-from kernels.cpu_bridge import checksum, checksums
+import torch
+import torch.distributed as dist
+
+from kernels.cpu_bridge import checksum, checksums, fold_checksum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,3 +57,44 @@ def verify_bucket(bucket: list[tuple[str, torch.Tensor]], manifest: list[Manifes
         raise ValueError(f"bucket names {[n for n, _ in bucket][:4]}... differ from the manifest "
                          f"{[e.name for e in manifest][:4]}...")
     verify_tensors([(expected, tensor) for (_, tensor), expected in zip(bucket, manifest)])
+
+
+class StageWriters:
+    """The ranks that write one pipeline stage's buckets (its TP ranks, and the EP x expert-TP ranks of MoE layers):
+    they agree on errors and add up their pieces' checksum sums into each bucket's manifest."""
+
+    def __init__(self, group, is_sender: bool):
+        self.group, self.is_sender = group, is_sender
+
+    def first_error(self, error: str | None) -> str:
+        """After the writers learnt that one failed: every writer leaves with the first one's error."""
+        errors = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(errors, error, group=self.group)
+        return next(e for e in errors if e is not None)
+
+    def agree(self, error: str | None) -> str | None:
+        """Barrier of the writers; every writer leaves with the first one's error, if any."""
+        if dist.get_world_size(self.group) == 1:
+            return error
+        flag = torch.tensor([0 if error is None else 1])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return self.first_error(error) if int(flag) else None
+
+    def manifest(self, tensors: list, sums: dict[str, list[int]], error: str | None
+                 ) -> tuple[list[ManifestEntry] | None, str | None]:
+        """The end of a bucket of `tensors` (its EngineTensors): one all-reduce adds up the checksum sums each writer
+        gathered while writing its pieces (in 32-bit halves, so that no int64 sum overflows) and whether any failed.
+        Return (the manifest on the sender, the first writer's error if any)."""
+        values = [0 if error is None else 1, 0] + [half for t in tensors for v in sums.get(t.name, (0, 0))
+                                                   for half in (v >> 32, v & 0xFFFFFFFF)]
+        halves = torch.tensor(values, dtype=torch.int64).view(-1, 2)
+        if dist.get_world_size(self.group) > 1:
+            dist.all_reduce(halves, group=self.group)
+            if int(halves[0, 0]):
+                return None, self.first_error(error)
+        if error is not None or not self.is_sender:
+            return None, error
+        totals = [((hi << 32) + lo) & 0xFFFFFFFFFFFFFFFF for hi, lo in halves[1:].tolist()]
+        return [ManifestEntry(t.name, t.dtype, t.shape, t.offset, t.nbytes,
+                              fold_checksum(t.nbytes, (totals[2 * i], totals[2 * i + 1])))
+                for i, t in enumerate(tensors)], None

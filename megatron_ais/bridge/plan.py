@@ -69,9 +69,6 @@ class HFTarget:
     quantized: bool
     blockwise_local: bool  # every rank's pieces respect block boundaries: quantize per piece
 
-    def engine_names(self) -> list[str]:
-        return [self.name, self.name + SCALE_SUFFIX] if self.quantized else [self.name]
-
 
 @dataclasses.dataclass
 class StagePlan:
@@ -85,10 +82,6 @@ class StagePlan:
     @property
     def nbytes(self) -> int:
         return self.buckets[-1].end if self.buckets else 0
-
-    def signature(self) -> list[tuple]:
-        """What every TP rank of the stage must agree on (and what the receiver must expect)."""
-        return [dataclasses.astuple(t) for t in self.tensors]
 
 
 def _block_aligned(pieces: list[list[Piece]], full: tuple[int, ...], block: int) -> bool:

@@ -12,6 +12,7 @@ from typing import Iterable, Iterator
 import torch
 
 from kernels.fp8_blockwise import all_finite, blockwise_fp8_quantize
+from megatron_ais.flags import FlagConfig, flag
 
 LINEAR_WEIGHT = re.compile(r"^(?P<prefix>model\.layers\.\d+)\.(?P<module>self_attn\.[qkvo]_proj|"
                            r"mlp\.(experts\.\d+\.)?(gate|up|down)_proj)\.weight$")
@@ -25,12 +26,13 @@ SCALE_SUFFIX = "_scale_inv"
 
 
 @dataclasses.dataclass(frozen=True)
-class QuantizationPolicy:
+class QuantizationPolicy(FlagConfig):
     """precision 'fp8' quantizes names matching an include pattern and no exclude pattern; 'bf16'/'fp32' cast."""
 
     precision: str = "fp8"
     include: tuple[str, ...] = DEFAULT_FP8_INCLUDE
-    exclude: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = flag((), "HF tensor-name patterns to keep in BF16 under FP8 rollouts (q/k/v and "
+                                        "gate/up together).", name="--bridge-fp8-exclude", metavar="REGEX", type=str)
     block_size: int = 128
     pow2_scale: bool = False
 

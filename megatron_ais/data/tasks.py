@@ -1,6 +1,6 @@
 """Verifiable tasks: prompts with exact answers and a reward that checks the model's `<answer>...</answer>`.
 
-Tasks are registered by name (`--task`) and built from the task flags (`add_task_args`):
+Tasks are registered by name (`--task`, `TASKS`) and built from the task flags (`TaskConfig`):
 
 - `digit_sort` (default): sort a list of digits; algorithmic, so a tiny model generalises to unseen lists.
 - `arithmetic`: `a + b` / `a - b` with operands up to `--max-operand`.
@@ -11,7 +11,6 @@ Every task splits by problem: held-out prompts never appear in the training spli
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import json
@@ -21,11 +20,10 @@ import re
 import sys
 from typing import Callable
 
+from megatron_ais.errors import ArgumentValidationError, PromptFileError, TaskError
+from megatron_ais.flags import FlagConfig, flag
+
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-
-
-class TaskError(ValueError):
-    """The task flags describe an impossible task (the message names the flag and the fix)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,10 +169,6 @@ def countdown_task(seed: int, count: int, max_number: int, train_size: int = 409
     return Task(train=train, eval=held_out, reward=countdown_reward)
 
 
-class PromptFileError(TaskError):
-    """A --prompt-file line is malformed (the message names the file and line)."""
-
-
 def parse_prompt_line(line: str) -> Example:
     """Parse one JSONL record: {"prompt", "answer"} (optional "solution"), or GSM8K's {"question", "answer"}
     whose answer ends with "#### <final answer>"."""
@@ -222,35 +216,47 @@ def jsonl_task(path: str, seed: int, skip_bad_samples: bool, eval_size: int, tra
     return Task(train=train, eval=held_out, reward=math_verify_reward, skipped=skipped)
 
 
-TASKS = ("digit_sort", "arithmetic", "countdown", "jsonl")
+def _jsonl(config: "TaskConfig", seed: int) -> Task:
+    if not config.prompt_file or not os.path.isfile(config.prompt_file):
+        raise TaskError(f"--task jsonl needs --prompt-file FILE (an existing JSONL file; got {config.prompt_file!r})")
+    return jsonl_task(config.prompt_file, seed, config.skip_bad_samples, config.eval_prompts, config.num_examples)
 
 
-def add_task_args(parser: argparse.ArgumentParser) -> None:
-    """Task and data flags, shared by the supervised warm-up and the GRPO loop."""
-    g = parser.add_argument_group("task")
-    g.add_argument("--task", choices=TASKS, default="digit_sort", help="Verifiable task (see megatron_ais/data).")
-    g.add_argument("--sort-length", type=int, default=5, help="digit_sort: digits per list.")
-    g.add_argument("--max-operand", type=int, default=20, help="arithmetic: largest operand.")
-    g.add_argument("--countdown-numbers", type=int, default=3, help="countdown: numbers per problem.")
-    g.add_argument("--countdown-max", type=int, default=9, help="countdown: largest number.")
-    g.add_argument("--prompt-file", default=None,
-                   help='jsonl: one JSON object per line, {"prompt": ..., "answer": ...} or GSM8K\'s '
-                        '{"question": ..., "answer": "... #### 42"} (docs/data.md).')
-    g.add_argument("--skip-bad-samples", action="store_true",
-                   help="jsonl: skip and count malformed lines instead of stopping with their line numbers.")
-    g.add_argument("--num-examples", type=int, default=4096, help="Training examples drawn from the task.")
-    g.add_argument("--eval-prompts", type=int, default=64, help="Held-out prompts (never trained on).")
+# --task name -> builder from the task flags and a seed
+TASKS: dict[str, Callable[["TaskConfig", int], Task]] = {
+    "digit_sort": lambda c, seed: digit_sort_task(seed, c.sort_length, c.num_examples, c.eval_prompts),
+    "arithmetic": lambda c, seed: arithmetic_task(seed, c.max_operand, c.num_examples, c.eval_prompts),
+    "countdown": lambda c, seed: countdown_task(seed, c.countdown_numbers, c.countdown_max, c.num_examples,
+                                                c.eval_prompts),
+    "jsonl": _jsonl,
+}
 
 
-def build_task(args) -> Task:
-    """Return the task named by the task flags (seeded by --seed)."""
-    if args.task == "digit_sort":
-        return digit_sort_task(args.seed, args.sort_length, args.num_examples, args.eval_prompts)
-    if args.task == "arithmetic":
-        return arithmetic_task(args.seed, args.max_operand, args.num_examples, args.eval_prompts)
-    if args.task == "countdown":
-        return countdown_task(args.seed, args.countdown_numbers, args.countdown_max, args.num_examples,
-                              args.eval_prompts)
-    if not args.prompt_file or not os.path.isfile(args.prompt_file):
-        raise TaskError(f"--task jsonl needs --prompt-file FILE (an existing JSONL file; got {args.prompt_file!r})")
-    return jsonl_task(args.prompt_file, args.seed, args.skip_bad_samples, args.eval_prompts, args.num_examples)
+@dataclasses.dataclass(frozen=True)
+class TaskConfig(FlagConfig):
+    """Which task, its size and its data; shared by the supervised warm-up and the GRPO loop."""
+
+    task: str = flag("digit_sort", "Verifiable task (see megatron_ais/data).",
+                     choices=tuple(TASKS))
+    sort_length: int = flag(5, "digit_sort: digits per list.")
+    max_operand: int = flag(20, "arithmetic: largest operand.")
+    countdown_numbers: int = flag(3, "countdown: numbers per problem.")
+    countdown_max: int = flag(9, "countdown: largest number.")
+    prompt_file: str | None = flag(None, 'jsonl: one JSON object per line, {"prompt": ..., "answer": ...} or '
+                                         'GSM8K\'s {"question": ..., "answer": "... #### 42"} (docs/data.md).',
+                                   type=str)
+    skip_bad_samples: bool = flag(False, "jsonl: skip and count malformed lines instead of stopping with their line "
+                                         "numbers.")
+    num_examples: int = flag(4096, "Training examples drawn from the task.")
+    eval_prompts: int = flag(64, "Held-out prompts (never trained on).")
+
+    def __post_init__(self):
+        for name in ("num-examples", "eval-prompts"):
+            value = getattr(self, name.replace("-", "_"))
+            if value < 1:
+                raise ArgumentValidationError(f"--{name} {value} must be at least 1")
+
+
+def build_task(config: TaskConfig, seed: int) -> Task:
+    """Return the task named by the task flags, its data drawn with `seed`."""
+    return TASKS[config.task](config, seed)

@@ -1,7 +1,24 @@
 """Group-relative advantages: one scalar per response, normalised within its prompt's group."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+
+from megatron_ais.flags import FlagConfig, flag
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig(FlagConfig):
+    """How a group's rewards become advantages: GRPO's normalised ones, centred only, or leave-one-out."""
+
+    no_std: bool = flag(False, "Centre rewards per group without dividing by the group's standard deviation (by "
+                               "default advantages are (r - mean) / (std + eps) with the population std, ddof 0; verl "
+                               "and TRL use the sample std, which scales advantages by sqrt((G-1)/G)).",
+                        name="--advantage-no-std")
+    leave_one_out: bool = flag(False, "Baseline each response with the mean reward of the other responses of its "
+                                      "group (RLOO).", name="--advantage-leave-one-out")
+
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = True,

@@ -2,25 +2,28 @@
 normaliser is counted over the whole data-parallel batch (so the gradient does not depend on the split)."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import torch
 import torch.distributed as dist
 
+from megatron_ais.flags import FlagConfig, flag
+
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
 @dataclasses.dataclass(frozen=True)
-class PolicyLossConfig:
+class PolicyLossConfig(FlagConfig):
     """PPO-clip bounds (asymmetric, DAPO-style defaults), KL and entropy coefficients, aggregation."""
 
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    kl_coef: float = 0.0
-    kl_type: str = "k3"
-    entropy_coef: float = 0.0
-    loss_agg: str = "token-mean"
+    clip_low: float = flag(0.2, "PPO ratio clip below: 1 - clip_low.")
+    clip_high: float = flag(0.28, "PPO ratio clip above: 1 + clip_high (DAPO).")
+    kl_coef: float = flag(0.0, "Weight of the KL penalty to the reference policy.")
+    kl_type: str = flag("k3", "KL estimator (Schulman's k1 or k3).", choices=("k1", "k3"))
+    entropy_coef: float = flag(0.0, "Weight of the entropy bonus.")
+    loss_agg: str = flag("token-mean", "token-mean: Σ over tokens / tokens in the global batch; seq-mean-token-sum: "
+                                       "per-sequence sums / sequences; seq-mean-token-mean: per-sequence means / "
+                                       "sequences.", choices=LOSS_AGGREGATIONS)
 
     def __post_init__(self):
         if self.loss_agg not in LOSS_AGGREGATIONS:
@@ -29,30 +32,6 @@ class PolicyLossConfig:
             raise ValueError(f"--kl-type {self.kl_type!r} must be k1 or k3")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
             raise ValueError(f"--clip-low {self.clip_low} must be in [0, 1) and --clip-high {self.clip_high} >= 0")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "PolicyLossConfig":
-        return cls(clip_low=args.clip_low, clip_high=args.clip_high, kl_coef=args.kl_coef, kl_type=args.kl_type,
-                   entropy_coef=args.entropy_coef, loss_agg=args.loss_agg)
-
-
-def add_grpo_args(parser: argparse.ArgumentParser) -> None:
-    """GRPO loss and advantage flags."""
-    g = parser.add_argument_group("grpo")
-    g.add_argument("--clip-low", type=float, default=0.2, help="PPO ratio clip below: 1 - clip_low.")
-    g.add_argument("--clip-high", type=float, default=0.28, help="PPO ratio clip above: 1 + clip_high (DAPO).")
-    g.add_argument("--kl-coef", type=float, default=0.0, help="Weight of the KL penalty to the reference policy.")
-    g.add_argument("--kl-type", choices=("k1", "k3"), default="k3", help="KL estimator (Schulman's k1 or k3).")
-    g.add_argument("--entropy-coef", type=float, default=0.0, help="Weight of the entropy bonus.")
-    g.add_argument("--loss-agg", choices=LOSS_AGGREGATIONS, default="token-mean",
-                   help="token-mean: Σ over tokens / tokens in the global batch; seq-mean-token-sum: per-sequence "
-                        "sums / sequences; seq-mean-token-mean: per-sequence means / sequences.")
-    g.add_argument("--advantage-no-std", action="store_true",
-                   help="Centre rewards per group without dividing by the group's standard deviation (by default "
-                        "advantages are (r - mean) / (std + eps) with the population std, ddof 0; verl and TRL use "
-                        "the sample std, which scales advantages by sqrt((G-1)/G)).")
-    g.add_argument("--advantage-leave-one-out", action="store_true",
-                   help="Baseline each response with the mean reward of the other responses of its group (RLOO).")
 
 
 def ppo_clip_term(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,

@@ -13,7 +13,7 @@ from megatron_ais.ais import (AISConfig, AISResult, AISState, ais_coefficient, a
                               check_trainer_logprobs, exclude_invalid_sequences, invalid_sequences, max_abs_logratio,
                               mismatch_statistics, reduce_statistics)
 from megatron_ais.ais.coefficient import EMPTY_RESULT
-from megatron_ais.grpo.advantages import group_advantages
+from megatron_ais.grpo.advantages import AdvantageConfig, group_advantages
 from megatron_ais.grpo.logprobs import vocab_parallel_logprobs
 from megatron_ais.grpo.loss import PolicyLossConfig, aggregate, global_normalizer, megatron_loss_scale, token_losses
 
@@ -49,8 +49,7 @@ class GRPOConfig:
     micro_batch_size: int = 2
     num_minibatches: int = 1
     ppo_epochs: int = 1
-    advantage_normalize_std: bool = True
-    advantage_leave_one_out: bool = False
+    advantages: AdvantageConfig = AdvantageConfig()
     # the rollout's sampling temperature: trainer log-probs are those of the same tempered distribution
     temperature: float = 1.0
 
@@ -147,18 +146,10 @@ def _policy_forward_step(config: GRPOConfig, groups: ParallelGroups, normalizer:
     return output, loss_func
 
 
-def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GRPOConfig, state: AISState,
-                    groups: ParallelGroups, reference_chunks: list | None = None) -> GRPOStepResult:
-    """Update the policy on one rollout batch; λ is computed once here and held for all mini-batches/epochs.
-
-    `reference_chunks` (a frozen copy of the initial policy, same layout) is needed when --kl-coef > 0.
-    """
-    from megatron_ais.training import train_step
-
-    if config.loss.kl_coef and reference_chunks is None:
-        raise ValueError("--kl-coef > 0 needs a reference policy (reference_chunks)")
-
-    batch = batch.to(platform.device())
+def _local_rows(batch: RolloutBatch, config: GRPOConfig, groups: ParallelGroups
+                ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
+    """This DP rank's share of the batch with its advantages; return (rows, response mask without the sequences
+    excluded for NaN/Inf rollout log-probs, rollout log-probs with zeros off the mask, guard metrics)."""
     total = batch.tokens.shape[0]
     if total % groups.data_parallel_size:
         raise ValueError(f"rollout batch of {total} sequences does not split over {groups.data_parallel_size} DP ranks")
@@ -166,19 +157,24 @@ def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GR
     rows = slice(groups.data_parallel_rank * per_rank, (groups.data_parallel_rank + 1) * per_rank)
     # a sequence left out for a NaN rollout log-prob is left out of its group's mean and std too (the batch is the
     # same on every rank, so every rank computes the same advantages)
-    advantages = group_advantages(batch.rewards, batch.group_size, config.advantage_normalize_std,
-                                  config.advantage_leave_one_out,
+    advantages = group_advantages(batch.rewards, batch.group_size, not config.advantages.no_std,
+                                  config.advantages.leave_one_out,
                                   valid=~invalid_sequences(batch.rollout_logprobs, batch.mask))
     mask, excluded = exclude_invalid_sequences(batch.rollout_logprobs[rows], batch.mask[rows].float())
     counts = torch.tensor([float(excluded), float(mask.sum())], dtype=torch.float64)
     dist.all_reduce(counts, group=groups.data_parallel_group)
     metrics = {"guard/excluded_sequences": counts[0].item(), "guard/valid_tokens": counts[1].item()}
-    if counts[1].item() == 0:
-        return GRPOStepResult(skipped=True, ais=EMPTY_RESULT, metrics=metrics)
     rollout_lp = torch.where(mask > 0, batch.rollout_logprobs[rows], torch.zeros(()))
     local = {"tokens": batch.tokens[rows], "labels": batch.labels[rows],
              "advantages": advantages[rows].unsqueeze(-1) * mask}
-    seq_length = batch.tokens.shape[1]
+    return local, mask, rollout_lp, metrics
+
+
+def _correct(ddp_chunks: list, local: dict, mask: torch.Tensor, rollout_lp: torch.Tensor, config: GRPOConfig,
+             state: AISState, groups: ParallelGroups, metrics: dict) -> AISResult:
+    """Score the rows with the policy before the update (old log-probs) and compute the correction once for the
+    batch (λ from all-reduced statistics); fill in the rows' old log-probs, coefficients and keep mask."""
+    seq_length = local["tokens"].shape[1]
     old_logprobs = compute_logprobs(ddp_chunks, split_micro_batches(local, config.micro_batch_size), seq_length,
                                     config.micro_batch_size, groups, config.vocab_size, config.temperature)
     result, coefficient, keep = EMPTY_RESULT, torch.ones_like(mask), mask
@@ -196,12 +192,18 @@ def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GR
         local["old_logprobs"] = old_logprobs
     else:
         local["old_logprobs"] = torch.zeros_like(mask)
-    if config.loss.kl_coef:
-        ref_logprobs = compute_logprobs(reference_chunks, split_micro_batches(local, config.micro_batch_size), seq_length,
-                                        config.micro_batch_size, groups, config.vocab_size, config.temperature)
-        local["ref_logprobs"] = ref_logprobs if groups.is_last_stage else torch.zeros_like(mask)
     local.update(coefficient=coefficient, keep=keep)
+    return result
+
+
+def _update(ddp_chunks: list, optimizer, local: dict, config: GRPOConfig, groups: ParallelGroups
+            ) -> tuple[list, list]:
+    """PPO-clip updates over --ppo-epochs passes of --num-minibatches mini-batches; return the micro-batches'
+    loss reports and the grad norms."""
+    from megatron_ais.training import train_step
+
     reports, grad_norms = [], []
+    per_rank, seq_length = local["tokens"].shape
     minibatch = per_rank // config.num_minibatches
     for _ in range(config.ppo_epochs):
         for start in range(0, per_rank, minibatch):
@@ -216,14 +218,43 @@ def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GR
                 raise FloatingPointError("optimizer skipped the update: non-finite gradients")
             grad_norms.append(step.grad_norm)
             reports += [o["report"] for o in step.losses]
-    if groups.is_last_stage:
-        report = torch.stack(reports).sum(0)
-        dist.all_reduce(report, group=groups.data_parallel_group)
-        updates = config.ppo_epochs * config.num_minibatches
-        metrics.update({"train/policy_loss": report[0].item() / updates,
-                        "train/clip_fraction": report[1].item() / max(report[2].item(), 1.0)})
-        if config.loss.kl_coef:
-            metrics["train/kl"] = report[3].item() / max(report[2].item(), 1.0)
+    return reports, grad_norms
+
+
+def _loss_metrics(reports: list, config: GRPOConfig, groups: ParallelGroups) -> dict:
+    """Policy loss, clip fraction and KL over the DP batch (last stage only)."""
+    if not groups.is_last_stage:
+        return {}
+    report = torch.stack(reports).sum(0)
+    dist.all_reduce(report, group=groups.data_parallel_group)
+    updates = config.ppo_epochs * config.num_minibatches
+    metrics = {"train/policy_loss": report[0].item() / updates,
+               "train/clip_fraction": report[1].item() / max(report[2].item(), 1.0)}
+    if config.loss.kl_coef:
+        metrics["train/kl"] = report[3].item() / max(report[2].item(), 1.0)
+    return metrics
+
+
+def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GRPOConfig, state: AISState,
+                    groups: ParallelGroups, reference_chunks: list | None = None) -> GRPOStepResult:
+    """Update the policy on one rollout batch; λ is computed once here and held for all mini-batches/epochs.
+
+    `reference_chunks` (a frozen copy of the initial policy, same layout) is needed when --kl-coef > 0.
+    """
+    if config.loss.kl_coef and reference_chunks is None:
+        raise ValueError("--kl-coef > 0 needs a reference policy (reference_chunks)")
+    local, mask, rollout_lp, metrics = _local_rows(batch.to(platform.device()), config, groups)
+    if metrics["guard/valid_tokens"] == 0:
+        return GRPOStepResult(skipped=True, ais=EMPTY_RESULT, metrics=metrics)
+    result = _correct(ddp_chunks, local, mask, rollout_lp, config, state, groups, metrics)
+    if config.loss.kl_coef:
+        seq_length = local["tokens"].shape[1]
+        ref_logprobs = compute_logprobs(reference_chunks, split_micro_batches(local, config.micro_batch_size),
+                                        seq_length, config.micro_batch_size, groups, config.vocab_size,
+                                        config.temperature)
+        local["ref_logprobs"] = ref_logprobs if groups.is_last_stage else torch.zeros_like(mask)
+    reports, grad_norms = _update(ddp_chunks, optimizer, local, config, groups)
+    metrics.update(_loss_metrics(reports, config, groups))
     metrics["train/grad_norm"] = grad_norms[-1]
     metrics.update(result.metrics())
     return GRPOStepResult(skipped=False, ais=result, metrics=metrics)

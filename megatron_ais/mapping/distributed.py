@@ -17,10 +17,7 @@ from megatron_ais.model import ModelBuildConfig, unwrap_model
 def shard_context(build: ModelBuildConfig, tp_rank: int, expert: bool = False) -> ShardContext:
     """Return the layout context of one TP rank for a model build (of one expert-TP rank with `expert`)."""
     s = build.shape
-    tp_size = build.tensor_model_parallel_size
-    if expert:
-        tp_size = build.expert_tensor_parallel_size or tp_size
-    return ShardContext(tp_size=tp_size, tp_rank=tp_rank,
+    return ShardContext(tp_size=build.layout.expert_tensor_size if expert else build.layout.tensor, tp_rank=tp_rank,
                         num_attention_heads=s.num_attention_heads, num_key_value_heads=s.num_key_value_heads,
                         head_dim=s.head_dim, vocab_size=s.vocab_size, padded_vocab_size=build.padded_vocab_size)
 
@@ -142,7 +139,7 @@ def save_hf_checkpoint(chunks: list, build: ModelBuildConfig, hf_config: dict, o
     pp_rank = dist.get_rank(pp_group) if pp_group is not None else 0
     pp_size = dist.get_world_size(pp_group) if pp_group is not None else 1
     expert_group, writes_experts, ep_rank = _expert_export_role(build)
-    if build.expert_model_parallel_size == 1:
+    if build.layout.expert == 1:
         writes_experts = writes_experts and is_stage_writer
     tensors = {}
     # writers are rank 0 of their TP / expert-TP group: gather there, not to every rank

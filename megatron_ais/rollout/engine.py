@@ -3,20 +3,19 @@ the distribution it sampled from, and takes in-place weight updates from the bri
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import json
 import os
 
 import torch
 
-from megatron_ais.bridge.arena import (arena_on_gpu, arena_views, buffer_data, encode_ref, remove_stale_shared_files,
-                                       shared_directory)
-from megatron_ais.rollout.kv_scales import add_kv_cache_calibration_args
+from megatron_ais.bridge.arena import remove_stale_shared_files
+from megatron_ais.flags import FlagConfig, flag
+from megatron_ais.rollout.feeds import EngineWeights, build_feed
 
 PRECISIONS = ("bf16", "fp8", "fp32")
 WEIGHT_FEEDS = ("shm", "broadcast")
-FEED_CHUNK_BYTES = 64 << 20
+PLACEMENTS = ("colocated", "separate")
 ENGINE_OVERHEAD_BYTES = 2 << 30  # CUDA context, activations of vLLM's profile run, sampler buffers
 
 
@@ -49,32 +48,63 @@ class Rollout:
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """How the engine is built: precision, KV cache, memory and length limits."""
+class EngineConfig(FlagConfig):
+    """How the engine is built and fed: precision, KV cache, placement, memory and length limits. `model_dir` (its
+    initial weights), `seed` and whether the bridge's staging arena shares its GPU are set by the run."""
 
-    model_dir: str
-    precision: str = "fp8"
-    kv_cache_dtype: str = "auto"
-    kv_cache_gb: float = 1.0
-    max_model_len: int = 512
-    max_num_seqs: int = 64
+    model_dir: str = ""
+    precision: str = flag("fp8", "fp8: blockwise FP8 linear layers (128x128, weight_scale_inv) fed by the bridge; "
+                                 "bf16; fp32 (exact comparisons with the trainer).", name="--rollout-precision",
+                          choices=PRECISIONS)
+    kv_cache_dtype: str = flag("auto", "KV-cache dtype of the engine (fp8 = e4m3, with per-layer K/V scales "
+                                       "recalibrated by the trainer at every weight sync).",
+                               name="--rollout-kv-cache-dtype", choices=("auto", "fp8"))
+    placement: str = flag("separate", "colocated: engine inside the trainer process (single-rank trainers only, vLLM "
+                                      "then owns torch.distributed); separate: engine processes fed through shared "
+                                      "memory.", name="--rollout-placement", choices=PLACEMENTS)
+    tensor_parallel_size: int = flag(1, "vLLM tensor-parallel size of the engine (its own ranks, independent of the "
+                                        "trainer's TP; separate placement). Blockwise FP8 needs q/k/MLP sizes per rank "
+                                        "divisible by 128.", name="--rollout-tensor-parallel-size")
+    weight_feed: str = flag("shm", "How a separate engine's workers get each verified sync: shm = they map the "
+                                   "bridge's shared-memory staging arena (same node); broadcast = the engine's rank "
+                                   "sends it over a process group of its own (gloo on CPU, NCCL on GPU) and every "
+                                   "worker verifies it.", name="--rollout-weight-feed", choices=WEIGHT_FEEDS)
+    kv_cache_gb: float = flag(1.0, "KV-cache memory of the engine (GiB; per GPU on CUDA).",
+                              name="--rollout-kv-cache-gb")
+    gpu_memory_utilization: float | None = flag(
+        None, "vLLM's gpu_memory_utilization (CUDA only). With an explicit KV-cache size vLLM uses it only to refuse "
+              "to start below that fraction of free memory; default: the engine's own budget (KV cache + its share of "
+              "the weights + 2 GiB), so that it can share a GPU with a trainer rank (vLLM's 0.92 never could).",
+        name="--rollout-gpu-memory-utilization", type=float)
+    enforce_eager: bool = flag(
+        True, "Run the engine eagerly (default). --no-rollout-enforce-eager lets vLLM compile and capture CUDA graphs "
+              "(faster decoding on GPU; vLLM's layer-wise reload copies updates into the captured storage). The refit "
+              "check's per-layer diagnosis uses forward hooks, which graph replays skip, and the MoE routing probe has "
+              "not been tried under graphs.", name="--rollout-enforce-eager", action=argparse.BooleanOptionalAction)
+    max_num_seqs: int = flag(64, "Sequences the engine batches at once.", name="--rollout-max-num-seqs")
+    max_model_len: int = flag(512, "Longest prompt + response the engine serves.", name="--rollout-max-model-len")
     seed: int = 0
-    enforce_eager: bool = True
     block_size: int = 128
-    tensor_parallel_size: int = 1
-    weight_feed: str = "shm"
-    gpu_memory_utilization: float | None = None  # None: the engine's own budget (engine_memory_fraction)
     gpu_staging_arena: bool = False  # the bridge's staging arena will be allocated on this GPU too
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise ValueError(f"--rollout-precision {self.precision!r} must be one of {PRECISIONS}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"--rollout-placement {self.placement!r} must be one of {PLACEMENTS}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"--rollout-gpu-memory-utilization {self.gpu_memory_utilization} must be in (0, 1]")
+            raise ValueError(f"--rollout-gpu-memory-utilization {self.gpu_memory_utilization} must be in (0, 1] (or "
+                             "left out: the engine then asks vLLM for its own budget)")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--rollout-tensor-parallel-size {self.tensor_parallel_size} must be at least 1")
         if self.weight_feed not in WEIGHT_FEEDS:
             raise ValueError(f"--rollout-weight-feed {self.weight_feed!r} must be one of {WEIGHT_FEEDS}")
+        if self.placement == "colocated" and self.tensor_parallel_size > 1:
+            raise ValueError("--rollout-tensor-parallel-size > 1 needs --rollout-placement separate (vLLM's own "
+                             "worker processes form the engine's tensor-parallel group)")
+        if self.placement == "colocated" and self.weight_feed == "broadcast":
+            raise ValueError("--rollout-weight-feed broadcast feeds a separate engine's workers; a colocated engine "
+                             "takes the arena's tensors in process: drop the flag or use --rollout-placement separate")
 
 
 def prepare_engine_dir(config: EngineConfig, out_dir: str) -> str:
@@ -125,30 +155,75 @@ def engine_memory_fraction(kv_cache_bytes: int, weight_bytes: int, tensor_parall
     return budget / total_bytes
 
 
-PLACEMENTS = ("colocated", "separate")
+def engine_gpu_memory_utilization(config: EngineConfig, engine_dir: str, arena_allocated: bool) -> float:
+    """`--rollout-gpu-memory-utilization`, or the engine's own budget, refused here with the flags to change when
+    this GPU (the one the engine's first worker shares with this trainer rank) has not that much free. The bridge's
+    staging arena holds the engine's tensors once more, unless it is already allocated (`arena_allocated`: a
+    crashed engine restarted)."""
+    if config.gpu_memory_utilization is not None:
+        return config.gpu_memory_utilization
+    free, total = torch.cuda.mem_get_info()
+    weights = os.path.getsize(os.path.join(engine_dir, "model.safetensors"))
+    fraction = engine_memory_fraction(int(config.kv_cache_gb * (1 << 30)), weights, config.tensor_parallel_size, total)
+    arena = weights if config.gpu_staging_arena and not arena_allocated else 0
+    if fraction * total + arena > free:
+        raise RuntimeError(f"the rollout engine needs about {fraction * total / 2**30:.1f} GiB of GPU "
+                           f"{torch.cuda.current_device()}, the bridge's staging arena {arena / 2**30:.1f} GiB, "
+                           f"and {free / 2**30:.1f} GiB are free next to the trainer: lower --rollout-kv-cache-gb, "
+                           "put the arena in host memory (--bridge-arena host) or lower the trainer's memory "
+                           "(--micro-batch-size, --use-distributed-optimizer, more model parallelism)")
+    return fraction
+
+
+def generate_watching_engine(llm, *args, **kwargs):
+    """llm.generate, made to raise when a separate engine core dies mid-request: vLLM's sync client marks the
+    engine dead and stops its output thread without waking the caller waiting on the output queue, so a watchdog
+    puts the error there itself."""
+    client = getattr(llm.llm_engine, "engine_core", None)
+    resources, outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
+    if resources is None or outputs is None:
+        return llm.generate(*args, **kwargs)
+    import threading
+
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(0.5):
+            if getattr(resources, "engine_dead", False):
+                outputs.put_nowait(EngineDeadError())
+                return
+
+    threading.Thread(target=watch, daemon=True, name="megatron-ais-engine-watch").start()
+    try:
+        return llm.generate(*args, **kwargs)
+    finally:
+        done.set()
 
 
 class RolloutEngine:
     """A vLLM engine: `colocated` runs it inside this process (single-rank trainers: vLLM initialises
-    torch.distributed itself); `separate` runs vLLM's engine core and worker in their own processes and receives
-    weights through a shared-memory file and `collective_rpc`."""
+    torch.distributed itself); `separate` runs vLLM's engine core and workers in their own processes. Weights arrive
+    through the feed its placement and --rollout-weight-feed choose (`rollout.feeds`); a restarted engine gets back
+    the last weights and KV-cache scales it was given."""
 
-    def __init__(self, config: EngineConfig, work_dir: str, placement: str = "colocated"):
-        if placement not in PLACEMENTS:
-            raise ValueError(f"--rollout-placement {placement!r} must be one of {PLACEMENTS}")
-        if placement == "colocated" and config.tensor_parallel_size > 1:
-            raise ValueError("--rollout-tensor-parallel-size > 1 needs --rollout-placement separate (vLLM's own "
-                             "worker processes form the engine's tensor-parallel group)")
-        self.config, self.placement, self.work_dir = config, placement, work_dir
+    def __init__(self, config: EngineConfig, work_dir: str):
+        self.config, self.work_dir = config, work_dir
         self.engine_dir = prepare_engine_dir(config, os.path.join(work_dir, "engine_model"))
-        if placement == "separate":
+        if config.placement == "separate":
             remove_stale_shared_files()
         self.version = 0
         self.starts = 0  # engines started so far (a restart replaces a crashed one)
         self.llm = None
-        self._feed_group = None
+        self.feed = None
+        self.weights: EngineWeights | None = None  # the last weights applied (re-applied after a restart)
         self.kv_cache_scales = None  # the last calibrated FP8 KV-cache scales (re-installed after a restart)
         self._start()
+
+    @property
+    def placement(self) -> str:
+        return self.config.placement
 
     def _start(self) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.placement == "colocated" else "1"
@@ -159,7 +234,7 @@ class RolloutEngine:
         if config.kv_cache_dtype != "auto":
             kwargs["kv_cache_dtype"] = config.kv_cache_dtype
         if torch.cuda.is_available():
-            kwargs["gpu_memory_utilization"] = self._gpu_memory_utilization()
+            kwargs["gpu_memory_utilization"] = engine_gpu_memory_utilization(config, self.engine_dir, self.starts > 0)
         self.llm = LLM(model=self.engine_dir, dtype="float32" if config.precision == "fp32" else "bfloat16",
                        enforce_eager=config.enforce_eager, max_model_len=config.max_model_len,
                        max_num_seqs=config.max_num_seqs, seed=config.seed,
@@ -167,126 +242,39 @@ class RolloutEngine:
                        kv_cache_memory_bytes=int(config.kv_cache_gb * (1 << 30)),
                        logprobs_mode="processed_logprobs",
                        worker_extension_cls="megatron_ais.rollout.worker_extension.WeightSyncExtension", **kwargs)
+        self.feed = build_feed(config.placement, config.weight_feed, config.tensor_parallel_size)
         self.starts += 1
-
-    def _gpu_memory_utilization(self) -> float:
-        """`--rollout-gpu-memory-utilization`, or the engine's own budget, refused here with the flags to change
-        when this GPU (the one the engine's first worker shares with this trainer rank) has not that much free."""
-        config = self.config
-        if config.gpu_memory_utilization is not None:
-            return config.gpu_memory_utilization
-        free, total = torch.cuda.mem_get_info()
-        weights = os.path.getsize(os.path.join(self.engine_dir, "model.safetensors"))
-        fraction = engine_memory_fraction(int(config.kv_cache_gb * (1 << 30)), weights, config.tensor_parallel_size,
-                                          total)
-        # the bridge's staging arena holds the engine's tensors once more (allocated at the first sync, so already
-        # taken from the free memory when a crashed engine is restarted)
-        arena = weights if config.gpu_staging_arena and self.starts == 0 else 0
-        if fraction * total + arena > free:
-            raise RuntimeError(f"the rollout engine needs about {fraction * total / 2**30:.1f} GiB of GPU "
-                               f"{torch.cuda.current_device()}, the bridge's staging arena {arena / 2**30:.1f} GiB, "
-                               f"and {free / 2**30:.1f} GiB are free next to the trainer: lower --rollout-kv-cache-gb, "
-                               "put the arena in host memory (--bridge-arena host) or lower the trainer's memory "
-                               "(--micro-batch-size, --use-distributed-optimizer, more model parallelism)")
-        return fraction
-
-    def _worker(self):
-        if self.placement != "colocated":
-            raise RuntimeError("the worker object is only reachable in a colocated engine")
-        worker = self.llm.llm_engine.model_executor.driver_worker
-        return getattr(worker, "worker", worker)
 
     @property
     def model(self) -> torch.nn.Module:
-        return self._worker().model_runner.model
+        """The model of a colocated engine's worker."""
+        from megatron_ais.rollout.feeds.in_process import colocated_worker
 
-    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]] | None,
-                       shared: tuple[str, list] | None = None) -> int:
-        """Apply one complete set of HF-named tensors (FP8 + scales in fp8 mode); return the new version.
+        if self.placement != "colocated":
+            raise RuntimeError("the worker object is only reachable in a colocated engine")
+        return colocated_worker(self.llm).model_runner.model
 
-        `shared = (ref, manifest entries)` names a verified staging arena instead (a shared-memory file, or GPU
-        memory behind a CUDA IPC handle): a separate engine maps it (no copy, no file written); a colocated one takes
-        views of it.
-        """
-        from megatron_ais.rollout.worker_extension import apply_weights_in_worker
-
-        if shared is not None and self.placement != "colocated":
-            ref, entries = shared
-            entries_json = json.dumps([dataclasses.asdict(e) for e in entries])
-            if self.config.weight_feed == "broadcast":
-                self._broadcast_update(ref, entries, entries_json)
-            else:
-                self.llm.collective_rpc("megatron_ais_apply_shared", args=(encode_ref(ref), entries_json))
-        else:
-            if shared is not None:
-                named_tensors = arena_views(*shared)
-            if self.placement == "colocated":
-                apply_weights_in_worker(self._worker(), named_tensors)
-            else:
-                self._apply_through_shared_memory(named_tensors)
+    def update_weights(self, weights: EngineWeights) -> int:
+        """Apply one complete set of HF-named tensors (FP8 + scales in fp8 mode), or the bridge's verified staging
+        arena (`feeds.ArenaWeights`); return the new version."""
+        self.feed.apply(self.llm, weights)
         # KV blocks cached for shared prompt prefixes were computed with the old weights
         self.llm.reset_prefix_cache()
+        self.weights = weights
         self.version += 1
         return self.version
 
-    def _join_feed_group(self):
-        """Form the feed group with the engine's workers (once per engine start); return it and the device its
-        bytes travel on."""
-        from megatron_ais.bridge.broadcast import (device_uuid, feed_backend, feed_device, free_port, host_address,
-                                                   join_weight_group)
-
-        if self._feed_group is None:
-            host, port = host_address(), free_port()
-            world = 1 + self.config.tensor_parallel_size
-            backend = feed_backend(device_uuid(), self.llm.collective_rpc("megatron_ais_device_uuid"))
-            with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                root = pool.submit(join_weight_group, host, port, 0, world, backend)
-                self.llm.collective_rpc("megatron_ais_join_weight_group", args=(host, port, world, backend))
-                self._feed_group = root.result(), feed_device(backend)
-        return self._feed_group
-
-    def _broadcast_update(self, ref, entries: list, entries_json: str) -> None:
-        """Send the verified staging arena to the engine's workers over the feed group; each worker verifies every
-        tensor against its entry before applying any."""
-        from megatron_ais.bridge.broadcast import broadcast_bytes
-
-        group, device = self._join_feed_group()
-        nbytes = max(e.offset + e.nbytes for e in entries)
-        data = buffer_data(ref)[:nbytes]
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            sending = pool.submit(broadcast_bytes, group, data, FEED_CHUNK_BYTES, device)
-            self.llm.collective_rpc("megatron_ais_receive_broadcast", args=(entries_json, nbytes, FEED_CHUNK_BYTES))
-            sending.result()
-
-    def update_weights_or_restart(self, named_tensors: list[tuple[str, torch.Tensor]] | None, on_restart=None,
-                                  shared: tuple[str, list] | None = None) -> int:
-        """update_weights; if the engine died, restart it and apply the same complete set of weights again
-        (`on_restart(error)` is told first). An error of a live engine is raised."""
+    def update_weights_or_restart(self, weights: EngineWeights, on_restart=None) -> int:
+        """update_weights; if the engine died, restart it with these weights (`on_restart(error)` is told first).
+        An error of a live engine is raised."""
         try:
-            return self.update_weights(named_tensors, shared)
+            return self.update_weights(weights)
         except Exception as err:  # vLLM raises many kinds of errors when its engine core dies
             if self.health_check():
                 raise
             if on_restart is not None:
                 on_restart(err)
-            self.restart()
-            return self.update_weights(named_tensors, shared)
-
-    def _apply_through_shared_memory(self, named_tensors) -> None:
-        from safetensors.torch import save_file
-
-        from megatron_ais.bridge.buckets import manifest_entry
-
-        path = os.path.join(shared_directory(), f"megatron-ais-{os.getpid()}-sync.safetensors")
-        manifest = json.dumps([dataclasses.asdict(manifest_entry(n, t)) for n, t in named_tensors])
-        try:
-            save_file({n: t.contiguous() for n, t in named_tensors}, path + ".tmp", metadata={"format": "pt"})
-            os.replace(path + ".tmp", path)
-            self.llm.collective_rpc("megatron_ais_apply_weights", args=(path, manifest))
-        finally:
-            for p in (path, path + ".tmp"):
-                if os.path.exists(p):
-                    os.remove(p)
+            return self.restart(weights)
 
     def health_check(self) -> bool:
         """Return True when the engine answers a one-token request."""
@@ -299,40 +287,20 @@ class RolloutEngine:
         return True
 
     def _generate(self, *args, **kwargs):
-        """llm.generate, made to raise when a separate engine core dies mid-request: vLLM's sync client marks
-        the engine dead and stops its output thread without waking the caller waiting on the output queue, so a
-        watchdog puts the error there itself."""
-        client = getattr(self.llm.llm_engine, "engine_core", None)
-        resources, outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
-        if self.placement == "colocated" or resources is None or outputs is None:
+        if self.placement == "colocated":
             return self.llm.generate(*args, **kwargs)
-        import threading
+        return generate_watching_engine(self.llm, *args, **kwargs)
 
-        from vllm.v1.engine.exceptions import EngineDeadError
-
-        done = threading.Event()
-
-        def watch():
-            while not done.wait(0.5):
-                if getattr(resources, "engine_dead", False):
-                    outputs.put_nowait(EngineDeadError())
-                    return
-
-        threading.Thread(target=watch, daemon=True, name="megatron-ais-engine-watch").start()
-        try:
-            return self.llm.generate(*args, **kwargs)
-        finally:
-            done.set()
-
-    def restart(self) -> None:
-        """Replace a crashed engine by a fresh one (initial weights: the caller re-syncs the current ones; the
-        last KV-cache scales are installed again)."""
+    def restart(self, weights: EngineWeights | None = None) -> int:
+        """Replace a crashed engine by a fresh one (a feed of its own) with the last KV-cache scales and `weights`
+        (default: the last ones applied; none applied yet: its initial weights); return its weights' version."""
         self.shutdown()
-        self._feed_group = None  # its members are gone
         self._start()
         self.version = 0
         if self.kv_cache_scales is not None:
             self.set_kv_cache_scales(self.kv_cache_scales)
+        weights = weights if weights is not None else self.weights
+        return self.update_weights(weights) if weights is not None else self.version
 
     def set_kv_cache_scales(self, scales) -> int:
         """Install per-layer (q, k, v) FP8 KV-cache scales (a KVCacheScales) in every worker; return the number
@@ -400,6 +368,7 @@ class RolloutEngine:
         llm, self.llm = self.llm, None
         if llm is None:
             return
+        self.feed.close()
         engine_core = getattr(llm.llm_engine, "engine_core", None)
         try:
             if engine_core is not None and hasattr(engine_core, "shutdown"):
@@ -407,53 +376,3 @@ class RolloutEngine:
         except Exception:  # a crashed engine may fail to shut down cleanly; its processes are gone anyway
             pass
         del llm
-
-
-def add_rollout_args(parser) -> None:
-    """Rollout-engine flags."""
-    g = parser.add_argument_group("rollout")
-    g.add_argument("--rollout-precision", choices=PRECISIONS, default="fp8",
-                   help="fp8: blockwise FP8 linear layers (128x128, weight_scale_inv) fed by the bridge; bf16; fp32 "
-                        "(exact comparisons with the trainer).")
-    g.add_argument("--rollout-kv-cache-dtype", choices=("auto", "fp8"), default="auto",
-                   help="KV-cache dtype of the engine (fp8 = e4m3, with per-layer K/V scales recalibrated by the "
-                        "trainer at every weight sync).")
-    add_kv_cache_calibration_args(g)
-    g.add_argument("--rollout-placement", choices=PLACEMENTS, default="separate",
-                   help="colocated: engine inside the trainer process (single-rank trainers only, vLLM then owns "
-                        "torch.distributed); separate: engine processes fed through shared memory.")
-    g.add_argument("--rollout-tensor-parallel-size", type=int, default=1,
-                   help="vLLM tensor-parallel size of the engine (its own ranks, independent of the trainer's TP; "
-                        "separate placement). Blockwise FP8 needs q/k/MLP sizes per rank divisible by 128.")
-    g.add_argument("--rollout-weight-feed", choices=WEIGHT_FEEDS, default="shm",
-                   help="How a separate engine's workers get each verified sync: shm = they map the bridge's "
-                        "shared-memory staging arena (same node); broadcast = the engine's rank sends it over a "
-                        "process group of its own (gloo on CPU, NCCL on GPU) and every worker verifies it.")
-    g.add_argument("--rollout-kv-cache-gb", type=float, default=1.0,
-                   help="KV-cache memory of the engine (GiB; per GPU on CUDA).")
-    g.add_argument("--rollout-gpu-memory-utilization", type=float, default=None,
-                   help="vLLM's gpu_memory_utilization (CUDA only). With an explicit KV-cache size vLLM uses it only "
-                        "to refuse to start below that fraction of free memory; default: the engine's own budget "
-                        "(KV cache + its share of the weights + 2 GiB), so that it can share a GPU with a trainer "
-                        "rank (vLLM's 0.92 never could).")
-    g.add_argument("--rollout-enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-                   help="Run the engine eagerly (default). --no-rollout-enforce-eager lets vLLM compile and capture "
-                        "CUDA graphs (faster decoding on GPU; vLLM's layer-wise reload copies updates into the "
-                        "captured storage). The refit check's per-layer diagnosis uses forward hooks, which graph "
-                        "replays skip, and the MoE routing probe has not been tried under graphs.")
-    g.add_argument("--rollout-max-num-seqs", type=int, default=64, help="Sequences the engine batches at once.")
-    g.add_argument("--rollout-max-model-len", type=int, default=512, help="Longest prompt + response the engine serves.")
-    g.add_argument("--verify-refit-interval", type=int, default=1,
-                   help="Score the probe sequence and compare with the trainer every this many syncs (0 = never).")
-
-
-def engine_config_from_args(args, model_dir: str) -> EngineConfig:
-    """Return the EngineConfig named by the rollout flags for a model directory."""
-    return EngineConfig(model_dir=model_dir, precision=args.rollout_precision,
-                        kv_cache_dtype=args.rollout_kv_cache_dtype, kv_cache_gb=args.rollout_kv_cache_gb,
-                        max_model_len=args.rollout_max_model_len, max_num_seqs=args.rollout_max_num_seqs,
-                        seed=args.seed, tensor_parallel_size=args.rollout_tensor_parallel_size,
-                        weight_feed=args.rollout_weight_feed,
-                        gpu_memory_utilization=args.rollout_gpu_memory_utilization,
-                        enforce_eager=args.rollout_enforce_eager,
-                        gpu_staging_arena=arena_on_gpu(getattr(args, "bridge_arena", "auto")))

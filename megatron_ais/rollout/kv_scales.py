@@ -11,11 +11,13 @@ scale = amax x margin / 448 (the margin absorbs the next step's drift and the pr
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import torch
 import torch.distributed as dist
+
+from megatron_ais.errors import ArgumentValidationError
+from megatron_ais.flags import FlagConfig, flag
 
 FP8_E4M3_MAX = 448.0
 QKV = ("q", "k", "v")
@@ -38,16 +40,26 @@ class KVCacheScales:
         return cls(tuple(tuple(float(x) for x in row) for row in scale.tolist()))
 
 
-def add_kv_cache_calibration_args(group: argparse._ArgumentGroup) -> None:
-    """Flags of the FP8 KV-cache recalibration (in the rollout group)."""
-    group.add_argument("--rollout-kv-cache-scale-margin", type=float, default=2.0,
-                       help="With --rollout-kv-cache-dtype fp8: KV-cache scale = measured max |K| (|V|) x this / 448, "
-                            "re-measured by the trainer at every weight sync; the headroom covers the next step's "
-                            "drift and prompts the calibration did not see (e4m3's relative precision does not depend "
-                            "on the scale, so headroom costs little).")
-    group.add_argument("--rollout-kv-cache-calibration-sequences", type=int, default=16,
-                       help="Sequences of the latest rollout batch (before the first rollout: the first step's "
-                            "prompts) whose forward pass measures the KV-cache scales, split over data-parallel ranks.")
+@dataclasses.dataclass(frozen=True)
+class KVCacheCalibrationConfig(FlagConfig):
+    """How the trainer measures the FP8 KV-cache scales at every sync (with --rollout-kv-cache-dtype fp8)."""
+
+    scale_margin: float = flag(
+        2.0, "With --rollout-kv-cache-dtype fp8: KV-cache scale = measured max |K| (|V|) x this / 448, re-measured by "
+             "the trainer at every weight sync; the headroom covers the next step's drift and prompts the calibration "
+             "did not see (e4m3's relative precision does not depend on the scale, so headroom costs little).",
+        name="--rollout-kv-cache-scale-margin")
+    sequences: int = flag(16, "Sequences of the latest rollout batch (before the first rollout: the first step's "
+                              "prompts) whose forward pass measures the KV-cache scales, split over data-parallel "
+                              "ranks.", name="--rollout-kv-cache-calibration-sequences")
+
+    def __post_init__(self):
+        if self.scale_margin < 1.0:
+            raise ArgumentValidationError(f"--rollout-kv-cache-scale-margin {self.scale_margin} must be at least 1 "
+                                          "(below 1 the largest calibrated K/V values already saturate)")
+        if self.sequences < 1:
+            raise ArgumentValidationError(f"--rollout-kv-cache-calibration-sequences {self.sequences} must be at "
+                                          "least 1")
 
 
 def rollout_sequences(tokens: torch.Tensor, mask: torch.Tensor, count: int) -> list[list[int]]:
@@ -77,14 +89,14 @@ class AttentionAmax:
             self._hook(layer.layer_number - 1)) for layer in layers]
 
     def _hook(self, index: int):
-        def record(module, args):
+        def record(module, inputs):
             call = self.calls.get(index, 0)
             self.calls[index] = call + 1
             valid = self.valid[call]
             if not bool(valid.any()):
                 return
-            mask = valid.t().reshape(-1).to(args[0].device)  # megatron's [s, b] order
-            value = torch.stack([t.detach().reshape(mask.numel(), -1)[mask].abs().amax().float() for t in args[:3]])
+            mask = valid.t().reshape(-1).to(inputs[0].device)  # megatron's [s, b] order
+            value = torch.stack([t.detach().reshape(mask.numel(), -1)[mask].abs().amax().float() for t in inputs[:3]])
             previous = self.maxima.get(index)
             self.maxima[index] = value if previous is None else torch.maximum(previous, value)
         return record

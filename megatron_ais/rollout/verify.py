@@ -8,7 +8,7 @@ its bound is 0.25. The FP8 engine is compared with the BF16 trainer, so its chec
 quantization mismatch itself: 0.05 on a random model, 0.12 after 300 SFT steps on the random-token probe; its
 bound (0.5) catches wrong or badly stale weights (mean |Δ| of order 1), not small staleness. An FP8 KV cache
 adds rounding of the same order (mean |Δ| 0.24 on the random tiny Qwen3 with an fp32 engine), so engines with
-one are held to the fp8 row whatever their weights' precision (`recipe.refit_precision`).
+one are held to the fp8 row whatever their weights' precision (`refit_precision`).
 """
 from __future__ import annotations
 
@@ -16,12 +16,11 @@ import dataclasses
 
 import torch
 
+from megatron_ais.distributed import from_last_stage, gather_on, share
+from megatron_ais.errors import RefitVerificationError
+
 # (statistic, bound): fp32 is checked on the max, the low-precision engines on the mean
 TOLERANCES = {"fp32": ("max", 1e-4), "bf16": ("mean", 0.25), "fp8": ("mean", 0.5)}
-
-
-class RefitVerificationError(RuntimeError):
-    """The engine's log-probs disagree with the trainer's after a weight sync."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,3 +148,48 @@ def routing_mismatch(engine_ids: list[torch.Tensor], trainer_maps: list[torch.Te
         differing += int((engine_map != routing_map[:tokens]).any(dim=1).sum())
         total += tokens
     return differing / max(total, 1)
+
+
+def refit_precision(engine, trainer_precision: str) -> str:
+    """Which tolerance row of the refit check applies to an engine (its EngineConfig) against a trainer of
+    `trainer_precision`: an FP8 KV cache rounds K and V like FP8 weights round the linear layers, so any engine with
+    one is held to the FP8 engine's bound; an fp32 engine is compared with a BF16 trainer's log-probs to the BF16
+    bound (the trainer's own rounding)."""
+    if engine.kv_cache_dtype == "fp8":
+        return "fp8"
+    if engine.precision == "fp32" and trainer_precision == "bf16":
+        return "bf16"
+    return engine.precision
+
+
+def _merged(parts: list[dict]) -> list:
+    """Per-rank {global layer index: value} dicts, merged and ordered by layer."""
+    merged = {i: value for part in parts for i, value in part.items()}
+    return [merged[i] for i in sorted(merged)]
+
+
+def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups, vocab_size: int, precision: str,
+                              engine_rank: int, moe: bool = False) -> float | None:
+    """Collective refit check: every stage scores the probe (the last stage's log-probs go to the first), the
+    engine's rank (`engine` there, None elsewhere) compares them with the engine's. A failed check names the first
+    decoder layer whose output differs and raises on every rank. For MoE models, return (on the engine's rank) the
+    fraction of probe (token, layer) pairs whose top-k experts differ between engine and trainer."""
+    trainer = from_last_stage(trainer_probe_logprobs(ddp_chunks, probe, groups, vocab_size))
+
+    def compare() -> str | None:
+        try:
+            verify_refit(engine.prompt_logprobs(probe), trainer, precision)
+        except RefitVerificationError as err:
+            return str(err)
+        return None
+
+    error = share(compare, src=engine_rank)
+    if error is not None:  # where does the engine's forward leave the trainer's? the engine's rank compares
+        parts = gather_on(trainer_layer_states(ddp_chunks, probe, groups, vocab_size), dst=engine_rank)
+        error = share(lambda: error + layer_diagnosis(layer_errors(engine.probe_layer_states(probe), _merged(parts)),
+                                                      precision), src=engine_rank)
+        raise RefitVerificationError(error + "; stopping")
+    if not moe:
+        return None
+    parts = gather_on(trainer_routing(ddp_chunks, probe, groups, vocab_size), dst=engine_rank)
+    return None if engine is None else routing_mismatch(engine.probe_routing(probe), _merged(parts))

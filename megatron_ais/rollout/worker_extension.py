@@ -171,13 +171,13 @@ class WeightSyncExtension:
 
     def megatron_ais_device_uuid(self) -> str | None:
         """The physical GPU of this worker (None on CPU), for the choice of the feed group's backend."""
-        from megatron_ais.bridge.broadcast import device_uuid
+        from megatron_ais.rollout.feeds.broadcast import device_uuid
 
         return device_uuid()
 
     def megatron_ais_join_weight_group(self, host: str, port: int, world: int, backend: str) -> int:
         """Join the bridge's feed group as member 1 + this worker's engine-TP rank; return that rank."""
-        from megatron_ais.bridge.broadcast import feed_device, join_weight_group
+        from megatron_ais.rollout.feeds.broadcast import feed_device, join_weight_group
 
         rank = 1 + getattr(self, "rank", 0)
         self._megatron_ais_group = join_weight_group(host, port, rank, world, backend)
@@ -189,7 +189,7 @@ class WeightSyncExtension:
         """Receive a sync's bytes from the feed group's root, verify every tensor against its manifest entry and
         apply them all; a mismatch raises before the model is touched."""
         from megatron_ais.bridge.arena import entry_views
-        from megatron_ais.bridge.broadcast import receive_bytes
+        from megatron_ais.rollout.feeds.broadcast import receive_bytes
         from megatron_ais.bridge.buckets import ManifestEntry, verify_tensors
 
         buffer = self._megatron_ais_feed_buffer

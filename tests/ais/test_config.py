@@ -3,15 +3,15 @@ import argparse
 
 import pytest
 
-from megatron_ais.ais import CORRECTIONS, AISConfig, add_correction_args
+from megatron_ais.ais import CORRECTIONS, AISConfig
 from megatron_ais.ais import diagnostics
-from megatron_ais.grpo.loss import PolicyLossConfig, add_grpo_args
+from megatron_ais.grpo.loss import PolicyLossConfig
 
 
 def _parse(*argv):
     parser = argparse.ArgumentParser()
-    add_correction_args(parser)
-    add_grpo_args(parser)
+    AISConfig.add_flags(parser)
+    PolicyLossConfig.add_flags(parser)
     return parser.parse_args(list(argv))
 
 
@@ -20,6 +20,7 @@ def test_defaults_follow_ais_method_section_2_4():
     assert (cfg.correction, cfg.level, cfg.cap, cfg.tau, cfg.lambda_min, cfg.lambda_max, cfg.ema,
             cfg.logratio_clamp) == ("ais", "token", 2.0, 0.05, 0.0, 1.0, 0.0, 20.0)
     assert (cfg.severity_exponent, cfg.reliability_exponent, cfg.variance_exponent) == (1.0, 1.0, 1.0)
+    assert cfg == AISConfig()  # one source of defaults: the flags' are the dataclass's
     assert cfg.mis_band == (0.5, 2.0)
     loss = PolicyLossConfig.from_args(_parse("--clip-high", "0.3", "--loss-agg", "seq-mean-token-mean"))
     assert (loss.clip_low, loss.clip_high, loss.loss_agg) == (0.2, 0.3, "seq-mean-token-mean")

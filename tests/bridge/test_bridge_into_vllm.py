@@ -24,34 +24,35 @@ def _hf_logprobs(state_dict, hf_dir):
 def _engine_worker(old_dir, new_dir, precision, work):
 
     from kernels.fp8_blockwise import blockwise_fp8_dequantize
-    from megatron_ais.arguments import build_parser, validate_args
+    from distributed import start_trainer
     from megatron_ais.bridge.quantization import QuantizationPolicy
-    from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, sync_weights_to_engine
-    from megatron_ais.bridge.transport import SyncError, SyncReceiver
-    from megatron_ais.initialize import initialize_megatron
-    from megatron_ais.model import ModelBuildConfig
-    from megatron_ais.training import build_loaded_chunks
+    from megatron_ais.bridge.config import BridgeConfig
+    from megatron_ais.bridge.layout import BridgeLayout
+    from megatron_ais.bridge.sync import WeightBridge
+    from megatron_ais.bridge.receiver import SyncReceiver
+    from megatron_ais.errors import SyncError
+    from megatron_ais.training import load_policy_chunks
     from megatron_ais.rollout.engine import EngineConfig, RolloutEngine
+    from megatron_ais.rollout.feeds import named_tensors
 
-    engine = RolloutEngine(EngineConfig(model_dir=old_dir, precision=precision, kv_cache_gb=0.25), work)
+    engine = RolloutEngine(EngineConfig(model_dir=old_dir, precision=precision, kv_cache_gb=0.25,
+                                        placement="colocated"), work)
     float8_layers = sorted({n.rsplit(".", 1)[0] for n, p in engine.model.named_parameters()
                             if p.dtype == torch.float8_e4m3fn})
     before = engine.prompt_logprobs(PROBE)
-    args = build_parser("test").parse_args(["--hf-dir", new_dir, "--fp32", "--seq-length", "64"])
-    hf_config = validate_args(args, 1)
-    initialize_megatron(args)
-    build = ModelBuildConfig.from_args(args, hf_config)
-    chunks, _, _ = build_loaded_chunks(args, build)
+    trainer, hf_config, build = start_trainer("--hf-dir", new_dir, "--fp32", "--seq-length", "64")
+    chunks, _, _ = load_policy_chunks(build, trainer.weights)
     layout = BridgeLayout.from_parallel_state()
     applied = []
 
-    def apply(tensors):
-        applied.append({n: t.clone() for n, t in tensors})
-        engine.update_weights(tensors)
+    def apply(weights):
+        applied.append({n: t.clone() for n, t in named_tensors(weights)})
+        engine.update_weights(weights)
 
     receiver = SyncReceiver(apply=apply)
     config = BridgeConfig(bucket_size_mb=0.5, policy=QuantizationPolicy(precision=precision))
-    sync_weights_to_engine(chunks, build, config, layout, 1, receiver)
+    bridge = WeightBridge(chunks, build, config, layout, receiver)
+    bridge.sync(1)
     after = engine.prompt_logprobs(PROBE)
     sent = applied[0]
     reference_weights = {n: blockwise_fp8_dequantize(t, sent[n + "_scale_inv"], 128, torch.float32)
@@ -79,12 +80,13 @@ def _engine_worker(old_dir, new_dir, precision, work):
     for sync_id, tamper in ((2, flip_byte), (3, wrong_shape)):
         SyncReceiver.receive = tamper
         try:
-            sync_weights_to_engine(chunks, build, config, layout, sync_id, receiver)
+            bridge.sync(sync_id)
             refused.append(None)
         except SyncError as err:
             refused.append(str(err))
         finally:
             SyncReceiver.receive = original
+    bridge.close()
     still = engine.prompt_logprobs(PROBE)
     # plain arrays: tensors shared through the result queue would need this process alive to be read
     arrays = {n: t.numpy() for n, t in reference_weights.items()}

@@ -12,40 +12,32 @@ BUCKET_MB = 0.05
 
 
 def _bridge_worker(cases):
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_ais.arguments import build_parser, validate_args
+    from distributed import start_trainer
+    from megatron_ais.bridge.config import BridgeConfig
+    from megatron_ais.bridge.layout import BridgeLayout
     from megatron_ais.bridge.quantization import QuantizationPolicy
-    from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, sync_weights_to_engine
-    from megatron_ais.bridge.transport import SyncReceiver
-    from megatron_ais.initialize import initialize_distributed, initialize_model_parallel, set_random_seed
-    from megatron_ais.initialize import ParallelSizes
-    from megatron_ais.model import ModelBuildConfig
-    from megatron_ais.training import build_loaded_chunks
-    from megatron_ais.platform import apply_cpu_compat
+    from megatron_ais.bridge.receiver import SyncReceiver
+    from megatron_ais.bridge.sync import WeightBridge
+    from megatron_ais.rollout.feeds import named_tensors
+    from megatron_ais.training import load_policy_chunks
 
-    apply_cpu_compat()
-    initialize_distributed()
     out = []
     for hf_dir, tp, pp, transport, *ep in cases:
         moe = ["--expert-model-parallel-size", str(ep[0])] + (["--sequence-parallel"] if tp > 1 else []) if ep else []
-        args = build_parser("test").parse_args(["--hf-dir", hf_dir, "--fp32", "--tensor-model-parallel-size", str(tp),
-                                                "--pipeline-model-parallel-size", str(pp), "--seq-length", "16",
-                                                *moe])
-        hf_config = validate_args(args, dist.get_world_size())
-        initialize_model_parallel(ParallelSizes.from_args(args))
-        set_random_seed(0)
-        build = ModelBuildConfig.from_args(args, hf_config)
-        chunks, _, _ = build_loaded_chunks(args, build)
+        trainer, _, build = start_trainer("--hf-dir", hf_dir, "--fp32", "--tensor-model-parallel-size", tp,
+                                          "--pipeline-model-parallel-size", pp, "--seq-length", 16, *moe)
+        chunks, _, _ = load_policy_chunks(build, trainer.weights)
         layout = BridgeLayout.from_parallel_state()
         for sync_id, precision in enumerate(("bf16", "fp8")):
             applied = []
-            receiver = SyncReceiver(apply=lambda ts: applied.append({n: t.cpu().clone() for n, t in ts})) \
+            receiver = SyncReceiver(apply=lambda w: applied.append({n: t.cpu().clone() for n, t in named_tensors(w)})) \
                 if layout.rank == 0 else None
             config = BridgeConfig(bucket_size_mb=BUCKET_MB, policy=QuantizationPolicy(precision=precision),
                                   transport=transport)
-            stats = sync_weights_to_engine(chunks, build, config, layout, sync_id, receiver)
+            with WeightBridge(chunks, build, config, layout, receiver) as bridge:
+                stats = bridge.sync(sync_id)
             if layout.rank == 0:
                 assert len(applied) == 1
                 out.append((hf_dir, tp, pp, precision, applied[0], len(layout.stage_senders)))
@@ -147,18 +139,12 @@ def _rss_kib(field: str) -> int:
 
 def _bf16_model(hf_dir, parallel_flag, size=2):
     """Megatron initialised for `size` ranks split by `parallel_flag` (TP or PP), the model loaded from `hf_dir`."""
-    from megatron_ais.arguments import build_parser, validate_args
-    from megatron_ais.bridge.sync import BridgeLayout
-    from megatron_ais.initialize import initialize_megatron
-    from megatron_ais.model import ModelBuildConfig
-    from megatron_ais.training import build_loaded_chunks
+    from distributed import start_trainer
+    from megatron_ais.bridge.layout import BridgeLayout
+    from megatron_ais.training import load_policy_chunks
 
-    args = build_parser("test").parse_args(["--hf-dir", hf_dir, "--bf16", "--seq-length", "16", parallel_flag,
-                                            str(size)])
-    hf_config = validate_args(args, size)
-    initialize_megatron(args)
-    build = ModelBuildConfig.from_args(args, hf_config)
-    chunks, _, _ = build_loaded_chunks(args, build)
+    trainer, _, build = start_trainer("--hf-dir", hf_dir, "--bf16", "--seq-length", 16, parallel_flag, size)
+    chunks, _, _ = load_policy_chunks(build, trainer.weights)
     return chunks, build, BridgeLayout.from_parallel_state()
 
 
@@ -168,8 +154,9 @@ def _memory_worker(hf_dir, bucket_mb):
     import torch.distributed as dist
 
     from megatron_ais.bridge.quantization import QuantizationPolicy
-    from megatron_ais.bridge.sync import BridgeConfig, WeightBridge
-    from megatron_ais.bridge.transport import SyncReceiver
+    from megatron_ais.bridge.config import BridgeConfig
+    from megatron_ais.bridge.sync import WeightBridge
+    from megatron_ais.bridge.receiver import SyncReceiver
 
     chunks, build, layout = _bf16_model(hf_dir, "--pipeline-model-parallel-size")
     receiver = SyncReceiver(apply=lambda tensors: None) if layout.rank == 0 else None
@@ -217,22 +204,24 @@ def test_shipping_sender_peak_memory_is_one_bucket(model_root):
 
 
 def test_dense_writers_share_out_by_size_and_never_add_a_node():
+    import dataclasses
+
+    from megatron_ais.bridge.layout import RankPosition, dense_writer_replicas
     from megatron_ais.bridge.plan import dense_owners
-    from megatron_ais.bridge.sync import dense_writer_replicas
 
     assert dense_owners([10, 3, 3, 3, 2, 1], 2) == [0, 1, 1, 1, 1, 0]
     assert dense_owners([5, 5], 1) == [0, 0]
-    # (rank, pp, dp, cp0, writes experts, tp, host): TP2 x DP3 of one stage, replica 2 on another node
-    marks = [(0, 0, 0, True, False, 0, "a"), (1, 0, 0, True, False, 1, "a"), (2, 0, 1, True, False, 0, "a"),
-             (3, 0, 1, True, False, 1, "a"), (4, 0, 2, True, False, 0, "b"), (5, 0, 2, True, False, 1, "b")]
-    assert dense_writer_replicas(marks) == [0, 1]
+    # TP2 x DP3 of one stage, replica 2 on another node
+    ranks = [RankPosition(rank=r, pp_rank=0, dp_rank=r // 2, cp0=True, writes_experts=False, tp_rank=r % 2,
+                          host="b" if r >= 4 else "a") for r in range(6)]
+    assert dense_writer_replicas(ranks) == [0, 1]
     # a replica half on another node is left out; expert writers on node b bring b in
-    split = marks[:5] + [(5, 0, 2, True, False, 1, "a")]
+    split = ranks[:5] + [dataclasses.replace(ranks[5], host="a")]
     assert dense_writer_replicas(split) == [0, 1]
-    experts_on_b = [m[:4] + (m[6] == "b",) + m[5:] for m in marks]
+    experts_on_b = [dataclasses.replace(p, writes_experts=p.host == "b") for p in ranks]
     assert dense_writer_replicas(experts_on_b) == [0, 1, 2]
     # context-parallel ranks other than 0 never write
-    assert dense_writer_replicas([m[:3] + (m[2] == 0,) + m[4:] for m in marks]) == [0]
+    assert dense_writer_replicas([dataclasses.replace(p, cp0=p.dp_rank == 0) for p in ranks]) == [0]
 
 
 @pytest.mark.parametrize("transport,hosts,expected", [
@@ -244,33 +233,34 @@ def test_dense_writers_share_out_by_size_and_never_add_a_node():
     ("auto", (("a",), ("b", "c")), "pipeline stage 1's writers run on \\['b', 'c'\\]: a shipped stage"),
 ])
 def test_stage_transports_follow_the_hosts(transport, hosts, expected):
-    from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, WeightBridge
+    from megatron_ais.bridge.layout import stage_transports
 
-    layout = BridgeLayout(engine_rank=0, stage_senders=(0, 2), is_sender=True, rank=0, hosts=hosts)
-    bridge = WeightBridge([], None, BridgeConfig(transport=transport), layout)
     if isinstance(expected, list):
-        assert bridge._stage_modes("a", 0) == expected
+        assert stage_transports(hosts, transport, "a", 0) == expected
     else:
         with pytest.raises(ValueError, match=expected):
-            bridge._stage_modes("a", 0)
+            stage_transports(hosts, transport, "a", 0)
 
 
 def _written_by_worker(hf_dir, paths, tp=2):
     """Syncs at TP `tp` through each of `paths`: the host kernels (True) or the torch path GPU ranks take (False:
     figures kept where they are computed and read back once per bucket). Per path: the applied tensors, then the
     errors of syncs with a NaN in the last rank's shard of a down_proj."""
-    from megatron_ais.bridge import sync as bridge_sync
+    from megatron_ais.bridge import pieces as bridge_pieces
     from megatron_ais.bridge.quantization import QuantizationPolicy
-    from megatron_ais.bridge.sync import BridgeConfig, sync_weights_to_engine
-    from megatron_ais.bridge.transport import SyncError, SyncReceiver
+    from megatron_ais.bridge.config import BridgeConfig
+    from megatron_ais.bridge.sync import WeightBridge
+    from megatron_ais.bridge.receiver import SyncReceiver
+    from megatron_ais.errors import SyncError
+    from megatron_ais.rollout.feeds import named_tensors
 
     chunks, build, layout = _bf16_model(hf_dir, "--tensor-model-parallel-size", tp)
     fc2 = next(p for n, p in chunks[0].named_parameters() if n.endswith("decoder.layers.1.mlp.linear_fc2.weight"))
-    original_on_host, sync_id, results = bridge_sync._on_host, 0, {}
+    original_on_host, sync_id, results = bridge_pieces._on_host, 0, {}
     for host_kernels in paths:
-        bridge_sync._on_host = original_on_host if host_kernels else (lambda *tensors: False)
+        bridge_pieces._on_host = original_on_host if host_kernels else (lambda *tensors: False)
         applied, errors = results.setdefault(host_kernels, ([], []))
-        receiver = SyncReceiver(apply=lambda ts: applied.append({n: t.cpu().clone() for n, t in ts})) \
+        receiver = SyncReceiver(apply=lambda w: applied.append({n: t.cpu().clone() for n, t in named_tensors(w)})) \
             if layout.rank == 0 else None
         for precision, corrupt in [("bf16", False), ("fp8", False), ("bf16", True), ("fp8", True)]:
             config = BridgeConfig(bucket_size_mb=BUCKET_MB, policy=QuantizationPolicy(precision=precision))
@@ -279,7 +269,8 @@ def _written_by_worker(hf_dir, paths, tp=2):
                 with torch.no_grad():
                     fc2[3, 5] = float("nan")
             try:
-                sync_weights_to_engine(chunks, build, config, layout, sync_id, receiver)
+                with WeightBridge(chunks, build, config, layout, receiver) as bridge:
+                    bridge.sync(sync_id)
             except SyncError as err:
                 errors.append(str(err))
             with torch.no_grad():

@@ -68,7 +68,7 @@ def test_crash_inside_a_two_rename_resave_keeps_the_old_copy(tmp_path):
     ckpt.write_rank_state(stage, 0, 0, 1, {"model": {"w": torch.full((2,), 3.0)}})
     os.replace(ckpt.iteration_dir(root, 2), ckpt.iteration_dir(root, 2) + ".old")  # the crash point
     assert ckpt.usable_iterations(root)[0] == 1  # a plain reader changes nothing and sees the older copy
-    ckpt.restore_interrupted_resave(root)  # what validate_args, load_checkpoint and prepare_staging do first
+    ckpt.restore_interrupted_resave(root)  # what read_model_config, load_checkpoint and prepare_staging do first
     assert ckpt.usable_iterations(root)[0] == 2
     assert torch.equal(ckpt.load_rank_state(root, 0, 0, 1)["model"]["w"], torch.full((2,), 2.0))
     shutil.copytree(ckpt.iteration_dir(root, 1), ckpt.iteration_dir(root, 2) + ".old")  # a stale leftover
@@ -78,14 +78,17 @@ def test_crash_inside_a_two_rename_resave_keeps_the_old_copy(tmp_path):
 
 
 def test_layout_mismatch_names_flags_and_fix(tmp_path):
+    from megatron_ais.parallel import ParallelLayout
+
     meta = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1}
     with pytest.raises(ckpt.CheckpointError, match="--tensor-model-parallel-size 1 .*convert_checkpoint.py"):
-        ckpt.check_layout(meta, 1, 1, str(tmp_path))
-    ckpt.check_layout(meta, 2, 1, str(tmp_path), etp=1)  # saved before expert-TP was recorded: not checked on it
+        ckpt.check_layout(meta, ParallelLayout(), str(tmp_path))
+    # saved before expert-TP was recorded: not checked on it
+    ckpt.check_layout(meta, ParallelLayout(tensor=2, expert_tensor=1), str(tmp_path))
     moe = {**meta, "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1}
-    ckpt.check_layout(moe, 2, 1, str(tmp_path), ep=2, etp=1)
+    ckpt.check_layout(moe, ParallelLayout(tensor=2, expert=2, expert_tensor=1), str(tmp_path))
     with pytest.raises(ckpt.CheckpointError, match="x expert-TP1 .*--expert-tensor-parallel-size 2"):
-        ckpt.check_layout(moe, 2, 1, str(tmp_path), ep=2)
+        ckpt.check_layout(moe, ParallelLayout(tensor=2, expert=2), str(tmp_path))
 
 
 def test_rank_directory_names_follow_megatron_lm():
@@ -109,20 +112,23 @@ def test_optimizer_layout_mismatch_names_flags_and_fix(tmp_path):
 def test_layout_change_is_refused_before_any_rank_file_is_read(model_root, tmp_path):
     import convert_checkpoint
     from conftest import make_model_dir
-    from megatron_ais.arguments import build_parser, validate_args
+    from distributed import trainer_config
+    from megatron_ais.training import read_model_config
+
+    def read(*argv, world_size=1):
+        trainer = trainer_config(*argv, world_size=world_size)
+        return read_model_config(trainer.model, trainer.layout, trainer.checkpoint.load)
 
     hf_dir = make_model_dir(model_root, "qwen3", hidden_size=128, intermediate_size=256, num_attention_heads=4,
                             num_key_value_heads=2)
     load = str(tmp_path / "tp1")
     convert_checkpoint.hf_to_megatron(hf_dir, load, 1, 1)
-    args = build_parser("t").parse_args(["--load", load, "--tensor-model-parallel-size", "2"])
     with pytest.raises(ckpt.CheckpointError, match="saved at TP1 x PP1 .* --tensor-model-parallel-size 2"):
-        validate_args(args, 2)
-    args = build_parser("t").parse_args(["--load", load, "--make-vocab-size-divisible-by", "256"])
+        read("--load", load, "--tensor-model-parallel-size", "2", world_size=2)
     with pytest.raises(ckpt.CheckpointError, match="padded to 384 rows, this run pads to 512 .* "
                                                    "--make-vocab-size-divisible-by 128"):
-        validate_args(args, 1)
-    validate_args(build_parser("t").parse_args(["--load", load]), 1)
+        read("--load", load, "--make-vocab-size-divisible-by", "256")
+    assert read("--load", load)["model_type"] == "qwen3"
 
 
 def test_files_the_committer_cannot_see_block_the_commit(tmp_path):

@@ -90,21 +90,21 @@ def test_keep_prunes_old_iterations(tmp_path):
 def test_a_kl_reference_iteration_is_kept_and_loaded_by_number(tmp_path):
     """A run that saves into its own --load directory keeps its KL reference (the iteration it started from) and
     loads exactly that one, not the newest, when it resumes."""
-    from megatron_ais.recipe import _protected_iterations
+    from megatron_ais.grpo.state import protected_iterations
 
     root = str(tmp_path)
     reference = _save(root, 1, 1.0)
     source = {"load": root + "/", "iteration": 1}
     for iteration in range(2, 5):
-        _save(root, iteration, iteration, keep=2, protect=_protected_iterations(source, root))
+        _save(root, iteration, iteration, keep=2, protect=protected_iterations(source, root))
     assert ckpt.committed_iterations(root) == [4, 3, 1]
     loaded = ckpt.load_checkpoint(root, ckpt.CheckpointRanks(), iteration=1)
     assert loaded.iteration == 1 and torch.equal(loaded.state["model"]["weight"], reference)
     assert ckpt.load_checkpoint(root, ckpt.CheckpointRanks()).iteration == 4
     with pytest.raises(ckpt.CheckpointError, match="no longer holds a usable iteration 2"):
         ckpt.load_checkpoint(root, ckpt.CheckpointRanks(), iteration=2)
-    assert _protected_iterations(source, str(tmp_path / "elsewhere")) == ()
-    assert _protected_iterations({"hf_dir": "/m"}, root) == ()
+    assert protected_iterations(source, str(tmp_path / "elsewhere")) == ()
+    assert protected_iterations({"hf_dir": "/m"}, root) == ()
 
 
 def test_restore_refuses_weights_only_checkpoint(tmp_path):

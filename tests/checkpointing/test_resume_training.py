@@ -15,16 +15,14 @@ GLOBAL_BATCH, MICRO_BATCH, SEQ = 8, 2, 48
 
 
 def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=(), export_dir=None):
-    import os
     import random
 
     import torch
     from megatron.core import parallel_state as ps
 
-    from megatron_ais.arguments import build_parser, validate_args
+    from distributed import start_trainer
     from megatron_ais.checkpointing import CheckpointRanks, checkpoint_metadata, save_checkpoint
     from megatron_ais.data.tasks import arithmetic_task
-    from megatron_ais.initialize import initialize_megatron
     from megatron_ais.sft import encode_sft_example, load_tokenizer, micro_batches
     from megatron_ais.training import lm_forward_step, reduce_lm_loss, setup_model_and_optimizer, train_step
 
@@ -33,10 +31,8 @@ def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=()
     argv += ["--use-distributed-optimizer"] if distributed_optimizer else []
     argv += ["--load", save_dir] if resume else []
     argv += list(extra)
-    args = build_parser("test").parse_args(argv)
-    hf_config = validate_args(args, int(os.environ["WORLD_SIZE"]))
-    initialize_megatron(args)
-    setup = setup_model_and_optimizer(args, hf_config, run_kind="test")
+    trainer, hf_config, build = start_trainer(*argv)
+    setup = setup_model_and_optimizer(build, trainer.weights, trainer.training, run_kind="test")
     start = setup.run_state["step"] if resume else 0
     if export_dir:  # the trainer's own HF export of what it loaded: the reference for the offline converter
         from megatron_ais.mapping.distributed import save_hf_checkpoint
@@ -58,7 +54,9 @@ def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=()
         losses.append(reduce_lm_loss(result.losses, ps.get_data_parallel_group()))
         draws.append((random.random(), torch.rand(1).item()))  # RNG streams must continue across the resume
         if step == 1 and not resume:
-            save_checkpoint(save_dir, 2, setup.chunks, checkpoint_metadata(args, setup.build, hf_config, 2),
+            metadata = checkpoint_metadata(build, hf_config, 2, ps.get_data_parallel_world_size(),
+                                           distributed_optimizer)
+            save_checkpoint(save_dir, 2, setup.chunks, metadata,
                             hf_dir, CheckpointRanks.from_parallel_state(), optimizer=setup.optimizer,
                             run_state={"kind": "test", "step": 2}, dp_group=ps.get_data_parallel_group())
     digest = hashlib.sha1()

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from megatron_ais.data.tasks import (PromptFileError, TaskError, arithmetic_task, countdown_reward, countdown_task,
-                                     digit_sort_task, exact_answer_reward, extract_answer, math_verify_reward,
-                                     read_prompt_file)
+from megatron_ais.data.tasks import (arithmetic_task, countdown_reward, countdown_task, digit_sort_task,
+                                     exact_answer_reward, extract_answer, math_verify_reward, read_prompt_file)
+from megatron_ais.errors import PromptFileError, TaskError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

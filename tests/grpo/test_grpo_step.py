@@ -1,8 +1,6 @@
 """A GRPO + AIS update on megatron at DP2 and at TP2: λ and the first policy loss equal a single-process
 reference built on transformers' log-probs, the gradient does not depend on the split, and the metrics reach
 tensorboard."""
-import os
-
 import pytest
 import torch
 
@@ -36,23 +34,20 @@ def _worker(hf_dir, tp, log_dir):
     from megatron.core import parallel_state as ps
 
     from megatron_ais.ais import AISConfig, AISState
-    from megatron_ais.arguments import build_parser, validate_args
+    from distributed import start_trainer
     from megatron_ais.grpo.loss import PolicyLossConfig
     from megatron_ais.grpo.step import GRPOConfig, ParallelGroups, grpo_train_step
-    from megatron_ais.initialize import initialize_megatron
     from megatron_ais.logging import RunLogger, grpo_console_line
     from megatron_ais.training import build_reference_chunks, setup_model_and_optimizer
 
-    args = build_parser("test").parse_args(["--hf-dir", hf_dir, "--fp32", "--seq-length", str(S),
-                                            "--tensor-model-parallel-size", str(tp), "--lr", "1e-3"])
-    hf_config = validate_args(args, int(os.environ["WORLD_SIZE"]))
-    initialize_megatron(args)
-    setup = setup_model_and_optimizer(args, hf_config)
+    trainer, _, build = start_trainer("--hf-dir", hf_dir, "--fp32", "--seq-length", S, "--tensor-model-parallel-size",
+                                      tp, "--lr", "1e-3")
+    setup = setup_model_and_optimizer(build, trainer.weights, trainer.training)
     build, chunks, ddp, optimizer = setup.build, setup.chunks, setup.ddp_chunks, setup.optimizer
     batch, _ = _rollout_batch(hf_dir)
     # DP2 adds a KL penalty to the initial policy: at the first step it is exactly zero and changes nothing
     kl_coef = 0.1 if tp == 1 else 0.0
-    reference = build_reference_chunks(args, build) if kl_coef else None
+    reference = build_reference_chunks(build, trainer.weights) if kl_coef else None
     config = GRPOConfig(loss=PolicyLossConfig(kl_coef=kl_coef), correction=AISConfig(),
                         vocab_size=build.shape.vocab_size, micro_batch_size=2)
     result = grpo_train_step(ddp, optimizer, batch, config, AISState(), ParallelGroups.from_parallel_state(),

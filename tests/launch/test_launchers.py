@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from megatron_ais.recipe import validate_grpo_args
+from megatron_ais.arguments import GRPORunConfig
 from megatron_ais.rollout.engine import engine_memory_fraction
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,7 +51,7 @@ def test_example_script_is_valid_bash_and_its_flags_parse(script):
         assert gpu0 <= 40 << 30
         # the rollout batch splits into whole DP shares, mini-batches and micro-batches at every documented size
         for nodes in ((2, 3, 4) if "30b_a3b" in script else (1, 2, 3, 4)):
-            validate_grpo_args(args, 8 * nodes)
+            GRPORunConfig.from_args(args, 8 * nodes)
         if "30b_a3b" in script:
             world = 8 * int(env.get("SLURM_NNODES", "2"))
             assert args.expert_model_parallel_size == 8 and args.sequence_parallel

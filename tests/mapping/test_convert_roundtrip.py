@@ -12,6 +12,7 @@ import convert_checkpoint
 from conftest import make_model_dir
 from megatron_ais.mapping import layouts
 from megatron_ais.mapping.hf_io import HFCheckpointReader
+from megatron_ais.parallel import ParallelLayout
 
 
 def _read_all(hf_dir):
@@ -67,17 +68,12 @@ def _load_and_export_worker(load, export_dir, flags):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_ais.arguments import build_parser, validate_args
-    from megatron_ais.initialize import initialize_megatron
+    from distributed import start_trainer
     from megatron_ais.mapping.distributed import save_hf_checkpoint
-    from megatron_ais.model import ModelBuildConfig
-    from megatron_ais.training import build_loaded_chunks
+    from megatron_ais.training import load_policy_chunks
 
-    args = build_parser("test").parse_args(["--load", load, "--fp32", "--seq-length", "16", *flags])
-    hf_config = validate_args(args, int(os.environ["WORLD_SIZE"]))
-    initialize_megatron(args)
-    build = ModelBuildConfig.from_args(args, hf_config)
-    chunks, assets, _ = build_loaded_chunks(args, build)
+    trainer, hf_config, build = start_trainer("--load", load, "--fp32", "--seq-length", "16", *flags)
+    chunks, assets, _ = load_policy_chunks(build, trainer.weights)
     save_hf_checkpoint(chunks, build, hf_config, export_dir, ps.get_tensor_model_parallel_group(),
                        ps.get_pipeline_model_parallel_group(),
                        ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0,
@@ -95,8 +91,8 @@ def test_moe_checkpoint_at_expert_tp1_under_tp2(model_root, tmp_path):
     assert roundtrip_mismatches(hf_dir, str(tmp_path), 2, 1, 2, 1) == []
     shards = sorted(d for d in os.listdir(tmp_path / "megatron" / "iter_0000000") if d.startswith("mp_rank"))
     assert shards == ["mp_rank_00_000", "mp_rank_01_001"]
-    assert convert_checkpoint.shard_directories(4, 2, 1) == [(0, 0), (1, 1), (2, 0), (3, 1)]
-    assert convert_checkpoint.shard_directories(2, 2, 2) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert ParallelLayout(tensor=4, expert=2, expert_tensor=1).shard_directories() == [(0, 0), (1, 1), (2, 0), (3, 1)]
+    assert ParallelLayout(tensor=2, expert=2, expert_tensor=2).shard_directories() == [(0, 0), (0, 1), (1, 0), (1, 1)]
     flags = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
              "--expert-tensor-parallel-size", "1"]
     spawn(4, _load_and_export_worker, str(tmp_path / "megatron"), str(tmp_path / "live"), flags)
@@ -187,7 +183,7 @@ def test_roundtrip_holds_for_random_shapes(case, tmp_path_factory):
 
 
 def test_converting_into_a_run_directory_is_refused(model_root, tmp_path):
-    from megatron_ais.arguments import ArgumentValidationError
+    from megatron_ais.errors import ArgumentValidationError
 
     hf_dir = make_model_dir(model_root, "qwen3", hidden_size=128, intermediate_size=256)
     save = str(tmp_path / "run")

@@ -47,26 +47,18 @@ def _parity_worker(cases, export_root=None):
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
 
-    from megatron_ais.arguments import build_parser, validate_args
-    from megatron_ais.initialize import ParallelSizes, initialize_distributed, initialize_model_parallel, set_random_seed
+    from distributed import start_trainer
     from megatron_ais.mapping import layouts
     from megatron_ais.mapping.distributed import load_hf_weights, save_hf_checkpoint
-    from megatron_ais.model import ModelBuildConfig, build_model_chunks
-    from megatron_ais.platform import apply_cpu_compat
+    from megatron_ais.model import build_model_chunks
 
-    apply_cpu_compat()
-    initialize_distributed()
     results = []
     correct_shard = layouts.GatedFC1.shard
     for hf_dir, tp, pp, *broken in cases:
         layouts.GatedFC1.shard = _naive_fc1_shard if broken else correct_shard
-        args = build_parser("test").parse_args(
-            ["--hf-dir", hf_dir, "--fp32", "--tensor-model-parallel-size", str(tp),
-             "--pipeline-model-parallel-size", str(pp), "--seq-length", "16", "--transformer-impl", "local"])
-        hf_config = validate_args(args, dist.get_world_size())
-        initialize_model_parallel(ParallelSizes.from_args(args))
-        set_random_seed(args.seed)
-        build = ModelBuildConfig.from_args(args, hf_config)
+        _, hf_config, build = start_trainer("--hf-dir", hf_dir, "--fp32", "--tensor-model-parallel-size", tp,
+                                            "--pipeline-model-parallel-size", pp, "--seq-length", 16,
+                                            "--transformer-impl", "local")
         chunks = build_model_chunks(build)
         load_hf_weights(chunks, hf_dir, build, ps.get_tensor_model_parallel_rank())
         tokens = torch.randint(0, build.shape.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))

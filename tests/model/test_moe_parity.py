@@ -10,25 +10,16 @@ from test_hf_parity import TOLERANCE, _pipeline_logits
 
 
 def _moe_worker(hf_dir, tp, ep, local_numbering=False):
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
 
-    from megatron_ais.arguments import build_parser, validate_args
-    from megatron_ais.initialize import ParallelSizes, initialize_distributed, initialize_model_parallel, set_random_seed
+    from distributed import start_trainer
     from megatron_ais.mapping.distributed import load_hf_weights
-    from megatron_ais.model import ModelBuildConfig, build_model_chunks, unwrap_model
-    from megatron_ais.platform import apply_cpu_compat
+    from megatron_ais.model import build_model_chunks, unwrap_model
 
-    apply_cpu_compat()
-    initialize_distributed()
-    args = build_parser("test").parse_args(
-        ["--hf-dir", hf_dir, "--fp32", "--tensor-model-parallel-size", str(tp), "--expert-model-parallel-size",
-         str(ep), "--seq-length", "16", "--transformer-impl", "local"] + (["--sequence-parallel"] if tp > 1 else []))
-    hf_config = validate_args(args, dist.get_world_size())
-    initialize_model_parallel(ParallelSizes.from_args(args))
-    set_random_seed(args.seed)
-    build = ModelBuildConfig.from_args(args, hf_config)
+    _, _, build = start_trainer("--hf-dir", hf_dir, "--fp32", "--tensor-model-parallel-size", tp,
+                                "--expert-model-parallel-size", ep, "--seq-length", 16, "--transformer-impl", "local",
+                                *(["--sequence-parallel"] if tp > 1 else []))
     chunks = build_model_chunks(build)
     layers = unwrap_model(chunks[0]).decoder.layers
     experts = [list(layer.mlp.local_expert_indices) for layer in layers]

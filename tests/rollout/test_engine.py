@@ -12,34 +12,33 @@ PROMPTS = [[5, 17, 42, 99], [7, 8, 9], [120, 3, 44, 250, 61]]
 
 def _worker(hf_dir, work):
 
-    from megatron_ais.arguments import build_parser, validate_args
+    from distributed import start_trainer
     from megatron_ais.bridge.quantization import QuantizationPolicy
-    from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, sync_weights_to_engine
-    from megatron_ais.bridge.transport import SyncReceiver
+    from megatron_ais.bridge.config import BridgeConfig
+    from megatron_ais.bridge.layout import BridgeLayout
+    from megatron_ais.bridge.sync import WeightBridge
+    from megatron_ais.bridge.receiver import SyncReceiver
     from megatron_ais.grpo.step import ParallelGroups, split_micro_batches, compute_logprobs
-    from megatron_ais.initialize import initialize_megatron
-    from megatron_ais.model import ModelBuildConfig
-    from megatron_ais.training import build_loaded_chunks
+    from megatron_ais.training import load_policy_chunks
     from megatron_ais.rollout.batch import rollouts_to_batch
     from megatron_ais.rollout.engine import EngineConfig, RolloutEngine, SamplingConfig
 
-    engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision="fp32", kv_cache_gb=0.25), work)
+    engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision="fp32", kv_cache_gb=0.25,
+                                        placement="colocated"), work)
     greedy = [r.token_ids for r in engine.generate(PROMPTS, SamplingConfig(temperature=0.0, max_new_tokens=12))]
-    args = build_parser("test").parse_args(["--hf-dir", hf_dir, "--fp32", "--seq-length", "40"])
-    hf_config = validate_args(args, 1)
-    initialize_megatron(args)
-    build = ModelBuildConfig.from_args(args, hf_config)
-    chunks, _, _ = build_loaded_chunks(args, build)
+    trainer, hf_config, build = start_trainer("--hf-dir", hf_dir, "--fp32", "--seq-length", "40")
+    chunks, _, _ = load_policy_chunks(build, trainer.weights)
     layout, groups = BridgeLayout.from_parallel_state(), ParallelGroups.from_parallel_state()
     receiver = SyncReceiver(apply=engine.update_weights)
     config = BridgeConfig(bucket_size_mb=1.0, policy=QuantizationPolicy(precision="fp32"))
     generator = torch.Generator().manual_seed(0)
     diffs = []
+    bridge = WeightBridge(chunks, build, config, layout, receiver)
     for update in range(1, 4):
         with torch.no_grad():
             for param in chunks[0].parameters():
                 param.add_(0.05 * torch.randn(param.shape, generator=generator))
-        sync_weights_to_engine(chunks, build, config, layout, update, receiver)
+        bridge.sync(update)
         for temperature in (1.0, 0.7):
             rollouts = engine.generate(PROMPTS, SamplingConfig(n=2, temperature=temperature, max_new_tokens=16,
                                                                seed=update))
@@ -49,6 +48,7 @@ def _worker(hf_dir, work):
                                        temperature)
             diff = ((trainer - batch.rollout_logprobs).abs() * batch.mask).max().item()
             diffs.append((update, temperature, diff, int(batch.mask.sum()), engine.version))
+    bridge.close()
     return greedy, diffs
 
 

@@ -49,19 +49,14 @@ def rescaled_model(root) -> str:
 
 
 def _calibrate(hf_dir, tp, sequences, micro_batch_size):
-    from megatron_ais.arguments import build_parser, validate_args
+    from distributed import start_trainer
     from megatron_ais.grpo.step import ParallelGroups
-    from megatron_ais.initialize import initialize_megatron
-    from megatron_ais.model import ModelBuildConfig
     from megatron_ais.rollout.kv_scales import attention_amax, calibrate_kv_cache_scales
-    from megatron_ais.training import build_loaded_chunks
+    from megatron_ais.training import load_policy_chunks
 
-    args = build_parser("test").parse_args(["--hf-dir", hf_dir, "--fp32", "--seq-length", "16",
-                                            "--tensor-model-parallel-size", str(tp)])
-    hf_config = validate_args(args, tp)
-    initialize_megatron(args)
-    build = ModelBuildConfig.from_args(args, hf_config)
-    chunks, _, _ = build_loaded_chunks(args, build)
+    trainer, hf_config, build = start_trainer("--hf-dir", hf_dir, "--fp32", "--seq-length", 16,
+                                              "--tensor-model-parallel-size", tp)
+    chunks, _, _ = load_policy_chunks(build, trainer.weights)
     groups = ParallelGroups.from_parallel_state()
     shape = (16, micro_batch_size, groups, build.shape.vocab_size, build.shape.num_layers)
     scales = calibrate_kv_cache_scales(chunks, sequences, *shape, margin=1.0)
@@ -106,7 +101,7 @@ def _engine_worker(hf_dir, original_dir, work):
 
     probe = SEQUENCES[2] + SEQUENCES[0]
     engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision="fp32", kv_cache_dtype="fp8",
-                                        kv_cache_gb=0.25), work)
+                                        kv_cache_gb=0.25, placement="colocated"), work)
     out = {"default_scales": engine.get_kv_cache_scales(), "default": engine.prompt_logprobs(probe)}
     scales, amax = _calibrate(hf_dir, 1, SEQUENCES, 1)
     margin = KVCacheScales.from_amax(amax, 2.0)
@@ -118,7 +113,7 @@ def _engine_worker(hf_dir, original_dir, work):
     engine.shutdown()
     # what an FP8 KV cache costs where scale 1.0 fits the activations: the same function before rescaling
     engine = RolloutEngine(EngineConfig(model_dir=original_dir, precision="fp32", kv_cache_dtype="fp8",
-                                        kv_cache_gb=0.25), work + "/original")
+                                        kv_cache_gb=0.25, placement="colocated"), work + "/original")
     out["original"] = engine.prompt_logprobs(probe)
     engine.shutdown()
     return {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in out.items()}, probe

@@ -13,27 +13,24 @@ PROMPTS = [[5, 17, 42, 99], [7, 8, 9], [120, 3, 44, 250, 61]]
 
 
 def _moe_engine_worker(hf_dir, work, precision):
-
-    from megatron_ais.arguments import build_parser, validate_args
+    from distributed import start_trainer
     from megatron_ais.bridge.quantization import QuantizationPolicy
-    from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, WeightBridge
-    from megatron_ais.bridge.transport import SyncReceiver
+    from megatron_ais.bridge.config import BridgeConfig
+    from megatron_ais.bridge.layout import BridgeLayout
+    from megatron_ais.bridge.sync import WeightBridge
+    from megatron_ais.bridge.receiver import SyncReceiver
     from megatron_ais.grpo.step import ParallelGroups, compute_logprobs, split_micro_batches
-    from megatron_ais.initialize import initialize_megatron
-    from megatron_ais.model import ModelBuildConfig
     from megatron_ais.rollout.batch import rollouts_to_batch
     from megatron_ais.rollout.engine import EngineConfig, RolloutEngine, SamplingConfig
     from megatron_ais.rollout.verify import probe_tokens, routing_mismatch, trainer_routing
-    from megatron_ais.training import build_loaded_chunks
+    from megatron_ais.training import load_policy_chunks
 
-    engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision=precision, kv_cache_gb=0.25), work)
+    engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision=precision, kv_cache_gb=0.25,
+                                        placement="colocated"), work)
     experts = engine.model.model.layers[0].mlp.experts
     weights = {n: p.dtype for n, p in experts.named_parameters()}
-    args = build_parser("test").parse_args(["--hf-dir", hf_dir, "--fp32", "--seq-length", "40"])
-    hf_config = validate_args(args, 1)
-    initialize_megatron(args)
-    build = ModelBuildConfig.from_args(args, hf_config)
-    chunks, _, _ = build_loaded_chunks(args, build)
+    trainer, hf_config, build = start_trainer("--hf-dir", hf_dir, "--fp32", "--seq-length", "40")
+    chunks, _, _ = load_policy_chunks(build, trainer.weights)
     layout, groups = BridgeLayout.from_parallel_state(), ParallelGroups.from_parallel_state()
     receiver = SyncReceiver(apply=engine.update_weights)
     bridge = WeightBridge(chunks, build, BridgeConfig(bucket_size_mb=0.5, policy=QuantizationPolicy(precision)),

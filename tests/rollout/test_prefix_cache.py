@@ -15,7 +15,8 @@ def _worker(old_dir, new_dir, work, disable_reset):
     from megatron_ais.mapping.hf_io import HFCheckpointReader
     from megatron_ais.rollout.engine import EngineConfig, RolloutEngine, SamplingConfig
 
-    engine = RolloutEngine(EngineConfig(model_dir=old_dir, precision="fp32", kv_cache_gb=0.25), work)
+    engine = RolloutEngine(EngineConfig(model_dir=old_dir, precision="fp32", kv_cache_gb=0.25,
+                                        placement="colocated"), work)
     if disable_reset:
         engine.llm.reset_prefix_cache = lambda *a, **k: True
     engine.generate([PROMPT], SamplingConfig(temperature=0.0, max_new_tokens=2))  # caches the prompt's blocks

@@ -1,6 +1,6 @@
 """A failed refit check names the first decoder layer whose output leaves the trainer's: a clean engine passes;
 an engine given a corrupted layer-1 MLP (behind the bridge's back) fails, and the error names model.layers.1
-while layer 0 still agrees (fp32 engine and trainer, colocated, through the recipe's collective check)."""
+while layer 0 still agrees (fp32 engine and trainer, colocated, through the loop's collective check)."""
 import pytest
 
 from conftest import make_model_dir
@@ -8,23 +8,19 @@ from distributed import spawn
 
 
 def _worker(hf_dir, work):
-    from megatron_ais.arguments import build_parser, validate_args
+    from distributed import start_trainer
     from megatron_ais.bridge.quantization import QuantizationPolicy, quantize_for_engine
     from megatron_ais.grpo.step import ParallelGroups
-    from megatron_ais.initialize import initialize_megatron
     from megatron_ais.mapping.hf_io import HFCheckpointReader
-    from megatron_ais.model import ModelBuildConfig
-    from megatron_ais.recipe import verify_refit_on_all_ranks
+    from megatron_ais.errors import RefitVerificationError
     from megatron_ais.rollout.engine import EngineConfig, RolloutEngine
-    from megatron_ais.rollout.verify import RefitVerificationError, probe_tokens
-    from megatron_ais.training import build_loaded_chunks
+    from megatron_ais.rollout.verify import probe_tokens, verify_refit_on_all_ranks
+    from megatron_ais.training import load_policy_chunks
 
-    engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision="fp32", kv_cache_gb=0.25), work)
-    args = build_parser("test").parse_args(["--hf-dir", hf_dir, "--fp32", "--seq-length", "64"])
-    hf_config = validate_args(args, 1)
-    initialize_megatron(args)
-    build = ModelBuildConfig.from_args(args, hf_config)
-    chunks, _, _ = build_loaded_chunks(args, build)
+    engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision="fp32", kv_cache_gb=0.25,
+                                        placement="colocated"), work)
+    trainer, hf_config, build = start_trainer("--hf-dir", hf_dir, "--fp32", "--seq-length", "64")
+    chunks, _, _ = load_policy_chunks(build, trainer.weights)
     groups = ParallelGroups.from_parallel_state()
     probe = probe_tokens(build.shape.vocab_size)
     verify_refit_on_all_ranks(engine, chunks, probe, groups, build.shape.vocab_size, "fp32", 0)  # clean: passes

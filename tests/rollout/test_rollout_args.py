@@ -7,36 +7,35 @@ import torch
 from safetensors import safe_open
 
 from conftest import make_model_dir
-from megatron_ais.arguments import build_parser
-from megatron_ais.bridge.sync import BridgeConfig, add_bridge_args
+from megatron_ais.arguments import GRPORunConfig
+from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.rollout.batch import rollouts_to_batch
-from megatron_ais.bridge.broadcast import feed_backend, feed_device
-from megatron_ais.rollout.engine import ENGINE_OVERHEAD_BYTES, EngineConfig, Rollout, add_rollout_args, \
-    engine_config_from_args, engine_memory_fraction, prepare_engine_dir
+from megatron_ais.rollout.engine import ENGINE_OVERHEAD_BYTES, EngineConfig, Rollout, engine_memory_fraction, \
+    prepare_engine_dir
+from megatron_ais.rollout.feeds.broadcast import feed_backend, feed_device
+from pretrain_grpo_ais import build_grpo_parser
 
 
-def _args(*argv):
-    return build_parser("t", (add_rollout_args, add_bridge_args, lambda p: p.add_argument("--seed", type=int,
-                                                                                          default=3))).parse_args(argv)
+def _config(*argv):
+    return GRPORunConfig.from_args(build_grpo_parser().parse_args(["--hf-dir", "/m", "--seed", "3", *argv]), 1)
 
 
 def test_flags_to_configs():
-    args = _args("--rollout-precision", "bf16", "--bridge-bucket-size-mb", "8", "--bridge-fp8-exclude", "layers\\.0\\.")
-    engine = engine_config_from_args(args, "/m")
+    config = _config("--rollout-precision", "bf16", "--bridge-bucket-size-mb", "8", "--bridge-fp8-exclude",
+                     "layers\\.0\\.")
+    engine, bridge = config.engine, config.bridge
     assert (engine.precision, engine.kv_cache_gb, engine.seed) == ("bf16", 1.0, 3)
-    bridge = BridgeConfig.from_args(args)
     assert bridge.bucket_bytes == 8 << 20 and bridge.policy.precision == "bf16"
     assert bridge.policy.exclude == ("layers\\.0\\.",)
-    assert bridge.arena_on_gpu == torch.cuda.is_available() and not BridgeConfig.from_args(
-        _args("--bridge-arena", "host")).arena_on_gpu
+    assert bridge.arena_on_gpu == torch.cuda.is_available() == engine.gpu_staging_arena
+    assert not _config("--bridge-arena", "host").bridge.arena_on_gpu
     assert engine.enforce_eager and engine.gpu_memory_utilization is None
     with pytest.raises(ValueError, match="--rollout-precision 'int4'"):
         EngineConfig(model_dir="/m", precision="int4")
-    engine = engine_config_from_args(_args("--no-rollout-enforce-eager", "--rollout-gpu-memory-utilization", "0.4"),
-                                     "/m")
+    engine = _config("--no-rollout-enforce-eager", "--rollout-gpu-memory-utilization", "0.4").engine
     assert not engine.enforce_eager and engine.gpu_memory_utilization == 0.4
-    with pytest.raises(ValueError, match="--rollout-gpu-memory-utilization 1.5 must be in"):
-        engine_config_from_args(_args("--rollout-gpu-memory-utilization", "1.5"), "/m")
+    with pytest.raises(ArgumentValidationError, match="--rollout-gpu-memory-utilization 1.5 must be in"):
+        _config("--rollout-gpu-memory-utilization", "1.5")
 
 
 def test_engine_memory_fraction_is_the_engines_own_budget():
@@ -68,16 +67,9 @@ def test_feed_backend_avoids_shared_gpus(root, members, expected):
     pytest.param(["--bridge-arena", "gpu"], "--bridge-arena gpu needs CUDA",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only")),
 ])
-def test_rollout_flags_are_validated(model_root, argv, expected):
-    from megatron_ais.arguments import ArgumentValidationError, validate_args
-    from megatron_ais.recipe import validate_grpo_args
-    from pretrain_grpo_ais import build_grpo_parser
-
-    hf_dir = make_model_dir(model_root, "qwen3", hidden_size=128, intermediate_size=256)
-    args = build_grpo_parser().parse_args(["--hf-dir", hf_dir, *argv])
+def test_rollout_flags_are_validated(argv, expected):
     with pytest.raises(ArgumentValidationError, match=expected):
-        validate_args(args, 1)
-        validate_grpo_args(args, 1)
+        _config(*argv)
 
 
 def test_engine_dir_layout(model_root, tmp_path):

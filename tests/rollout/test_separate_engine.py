@@ -1,11 +1,12 @@
 """A separate-process vLLM engine: bridge sync with the workers mapping the shared staging arena, generation with
-log-probs equal to the trainer's, a killed engine detected, restarted and re-synced over the broadcast feed group
-(every worker verifies what it receives; a corrupted feed is refused and the weights stay), and no orphan
-processes after shutdown."""
+log-probs equal to the trainer's, a killed engine detected and restarted with the weights it had (re-fed over the
+broadcast feed group it is restarted with), then re-synced over that group (every worker verifies what it
+receives; a corrupted feed is refused and the weights stay), and no orphan processes after shutdown."""
 import dataclasses
 import time
 
 import pytest
+import torch
 
 from conftest import make_model_dir
 from distributed import spawn
@@ -28,32 +29,29 @@ def _max_diff(engine, chunks, build, groups):
 def _worker(old_dir, new_dir, work):
     import psutil
 
-    from megatron_ais.arguments import build_parser, validate_args
+    from distributed import start_trainer
     from megatron_ais.bridge.quantization import QuantizationPolicy
-    from megatron_ais.bridge.sync import BridgeConfig, BridgeLayout, WeightBridge
-    from megatron_ais.bridge.transport import SyncReceiver
+    from megatron_ais.bridge.config import BridgeConfig
+    from megatron_ais.bridge.layout import BridgeLayout
+    from megatron_ais.bridge.sync import WeightBridge
+    from megatron_ais.bridge.receiver import SyncReceiver
     from megatron_ais.grpo.step import ParallelGroups
-    from megatron_ais.initialize import initialize_megatron
-    from megatron_ais.model import ModelBuildConfig
-    from megatron_ais.training import build_loaded_chunks
+    from megatron_ais.training import load_policy_chunks
     from megatron_ais.rollout.engine import EngineConfig, RolloutEngine
 
-    args = build_parser("test").parse_args(["--hf-dir", new_dir, "--fp32", "--seq-length", "32"])
-    hf_config = validate_args(args, 1)
-    initialize_megatron(args)  # the trainer owns torch.distributed; the engine lives in its own processes
-    build = ModelBuildConfig.from_args(args, hf_config)
-    chunks, _, _ = build_loaded_chunks(args, build)
+    trainer, hf_config, build = start_trainer("--hf-dir", new_dir, "--fp32", "--seq-length", "32")
+    chunks, _, _ = load_policy_chunks(build, trainer.weights)
     layout, groups = BridgeLayout.from_parallel_state(), ParallelGroups.from_parallel_state()
-    engine = RolloutEngine(EngineConfig(model_dir=old_dir, precision="fp32", kv_cache_gb=0.25), work,
-                           placement="separate")
+    engine = RolloutEngine(EngineConfig(model_dir=old_dir, precision="fp32", kv_cache_gb=0.25, placement="separate"),
+                           work)
     config = BridgeConfig(bucket_size_mb=1.0, policy=QuantizationPolicy(precision="fp32"))
     fed = []
 
-    def apply_shared(path, entries):
-        fed.append((path, entries))
-        return engine.update_weights(None, shared=(path, entries))
+    def apply(weights):
+        fed.append(weights)
+        return engine.update_weights(weights)
 
-    receiver = SyncReceiver(apply=engine.update_weights, apply_shared=apply_shared)
+    receiver = SyncReceiver(apply=apply)
     bridge = WeightBridge(chunks, build, config, layout, receiver)
 
     def sync(sync_id):
@@ -80,18 +78,20 @@ def _worker(old_dir, new_dir, work):
         child.kill()
     time.sleep(1)
     alive_after_kill = engine.health_check()
+    engine.config = dataclasses.replace(engine.config, weight_feed="broadcast")
     engine.restart()
     alive_after_restart = engine.health_check()
     after_restart = _max_diff(engine, chunks, build, groups)
-    engine.config = dataclasses.replace(engine.config, weight_feed="broadcast")
+    with torch.no_grad():  # new weights, so that the re-sync has something to change
+        for param in chunks[0].parameters():
+            param.mul_(1.05)
     sync(2)
     after_resync = _max_diff(engine, chunks, build, groups)
     # a feed whose bytes do not match their entry is refused by the worker, before anything is applied
-    path, entries = fed[-1]
-    corrupted = [dataclasses.replace(e, checksum=e.checksum ^ 1) if e.name.endswith("mlp.up_proj.weight") else e
-                 for e in entries]
+    corrupted = tuple(dataclasses.replace(e, checksum=e.checksum ^ 1) if e.name.endswith("mlp.up_proj.weight") else e
+                      for e in fed[-1].entries)
     try:
-        engine.update_weights(None, shared=(path, corrupted))
+        engine.update_weights(dataclasses.replace(fed[-1], entries=corrupted))
         refused = None
     except Exception as err:  # the worker's error comes back through collective_rpc
         refused = str(err)
@@ -115,7 +115,7 @@ def test_separate_engine_sync_kill_restart_resync(model_root, tmp_path):
         1, _worker, old_dir, new_dir, str(tmp_path))
     assert before > 0.1 and after <= 1e-4
     assert not alive_killed and alive_restarted
-    assert restarted > 0.1, "a restarted engine starts from its initial weights"
+    assert restarted <= 1e-4, "a restarted engine comes back with the weights it had (re-fed by its new feed)"
     assert resynced <= 1e-4, "the re-sync over the broadcast feed group must apply the trainer's weights"
     assert refused is not None and "up_proj.weight: checksum" in refused
     assert after_refused <= 1e-4

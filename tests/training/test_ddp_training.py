@@ -2,7 +2,6 @@
 the same global batch, the loss decreases, and both replicas end bit-identical; the same losses through the
 interleaved pipeline schedule (PP4 x 2 virtual stages) as in one process."""
 import hashlib
-import os
 
 import pytest
 import torch
@@ -26,18 +25,15 @@ def _global_batch(hf_dir, step):
 def _train_worker(hf_dir, precision, distributed_optimizer, extra=()):
     from megatron.core import parallel_state as ps
 
-    from megatron_ais.arguments import build_parser, validate_args
-    from megatron_ais.initialize import initialize_megatron
+    from distributed import start_trainer
     from megatron_ais.sft import micro_batches
     from megatron_ais.training import lm_forward_step, reduce_lm_loss, setup_model_and_optimizer, train_step
 
     argv = ["--hf-dir", hf_dir, f"--{precision}", "--seq-length", str(SEQ), "--lr", "3e-3",
             "--micro-batch-size", str(MICRO_BATCH)]
     argv += ["--use-distributed-optimizer"] if distributed_optimizer else []
-    args = build_parser("test").parse_args(argv + list(extra))
-    hf_config = validate_args(args, int(os.environ["WORLD_SIZE"]))
-    initialize_megatron(args)
-    setup = setup_model_and_optimizer(args, hf_config)
+    trainer, _, build = start_trainer(*argv, *extra)
+    setup = setup_model_and_optimizer(build, trainer.weights, trainer.training)
     chunks, ddp, optimizer = setup.chunks, setup.ddp_chunks, setup.optimizer
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     per_rank = GLOBAL_BATCH // dp_size

@@ -11,13 +11,11 @@ from distributed import spawn
 
 
 def _sft_worker(argv):
-    from megatron_ais.arguments import ALL_GROUPS, build_parser
-    from megatron_ais.data.tasks import add_task_args
+    from megatron_ais.arguments import SFT_FLAGS, SFTRunConfig, build_parser
     from megatron_ais.initialize import destroy_megatron
-    from megatron_ais.sft import add_sft_args, run_sft
+    from megatron_ais.sft import run_sft
 
-    args = build_parser("test", ALL_GROUPS + (add_task_args, add_sft_args)).parse_args(argv)
-    summary = run_sft(args)
+    summary = run_sft(SFTRunConfig.from_args(build_parser("test", SFT_FLAGS).parse_args(argv), 2))
     destroy_megatron()
     return summary["losses"]
 

@@ -1,20 +1,13 @@
-"""How a stage's buckets reach the engine's staging arena, and the receiver that verifies and commits them.
-
-The receiver (on the engine's rank) owns a staging arena in shared memory that holds one complete set of engine
-tensors. Trainer ranks deliver each bucket by one of two transports, chosen per pipeline stage:
-
-    shm          the stage's ranks run on the engine's node: they write their pieces straight into the arena
-                 and the stage's sender only sends the bucket's manifest (in process when it is the engine's
-                 own rank, point-to-point otherwise)
-    distributed  the stage's ranks assemble each bucket in a local shared buffer and its sender ships the bytes
-                 with torch.distributed point-to-point (gloo on CPU, NCCL on GPU) into the arena
+"""The receiver on the engine's rank: it owns the staging arena that holds one complete set of engine tensors, takes
+each stage's buckets as its transport delivers them (`bridge.transports`), verifies them and commits a sync.
 
 The receiver verifies every tensor of every bucket against its manifest (name, dtype, shape, place, bytes,
 checksum) and the layout it expects (the layout at once, the bytes' checksums on a thread of its own, so that
 reading bucket k overlaps the writing of bucket k + 1: every bucket has its own place in the arena), and applies
 the arena's tensors to the engine in one call only when every stage has delivered everything intact; a refused sync
-leaves the engine's weights untouched (the arena is a staging copy, not the engine's weights). A separate-process
-engine maps the arena itself (`apply_shared`). On CUDA nodes the arena is GPU memory shared by CUDA IPC instead of
+leaves the engine's weights untouched (the arena is a staging copy, not the engine's weights). The engine gets the
+arena itself (`arena.ArenaWeights`: a separate engine maps it, a colocated one takes views). On CUDA nodes the arena
+is GPU memory shared by CUDA IPC instead of
 /dev/shm unless `--bridge-arena host` keeps it in host memory (`arena.staging_buffer`).
 """
 from __future__ import annotations
@@ -24,31 +17,23 @@ import dataclasses
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
-from megatron_ais.bridge.arena import CudaBuffer, SharedBuffer, remove_stale_shared_files, staging_buffer
+from megatron_ais.bridge.arena import ArenaWeights, CudaBuffer, SharedBuffer, remove_stale_shared_files, staging_buffer
 from megatron_ais.bridge.buckets import ManifestEntry, verify_tensors
 from megatron_ais.bridge.plan import EngineTensor
-
-TRANSPORTS = ("auto", "shm", "distributed")
-
-
-class SyncError(RuntimeError):
-    """A sync was refused; the engine keeps its previous weights."""
+from megatron_ais.errors import SyncError
 
 
 @dataclasses.dataclass
 class SyncReceiver:
     """Verifies delivered buckets in the staging arena and applies a complete sync atomically.
 
-    `apply(named_tensors)` installs one complete set of weights (e.g. RolloutEngine.update_weights); when
-    `apply_shared(ref, entries)` is given it is called instead with the arena's ref (file path, or CUDA IPC handle)
-    and the verified entries (absolute offsets, checksums), for an engine in other processes that maps the arena or
-    is sent it.
+    `apply(weights)` installs one complete set of weights (e.g. RolloutEngine.update_weights); it is given the
+    arena (`arena.ArenaWeights`: its ref, a file path or CUDA IPC handle, and the verified entries at absolute
+    offsets), which a separate engine maps and a colocated one takes views of (`feeds.named_tensors`).
     """
 
-    apply: Callable[[list[tuple[str, torch.Tensor]]], object]
-    apply_shared: Callable[[object, list[ManifestEntry]], object] | None = None
+    apply: Callable[[object], object]
     arena: SharedBuffer | CudaBuffer | None = None
     stage_offsets: tuple[int, ...] = ()
     expected: tuple[tuple[EngineTensor, ...], ...] = ()
@@ -149,12 +134,10 @@ class SyncReceiver:
         self.sync_id = None
         if self.error is not None:
             raise SyncError(self.error)
-        if self.apply_shared is not None:
-            entries = [ManifestEntry(t.name, t.dtype, t.shape, self.stage_offsets[s] + t.offset, t.nbytes,
-                                     self.received[s][t.name]) for s, tensors in enumerate(self.expected) for t in tensors]
-            self.apply_shared(self.arena.ref, entries)
-        else:
-            self.apply([(t.name, self._tensor(s, t)) for s, tensors in enumerate(self.expected) for t in tensors])
+        self.apply(ArenaWeights(self.arena.ref, tuple(
+            ManifestEntry(t.name, t.dtype, t.shape, self.stage_offsets[s] + t.offset, t.nbytes,
+                          self.received[s][t.name])
+            for s, tensors in enumerate(self.expected) for t in tensors)))
 
     def close(self) -> None:
         if self.verifier is not None:
@@ -173,42 +156,3 @@ def _verify_tensors(checks: list[tuple[ManifestEntry, torch.Tensor]]) -> str | N
     except ValueError as err:
         return str(err)
     return None
-
-
-def send_manifest(dst: int, sync_id: int, manifest: list[ManifestEntry], window: torch.Tensor | None) -> None:
-    """Point-to-point delivery of one bucket's manifest, followed by its bytes when `window` is given."""
-    span = None if window is None else (manifest[0].offset if manifest else 0, window.numel())
-    dist.send_object_list([("bucket", sync_id, manifest, span)], dst=dst)
-    if window is not None:
-        dist.send(window, dst=dst)
-        if window.is_cuda:
-            # NCCL's wait only orders this GPU's stream: the stage's other writers refill the buffer with the next
-            # bucket as soon as they pass the next barrier, so the bytes must be gone before this returns
-            torch.cuda.current_stream(window.device).synchronize()
-
-
-def send_end(dst: int, sync_id: int, error: str | None) -> None:
-    """Tell the receiver that this stage is done (or failed with `error`)."""
-    dist.send_object_list([("end", sync_id, error, None)], dst=dst)
-
-
-def receive_stage(src: int, stage: int, receiver: SyncReceiver, stage_bytes: int) -> None:
-    """On the engine's rank: take one stage sender's messages until it ends; shipped bytes go straight into the
-    stage's part of the arena (or, when their place is out of the stage's bounds, nowhere, and the sync fails)."""
-    while True:
-        message = [None]
-        dist.recv_object_list(message, src=src)
-        kind, sync_id, payload, span = message[0]
-        if kind == "end":
-            if payload is not None:
-                receiver.abort(f"sync {sync_id} refused, engine keeps its weights: {payload}")
-            return
-        if span is not None:
-            start, nbytes = span
-            if 0 <= start and start + nbytes <= stage_bytes:
-                dist.recv(receiver.window(stage, start, start + nbytes), src=src)
-            else:
-                dist.recv(torch.empty(nbytes, dtype=torch.uint8, device=receiver.arena.data.device), src=src)
-                receiver.abort(f"sync {sync_id} refused: stage {stage} sent bytes [{start}, {start + nbytes}) "
-                               f"outside its {stage_bytes} bytes")
-        receiver.receive(sync_id, stage, payload)

@@ -1,0 +1,196 @@
+"""What one rank writes in a weight sync: its pieces of each bucket's HF tensors, copied or quantized to
+blockwise FP8 into place (the staging arena or its stage's bucket buffer), each checked for NaN/Inf and
+checksummed on the way. The host kernels give their figures at once; torch ops on a GPU keep theirs where they are
+computed until the bucket's end (`BucketSums`)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import torch
+
+from kernels import fp8_blockwise
+from kernels.cpu_bridge import (Position, checksum_sums, checksum_sums_device, copy_check_finite,
+                                copy_check_finite_deferred, fp8_quantize_into, read_back, supports_quantize,
+                                unsigned_sums)
+from kernels.fp8_blockwise import (all_finite, blockwise_fp8_quantize, blockwise_fp8_quantize_deferred,
+                                   blockwise_fp8_quantize_reference_deferred, refuse_non_finite)
+from megatron_ais.bridge.plan import Bucket, HFTarget, StagePlan
+from megatron_ais.bridge.quantization import SCALE_SUFFIX, QuantizationPolicy
+
+
+def _on_host(*tensors: torch.Tensor) -> bool:
+    """Whether a piece is written by the host kernels, its figures known at once; otherwise torch ops write it
+    where its source lives and its figures come back at the bucket's end (`BucketSums`)."""
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def _refuse_copy(name: str, bad: int) -> None:
+    raise ValueError(f"{name}: {bad} NaN/Inf values; refusing to send a corrupt weight to the engine")
+
+
+class BucketSums:
+    """The checksum sums of the tensors this rank writes in one bucket. The host kernels' figures are added as they
+    come; figures that torch ops compute on a GPU stay there until `resolve` reads them all back at once — one host
+    synchronisation per bucket instead of one per piece — and refuses the first corrupt piece by name."""
+
+    def __init__(self):
+        self.totals: dict[str, list[int]] = {}
+        self._deferred: list[tuple[torch.Tensor, tuple[str | None, ...], Callable[[int], None]]] = []
+
+    def add(self, name: str, piece: tuple[int, int]) -> None:
+        total = self.totals.setdefault(name, [0, 0])
+        total[0] = (total[0] + piece[0]) & 0xFFFFFFFFFFFFFFFF
+        total[1] = (total[1] + piece[1]) & 0xFFFFFFFFFFFFFFFF
+
+    def defer(self, figures: torch.Tensor, names: tuple[str | None, ...], refuse: Callable[[int], None]) -> None:
+        """`figures`: int64 [1 + 2 len(names)] where they were computed — the piece's corrupt count, then the
+        (A, B) sums of each named tensor (None: not counted); `refuse(count)` raises for a corrupt piece."""
+        self._deferred.append((figures, names, refuse))
+
+    def resolve(self) -> dict[str, list[int]]:
+        """Read the deferred figures back, refuse the first corrupt piece, and return every tensor's sums."""
+        deferred, self._deferred = self._deferred, []
+        for (_, names, refuse), values in zip(deferred, read_back([f for f, _, _ in deferred])):
+            if values[0]:
+                refuse(values[0])
+            for k, name in enumerate(names):
+                if name is not None:
+                    self.add(name, unsigned_sums(values[1 + 2 * k], values[2 + 2 * k]))
+        return self.totals
+
+
+def _copy_checked(src: torch.Tensor, dst: torch.Tensor, position: Position, name: str, sums: BucketSums,
+                  counted: bool = True) -> None:
+    """Copy a piece into place, adding its checksum sums to `sums` (when `counted`); refuse NaN/Inf naming the
+    tensor."""
+    if _on_host(src, dst):
+        if src.dtype == dst.dtype:
+            bad, piece = copy_check_finite(src, dst, position)
+        else:
+            dst.copy_(src)
+            bad = 0 if all_finite(dst) else int((~torch.isfinite(dst)).sum())
+            piece = checksum_sums(dst, position)
+        if bad:
+            _refuse_copy(name, bad)
+        if counted:
+            sums.add(name, piece)
+        return
+    src = src.to(dst.dtype)  # converted where it lives, so that the checks run there too
+    sums.defer(copy_check_finite_deferred(src, dst, position), (name if counted else None,),
+               functools.partial(_refuse_copy, name))
+
+
+def quantize_into(src: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, q_position: Position,
+                   s_position: Position, policy: QuantizationPolicy, name: str, scale_name: str,
+                   sums: BucketSums) -> None:
+    """Quantize a piece into place, adding the checksum sums of its codes and of its scales to `sums`."""
+    if _on_host(src, q_out, s_out):
+        if supports_quantize(src):
+            sums.add(name, fp8_quantize_into(src, q_out, s_out, policy.block_size, policy.pow2_scale, name,
+                                             q_position))
+            sums.add(scale_name, checksum_sums(s_out, s_position))
+            return
+        q, s = blockwise_fp8_quantize(src, policy.block_size, policy.pow2_scale, name=name)
+        sums.add(name, checksum_sums(q, q_position))
+        sums.add(scale_name, checksum_sums(s, s_position))
+        q_out.copy_(q)
+        s_out.copy_(s)
+        return
+    quantize = blockwise_fp8_quantize_deferred if src.is_cuda and fp8_blockwise.triton is not None \
+        else blockwise_fp8_quantize_reference_deferred
+    q, s, corrupt = quantize(src, policy.block_size, policy.pow2_scale, name)
+    # checksummed where the quantizer ran, as for copies
+    sums.defer(torch.cat([corrupt, checksum_sums_device(q, q_position), checksum_sums_device(s, s_position)]),
+               (name, scale_name), lambda _: refuse_non_finite(src, name))
+    q_out.copy_(q)
+    s_out.copy_(s)
+
+
+def wait_for_device_writes(buffer) -> None:
+    """Block until this process's copies into a GPU buffer are done: other processes read it next (the engine's
+    verifier, the stage's sender) and CUDA orders nothing across processes."""
+    if buffer is not None and buffer.data.is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.synchronize(buffer.data.device)
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyPiece:
+    """A piece copied into place: `counted` when its checksum is the tensor's (not a scratch copy that the
+    stage's sender quantizes whole)."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    position: Position
+    name: str
+    counted: bool
+    nbytes: int
+
+    def write(self, sums: BucketSums, policy: QuantizationPolicy) -> int:
+        _copy_checked(self.src, self.dst, self.position, self.name, sums, self.counted)
+        return self.nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizePiece:
+    """A piece quantized into place: its FP8 codes `q` and their block scales `s`."""
+
+    src: torch.Tensor
+    q: torch.Tensor
+    s: torch.Tensor
+    q_position: Position
+    s_position: Position
+    name: str
+    scale_name: str
+    nbytes: int
+
+    def write(self, sums: BucketSums, policy: QuantizationPolicy) -> int:
+        quantize_into(self.src, self.q, self.s, self.q_position, self.s_position, policy, self.name,
+                       self.scale_name, sums)
+        return self.nbytes
+
+
+def bucket_pieces(plan: StagePlan, targets: list[HFTarget], bucket: Bucket, buffer, base: int, scratch_base: int,
+                  block_size: int) -> list[CopyPiece | QuantizePiece]:
+    """This rank's pieces of a bucket's `targets` as views of `buffer`, whose stage layout starts at byte `base` and
+    scratch region at `scratch_base`. An FP8 piece that cuts through blocks is copied into the scratch area (not
+    counted: the sender's quantization of the whole tensor is)."""
+    tensors, scratch, pieces = {t.name: t for t in plan.tensors}, dict(bucket.scratch), []
+    for target in targets:
+        main = tensors[target.name]
+        if not target.quantized or not target.blockwise_local:
+            if target.quantized:
+                dst = buffer.view(scratch_base + scratch[target.name], target.param.dtype, target.shape)
+            else:
+                dst = buffer.view(base + main.offset, main.torch_dtype, main.shape)
+            for p in target.pieces:
+                out = dst.narrow(p.dim, p.dst_start, p.length)
+                pieces.append(CopyPiece(target.param.narrow(p.dim, p.src_start, p.length), out,
+                                        Position.of_piece(target.shape, p.dim, p.dst_start), target.name,
+                                        not target.quantized, out.numel() * out.element_size()))
+            continue
+        scale = tensors[target.name + SCALE_SUFFIX]
+        q = buffer.view(base + main.offset, main.torch_dtype, main.shape)
+        s = buffer.view(base + scale.offset, scale.torch_dtype, scale.shape)
+        for p in target.pieces:
+            pieces.append(QuantizePiece(target.param.narrow(p.dim, p.src_start, p.length),
+                                        q.narrow(p.dim, p.dst_start, p.length),
+                                        s.narrow(p.dim, p.dst_start // block_size, -(-p.length // block_size)),
+                                        Position.of_piece(main.shape, p.dim, p.dst_start),
+                                        Position.of_piece(scale.shape, p.dim, p.dst_start // block_size), target.name,
+                                        scale.name, p.length * q.numel() // q.shape[p.dim]))
+    return pieces
+
+
+def quantize_scratch(plan: StagePlan, bucket: Bucket, buffer, base: int, scratch_base: int,
+                     policy: QuantizationPolicy, sums: BucketSums) -> None:
+    """The stage's sender: quantize the FP8 tensors of a bucket whose pieces were assembled in the scratch region."""
+    tensors, targets = {t.name: t for t in plan.tensors}, {t.name: t for t in plan.targets}
+    for name, offset in bucket.scratch:
+        full = buffer.view(scratch_base + offset, targets[name].param.dtype, targets[name].shape)
+        main, scale = tensors[name], tensors[name + SCALE_SUFFIX]
+        q = buffer.view(base + main.offset, main.torch_dtype, main.shape)
+        s = buffer.view(base + scale.offset, scale.torch_dtype, scale.shape)
+        quantize_into(full, q, s, Position.whole(q), Position.whole(s), policy, main.name, scale.name, sums)

@@ -1,0 +1,42 @@
+"""`distributed`: the stage's writers assemble each bucket in a buffer of their own (shared by the stage's ranks of
+one node) and the stage's sender ships its bytes point-to-point into the engine's arena."""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from megatron_ais.bridge.arena import open_staging_buffer, staging_buffer
+from megatron_ais.bridge.buckets import ManifestEntry
+from megatron_ais.bridge.plan import Bucket, StagePlan
+from megatron_ais.bridge.transports import StageTransport, send_manifest
+
+
+class PointToPointTransport(StageTransport):
+    """Collective over the stage's writers (`group`) at construction: the sender creates the bucket buffer (the
+    largest bucket and the scratch region), the others map it."""
+
+    name = "distributed"
+
+    def __init__(self, engine_rank: int, plan: StagePlan, group, sender: int, is_sender: bool, pp_rank: int,
+                 on_gpu: bool):
+        super().__init__(engine_rank)
+        self.group = group
+        self.max_bucket = max((b.nbytes for b in plan.buckets), default=0)
+        nbytes = self.max_bucket + plan.scratch_bytes
+        shared = [None]
+        if is_sender:
+            self.buffer = staging_buffer(f"bridge-stage{pp_rank}", nbytes, on_gpu)
+            shared = [self.buffer.ref]
+        if dist.get_world_size(group) > 1:
+            dist.broadcast_object_list(shared, src=sender, group=group)
+        if not is_sender:
+            self.buffer = open_staging_buffer(shared[0], nbytes)
+
+    def placement(self, bucket: Bucket) -> tuple[int, int]:
+        return -bucket.start, self.max_bucket
+
+    def before_bucket(self, index: int) -> None:
+        if index and dist.get_world_size(self.group) > 1:
+            dist.barrier(group=self.group)  # the sender has shipped the last bucket out of the shared buffer
+
+    def deliver(self, sync_id: int, bucket: Bucket, manifest: list[ManifestEntry]) -> None:
+        send_manifest(self.engine_rank, sync_id, manifest, self.buffer.data[: bucket.nbytes])

@@ -1,0 +1,29 @@
+"""`shm`: the stage's ranks run on the engine's node and write their pieces straight into the staging arena."""
+from __future__ import annotations
+
+from megatron_ais.bridge.arena import open_staging_buffer
+from megatron_ais.bridge.buckets import ManifestEntry
+from megatron_ais.bridge.plan import Bucket
+from megatron_ais.bridge.transports import StageTransport, send_manifest
+
+
+class SharedMemoryTransport(StageTransport):
+    """`arena_ref`/`arena_bytes`: the arena to map (the receiver's own on the engine's rank); `stage_offset` and
+    `scratch_offset`: where stage `stage`'s layout and its scratch region start in it."""
+
+    name = "shm"
+
+    def __init__(self, engine_rank: int, receiver, stage: int, arena_ref, arena_bytes: int, stage_offset: int,
+                 scratch_offset: int):
+        super().__init__(engine_rank, receiver)
+        self.buffer = receiver.arena if receiver is not None else open_staging_buffer(arena_ref, arena_bytes)
+        self.stage, self.offsets = stage, (stage_offset, scratch_offset)
+
+    def placement(self, bucket: Bucket) -> tuple[int, int]:
+        return self.offsets
+
+    def deliver(self, sync_id: int, bucket: Bucket, manifest: list[ManifestEntry]) -> None:
+        if self.receiver is not None:
+            self.receiver.receive(sync_id, self.stage, manifest)
+        else:
+            send_manifest(self.engine_rank, sync_id, manifest, None)

@@ -1,0 +1,67 @@
+"""Keeping ranks in step: what one rank computes (a rollout batch, a refit verdict, the last pipeline stage's
+metrics) reaches every rank of a group through `share`, and an error raised there is raised on every rank, so no
+rank is left waiting in a collective. Also the host and port helpers of process groups built outside
+torchrun's world."""
+from __future__ import annotations
+
+import socket
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from megatron_ais.errors import SHARED_ERRORS
+
+
+def share(compute: Callable[[], Any] | None, src: int, group=None) -> Any:
+    """Run `compute` on global rank `src` and return its value on every rank of `group` (the world by default);
+    other ranks pass None or anything (it is not called there). If it raised, `src` re-raises its error and every
+    other rank raises one of the same type (one of errors.SHARED_ERRORS, RuntimeError otherwise) with its message."""
+    outcome = [None, None]
+    failure = None
+    if dist.get_rank() == src:
+        try:
+            outcome = [compute(), None]
+        except Exception as err:  # every rank must learn of any failure, whatever raised it
+            failure = err
+            kind = type(err) if isinstance(err, SHARED_ERRORS) else RuntimeError
+            outcome = [None, (kind, f"{type(err).__name__}: {err}" if kind is RuntimeError else str(err))]
+    dist.broadcast_object_list(outcome, src=src, group=group)
+    if failure is not None:
+        raise failure
+    if outcome[1] is not None:
+        kind, message = outcome[1]
+        raise kind(message)
+    return outcome[0]
+
+
+def gather_on(obj: Any, dst: int) -> list | None:
+    """Every rank's `obj`, in rank order, on global rank `dst` (None elsewhere)."""
+    parts = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(obj, parts, dst=dst)
+    return parts
+
+
+def from_last_stage(obj: Any) -> Any:
+    """The last pipeline stage's `obj` on every stage (log-probs, λ and losses exist only there; the logging rank
+    is on the first stage)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return obj
+    return share(lambda: obj, src=ps.get_pipeline_model_parallel_last_rank(),
+                 group=ps.get_pipeline_model_parallel_group())
+
+
+def free_port() -> int:
+    """Return a TCP port that is free on this host now."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def host_address() -> str:
+    """This host's address as other hosts reach it (loopback when it has no other)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"

@@ -1,0 +1,38 @@
+"""The errors every layer raises, in one place: each names what is wrong and, where a person can fix it, how.
+
+The entry points report the first four as one line (no traceback): they describe a run that cannot start. The
+others stop a run that has started; every rank raises the same one (`distributed.share`)."""
+
+
+class ArgumentValidationError(ValueError):
+    """A flag (or a flag together with the model config) describes an impossible run."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, or does not fit the requested layout."""
+
+
+class TaskError(ValueError):
+    """The task flags describe an impossible task (the message names the flag and the fix)."""
+
+
+class PromptFileError(TaskError):
+    """A prompt file has a malformed record (the message names the file and line)."""
+
+
+class SyncError(RuntimeError):
+    """A weight sync was refused; the engine keeps its previous weights."""
+
+
+class RefitVerificationError(RuntimeError):
+    """The engine's log-probs disagree with the trainer's after a weight sync."""
+
+
+class RolloutError(RuntimeError):
+    """The engine could not produce a step's rollouts (it failed, or died again after a restart)."""
+
+
+# what a person fixes before starting again: reported as one line by the entry points
+USAGE_ERRORS = (ArgumentValidationError, CheckpointError, TaskError)
+# what every rank re-raises by type when the rank that met it shares it
+SHARED_ERRORS = USAGE_ERRORS + (SyncError, RefitVerificationError, RolloutError, FloatingPointError)

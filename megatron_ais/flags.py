@@ -1,0 +1,113 @@
+"""Flags declared once, on the config dataclass fields they fill (megatron's `ArgumentGroupFactory` idea).
+
+    @dataclasses.dataclass(frozen=True)
+    class BridgeConfig(FlagConfig):
+        bucket_size_mb: float = flag(512.0, "Bytes per bucket ...", name="--bridge-bucket-size-mb")
+
+`BridgeConfig.add_flags(group)` registers `--bridge-bucket-size-mb` with that default and help;
+`BridgeConfig.from_args(args)` builds the config from the parsed namespace. A field's default is its flag's default:
+there is no second place to write it. Fields without `flag` are not flags (the caller passes them to `from_args`).
+Only the entry points and `from_args` see the namespace; everything below takes configs.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+_FLAG = "megatron_ais_flag"
+
+
+@dataclasses.dataclass(frozen=True)
+class FlagSpec:
+    """How one field appears on the command line: its option string(s) and argparse's other keywords.
+    `switches` maps each of several mutually exclusive option strings to the value it stores."""
+
+    help: str
+    name: str | None = None
+    switches: tuple[tuple[str, Any, str], ...] = ()  # (option, value, help)
+    options: tuple[tuple[str, Any], ...] = ()
+
+
+def flag(default: Any, help: str, *, name: str | None = None, switches: dict[str, tuple[Any, str]] | None = None,
+         **argparse_options) -> Any:
+    """A dataclass field that is also a flag: `--<field-name>` unless `name` says otherwise; `switches` gives
+    several store-const flags instead (e.g. --bf16 / --fp32). Types follow the default unless `type` is given;
+    a False default is a store-true switch; `choices` may be a function that returns them (a registry's names)."""
+    spec = FlagSpec(help, name, tuple((k, v, h) for k, (v, h) in (switches or {}).items()),
+                    tuple(argparse_options.items()))
+    return dataclasses.field(default=default, metadata={_FLAG: spec})
+
+
+def _flag_fields(cls) -> list[tuple[dataclasses.Field, FlagSpec]]:
+    return [(f, f.metadata[_FLAG]) for f in dataclasses.fields(cls) if _FLAG in f.metadata]
+
+
+def option_name(field: dataclasses.Field, spec: FlagSpec) -> str:
+    """The field's option string, e.g. --bridge-bucket-size-mb."""
+    return spec.name or "--" + field.name.replace("_", "-")
+
+
+def dest(field: dataclasses.Field, spec: FlagSpec) -> str:
+    """Where argparse stores the field's value in the namespace."""
+    return field.name if spec.switches else option_name(field, spec).removeprefix("--").replace("-", "_")
+
+
+def _argparse_options(field: dataclasses.Field, spec: FlagSpec) -> dict[str, Any]:
+    options = dict(spec.options)
+    if callable(options.get("choices")):  # a registry filled after this config's module is imported
+        options["choices"] = options["choices"]()
+    default = field.default
+    if "action" not in options and "type" not in options:
+        if default is False:
+            options["action"] = "store_true"
+        elif isinstance(default, tuple):
+            options["type"] = type(default[0])
+        elif default is not None:
+            options["type"] = type(default)
+    if isinstance(default, tuple):
+        options.setdefault("nargs", len(default) or "*")
+    return {"default": default, "help": spec.help, "dest": dest(field, spec), **options}
+
+
+class FlagConfig:
+    """Mixin of frozen config dataclasses whose fields are declared with `flag`."""
+
+    @classmethod
+    def add_flags(cls, group) -> None:
+        """Register this config's flags in an argparse group."""
+        for field, spec in _flag_fields(cls):
+            if spec.switches:
+                exclusive = group.add_mutually_exclusive_group()
+                for option, value, help_text in spec.switches:
+                    exclusive.add_argument(option, dest=field.name, action="store_const", const=value,
+                                           help=help_text)
+                group.set_defaults(**{field.name: field.default})
+            else:
+                group.add_argument(option_name(field, spec), **_argparse_options(field, spec))
+
+    @classmethod
+    def flag_values(cls, args: argparse.Namespace) -> dict[str, Any]:
+        """The values of this config's flags in a parsed namespace, by field name."""
+        values = {}
+        for field, spec in _flag_fields(cls):
+            value = getattr(args, dest(field, spec))
+            values[field.name] = tuple(value) if isinstance(value, list) else value
+        return values
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **fields):
+        """Build the config from parsed flags; `fields` fills (or overrides) the fields that are not flags."""
+        return cls(**{**cls.flag_values(args), **fields})
+
+
+def add_flag_group(parser: argparse.ArgumentParser, title: str, *configs) -> None:
+    """Register the flags of `configs` under one --help heading."""
+    group = parser.add_argument_group(title)
+    for config in configs:
+        config.add_flags(group)
+
+
+def plain_flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """Every plain value of a parsed namespace (unset flags as None): what a checkpoint records of its run."""
+    return {k: v for k, v in vars(args).items() if v is None or isinstance(v, (int, float, str, bool))}

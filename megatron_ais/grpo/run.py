@@ -1,0 +1,345 @@
+"""The GRPO + AIS run behind pretrain_grpo_ais.py: set up (or resume), then per step rollout → train → sync →
+evaluate → save, each a short phase of `GRPORun`."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+
+import torch.distributed as dist
+
+from megatron_ais.errors import ArgumentValidationError
+from megatron_ais.flags import FlagConfig, flag
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOLoopConfig(FlagConfig):
+    """The loop's schedule: rollout batches, sampling, optimizer steps per batch, evaluation and refit checks."""
+
+    grpo_steps: int = flag(10, "Rollout batches (GRPO steps) to train on.")
+    prompts_per_step: int = flag(16, "Prompts per rollout batch.")
+    group_size: int = flag(4, "Responses sampled per prompt (the GRPO group).")
+    max_new_tokens: int = flag(16, "Longest response.")
+    temperature: float = flag(1.0, "Rollout sampling temperature (> 0); the trainer's log-probs use the same.")
+    top_p: float = flag(1.0, "Rollout nucleus sampling. Below 1 only with --is-correction none: the engine's log-probs "
+                             "are renormalised over the nucleus and the trainer's are not, so every importance ratio "
+                             "would measure the truncation rather than the FP8 mismatch.")
+    num_minibatches: int = flag(1, "Optimizer steps per rollout batch.")
+    ppo_epochs: int = flag(1, "Passes over each rollout batch.")
+    rollout_seed: int | None = flag(None, "Seed of the rollout sampling (per step: derived from it and the step; "
+                                          "default --seed). Saved in checkpoints, so a resumed run samples what the "
+                                          "uninterrupted run would have.", type=int)
+    ref_load: str | None = flag(None, "Checkpoint of the frozen reference policy for --kl-coef (default: the initial "
+                                      "--load or --hf-dir; a resumed run keeps the reference of its first start).",
+                                type=str)
+    eval_interval: int = flag(5, "Evaluate held-out accuracy every this many steps.")
+    eval_samples: int = flag(8, "Samples per held-out prompt at the rollout temperature: eval/accuracy is their mean "
+                                "reward (avg@k, what the policy actually does); eval/greedy_accuracy is reported "
+                                "beside it.")
+    verify_refit_interval: int = flag(1, "Score the probe sequence and compare with the trainer every this many "
+                                         "syncs (0 = never).")
+
+    def __post_init__(self):
+        for name in ("grpo-steps", "prompts-per-step", "num-minibatches", "ppo-epochs", "max-new-tokens",
+                     "eval-interval", "eval-samples"):
+            value = getattr(self, name.replace("-", "_"))
+            if value < 1:
+                raise ArgumentValidationError(f"--{name} {value} must be at least 1")
+        if self.temperature <= 0:
+            raise ArgumentValidationError(f"--temperature {self.temperature} must be > 0 (the trainer's log-probs are "
+                                          "log_softmax(logits / temperature))")
+        if not 0 < self.top_p <= 1:
+            raise ArgumentValidationError(f"--top-p {self.top_p} must be in (0, 1]")
+        if self.group_size < 2:
+            raise ArgumentValidationError(f"--group-size {self.group_size}: GRPO's advantages compare the responses "
+                                          "to one prompt, so a group needs at least 2")
+
+    def evaluates_at(self, step: int) -> bool:
+        return step % self.eval_interval == 0 or step == self.grpo_steps
+
+    def verifies_at(self, step: int) -> bool:
+        return bool(self.verify_refit_interval) and step % self.verify_refit_interval == 0
+
+
+class PhaseTimes:
+    """Wall-clock seconds of a step's phases."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        start = time.time()
+        yield
+        self.seconds[name] = time.time() - start
+
+
+class GRPORun:
+    """One GRPO + AIS run (every rank builds one). `run()` is the whole loop; the engine lives on global rank 0,
+    whose `RolloutManager` generates, scores and evaluates, and whose logger writes."""
+
+    engine_rank = 0
+
+    def __init__(self, config):
+        self.config = config  # arguments.GRPORunConfig
+        self.trainer, self.loop = config.trainer, config.loop
+
+    def run(self) -> dict:
+        """Set up or resume, train every remaining step, and return the summary."""
+        self.setup()
+        for step in range(self.state.step + 1, self.loop.grpo_steps + 1):
+            times = PhaseTimes()
+            with times.phase("rollout"):
+                batch = self.rollout(step)
+            with times.phase("train"):
+                result = self.train(batch)
+            with times.phase("sync"):
+                synced = self.sync(step, batch)
+            evaluated = self.evaluate(step)
+            self.record(step, batch, result.metrics, synced, evaluated, times.seconds)
+            self.save(step)
+        return self.finish()
+
+    def setup(self) -> None:
+        """Read and check the model (one look at the checkpoint) and the task before any process group starts, then
+        build the trainer, the engine and the bridge; a fresh run evaluates the initial policy, a resumed one gives the
+        engine the saved weights."""
+        from megatron_ais.data.tasks import build_task
+        from megatron_ais.errors import TaskError
+        from megatron_ais.training import initialize_trainer
+
+        self.started = time.time()
+        trainer = self.trainer
+        self.task = build_task(trainer.task, trainer.training.seed)  # bad task flags or prompt files fail here
+        if len(self.task.train) < self.loop.prompts_per_step:
+            raise TaskError(f"--prompts-per-step {self.loop.prompts_per_step} exceeds the {len(self.task.train)} "
+                            "training examples of the task; lower it or raise --num-examples")
+        self.hf_config, self.build = initialize_trainer(trainer)
+        self._setup_trainer()
+        self._setup_engine()
+        self._setup_bridge()
+        self._start_or_resume()
+
+    def _setup_trainer(self) -> None:
+        """The policy (resumed, or its weights loaded), its optimizer, the run's state, the KL reference."""
+        from megatron_ais.bridge.layout import BridgeLayout
+        from megatron_ais.checkpointing import CheckpointRanks
+        from megatron_ais.grpo.state import GRPOState, reference_source
+        from megatron_ais.grpo.step import GRPOConfig, ParallelGroups
+        from megatron_ais.rollout.verify import probe_tokens
+        from megatron_ais.training import WeightSource, build_reference_chunks, setup_model_and_optimizer
+
+        trainer, config = self.trainer, self.config
+        self.model = setup_model_and_optimizer(self.build, trainer.weights, trainer.training,
+                                               trainer.checkpoint.finetune, run_kind="grpo")
+        saved, loaded = self.model.run_state, self.model.loaded
+        reference = (saved or {}).get("reference_source") or reference_source(
+            self.loop.ref_load, trainer.checkpoint.load, trainer.model.hf_dir, loaded.iteration if loaded else None)
+        self.state = GRPOState.begin(saved, trainer.training.seed, self.loop.rollout_seed, reference)
+        self.groups = ParallelGroups.from_parallel_state()
+        self.checkpoint_ranks = CheckpointRanks.from_parallel_state()
+        self.bridge_layout = BridgeLayout.from_parallel_state(self.engine_rank)
+        self.reference = build_reference_chunks(self.build, WeightSource(**self.state.reference)) \
+            if config.loss.kl_coef else None
+        self.grpo = GRPOConfig(loss=config.loss, correction=config.correction, vocab_size=self.build.shape.vocab_size,
+                               micro_batch_size=trainer.training.micro_batch_size,
+                               num_minibatches=self.loop.num_minibatches, ppo_epochs=self.loop.ppo_epochs,
+                               advantages=config.advantages, temperature=self.loop.temperature)
+        self.probe = probe_tokens(self.build.shape.vocab_size)
+
+    def _setup_engine(self) -> None:
+        """The logger, and on the engine's rank the engine (started from an HF export of the initial policy, one
+        file per pipeline stage) with its rollout manager."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_ais.data.tasks import build_task
+        from megatron_ais.logging import RunLogger
+        from megatron_ais.mapping.distributed import save_hf_checkpoint
+        from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
+        from megatron_ais.rollout.manager import RolloutManager, RolloutPlan
+        from megatron_ais.sft import load_tokenizer
+
+        trainer, state, out = self.trainer, self.state, self.trainer.logging.output_dir
+        self.tokenizer = load_tokenizer(self.model.assets_dir)
+        if state.data_seed != trainer.training.seed:
+            self.task = build_task(trainer.task, state.data_seed)
+        # a resumed run's logs continue from the checkpoint: later steps logged before the crash are dropped
+        self.log = RunLogger(out, trainer.logging.tensorboard_dir, dist.get_rank() == self.engine_rank,
+                             resume_step=state.step if state.saved is not None else None)
+        init_dir = os.path.join(out, "engine_init")
+        save_hf_checkpoint(self.model.chunks, self.build, self.hf_config, init_dir,
+                           ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
+                           is_stage_writer=self.bridge_layout.is_sender, assets_from=self.model.assets_dir)
+        self.manager = None
+        if dist.get_rank() == self.engine_rank:
+            loop = self.loop
+            sampling = SamplingConfig(n=loop.group_size, temperature=loop.temperature, top_p=loop.top_p,
+                                      max_new_tokens=loop.max_new_tokens, stop_token_ids=(self.tokenizer.eos_token_id,))
+            plan = RolloutPlan(loop.prompts_per_step, sampling, loop.eval_samples, trainer.training.seed,
+                               trainer.model.seq_length)
+            engine = RolloutEngine(dataclasses.replace(self.config.engine, model_dir=init_dir),
+                                   os.path.join(out, "engine"))
+            self.manager = RolloutManager(engine, self.tokenizer, self.task, plan, state.data_seed, state.rollout_seed,
+                                          self.log.info)
+        dist.barrier()
+
+    def _setup_bridge(self) -> None:
+        """The engine's rank receives syncs into its staging arena; every rank writes its shards."""
+        from megatron_ais.bridge.receiver import SyncReceiver
+        from megatron_ais.bridge.sync import WeightBridge
+
+        self.receiver = SyncReceiver(apply=self.manager.apply_weights) if self.manager is not None else None
+        self.bridge = WeightBridge(self.model.chunks, self.build, self.config.bridge, self.bridge_layout, self.receiver)
+
+    def _start_or_resume(self) -> None:
+        """A fresh run measures the KV-cache scales and evaluates the initial policy; a resumed one gives the engine
+        what the bridge would have sent after the saved step, with the KV-cache scales the uninterrupted run measured
+        then (on that step's rollouts, which the resumed run no longer has)."""
+        from megatron_ais.distributed import share
+        from megatron_ais.grpo.state import changed_flags
+        from megatron_ais.rollout.manager import step_prompt_ids
+
+        state = self.state
+        first_prompts = step_prompt_ids(self.tokenizer, self.task, self.loop.prompts_per_step, state.data_seed,
+                                        state.step + 1)
+        if state.saved is None:
+            self.calibrate_kv_cache(first_prompts)
+            state.eval_before = share(lambda: self.manager.evaluate(), src=self.engine_rank)
+            return
+        self.log.info(f"resuming GRPO at step {state.step + 1} from {self.trainer.checkpoint.load} (iteration "
+                      f"{self.model.loaded.iteration})")
+        changed = changed_flags(state.saved.get("args", {}), self.trainer.flags)
+        if changed:
+            self.log.info("flags that differ from the saved run: " + ", ".join(changed))
+        self.sync_weights(state.step)
+        if self.config.engine.kv_cache_dtype != "fp8":
+            state.kv_cache_scales = None
+        elif state.kv_cache_scales is None:
+            self.calibrate_kv_cache(first_prompts)
+        elif self.manager is not None:
+            self.manager.engine.set_kv_cache_scales(state.kv_cache_scales)
+
+    def rollout(self, step: int):
+        """This step's rollout batch, made on the engine's rank and given to every rank."""
+        from megatron_ais.distributed import share
+
+        return share(lambda: self.manager.rollout_batch(step), src=self.engine_rank)
+
+    def train(self, batch):
+        """One GRPO update on the batch (λ once for the batch)."""
+        from megatron_ais.grpo.step import grpo_train_step
+
+        return grpo_train_step(self.model.ddp_chunks, self.model.optimizer, batch, self.grpo, self.state.ais,
+                               self.groups, self.reference)
+
+    def sync(self, step: int, batch) -> dict:
+        """Bridge the updated policy into the engine, re-measure the FP8 KV-cache scales on this batch, check the
+        refit; return what the step logs of it."""
+        from megatron_ais.rollout.kv_scales import rollout_sequences
+        from megatron_ais.rollout.verify import refit_precision, verify_refit_on_all_ranks
+
+        self.sync_weights(step)
+        self.calibrate_kv_cache(rollout_sequences(batch.tokens, batch.mask, self.config.kv_calibration.sequences))
+        metrics = {}
+        if self.loop.verifies_at(step):
+            routing = verify_refit_on_all_ranks(
+                self.manager.engine if self.manager else None, self.model.ddp_chunks, self.probe, self.groups,
+                self.build.shape.vocab_size, refit_precision(self.config.engine, self.build.precision),
+                self.engine_rank, self.build.shape.is_moe)
+            if routing is not None:
+                metrics["rollout/routing_mismatch"] = routing
+        scales = self.state.kv_cache_scales
+        if scales is not None:
+            metrics.update({"rollout/kv_cache_k_scale_max": max(k for _, k, _ in scales.scales),
+                            "rollout/kv_cache_v_scale_max": max(v for _, _, v in scales.scales)})
+        return metrics
+
+    def evaluate(self, step: int) -> dict:
+        """Held-out accuracy at evaluation steps (computed on the engine's rank, known to every rank)."""
+        from megatron_ais.distributed import share
+
+        if not self.loop.evaluates_at(step):
+            return {}
+        return share(lambda: self.manager.evaluate_unless_dead(step), src=self.engine_rank)
+
+    def record(self, step: int, batch, train_metrics: dict, synced: dict, evaluated: dict,
+               seconds: dict[str, float]) -> None:
+        """Log the step: its metrics into the history, tensorboard and metrics.jsonl, and its console line."""
+        from megatron_ais.distributed import from_last_stage
+        from megatron_ais.logging import grpo_console_line
+
+        metrics = from_last_stage(dict(train_metrics))
+        metrics.update(synced)
+        metrics.update({"rollout/reward": float(batch.rewards.mean()), "time/rollout_s": seconds["rollout"],
+                        "time/train_s": seconds["train"], "time/sync_s": seconds["sync"],
+                        "rollout/tokens_per_s": float(batch.mask.sum()) / max(seconds["rollout"], 1e-9)})
+        metrics.update(evaluated)
+        self.state.step = step
+        self.state.history.append({"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
+        line = None
+        if self.trainer.logging.prints(step, self.loop.grpo_steps):
+            line = (f"{grpo_console_line(step, metrics)} | reward {metrics['rollout/reward']:.3f} "
+                    f"acc {metrics.get('eval/accuracy', float('nan')):.3f} | "
+                    f"{metrics['rollout/tokens_per_s']:.0f} tok/s | rollout {seconds['rollout']:.1f}s train "
+                    f"{seconds['train']:.1f}s sync {seconds['sync']:.1f}s")
+        self.log.step(step, metrics, line)
+
+    def save(self, step: int) -> None:
+        """A checkpoint every --save-interval steps and after the last one."""
+        from megatron_ais.checkpointing import checkpoint_metadata, save_checkpoint
+        from megatron_ais.grpo.state import protected_iterations
+
+        checkpoint = self.trainer.checkpoint
+        if not checkpoint.saves_at(step, self.loop.grpo_steps):
+            return
+        metadata = checkpoint_metadata(self.build, self.hf_config, step, self.groups.data_parallel_size,
+                                       self.trainer.training.use_distributed_optimizer)
+        protect = protected_iterations(self.state.reference, checkpoint.save) if self.config.loss.kl_coef else ()
+        save_checkpoint(checkpoint.save, step, self.model.chunks, metadata, self.model.assets_dir,
+                        self.checkpoint_ranks, optimizer=self.model.optimizer,
+                        run_state=self.state.run_state(self.loop.prompts_per_step, self.trainer.flags),
+                        dp_group=self.groups.data_parallel_group, keep=checkpoint.keep_checkpoints, protect=protect)
+        self.log.info(f"saved checkpoint {checkpoint.save} iteration {step}")
+
+    def sync_weights(self, sync_id: int) -> None:
+        """Bridge the current policy into the engine (collective on every rank)."""
+        stats = self.bridge.sync(sync_id)
+        if self.bridge_layout.is_sender and self.bridge.completed == 1:
+            self.log.info(f"bridge: {stats.tensors} tensors in {stats.buckets} buckets, {stats.bytes / 1e6:.1f} MB "
+                          f"from this stage by {stats.transport}, {stats.seconds:.2f} s")
+
+    def calibrate_kv_cache(self, sequences: list[list[int]]) -> None:
+        """FP8 KV cache: measure the synced policy's K/V scales on `sequences` (split over DP ranks; collective on
+        every rank) and install them in the engine."""
+        from megatron_ais.rollout.kv_scales import calibrate_kv_cache_scales
+
+        if self.config.engine.kv_cache_dtype != "fp8":
+            return
+        calibration = self.config.kv_calibration
+        self.state.kv_cache_scales = calibrate_kv_cache_scales(
+            self.model.ddp_chunks, sequences[:calibration.sequences], self.build.seq_length,
+            self.trainer.training.micro_batch_size, self.groups, self.build.shape.vocab_size,
+            self.build.shape.num_layers, calibration.scale_margin)
+        if self.manager is not None:
+            self.manager.engine.set_kv_cache_scales(self.state.kv_cache_scales)
+
+    def finish(self) -> dict:
+        """Write the summary (and the run's figure) and release the engine, the bridge and the logs."""
+        history, before = self.state.history, self.state.eval_before
+        accuracy_before = before.get("eval/accuracy")
+        summary = {"accuracy_before": accuracy_before, "greedy_accuracy_before": before.get("eval/greedy_accuracy"),
+                   "accuracy_after": next((h["eval/accuracy"] for h in reversed(history) if "eval/accuracy" in h),
+                                          accuracy_before),
+                   "steps": self.loop.grpo_steps, "wall_s": time.time() - self.started, "history": history}
+        self.log.summary(summary)
+        if self.manager is not None and history:
+            from megatron_ais.logging import plot_run
+
+            plot_run(history, os.path.join(self.trainer.logging.output_dir, "run.png"), accuracy_before)
+        self.log.close()
+        self.bridge.close()
+        if self.manager is not None:
+            self.manager.engine.shutdown()
+            self.receiver.close()
+        return summary

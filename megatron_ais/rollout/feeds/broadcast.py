@@ -1,0 +1,104 @@
+"""A separate engine's feed over a process group of its own: the engine's rank (root) and each vLLM worker join a
+group of 1 + engine-TP members (gloo on CPU, NCCL on GPU), built from a TCP store, apart from both the trainer's
+and vLLM's own torch.distributed worlds. It is how weights reach engine workers that do not share memory with the
+trainer (other GPUs, other nodes); each worker verifies every tensor before it applies any. Tensors that live in
+no arena go through shared memory, as `SharedMemoryFeed` sends them."""
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from megatron_ais.bridge.arena import ArenaWeights, buffer_data
+from megatron_ais.distributed import free_port, host_address
+from megatron_ais.rollout.feeds import EngineWeights
+from megatron_ais.rollout.feeds.shared_memory import SharedMemoryFeed, entries_json
+
+TIMEOUT = datetime.timedelta(seconds=300)
+CHUNK_BYTES = 64 << 20
+
+
+def device_uuid() -> str | None:
+    """The physical GPU this process computes on (None without CUDA): device indices differ between processes
+    with different CUDA_VISIBLE_DEVICES, UUIDs do not."""
+    if not torch.cuda.is_available():
+        return None
+    from megatron_ais.bridge.arena import gpu_uuid
+
+    return gpu_uuid(torch.cuda.current_device())
+
+
+def feed_backend(root_device: str | None, member_devices: list[str | None]) -> str:
+    """NCCL when the root and every member compute on GPUs of their own; gloo (host memory) otherwise: on CPU, and
+    when a member shares the root's GPU (an engine worker on the trainer rank's GPU), which NCCL refuses ("duplicate
+    GPU") — such a worker would better be fed by `shm` (CUDA IPC)."""
+    devices = [root_device, *member_devices]
+    return "nccl" if None not in devices and len(set(devices)) == len(devices) else "gloo"
+
+
+def feed_device(backend: str) -> str:
+    """Where the feed group's bytes travel from and to: device memory for NCCL, host memory for gloo."""
+    return "cuda" if backend == "nccl" else "cpu"
+
+
+def join_weight_group(host: str, port: int, rank: int, world: int, backend: str):
+    """Join the feed group as `rank` (0 = the engine's rank, which hosts the store)."""
+    store = dist.TCPStore(host, port, world, rank == 0, timeout=TIMEOUT)
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, world, dist.ProcessGroupNCCL.Options())
+    return dist.ProcessGroupGloo(store, rank, world, TIMEOUT)
+
+
+def _broadcast(group, tensor: torch.Tensor) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+def broadcast_bytes(group, data: torch.Tensor, chunk_bytes: int, device: str = "cpu") -> None:
+    """Root: send `data` (uint8, anywhere) in chunks of at most `chunk_bytes`, each moved to `device` first (one
+    chunk there at a time)."""
+    for start in range(0, data.numel(), chunk_bytes):
+        _broadcast(group, data[start: start + chunk_bytes].to(device))
+
+
+def receive_bytes(group, out: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
+    """Member: receive the root's bytes into `out` (uint8, on the group's device) chunk by chunk."""
+    for start in range(0, out.numel(), chunk_bytes):
+        _broadcast(group, out[start: start + chunk_bytes])
+    return out
+
+
+class BroadcastFeed(SharedMemoryFeed):
+    """Forms the feed group with the engine's workers at its first sync (once per engine start)."""
+
+    def __init__(self, tensor_parallel_size: int):
+        self.members = tensor_parallel_size
+        self.group = None
+        self.device = "cpu"
+
+    def apply(self, llm, weights: EngineWeights) -> None:
+        if not isinstance(weights, ArenaWeights):
+            return super().apply(llm, weights)
+        if self.group is None:
+            self._join(llm)
+        nbytes = max(e.offset + e.nbytes for e in weights.entries)
+        data = buffer_data(weights.ref)[:nbytes]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            sending = pool.submit(broadcast_bytes, self.group, data, CHUNK_BYTES, self.device)
+            llm.collective_rpc("megatron_ais_receive_broadcast", args=(entries_json(weights.entries), nbytes,
+                                                                       CHUNK_BYTES))
+            sending.result()
+
+    def _join(self, llm) -> None:
+        host, port = host_address(), free_port()
+        backend = feed_backend(device_uuid(), llm.collective_rpc("megatron_ais_device_uuid"))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            root = pool.submit(join_weight_group, host, port, 0, 1 + self.members, backend)
+            llm.collective_rpc("megatron_ais_join_weight_group", args=(host, port, 1 + self.members, backend))
+            self.group, self.device = root.result(), feed_device(backend)
+
+    def close(self) -> None:
+        self.group = None  # its members are gone with the engine
