@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from megatron_ais.errors import SHARED_ERRORS
@@ -15,23 +16,28 @@ from megatron_ais.errors import SHARED_ERRORS
 def share(compute: Callable[[], Any] | None, src: int, group=None) -> Any:
     """Run `compute` on global rank `src` and return its value on every rank of `group` (the world by default);
     other ranks pass None or anything (it is not called there). If it raised, `src` re-raises its error and every
-    other rank raises one of the same type (one of errors.SHARED_ERRORS, RuntimeError otherwise) with its message."""
-    outcome = [None, None]
-    failure = None
+    other rank raises one of the same type (one of errors.SHARED_ERRORS, RuntimeError otherwise) with its message.
+    A None value costs one small tensor broadcast; anything else is pickled."""
+    value, failure, message = None, None, None
     if dist.get_rank() == src:
         try:
-            outcome = [compute(), None]
+            value = compute()
         except Exception as err:  # every rank must learn of any failure, whatever raised it
             failure = err
             kind = type(err) if isinstance(err, SHARED_ERRORS) else RuntimeError
-            outcome = [None, (kind, f"{type(err).__name__}: {err}" if kind is RuntimeError else str(err))]
-    dist.broadcast_object_list(outcome, src=src, group=group)
+            message = (kind, f"{type(err).__name__}: {err}" if kind is RuntimeError else str(err))
+    status = torch.tensor([int(failure is not None), int(value is not None)])
+    dist.broadcast(status, src=src, group=group)
+    if int(status.sum()):
+        payload = [message if failure is not None else value]
+        dist.broadcast_object_list(payload, src=src, group=group)
+        value = payload[0]
     if failure is not None:
         raise failure
-    if outcome[1] is not None:
-        kind, message = outcome[1]
-        raise kind(message)
-    return outcome[0]
+    if int(status[0]):
+        kind, text = value
+        raise kind(text)
+    return value
 
 
 def gather_on(obj: Any, dst: int) -> list | None:
