@@ -63,6 +63,12 @@ EMPTY_RESULT = AISResult(lam=0.0, lam_raw=0.0, reliability=1.0, severity=0.0, va
                          truncated_fraction=0.0, num_units=0.0)
 
 
+def chi_square(s: dict) -> float:
+    """χ²(π‖μ) estimated self-normalised from the raw weights, N·Σw² / (Σw)² − 1 (= 1/ESS ratio − 1): never negative
+    (Cauchy-Schwarz), unlike Σw²/N − 1, whose sampling error goes below zero when the policies nearly agree."""
+    return max(s["n"] * s["sum_weight_sq"] / s["sum_weight"] ** 2 - 1.0, 0.0)
+
+
 def ais_coefficient(stats: torch.Tensor, config: AISConfig, state: AISState | None = None) -> AISResult:
     """Return λ and the diagnostics for globally reduced statistics; advances `state` when given.
 
@@ -90,7 +96,7 @@ def ais_coefficient(stats: torch.Tensor, config: AISConfig, state: AISState | No
         lam=lam, lam_raw=lam_raw, reliability=reliability, severity=severity, variance_amplification=variance,
         mean_abs_logratio=d, ess_ratio_raw=s["sum_weight"] ** 2 / (n * s["sum_weight_sq"]),
         cv2_applied=n * s["sum_trunc_weight_sq"] / s["sum_trunc_weight"] ** 2 - 1.0,
-        chi2=s["sum_weight_sq"] / n - 1.0, k3_kl=s["sum_k3"] / n, truncated_fraction=s["n_truncated"] / n,
+        chi2=chi_square(s), k3_kl=s["sum_k3"] / n, truncated_fraction=s["n_truncated"] / n,
         num_units=n)
 
 

@@ -174,3 +174,16 @@ def test_statistics_are_invariant_to_permutation_and_splitting(seed, cut, level)
         mismatch_statistics(trainer[cut:], rollout[cut:], adv[cut:], mask[cut:], cfg)
     assert torch.allclose(whole, permuted, rtol=1e-12, atol=1e-12)
     assert torch.allclose(whole, split, rtol=1e-12, atol=1e-12)
+
+
+def test_chi_square_is_self_normalised_and_never_negative():
+    """χ² = N·Σw²/(Σw)² − 1 from the raw weights, against plain python; weights that all shrink (mean w² < 1, where
+    Σw²/N − 1 goes negative) give exactly 0, not a negative divergence."""
+    trainer, rollout, adv, mask = _batch(seed=3, scale=0.3)
+    w = [math.exp(float(t - r)) for t, r, m in zip(trainer.flatten(), rollout.flatten(), mask.flatten()) if m > 0]
+    result = ais_coefficient(mismatch_statistics(trainer, rollout, adv, mask, AISConfig()), AISConfig())
+    assert result.chi2 == pytest.approx(len(w) * sum(x * x for x in w) / sum(w) ** 2 - 1, rel=1e-9)
+    assert result.chi2 == pytest.approx(1 / result.ess_ratio_raw - 1, rel=1e-9)
+    uniform = ais_coefficient(mismatch_statistics(rollout + math.log(0.9), rollout, adv, mask, AISConfig()),
+                              AISConfig())
+    assert uniform.chi2 == 0.0  # every w = 0.9: Σw²/N − 1 = −0.19
