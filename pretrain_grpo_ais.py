@@ -4,24 +4,23 @@ over megatron): the flags become typed configs once, here; the run lives in mega
     python -m torch.distributed.run --standalone --nproc-per-node 2 pretrain_grpo_ais.py \\
         --load runs/sft/checkpoint --rollout-precision fp8 --is-correction ais --grpo-steps 20
 """
-import os
 import sys
 
-from megatron_ais.arguments import GRPO_FLAGS, GRPORunConfig, build_parser
+from megatron_ais.arguments import GRPO_FLAGS, GRPORunConfig, build_parser, launched_world_size
 from megatron_ais.errors import USAGE_ERRORS
 from megatron_ais.grpo.run import GRPORun
 
 
 def build_grpo_parser():
     """Return the parser of every pretrain_grpo_ais.py flag, grouped by concern."""
-    return build_parser(__doc__.split("\n\n")[0], GRPO_FLAGS)
+    return build_parser(__doc__.split("\n\n")[0], GRPO_FLAGS, prog="pretrain_grpo_ais.py")
 
 
 def main(argv=None) -> int:
     parser = build_grpo_parser()
     args = parser.parse_args(argv)
     try:
-        summary = GRPORun(GRPORunConfig.from_args(args, int(os.environ.get("WORLD_SIZE", "1")))).run()
+        summary = GRPORun(GRPORunConfig.from_args(args, launched_world_size(parser))).run()
     except USAGE_ERRORS as err:
         parser.error(str(err))
     import torch.distributed as dist

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import Any, Iterable
 
 from megatron_ais.ais import AISConfig
@@ -39,12 +40,28 @@ GRPO_FLAGS = TRAINER_FLAGS + (("grpo", (PolicyLossConfig, AdvantageConfig)),
 SFT_FLAGS = TRAINER_FLAGS + (("sft", (SFTConfig,)),)
 
 
-def build_parser(description: str, groups: Iterable[tuple[str, tuple]] = TRAINER_FLAGS) -> argparse.ArgumentParser:
-    """Return a parser with the flags of `groups`."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+class FlagParser(argparse.ArgumentParser):
+    """argparse whose errors a person reads: the reason and where to look, not the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}\nsee: {self.prog} --help\n")
+
+
+def build_parser(description: str, groups: Iterable[tuple[str, tuple]] = TRAINER_FLAGS, prog: str | None = None
+                 ) -> argparse.ArgumentParser:
+    """Return a parser with the flags of `groups` (`prog`: the script's name in messages)."""
+    parser = FlagParser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for title, configs in groups:
         add_flag_group(parser, title, *configs)
     return parser
+
+
+def launched_world_size(parser: argparse.ArgumentParser) -> int:
+    """The world size torchrun gave this process; a script started without it is told how to start."""
+    if "RANK" not in os.environ:
+        parser.error(f"{parser.prog} runs one process per rank under torchrun: python -m torch.distributed.run "
+                     f"--nproc-per-node N {parser.prog} [flags]")
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _configs(build):
@@ -90,7 +107,8 @@ class TrainerConfig:
     @property
     def weights(self) -> WeightSource:
         """Where the policy's weights come from: --load, else --hf-dir."""
-        return WeightSource(self.checkpoint.load, self.model.hf_dir)
+        return WeightSource(self.checkpoint.load, self.model.hf_dir,
+                            allow_unverified=self.checkpoint.allow_unverified_checkpoint)
 
 
 @dataclasses.dataclass(frozen=True)

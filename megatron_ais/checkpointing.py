@@ -19,13 +19,17 @@ import contextlib
 import ctypes
 import dataclasses
 import errno
+import fcntl
 import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import socket
 import sys
+import tempfile
+import time
 from typing import Any
 
 import torch
@@ -38,6 +42,7 @@ METADATA = "megatron_ais.json"
 HF_ASSETS = "hf_assets"
 RANK_FILE = "model_optim_rng.pt"
 CHECKSUMS = "checksums.json"
+LOCK_FILE = "megatron_ais.lock"
 ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
 REPLACED_DIR = re.compile(r"^(iter_\d{7})\.old$")
 CHECKPOINT_VERSION = 3.0
@@ -61,6 +66,9 @@ class CheckpointConfig(FlagConfig):
     finetune: bool = flag(False, "Take only the weights of --load: fresh optimizer, RNG and step counter (like "
                                  "Megatron-LM). Implied for weights-only checkpoints (converted from HF or written by "
                                  "SFT runs).")
+    allow_unverified_checkpoint: bool = flag(
+        False, "Load a --load (or --ref-load) checkpoint that has no checksums.json, i.e. one whose files nobody can "
+               "verify (written by another tool); the log says so. Without it such a checkpoint is refused.")
 
     def __post_init__(self):
         from megatron_ais.errors import ArgumentValidationError
@@ -75,6 +83,130 @@ class CheckpointConfig(FlagConfig):
     def saves_at(self, step: int, last_step: int) -> bool:
         """Whether the run saves after `step`: every --save-interval steps and after its last step."""
         return bool(self.save) and (step == last_step or bool(self.save_interval and step % self.save_interval == 0))
+
+
+def _holder(text: str) -> str:
+    """The run a lock file names, in words."""
+    try:
+        holder = json.loads(text)
+        return f"the run of pid {holder['pid']} on host {holder['host']} started {holder['started']}"
+    except (ValueError, KeyError, TypeError):
+        return "a run that left no description"
+
+
+class RunLock:
+    """One live run per directory: an exclusive flock on DIR/megatron_ais.lock, held for the life of the run, the
+    holder's host, pid and start time written inside. The kernel drops a flock when its holder dies, so a lock file
+    that nobody holds is a dead run's and is taken over."""
+
+    def __init__(self, directory: str, flag: str = "--save"):
+        self.directory, self.flag, self.fd = directory, flag, None
+        self.path = os.path.join(directory, LOCK_FILE)
+
+    def acquire(self) -> str | None:
+        """Hold the lock; return a message when a dead run's lock was taken over. Raise a CheckpointError naming the
+        holder when a live run holds it."""
+        os.makedirs(self.directory, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
+            os.close(fd)
+            raise CheckpointError(f"{self.flag} {self.directory} is in use by {holder}: one run per directory; stop "
+                                  f"that run or choose another {self.flag}") from None
+        except OSError as err:  # a filesystem without flock: the run goes on unguarded, and says so
+            os.close(fd)
+            return f"{self.flag} {self.directory} cannot be locked ({err.strerror}): nothing keeps a second run out"
+        previous = os.pread(fd, 4096, 0).decode(errors="replace")
+        mine = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                           "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, mine.encode(), 0)
+        os.fsync(fd)
+        self.fd = fd
+        return f"taking over the lock of {self.directory}: {_holder(previous)} is gone" if previous.strip() else None
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+def refuse_if_in_use(directory: str, flag: str = "--load") -> None:
+    """Raise a CheckpointError naming the holder when a live run holds `directory`'s lock (a --load of a directory
+    another run is saving into)."""
+    path = os.path.join(directory, LOCK_FILE)
+    if not os.path.isfile(path):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except BlockingIOError:
+        holder = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
+        raise CheckpointError(f"{flag} {directory} is in use by {holder}; wait for it to end, or load one of its "
+                              "checkpoints from a copy") from None
+    except OSError:
+        pass  # a filesystem without flock locks nothing
+    finally:
+        os.close(fd)
+
+
+def refuse_directories_in_use(checkpoint: CheckpointConfig) -> None:
+    """Before anything reads a checkpoint: refuse a --save or --load directory that a live run holds."""
+    for option, directory in (("--save", checkpoint.save), ("--load", checkpoint.load)):
+        if directory:
+            refuse_if_in_use(directory, option)
+
+
+def hold_save_directory(checkpoint: CheckpointConfig) -> RunLock | None:
+    """Hold --save's lock for the life of the run (taking over a dead run's, with a warning)."""
+    if not checkpoint.save:
+        return None
+    lock = RunLock(checkpoint.save)
+    message = lock.acquire()
+    if message:
+        _warn(message)
+    return lock
+
+
+def checkpoint_bytes(build) -> int:
+    """About how many bytes one checkpoint of a model takes: its weights, and Adam's two fp32 moments (with BF16,
+    the fp32 main weights too)."""
+    per_parameter = 2 + 4 + 8 if build.precision == "bf16" else 4 + 8
+    return build.shape.num_parameters(build.padded_vocab_size) * per_parameter
+
+
+def nearest_existing(path: str) -> str:
+    """`path`, or its nearest ancestor that exists."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def check_writable(path: str, flag: str) -> None:
+    """Refuse a directory that cannot be written (or created), naming the flag; the probe file is removed at once."""
+    base = nearest_existing(path)
+    if not os.path.isdir(base):
+        raise CheckpointError(f"{flag} {path}: {base} is not a directory; choose another {flag}")
+    try:
+        fd, probe = tempfile.mkstemp(dir=base, prefix=".megatron-ais-probe-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as err:
+        raise CheckpointError(f"{flag} {path} cannot be written ({err.strerror} in {base}); choose a directory this "
+                              "user can write") from None
+
+
+def check_room(path: str, nbytes: int, flag: str) -> None:
+    """Refuse a directory on a filesystem with less than `nbytes` free (a checkpoint's size), naming the flag."""
+    free = shutil.disk_usage(nearest_existing(path)).free
+    if free < nbytes:
+        raise CheckpointError(f"{flag} {path}: one checkpoint of this model takes about {nbytes / 1e9:.2f} GB and "
+                              f"{free / 1e9:.2f} GB are free there; free some space or choose another {flag}")
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -95,13 +227,30 @@ def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep
 
 
 def read_tracker(root: str) -> int:
-    """Return the latest committed iteration under root."""
+    """Return the latest committed iteration under root; a missing or corrupted tracker file is named."""
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         raise CheckpointError(f"--load {root} has no {TRACKER}: it is not a megatron-ais checkpoint directory "
                               "(convert a HF model with tools/convert_checkpoint.py hf-to-megatron)")
-    with open(path) as f:
-        return int(f.read().strip())
+    with open(path, errors="replace") as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path} holds {text[:40]!r}, not an iteration number (corrupted)")
+    return int(text)
+
+
+def candidate_iterations(root: str) -> list[int]:
+    """The iterations to try, best first: the tracker's, then older committed ones. A corrupted tracker is reported
+    by name and every committed iteration is tried, newest first."""
+    try:
+        latest = read_tracker(root)
+    except CheckpointError as err:
+        committed = committed_iterations(root)
+        if not os.path.isfile(os.path.join(root, TRACKER)) or not committed:
+            raise
+        _warn(f"{err}; trying the committed iterations newest first ({', '.join(map(str, committed[:4]))})")
+        return committed
+    return [latest] + [i for i in committed_iterations(root) if i < latest]
 
 
 def _read_metadata(root: str, iteration: int) -> dict[str, Any]:
@@ -166,9 +315,16 @@ def committed_iterations(root: str) -> list[int]:
     return sorted((int(m.group(1)) for m in map(ITERATION_DIR.match, names) if m), reverse=True)
 
 
-def checkpoint_problem(root: str, iteration: int) -> str | None:
-    """Return why a committed checkpoint cannot be used (metadata unreadable, checksum list missing, a rank
-    file missing or of the wrong size), or None. Checksums themselves are checked by the ranks that read them."""
+def rank_files(directory: str) -> list[str]:
+    """The rank files of a checkpoint directory (model, optimizer shards), relative to it."""
+    return sorted(os.path.relpath(os.path.join(d, name), directory) for d, _, names in os.walk(directory)
+                  if os.path.basename(d).startswith("mp_rank_") for name in names if name.endswith(".pt"))
+
+
+def checkpoint_problem(root: str, iteration: int, allow_unverified: bool = False) -> str | None:
+    """Return why a committed checkpoint cannot be used (metadata unreadable, no checksum list unless
+    `allow_unverified`, a rank file missing, of the wrong size, or not listed), or None. Checksums themselves are
+    checked by the ranks that read them."""
     try:
         _read_metadata(root, iteration)
     except CheckpointError as err:
@@ -176,7 +332,9 @@ def checkpoint_problem(root: str, iteration: int) -> str | None:
     directory = iteration_dir(root, iteration)
     path = os.path.join(directory, CHECKSUMS)
     if not os.path.isfile(path):
-        return None  # a weights-only checkpoint written by tools/convert_checkpoint.py
+        return None if allow_unverified else (
+            f"{directory} has no {CHECKSUMS}, so nothing can verify its files (written by another tool?); pass "
+            "--allow-unverified-checkpoint to load it unverified")
     try:
         with open(path) as f:
             checksums = json.load(f)
@@ -188,6 +346,9 @@ def checkpoint_problem(root: str, iteration: int) -> str | None:
             return f"{file} is missing"
         if os.path.getsize(file) != entry["size"]:
             return f"{file} has {os.path.getsize(file)} bytes, checksums.json says {entry['size']} (truncated?)"
+    unlisted = [name for name in rank_files(directory) if name not in checksums]
+    if unlisted:
+        return f"{os.path.join(directory, unlisted[0])} is not listed in {CHECKSUMS}, so nothing can verify it"
     return None
 
 
@@ -196,13 +357,12 @@ def _warn(message: str) -> None:
         print(f"WARNING: {message}", file=sys.stderr, flush=True)
 
 
-def usable_iterations(root: str) -> list[int]:
-    """Return the iterations --load may use, best first: the tracker's, then older committed ones, each passing
-    `checkpoint_problem`. Refused ones are reported; none usable raises a CheckpointError with every reason."""
-    latest = read_tracker(root)
+def usable_iterations(root: str, allow_unverified: bool = False) -> list[int]:
+    """Return the iterations --load may use, best first (`candidate_iterations`), each passing `checkpoint_problem`.
+    Refused ones are reported; none usable raises a CheckpointError with every reason."""
     usable, reasons = [], []
-    for iteration in [latest] + [i for i in committed_iterations(root) if i < latest]:
-        problem = checkpoint_problem(root, iteration)
+    for iteration in candidate_iterations(root):
+        problem = checkpoint_problem(root, iteration, allow_unverified)
         if problem is None:
             usable.append(iteration)
         else:
@@ -213,9 +373,10 @@ def usable_iterations(root: str) -> list[int]:
     return usable
 
 
-def read_checkpoint_metadata(root: str, iteration: int | None = None) -> dict[str, Any]:
+def read_checkpoint_metadata(root: str, iteration: int | None = None, allow_unverified: bool = False
+                             ) -> dict[str, Any]:
     """Return the layout / HF-config metadata of a checkpoint (the newest usable one by default)."""
-    return _read_metadata(root, usable_iterations(root)[0] if iteration is None else iteration)
+    return _read_metadata(root, usable_iterations(root, allow_unverified)[0] if iteration is None else iteration)
 
 
 def checkpoint_metadata(build, hf_config: dict, iteration: int, data_parallel_size: int | None = None,
@@ -258,6 +419,14 @@ def copy_hf_assets(src_dir: str, dst_dir: str) -> None:
         src = os.path.join(src_dir, name)
         if os.path.isfile(src):
             shutil.copy2(src, os.path.join(dst_dir, name))
+
+
+def write_checksums(stage: str, names: list[str] | None = None) -> None:
+    """Record the size and sha256 of rank files (default: all of them) in a staging directory's checksums.json, for
+    checkpoints one process writes (the converter); a run's ranks report theirs to the committer."""
+    names = rank_files(stage) if names is None else names
+    _atomic_write_text(os.path.join(stage, CHECKSUMS),
+                       json.dumps({n: file_digest(os.path.join(stage, n)) for n in names}, indent=1, sort_keys=True))
 
 
 def write_metadata(stage: str, metadata: dict[str, Any], hf_assets_from: str | None) -> None:
@@ -612,9 +781,9 @@ def _verify_own_files(root: str, iteration: int, files: list[str]) -> str | None
     return None
 
 
-def newest_verified_iteration(root: str) -> int:
+def newest_verified_iteration(root: str, allow_unverified: bool = False) -> int:
     """Return the newest iteration whose every file matches checksums.json (offline tools read all shards)."""
-    for iteration in usable_iterations(root):
+    for iteration in usable_iterations(root, allow_unverified):
         path = os.path.join(iteration_dir(root, iteration), CHECKSUMS)
         names = list(json.load(open(path))) if os.path.isfile(path) else []
         problem = _verify_own_files(root, iteration, names)
@@ -625,17 +794,17 @@ def newest_verified_iteration(root: str) -> int:
 
 
 def load_checkpoint(root: str, ranks: CheckpointRanks, distributed_optimizer: bool = False,
-                    iteration: int | None = None) -> LoadedCheckpoint:
+                    iteration: int | None = None, allow_unverified: bool = False) -> LoadedCheckpoint:
     """Load this rank's part of the newest checkpoint that every rank verifies (or of `iteration` only);
     collective when distributed.
 
     A checkpoint any rank finds truncated or corrupted is refused (with the reason) and the next older usable
-    one is tried."""
+    one is tried; one without checksums.json is refused unless `allow_unverified`, and then loaded with a warning."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:
         restore_interrupted_resave(root)
-    candidates = usable_iterations(root)
+    candidates = usable_iterations(root, allow_unverified)
     if dist.is_initialized():  # every rank tries the same iterations in the same order (rank 0's view)
         shared = [candidates]
         dist.broadcast_object_list(shared, src=0)
@@ -662,6 +831,9 @@ def load_checkpoint(root: str, ranks: CheckpointRanks, distributed_optimizer: bo
         problems = _gather(problem) if dist.is_initialized() else [problem]
         bad = [p for p in problems if p]
         if not bad:
+            if not os.path.isfile(os.path.join(iteration_dir(root, iteration), CHECKSUMS)):
+                _warn(f"loading {iteration_dir(root, iteration)} unverified (--allow-unverified-checkpoint): it has "
+                      f"no {CHECKSUMS}")
             return LoadedCheckpoint(root, iteration, metadata, state, distrib)
         _warn(f"refusing checkpoint iteration {iteration}: {bad[0]}; trying an older one")
     raise CheckpointError(f"--load {root}: every checkpoint failed verification (see the warnings above)")

@@ -10,13 +10,16 @@ import torch
 import torch.distributed as dist
 
 from megatron_ais import platform
+from megatron_ais.lifetime import exit_with_parent
 from megatron_ais.parallel import ParallelLayout
 
 
 def initialize_distributed(timeout_minutes: int = 30) -> None:
-    """Start torch.distributed from the launcher's env (torchrun): gloo on CPU; NCCL and gloo (host tensors) on CUDA."""
+    """Start torch.distributed from the launcher's env (torchrun): gloo on CPU; NCCL and gloo (host tensors) on CUDA.
+    The rank exits with its launcher (`lifetime.exit_with_parent`)."""
     if dist.is_initialized():
         return
+    exit_with_parent()
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
             raise RuntimeError(f"environment variable {var} is not set; launch with torchrun "

@@ -70,6 +70,16 @@ class ModelShape:
             **(moe_fields(cfg) if model_type in MOE_MODEL_TYPES else {}),
         )
 
+    def num_parameters(self, vocab_size: int | None = None) -> int:
+        """The model's parameters (with the vocabulary padded to `vocab_size` when given)."""
+        h, hd = self.hidden_size, self.head_dim
+        qkv = hd * (self.num_attention_heads + 2 * self.num_key_value_heads)
+        attention = h * qkv + hd * self.num_attention_heads * h + (qkv if self.qkv_bias else 0) \
+            + (2 * hd if self.qk_norm else 0)
+        mlp = self.num_experts * (3 * h * self.moe_ffn_hidden_size + h) if self.is_moe else 3 * h * self.ffn_hidden_size
+        embeddings = (vocab_size or self.vocab_size) * h * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_layers * (attention + mlp + 2 * h) + h
+
     def padded_vocab_size(self, divisible_by: int, tp: int) -> int:
         """Return the vocabulary padded to a multiple of divisible_by x TP, as Megatron-LM pads it."""
         multiple = divisible_by * tp

@@ -129,11 +129,12 @@ def run_sft(config) -> dict:
 
     from megatron_ais.data.tasks import build_task
     from megatron_ais.logging import RunLogger
-    from megatron_ais.training import initialize_trainer, setup_model_and_optimizer
+    from megatron_ais.training import prepare_trainer, setup_model_and_optimizer, start_trainer
 
     trainer = config.trainer
     examples = build_task(trainer.task, trainer.training.seed).train  # bad task flags fail before anything heavy
-    hf_config, build = initialize_trainer(trainer)
+    hf_config, build = prepare_trainer(trainer)
+    lock = start_trainer(trainer)
     is_logger = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 \
         and ps.get_data_parallel_rank() == 0
     log = RunLogger(trainer.logging.output_dir, trainer.logging.tensorboard_dir, is_logger)
@@ -152,4 +153,6 @@ def run_sft(config) -> dict:
                "losses": history, "steps": config.sft.train_iters, "wall_s": time.time() - start}
     log.summary(summary)
     log.close()
+    if lock is not None:
+        lock.release()
     return summary

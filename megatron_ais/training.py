@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable, Iterator
 
 import torch
 
+from megatron_ais.checkpointing import (check_room, check_writable, checkpoint_bytes, hold_save_directory,
+                                        refuse_directories_in_use)
 from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import FlagConfig, flag
 
@@ -132,9 +135,10 @@ class WeightSource:
     load: str | None = None
     hf_dir: str | None = None
     iteration: int | None = None
+    allow_unverified: bool = False  # a checkpoint without checksums.json is loaded (with a warning), not refused
 
 
-def read_model_config(model, layout, load: str | None) -> dict:
+def read_model_config(model, layout, load: str | None, allow_unverified: bool = False) -> dict:
     """Return the model's HF config, from the --load checkpoint's metadata or --hf-dir's config.json, once checked
     against the run: the checkpoint's layout and vocabulary padding (before any rank file is read: their directory
     names depend on the layout), the architecture's support, the layout's fit. The one place setup opens it."""
@@ -144,7 +148,7 @@ def read_model_config(model, layout, load: str | None) -> dict:
 
     if load is not None:
         restore_interrupted_resave(load)  # a re-save interrupted between its two renames is put back
-        metadata = read_checkpoint_metadata(load)
+        metadata = read_checkpoint_metadata(load, allow_unverified=allow_unverified)
         check_layout(metadata, layout, load)
         check_vocab_padding(metadata, model.make_vocab_size_divisible_by, layout.tensor, load)
         hf_config, source = metadata["hf_config"], f"checkpoint {load}"
@@ -158,15 +162,53 @@ def read_model_config(model, layout, load: str | None) -> dict:
     return hf_config
 
 
-def initialize_trainer(trainer) -> tuple[dict, object]:
-    """Read and check the model's config, then start megatron at the trainer's layout (`trainer`: an
-    arguments.TrainerConfig); return (the HF config, the ModelBuildConfig)."""
-    from megatron_ais.initialize import initialize_megatron
+def check_output_directories(trainer) -> None:
+    """--save, --output-dir and --tensorboard-dir can be written (or created), checked before anything is."""
+    for option, path in (("--save", trainer.checkpoint.save), ("--output-dir", trainer.logging.output_dir),
+                         ("--tensorboard-dir", trainer.logging.tensorboard_dir)):
+        if path:
+            check_writable(path, option)
+
+
+def prepare_trainer(trainer) -> tuple[dict, object]:
+    """Everything a trainer checks before it starts (`trainer`: an arguments.TrainerConfig), in an order that writes
+    nothing: its output directories can be written, no live run holds --save or --load, the model's config is read and
+    checked once, --save has room for a checkpoint. Return (the HF config, the ModelBuildConfig)."""
     from megatron_ais.model import ModelBuildConfig
 
-    hf_config = read_model_config(trainer.model, trainer.layout, trainer.checkpoint.load)
+    check_output_directories(trainer)
+    checkpoint = trainer.checkpoint
+    if is_first_rank():
+        refuse_directories_in_use(checkpoint)
+    hf_config = read_model_config(trainer.model, trainer.layout, checkpoint.load,
+                                  checkpoint.allow_unverified_checkpoint)
+    build = ModelBuildConfig.create(trainer.model, trainer.layout, hf_config)
+    if checkpoint.save:
+        check_room(checkpoint.save, checkpoint_bytes(build), "--save")
+    return hf_config, build
+
+
+def start_trainer(trainer):
+    """The first rank holds --save's lock for the life of the run (returned; None elsewhere or without --save), then
+    megatron starts at the trainer's layout."""
+    from megatron_ais.initialize import initialize_megatron
+
+    lock = hold_save_directory(trainer.checkpoint) if is_first_rank() else None
     initialize_megatron(trainer.layout, trainer.training.seed)
-    return hf_config, ModelBuildConfig.create(trainer.model, trainer.layout, hf_config)
+    return lock
+
+
+def initialize_trainer(trainer) -> tuple[dict, object]:
+    """`prepare_trainer`, then megatron started at the trainer's layout; return (the HF config, the
+    ModelBuildConfig). A --save directory stays locked for the life of the process."""
+    hf_config, build = prepare_trainer(trainer)
+    start_trainer(trainer)
+    return hf_config, build
+
+
+def is_first_rank() -> bool:
+    """Whether this process is global rank 0 (from the launcher's environment, before torch.distributed starts)."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 @dataclasses.dataclass
@@ -196,7 +238,7 @@ def load_policy_chunks(build, source: WeightSource, distributed_optimizer: bool 
     chunks = build_model_chunks(build)
     if source.load:
         loaded = load_checkpoint(source.load, CheckpointRanks.from_parallel_state(), distributed_optimizer,
-                                 source.iteration)
+                                 source.iteration, source.allow_unverified)
         check_layout(loaded.metadata, build.layout, source.load)  # an older iteration may have another layout
         load_model_state(chunks, loaded.state)
         return chunks, loaded.assets_dir, loaded

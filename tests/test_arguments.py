@@ -120,7 +120,7 @@ def test_vocab_padding_matches_megatron_lm():
 
 def test_cli_reports_bad_layout_without_traceback(model_root):
     hf_dir = make_model_dir(model_root, "llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
-    env = {**os.environ, "WORLD_SIZE": "4"}
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "4"}  # what torchrun gives rank 0 of 4
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train_sft.py"), "--hf-dir", hf_dir,
                            "--tensor-model-parallel-size", "4"], capture_output=True, text=True, env=env)
     assert proc.returncode == 2

@@ -16,10 +16,11 @@ import re
 import sys
 import time
 
+from megatron_ais.arguments import FlagParser
 from megatron_ais.checkpointing import (CHECKPOINT_VERSION, HF_ASSETS, RANK_FILE, TRACKER, checkpoint_metadata,
                                         commit_checkpoint, iteration_dir, load_rank_state, newest_verified_iteration,
-                                        prepare_staging, rank_dir_name, read_checkpoint_metadata, write_metadata,
-                                        write_rank_state)
+                                        prepare_staging, rank_dir_name, read_checkpoint_metadata, write_checksums,
+                                        write_metadata, write_rank_state)
 from megatron_ais.errors import ArgumentValidationError, CheckpointError
 from megatron_ais.mapping.distributed import shard_context, stage_file_name, write_hf_index_and_config
 from megatron_ais.mapping.hf_io import HFCheckpointReader, hf_tensors_from_shards, megatron_shard_from_hf
@@ -91,10 +92,11 @@ def hf_to_megatron(hf_dir: str, save: str, tp: int, pp: int, divisible_by: int =
                              {"model": state, "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION},
                              ep_rank, ep)
     write_metadata(stage, checkpoint_metadata(build, hf_config, iteration, source=os.path.abspath(hf_dir)), hf_dir)
+    write_checksums(stage)
     return commit_checkpoint(save, iteration)
 
 
-def megatron_to_hf(load: str, save: str) -> str:
+def megatron_to_hf(load: str, save: str, allow_unverified: bool = False) -> str:
     """Write a HF model directory (safetensors, config, tokenizer) from a Megatron checkpoint; return it.
 
     Under expert parallelism the shard directories are those of the ranks that saved (expert-data-parallel rank 0):
@@ -103,7 +105,7 @@ def megatron_to_hf(load: str, save: str) -> str:
     same in every EP rank's); EP rank e's experts, expert-TP shard k, from a directory (t, e) with t % expert-TP == k
     (megatron lays expert-TP rank k on the ranks whose TP rank is k modulo expert-TP).
     """
-    iteration = newest_verified_iteration(load)
+    iteration = newest_verified_iteration(load, allow_unverified)
     meta = read_checkpoint_metadata(load, iteration)
     hf_config = meta["hf_config"]
     tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
@@ -172,8 +174,7 @@ def megatron_to_hf(load: str, save: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = FlagParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = parser.add_subparsers(dest="direction", required=True)
     to_m = sub.add_parser("hf-to-megatron", help="HF safetensors -> sharded Megatron checkpoint",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -192,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     to_h.add_argument("--load", required=True, help="Megatron checkpoint directory to read (latest iteration).")
     to_h.add_argument("--save", required=True, help="HF model directory to write.")
+    to_h.add_argument("--allow-unverified-checkpoint", action="store_true",
+                      help="Read a checkpoint that has no checksums.json (written by another tool); refused otherwise.")
     return parser
 
 
@@ -208,7 +211,7 @@ def main(argv=None) -> int:
                                  args.pipeline_model_parallel_size, args.make_vocab_size_divisible_by,
                                  ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
         else:
-            out = megatron_to_hf(args.load, args.save)
+            out = megatron_to_hf(args.load, args.save, args.allow_unverified_checkpoint)
     except (ValueError, FileNotFoundError, KeyError, RuntimeError) as err:  # ArgumentValidationError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         return 2

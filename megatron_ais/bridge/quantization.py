@@ -47,6 +47,42 @@ class QuantizationPolicy(FlagConfig):
         return torch.float32 if self.precision == "fp32" else torch.bfloat16
 
 
+def _fp8_requirements(shape, engine_tp: int) -> list[tuple[str, str, int, str]]:
+    """What vLLM's blockwise FP8 layers need whole blocks of, per engine rank at TP `engine_tp` (its
+    `validate_fp8_block_shape` rules): (module, the regex that keeps its fused group in BF16, size, what). Output
+    rows of every fused projection but the last (all when TP > 1), input columns of row-parallel projections when
+    TP > 1, every expert's FFN rows."""
+    hd, t, split = shape.head_dim, engine_tp, engine_tp > 1
+    q, kv = shape.num_attention_heads * hd // t, max(shape.num_key_value_heads // t, 1) * hd
+    qkv = r"self_attn\.[qkv]_proj"
+    needs = [("self_attn.q_proj", qkv, q, "output rows"), ("self_attn.k_proj", qkv, kv, "output rows")]
+    needs += [("self_attn.v_proj", qkv, kv, "output rows"), ("self_attn.o_proj", r"self_attn\.o_proj", q,
+                                                              "input columns")] if split else []
+    if shape.is_moe:
+        return needs + [("mlp.experts.0.gate_proj", r"mlp\.experts\.", shape.moe_ffn_hidden_size // t, "output rows")]
+    ffn, gate_up = shape.ffn_hidden_size // t, r"mlp\.(gate|up)_proj"
+    needs.append(("mlp.gate_proj", gate_up, ffn, "output rows"))
+    return needs + ([("mlp.up_proj", gate_up, ffn, "output rows"),
+                     ("mlp.down_proj", r"mlp\.down_proj", ffn, "input columns")] if split else [])
+
+
+def check_engine_shapes(shape, policy: QuantizationPolicy, engine_tp: int) -> None:
+    """Refuse up front, naming the tensor, its size and the flags to change, an FP8 tensor that vLLM could not load as
+    whole 128x128 blocks at this engine TP size (`shape`: the model's ModelShape). Refusing beats keeping it in BF16
+    behind the user's back: an FP8 run would then not be the FP8 run asked for."""
+    if policy.precision != "fp8":
+        return
+    for layer in range(shape.num_layers):
+        for module, group, size, what in _fp8_requirements(shape, engine_tp):
+            name = f"model.layers.{layer}.{module}.weight"
+            if policy.quantizes(name) and size % policy.block_size:
+                raise ValueError(
+                    f"--rollout-precision fp8: {name} has {size} {what} per engine rank "
+                    f"(--rollout-tensor-parallel-size {engine_tp}), not whole {policy.block_size}x{policy.block_size} "
+                    f"blocks as vLLM's FP8 layers need; keep it in BF16 with --bridge-fp8-exclude '{group}', use "
+                    "--rollout-precision bf16, or an engine TP size that splits it into whole blocks")
+
+
 def quantize_for_engine(named_tensors: Iterable[tuple[str, torch.Tensor]], policy: QuantizationPolicy
                         ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the engine's tensors: (name, fp8) and (name_scale_inv, fp32) for quantized weights, casts otherwise."""

@@ -102,12 +102,14 @@ class GRPORun:
         return self.finish()
 
     def setup(self) -> None:
-        """Read and check the model (one look at the checkpoint) and the task before any process group starts, then
-        build the trainer, the engine and the bridge; a fresh run evaluates the initial policy, a resumed one gives the
+        """Check the task, the output directories, the model (one look at the checkpoint) and its FP8 shapes before
+        any process group starts, and that no live run holds --save or --load; hold --save for the run; then build
+        the trainer, the engine and the bridge. A fresh run evaluates the initial policy, a resumed one gives the
         engine the saved weights."""
+        from megatron_ais.bridge.quantization import check_engine_shapes
         from megatron_ais.data.tasks import build_task
-        from megatron_ais.errors import TaskError
-        from megatron_ais.training import initialize_trainer
+        from megatron_ais.errors import ArgumentValidationError, TaskError
+        from megatron_ais.training import prepare_trainer, start_trainer
 
         self.started = time.time()
         trainer = self.trainer
@@ -115,7 +117,12 @@ class GRPORun:
         if len(self.task.train) < self.loop.prompts_per_step:
             raise TaskError(f"--prompts-per-step {self.loop.prompts_per_step} exceeds the {len(self.task.train)} "
                             "training examples of the task; lower it or raise --num-examples")
-        self.hf_config, self.build = initialize_trainer(trainer)
+        self.hf_config, self.build = prepare_trainer(trainer)
+        try:
+            check_engine_shapes(self.build.shape, self.config.bridge.policy, self.config.engine.tensor_parallel_size)
+        except ValueError as err:
+            raise ArgumentValidationError(str(err)) from err
+        self.lock = start_trainer(trainer)
         self._setup_trainer()
         self._setup_engine()
         self._setup_bridge()
@@ -134,14 +141,18 @@ class GRPORun:
         self.model = setup_model_and_optimizer(self.build, trainer.weights, trainer.training,
                                                trainer.checkpoint.finetune, run_kind="grpo")
         saved, loaded = self.model.run_state, self.model.loaded
+        unverified = trainer.checkpoint.allow_unverified_checkpoint
         reference = (saved or {}).get("reference_source") or reference_source(
-            self.loop.ref_load, trainer.checkpoint.load, trainer.model.hf_dir, loaded.iteration if loaded else None)
+            self.loop.ref_load, trainer.checkpoint.load, trainer.model.hf_dir, loaded.iteration if loaded else None,
+            unverified)
         self.state = GRPOState.begin(saved, trainer.training.seed, self.loop.rollout_seed, reference)
         self.groups = ParallelGroups.from_parallel_state()
         self.checkpoint_ranks = CheckpointRanks.from_parallel_state()
         self.bridge_layout = BridgeLayout.from_parallel_state(self.engine_rank)
-        self.reference = build_reference_chunks(self.build, WeightSource(**self.state.reference)) \
-            if config.loss.kl_coef else None
+        self.reference = None
+        if config.loss.kl_coef:
+            self.reference = build_reference_chunks(self.build,
+                                                    WeightSource(**self.state.reference, allow_unverified=unverified))
         self.grpo = GRPOConfig(loss=config.loss, correction=config.correction, vocab_size=self.build.shape.vocab_size,
                                micro_batch_size=trainer.training.micro_batch_size,
                                num_minibatches=self.loop.num_minibatches, ppo_epochs=self.loop.ppo_epochs,
@@ -342,4 +353,6 @@ class GRPORun:
         if self.manager is not None:
             self.manager.engine.shutdown()
             self.receiver.close()
+        if self.lock is not None:
+            self.lock.release()
         return summary

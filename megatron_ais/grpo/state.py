@@ -25,14 +25,14 @@ def changed_flags(saved: dict, current: dict) -> list[str]:
             for k, v in sorted(saved.items()) if k in current and k not in RESUME_FREE_FLAGS and current[k] != v]
 
 
-def reference_source(ref_load: str | None, load: str | None, hf_dir: str | None, loaded_iteration: int | None
-                     ) -> dict:
+def reference_source(ref_load: str | None, load: str | None, hf_dir: str | None, loaded_iteration: int | None,
+                     allow_unverified: bool = False) -> dict:
     """Where the frozen KL reference comes from: --ref-load, else what this run started from; a checkpoint with the
     iteration it had then, so that a resumed run (whose --load has newer iterations, perhaps its own) keeps it."""
     from megatron_ais.checkpointing import usable_iterations
 
     if ref_load:
-        return {"load": ref_load, "iteration": usable_iterations(ref_load)[0]}
+        return {"load": ref_load, "iteration": usable_iterations(ref_load, allow_unverified)[0]}
     return {"load": load, "iteration": loaded_iteration} if load else {"hf_dir": hf_dir}
 
 

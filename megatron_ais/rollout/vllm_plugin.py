@@ -13,7 +13,8 @@ skips the experts' `process_weights_after_loading`, which on CPU is what pre-pac
 any in-place `reload_weights` the experts read unpacked data as packed (garbage, no error). The plugin runs that
 step on updates too. (2) The FP8 W8A16 MoE experts (`CPUExpertsFp8`, op `fused_experts_cpu`) carry the same AMX
 gate; lifted under the same conditions as the linear kernels.
-Set MEGATRON_AIS_VLLM_PLUGIN=0 to disable it.
+Set MEGATRON_AIS_VLLM_PLUGIN=0 to disable it. Independently, in the engine processes a run starts, the plugin makes
+them exit with their parent (`megatron_ais.lifetime`).
 """
 from __future__ import annotations
 
@@ -33,7 +34,11 @@ def cpu_has_avx512_bf16() -> bool:
 
 
 def register() -> None:
-    """Patch the CPU FP8 W8A16 kernels' support gate and bias dtype, where that is known to be correct."""
+    """In a process a run started, exit with its parent (`lifetime`); patch the CPU FP8 W8A16 kernels' support gate
+    and bias dtype, where that is known to be correct."""
+    from megatron_ais.lifetime import exit_with_parent_if_asked
+
+    exit_with_parent_if_asked()
     if os.environ.get("MEGATRON_AIS_VLLM_PLUGIN", "1") != "1":
         return
     import torch

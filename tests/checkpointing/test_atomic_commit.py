@@ -13,6 +13,7 @@ def _save(root, iteration, value):
     ckpt.write_metadata(stage, {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
                                 "hf_config": {}}, None)
     ckpt.write_rank_state(stage, 0, 0, 1, {"model": {"w": torch.full((2,), value)}})
+    ckpt.write_checksums(stage)
     return ckpt.commit_checkpoint(root, iteration)
 
 
@@ -66,6 +67,7 @@ def test_crash_inside_a_two_rename_resave_keeps_the_old_copy(tmp_path):
     ckpt.write_metadata(stage, {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
                                 "hf_config": {}}, None)
     ckpt.write_rank_state(stage, 0, 0, 1, {"model": {"w": torch.full((2,), 3.0)}})
+    ckpt.write_checksums(stage)
     os.replace(ckpt.iteration_dir(root, 2), ckpt.iteration_dir(root, 2) + ".old")  # the crash point
     assert ckpt.usable_iterations(root)[0] == 1  # a plain reader changes nothing and sees the older copy
     ckpt.restore_interrupted_resave(root)  # what read_model_config, load_checkpoint and prepare_staging do first

@@ -112,7 +112,52 @@ def test_restore_refuses_weights_only_checkpoint(tmp_path):
     stage = ckpt.prepare_staging(root, 1)
     ckpt.write_metadata(stage, {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}, None)
     ckpt.write_rank_state(stage, 0, 0, 1, {"model": {"weight": torch.zeros(4, 4)}, "run_state": {"kind": "x"}})
+    ckpt.write_checksums(stage)
     ckpt.commit_checkpoint(root, 1)
     loaded = ckpt.load_checkpoint(root, ckpt.CheckpointRanks())
     with pytest.raises(ckpt.CheckpointError, match="--finetune"):
         ckpt.restore_training_state(loaded, torch.optim.Adam(_Tiny(0).parameters()), 0)
+
+
+def _unverified(root, iteration=1):
+    """A committed checkpoint with no checksums.json, as another tool might write one."""
+    stage = ckpt.prepare_staging(root, iteration)
+    ckpt.write_metadata(stage, {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}, None)
+    ckpt.write_rank_state(stage, 0, 0, 1, {"model": {"weight": torch.full((4, 4), 5.0)}})
+    ckpt.commit_checkpoint(root, iteration)
+
+
+def test_a_checkpoint_nothing_can_verify_is_refused_unless_asked(tmp_path, capfd):
+    root = str(tmp_path)
+    _unverified(root)
+    with pytest.raises(ckpt.CheckpointError, match="has no checksums.json, so nothing can verify its files .* "
+                                                   "--allow-unverified-checkpoint"):
+        ckpt.load_checkpoint(root, ckpt.CheckpointRanks())
+    capfd.readouterr()
+    loaded = ckpt.load_checkpoint(root, ckpt.CheckpointRanks(), allow_unverified=True)
+    assert torch.equal(loaded.state["model"]["weight"], torch.full((4, 4), 5.0))
+    assert "unverified (--allow-unverified-checkpoint): it has no checksums.json" in capfd.readouterr().err
+
+
+def test_a_rank_file_checksums_json_does_not_list_is_refused(tmp_path):
+    root = str(tmp_path)
+    _save(root, 1, 1.0)
+    extra = os.path.join(ckpt.iteration_dir(root, 1), "mp_rank_01", ckpt.RANK_FILE)
+    os.makedirs(os.path.dirname(extra))
+    torch.save({"model": {}}, extra)
+    with pytest.raises(ckpt.CheckpointError, match="mp_rank_01/model_optim_rng.pt is not listed in checksums.json"):
+        ckpt.load_checkpoint(root, ckpt.CheckpointRanks())
+
+
+def test_a_corrupted_tracker_is_named_and_the_newest_verified_iteration_used(tmp_path, capfd):
+    root = str(tmp_path)
+    _save(root, 1, 1.0)
+    newest = _save(root, 2, 2.0)
+    with open(os.path.join(root, ckpt.TRACKER), "w") as f:
+        f.write("garbage")
+    loaded = ckpt.load_checkpoint(root, ckpt.CheckpointRanks())
+    assert loaded.iteration == 2 and torch.equal(loaded.state["model"]["weight"], newest)
+    err = capfd.readouterr().err
+    assert f"{os.path.join(root, ckpt.TRACKER)} holds 'garbage', not an iteration number (corrupted)" in err
+    os.truncate(_rank_file(root, 2), 100)  # the newest is damaged too: the one before it
+    assert ckpt.load_checkpoint(root, ckpt.CheckpointRanks()).iteration == 1

@@ -102,10 +102,12 @@ def test_cli_stops_on_a_bad_prompt_file_before_starting(tmp_path, model_root):
 
     hf_dir = make_model_dir(model_root, "qwen3")
     bad = _write(tmp_path / "bad.jsonl", [GSM8K, "{oops"])
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1"}  # as torchrun starts it
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train_sft.py"), "--hf-dir", hf_dir,
-                           "--task", "jsonl", "--prompt-file", bad], capture_output=True, text=True, timeout=120)
+                           "--task", "jsonl", "--prompt-file", bad], capture_output=True, text=True, timeout=120,
+                          env=env)
     assert proc.returncode == 2 and f"{bad}:2:" in proc.stderr and "--skip-bad-samples" in proc.stderr
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train_sft.py"), "--hf-dir", hf_dir,
-                           "--task", "jsonl"], capture_output=True, text=True, timeout=120)
+                           "--task", "jsonl"], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2 and "--prompt-file" in proc.stderr
 

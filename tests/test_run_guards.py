@@ -1,0 +1,129 @@
+"""What a run refuses before it starts, in one line a person reads, writing nothing: a start without torchrun, bad
+flags (no usage block), a --save another live run holds, output directories that cannot be written or lack room
+for a checkpoint, FP8 shapes vLLM cannot load."""
+import os
+
+import pytest
+
+from conftest import make_model_dir
+from megatron_ais import checkpointing as ckpt
+from megatron_ais.errors import CheckpointError
+
+TORCHRUN_RANK0 = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}  # what torchrun gives a 1-rank run
+
+
+@pytest.fixture
+def grpo(monkeypatch, capsys):
+    """pretrain_grpo_ais.py's main in this process, as torchrun would start rank 0 of 1 (`torchrun=False`: as a
+    plain script); return (exit code, stderr)."""
+    import pretrain_grpo_ais
+
+    def run(*argv, torchrun=True):
+        for name, value in TORCHRUN_RANK0.items():
+            monkeypatch.setenv(name, value) if torchrun else monkeypatch.delenv(name, raising=False)
+        with pytest.raises(SystemExit) as exit_info:
+            pretrain_grpo_ais.main([str(a) for a in argv])
+        return exit_info.value.code, capsys.readouterr().err
+
+    return run
+
+
+def _refused(result, *expected):
+    code, stderr = result
+    lines = stderr.strip().splitlines()
+    assert code == 2, stderr[-3000:]
+    assert "usage:" not in stderr and lines[-1] == "see: pretrain_grpo_ais.py --help", lines[-4:]
+    assert lines[-2].startswith("error: "), lines[-4:]
+    for text in expected:
+        assert text in lines[-2], lines[-2]
+    return lines[-2]
+
+
+@pytest.fixture(scope="module")
+def model(model_root):
+    return make_model_dir(model_root, "qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                          num_key_value_heads=2)
+
+
+def test_a_start_without_torchrun_says_how_to_start(grpo, model):
+    _refused(grpo("--hf-dir", model, torchrun=False), "runs one process per rank under torchrun: python -m "
+                                                      "torch.distributed.run --nproc-per-node N pretrain_grpo_ais.py")
+
+
+def test_flag_errors_are_one_line_without_the_usage_block(grpo, model):
+    _refused(grpo("--hf-dir", model, "--group-size", "1"), "--group-size 1: GRPO's advantages compare")
+    _refused(grpo("--hf-dir", model, "--rollout-precision", "int4"), "argument --rollout-precision: invalid choice")
+
+
+def test_a_save_directory_a_live_run_holds_is_refused_writing_nothing(grpo, model, tmp_path):
+    save, out = str(tmp_path / "ckpt"), tmp_path / "out"
+    lock = ckpt.RunLock(save)
+    lock.acquire()  # this test process plays the live run
+    try:
+        _refused(grpo("--hf-dir", model, "--save", save, "--output-dir", out),
+                 f"--save {save} is in use by the run of pid {os.getpid()}")
+        _refused(grpo("--load", save, "--output-dir", out), f"--load {save} is in use by the run of pid {os.getpid()}")
+    finally:
+        lock.release()
+    assert not out.exists()
+
+
+def _unwritable(tmp_path):
+    """A directory nobody may create files in: sysfs refuses even root, a read-only mode everyone else."""
+    if os.geteuid() == 0:
+        return "/sys/megatron-ais-test"
+    path = tmp_path / "read-only"
+    path.mkdir(mode=0o555)
+    return str(path)
+
+
+def test_unwritable_output_directories_are_refused_up_front(grpo, model, tmp_path):
+    unwritable = _unwritable(tmp_path)
+    _refused(grpo("--hf-dir", model, "--save", f"{unwritable}/ckpt", "--output-dir", tmp_path / "out"),
+             f"--save {unwritable}/ckpt cannot be written")
+    _refused(grpo("--hf-dir", model, "--output-dir", f"{unwritable}/out"), f"--output-dir {unwritable}/out cannot")
+    _refused(grpo("--hf-dir", model, "--output-dir", tmp_path / "out", "--tensorboard-dir", f"{unwritable}/tb"),
+             f"--tensorboard-dir {unwritable}/tb cannot be written")
+    assert not (tmp_path / "out").exists()
+
+
+def test_fp8_shapes_vllm_cannot_load_are_refused_naming_the_tensor(grpo, model_root, tmp_path):
+    odd = make_model_dir(model_root, "qwen3", hidden_size=192, intermediate_size=320, num_attention_heads=3,
+                         num_key_value_heads=1)
+    message = _refused(grpo("--hf-dir", odd, "--rollout-precision", "fp8", "--output-dir", tmp_path / "out"),
+                       "--rollout-precision fp8: model.layers.0.self_attn.q_proj.weight has 192 output rows per engine "
+                       "rank (--rollout-tensor-parallel-size 1)")
+    assert "--bridge-fp8-exclude 'self_attn\\.[qkv]_proj'" in message and "--rollout-precision bf16" in message
+
+
+def test_a_save_directory_without_room_for_a_checkpoint_is_refused(tmp_path, monkeypatch):
+    import shutil
+
+    from megatron_ais.model import ModelBuildConfig, ModelShape
+
+    shape = ModelShape.from_hf_config({"model_type": "qwen3", "num_attention_heads": 32, "num_key_value_heads": 8,
+                                       "hidden_size": 4096, "num_hidden_layers": 36, "intermediate_size": 12288,
+                                       "vocab_size": 151936, "head_dim": 128})
+    build = ModelBuildConfig(shape=shape)
+    assert 8.1e9 < shape.num_parameters() < 8.3e9  # Qwen3-8B: 8.2 B parameters
+    assert ckpt.checkpoint_bytes(build) == shape.num_parameters(build.padded_vocab_size) * 14
+    usage = shutil.disk_usage(str(tmp_path))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=50 * 10 ** 9))
+    with pytest.raises(CheckpointError, match=f"--save {tmp_path}/ckpt: one checkpoint of this model takes about "
+                                              "11[0-9].[0-9]+ GB and 50.00 GB are free there"):
+        ckpt.check_room(str(tmp_path / "ckpt"), ckpt.checkpoint_bytes(build), "--save")
+    ckpt.check_room(str(tmp_path / "ckpt"), 10 ** 9, "--save")
+
+
+@pytest.mark.parametrize("arch,overrides", [("qwen3", {}), ("qwen2", {}), ("llama", {"tie_word_embeddings": True}),
+                                            ("qwen3_moe", {})])
+def test_parameter_count_equals_transformers(model_root, arch, overrides):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from megatron_ais.model import ModelShape
+
+    hf_dir = make_model_dir(model_root, arch, **overrides)
+    reference = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(hf_dir).parameters())
+    assert ModelShape.from_hf_config(json.load(open(os.path.join(hf_dir, "config.json")))).num_parameters() == reference
