@@ -33,7 +33,8 @@ $(LAUNCH_STAMP): requirements/launch.txt
 	touch $@
 
 # The default recipe on 2 gloo ranks (DP2): tiny Qwen3 model and tokenizer, a supervised warm-up on the digit-sort
-# task (Megatron checkpoint), then GRPO + AIS with FP8 rollouts in a separate vLLM engine, checkpointed.
+# task (Megatron checkpoint), then GRPO + AIS with FP8 rollouts in a separate vLLM engine, micro-batches by tokens,
+# checkpointed.
 RUN_DIR ?= runs/default
 run: $(STAMP)
 	rm -rf $(RUN_DIR)
@@ -43,8 +44,8 @@ run: $(STAMP)
 	    --seq-length 64 --lr 3e-3 --log-interval 10 --output-dir $(RUN_DIR)/sft --save $(RUN_DIR)/sft/checkpoint
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) pretrain_grpo_ais.py \
 	    --load $(RUN_DIR)/sft/checkpoint --task digit_sort --seq-length 64 --grpo-steps 50 --eval-interval 10 \
-	    --eval-prompts 128 --micro-batch-size 16 --lr 3e-4 --prompts-per-step 32 --group-size 8 \
-	    --rollout-precision fp8 --is-correction ais --rollout-kv-cache-gb 0.5 \
+	    --eval-prompts 128 --micro-batch-size 16 --max-tokens-per-microbatch 1024 --lr 3e-4 --prompts-per-step 32 \
+	    --group-size 8 --rollout-precision fp8 --is-correction ais --rollout-kv-cache-gb 0.5 \
 	    --save $(RUN_DIR)/checkpoint --save-interval 25 --output-dir $(RUN_DIR)
 
 test: $(STAMP) $(LAUNCH_STAMP)

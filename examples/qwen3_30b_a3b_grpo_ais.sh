@@ -67,6 +67,8 @@ GPT_MODEL_ARGS=(
 TRAINING_ARGS=(
     --seed 1234
     --micro-batch-size 1
+    --max-tokens-per-microbatch 4096  # micro-batches by tokens: at most one row of 4096, several short ones
+                                      # together; every DP (and so EP) rank runs as many micro-batches
     --lr 5e-7
     --weight-decay 0.01
     --adam-beta1 0.9

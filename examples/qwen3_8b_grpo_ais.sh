@@ -57,6 +57,8 @@ GPT_MODEL_ARGS=(
 TRAINING_ARGS=(
     --seed 1234
     --micro-batch-size 2
+    --max-tokens-per-microbatch 8192  # micro-batches by tokens: at most what 2 rows of 4096 take today, each padded
+                                      # only to its own longest sequence; DP ranks get balanced token counts
     --lr 1e-6
     --weight-decay 0.01
     --adam-beta1 0.9

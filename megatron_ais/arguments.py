@@ -99,6 +99,11 @@ class TrainerConfig:
         if config.layout.sequence_parallel and seq_length % tp:
             raise ArgumentValidationError(f"--sequence-parallel splits sequences over TP: --seq-length {seq_length} "
                                           f"must be a multiple of --tensor-model-parallel-size {tp}")
+        budget = config.training.max_tokens_per_microbatch
+        if budget is not None and budget < seq_length:
+            raise ArgumentValidationError(
+                f"--max-tokens-per-microbatch {budget} is smaller than one sequence of --seq-length {seq_length}; "
+                f"give it at least {seq_length} tokens (a few sequences' worth keeps the micro-batches few)")
         return config
 
     def data_parallel(self, world_size: int) -> int:
@@ -155,7 +160,9 @@ class GRPORunConfig:
             raise ArgumentValidationError(
                 f"--max-new-tokens {loop.max_new_tokens} leaves no room for the prompt in --seq-length "
                 f"{self.trainer.model.seq_length}; raise --seq-length or lower --max-new-tokens")
-        check_rollout_batch(loop, training.micro_batch_size, self.trainer.data_parallel(world_size))
+        # with a token budget micro-batches take what fits: --micro-batch-size does not apply
+        check_rollout_batch(loop, 1 if training.max_tokens_per_microbatch else training.micro_batch_size,
+                            self.trainer.data_parallel(world_size))
         if self.engine.placement == "colocated" and world_size > 1:
             raise ArgumentValidationError("--rollout-placement colocated needs a single-rank trainer (an in-process "
                                           "vLLM engine owns torch.distributed); use --rollout-placement separate")

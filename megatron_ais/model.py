@@ -259,14 +259,17 @@ class ModelBuildConfig:
     seq_length: int = 256
     use_te: bool = False
     init_method_std: float = 0.02
+    variable_seq_lengths: bool = False  # micro-batches of different lengths (pipeline stages exchange shapes)
+    per_token_loss: bool = False  # megatron divides gradients by the global token count, not micro-batches x DP
 
     @classmethod
-    def create(cls, model: ModelConfig, layout: ParallelLayout, hf_config: dict[str, Any]) -> "ModelBuildConfig":
+    def create(cls, model: ModelConfig, layout: ParallelLayout, hf_config: dict[str, Any],
+               variable_seq_lengths: bool = False) -> "ModelBuildConfig":
         """Return the build config of a model config, a layout and the model's HF config."""
         return cls(shape=ModelShape.from_hf_config(hf_config), precision=model.precision, layout=layout,
                    make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, seq_length=model.seq_length,
                    use_te=use_transformer_engine(model.transformer_impl),
-                   init_method_std=hf_config.get("initializer_range", 0.02))
+                   init_method_std=hf_config.get("initializer_range", 0.02), variable_seq_lengths=variable_seq_lengths)
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -308,6 +311,10 @@ def transformer_config(build: ModelBuildConfig):
         pipeline_dtype=dtype,
         **build.layout.megatron_sizes(),
         sequence_parallel=build.layout.sequence_parallel,
+        variable_seq_lengths=build.variable_seq_lengths,
+        calculate_per_token_loss=build.per_token_loss,
+        # the token dispatcher of MoE layers (megatron refuses its default, allgather, with variable lengths)
+        moe_token_dispatcher_type="alltoall",
         # fusions need apex / TE kernels; megatron's own dataclass defaults are already off for most
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -330,7 +337,7 @@ def moe_config_kwargs(build: ModelBuildConfig) -> dict[str, Any]:
     return dict(num_moe_experts=s.num_experts, moe_router_topk=s.moe_topk, moe_ffn_hidden_size=s.moe_ffn_hidden_size,
                 moe_router_pre_softmax=not s.moe_norm_topk_prob, moe_router_score_function="softmax",
                 moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=s.moe_aux_loss_coeff,
-                moe_grouped_gemm=build.use_te, moe_token_dispatcher_type="alltoall")
+                moe_grouped_gemm=build.use_te)
 
 
 def layer_spec(build: ModelBuildConfig):

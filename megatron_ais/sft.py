@@ -65,6 +65,32 @@ def micro_batches(encoded: list[dict], indices: list[int], micro_batch_size: int
     return out
 
 
+def step_micro_batches(encoded: list[dict], window: list[int], config) -> list[dict]:
+    """This DP rank's micro-batches of a global batch (`window`: example indices): an equal share in rows of
+    --micro-batch-size, or with a token budget a token-balanced share in token-budget micro-batches
+    (`grpo.batching`), as many on every DP rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_ais.grpo import batching
+
+    training = config.trainer.training
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    if training.max_tokens_per_microbatch is None:
+        per_rank = len(window) // dp_size
+        return micro_batches(encoded, window[dp_rank * per_rank:(dp_rank + 1) * per_rank], training.micro_batch_size)
+    rows = {k: torch.stack([encoded[i][k] for i in window]) for k in encoded[0]}
+    mine = batching.balanced_partition(batching.row_lengths(rows["loss_mask"]), dp_size)[dp_rank]
+    rows = {k: v[mine] for k, v in rows.items()}
+    layout = config.trainer.layout
+    multiple = layout.tensor if layout.sequence_parallel else 1
+    plan = batching.token_budget_plan(batching.row_lengths(rows["loss_mask"]), training.max_tokens_per_microbatch,
+                                      multiple)
+    count = torch.tensor([len(plan)])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+    return batching.micro_batches(rows, plan.with_placeholders(int(count), multiple))
+
+
 def _train(setup, encoded: list[dict], config, log) -> list[float]:
     """Run --train-iters optimizer steps over the encoded examples (each DP rank its share of every global batch);
     return the loss history (last stage)."""
@@ -73,18 +99,17 @@ def _train(setup, encoded: list[dict], config, log) -> list[float]:
     from megatron_ais.training import lm_forward_step, reduce_lm_loss, train_step
 
     training, iters = config.trainer.training, config.sft.train_iters
-    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    dp_size = ps.get_data_parallel_world_size()
     global_batch = config.sft.global_batch_size or training.micro_batch_size * dp_size
-    per_rank = global_batch // dp_size
     order = torch.randperm(len(encoded), generator=torch.Generator().manual_seed(training.seed)).tolist()
     history = []
     for step in range(1, iters + 1):
         t0 = time.time()
         first = ((step - 1) * global_batch) % len(order)
         window = [order[(first + i) % len(order)] for i in range(global_batch)]
-        batches = micro_batches(encoded, window[dp_rank * per_rank:(dp_rank + 1) * per_rank], training.micro_batch_size)
+        batches = step_micro_batches(encoded, window, config)
         result = train_step(setup.ddp_chunks, setup.optimizer, lm_forward_step, iter(batches), len(batches),
-                            setup.build.seq_length, training.micro_batch_size)
+                            max(b["tokens"].shape[1] for b in batches), max(b["tokens"].shape[0] for b in batches))
         if not result.update_successful:
             raise RuntimeError(f"step {step}: optimizer skipped the update (non-finite gradients)")
         loss = reduce_lm_loss(result.losses, ps.get_data_parallel_group()) if ps.is_pipeline_last_stage() else None
@@ -134,6 +159,9 @@ def run_sft(config) -> dict:
     trainer = config.trainer
     examples = build_task(trainer.task, trainer.training.seed).train  # bad task flags fail before anything heavy
     hf_config, build = prepare_trainer(trainer)
+    # with a token budget the loss is the token mean over the global batch whatever the grouping (Megatron-LM's
+    # --calculate-per-token-loss); by default each micro-batch's token mean counts the same
+    build = dataclasses.replace(build, per_token_loss=trainer.training.max_tokens_per_microbatch is not None)
     lock = start_trainer(trainer)
     is_logger = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 \
         and ps.get_data_parallel_rank() == 0

@@ -26,10 +26,18 @@ class TrainingConfig(FlagConfig):
     adam_eps: float = flag(1e-8, "Adam epsilon.")
     clip_grad: float = flag(1.0, "Clip the global gradient norm to this value.")
     use_distributed_optimizer: bool = flag(False, "Shard optimizer state over data-parallel ranks (ZeRO-1).")
+    max_tokens_per_microbatch: int | None = flag(
+        None, "Batch by tokens: each rank's sequences, longest first, fill micro-batches of at most this many padded "
+              "tokens (rows x their own longest), each padded only to its own longest sequence, and a batch's "
+              "sequences are shared out so that data-parallel ranks get equal token counts. Unset: "
+              "--micro-batch-size rows per micro-batch, each padded to --seq-length.", type=int)
 
     def __post_init__(self):
         if self.micro_batch_size < 1:
             raise ArgumentValidationError(f"--micro-batch-size {self.micro_batch_size} must be a positive integer")
+        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
+            raise ArgumentValidationError(f"--max-tokens-per-microbatch {self.max_tokens_per_microbatch} must be a "
+                                          "positive integer")
 
 
 def wrap_ddp(chunks: list, use_distributed_optimizer: bool) -> list:
@@ -182,7 +190,8 @@ def prepare_trainer(trainer) -> tuple[dict, object]:
         refuse_directories_in_use(checkpoint)
     hf_config = read_model_config(trainer.model, trainer.layout, checkpoint.load,
                                   checkpoint.allow_unverified_checkpoint)
-    build = ModelBuildConfig.create(trainer.model, trainer.layout, hf_config)
+    build = ModelBuildConfig.create(trainer.model, trainer.layout, hf_config,
+                                    variable_seq_lengths=trainer.training.max_tokens_per_microbatch is not None)
     if checkpoint.save:
         check_room(checkpoint.save, checkpoint_bytes(build), "--save")
     return hf_config, build

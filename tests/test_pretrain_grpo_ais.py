@@ -65,8 +65,8 @@ def test_two_grpo_steps_end_to_end(model_root, tmp_path, layout):
 @pytest.mark.slow
 def test_two_grpo_steps_of_a_moe_model(model_root, tmp_path):
     """Qwen3-MoE (8 experts, top-2) converted to an EP2 Megatron checkpoint, trained at EP2 (each rank loads,
-    trains, exports and syncs its own four experts), FP8 rollouts with float8 experts and an FP8 KV cache (1
-    calibration sequence over 2 data-parallel ranks: the other runs a token-less padding row)."""
+    trains, exports and syncs its own four experts) in micro-batches by tokens, FP8 rollouts with float8 experts and
+    an FP8 KV cache (1 calibration sequence over 2 data-parallel ranks: the other runs a token-less padding row)."""
     import convert_checkpoint
 
     hf_dir = make_model_dir(model_root, "qwen3_moe", num_layers=2, hidden_size=256, vocab_size=512,
@@ -74,8 +74,9 @@ def test_two_grpo_steps_of_a_moe_model(model_root, tmp_path):
     checkpoint = str(tmp_path / "megatron")
     convert_checkpoint.hf_to_megatron(hf_dir, checkpoint, 1, 1, ep=2)
     # with an FP8 KV cache: both data-parallel ranks run the calibration's forward (MoE layers exchange tokens)
+    # micro-batches by tokens: every DP (and so EP) rank runs as many, token-less ones filling in
     cmd = _command(checkpoint, tmp_path / "run", 2, "--expert-model-parallel-size", "2", "--rollout-kv-cache-dtype",
-                   "fp8", "--rollout-kv-cache-calibration-sequences", "1")
+                   "fp8", "--rollout-kv-cache-calibration-sequences", "1", "--max-tokens-per-microbatch", "64")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.load(open(tmp_path / "run" / "summary.json"))

@@ -156,7 +156,9 @@ class GRPORun:
         self.grpo = GRPOConfig(loss=config.loss, correction=config.correction, vocab_size=self.build.shape.vocab_size,
                                micro_batch_size=trainer.training.micro_batch_size,
                                num_minibatches=self.loop.num_minibatches, ppo_epochs=self.loop.ppo_epochs,
-                               advantages=config.advantages, temperature=self.loop.temperature)
+                               advantages=config.advantages, temperature=self.loop.temperature,
+                               max_tokens_per_microbatch=trainer.training.max_tokens_per_microbatch,
+                               sequence_multiple=trainer.layout.tensor if trainer.layout.sequence_parallel else 1)
         self.probe = probe_tokens(self.build.shape.vocab_size)
 
     def _setup_engine(self) -> None:

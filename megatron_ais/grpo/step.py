@@ -14,6 +14,8 @@ from megatron_ais.ais import (AISConfig, AISResult, AISState, ais_coefficient, a
                               mismatch_statistics, reduce_statistics)
 from megatron_ais.ais.coefficient import EMPTY_RESULT
 from megatron_ais.grpo.advantages import AdvantageConfig, group_advantages
+from megatron_ais.grpo.batching import (MicroBatchPlan, balanced_partition, fixed_plan, micro_batches, row_lengths,
+                                        scatter_rows, token_budget_plan)
 from megatron_ais.grpo.logprobs import vocab_parallel_logprobs
 from megatron_ais.grpo.loss import PolicyLossConfig, aggregate, global_normalizer, megatron_loss_scale, token_losses
 
@@ -52,6 +54,14 @@ class GRPOConfig:
     advantages: AdvantageConfig = AdvantageConfig()
     # the rollout's sampling temperature: trainer log-probs are those of the same tempered distribution
     temperature: float = 1.0
+    max_tokens_per_microbatch: int | None = None  # token-budget micro-batches (grpo/batching.py); None: fixed
+    sequence_multiple: int = 1  # micro-batch lengths are multiples of this (TP under sequence parallelism)
+
+    def plan(self, lengths: list[int], seq_length: int) -> MicroBatchPlan:
+        """The micro-batches of rows of these lengths."""
+        if self.max_tokens_per_microbatch is None:
+            return fixed_plan(len(lengths), self.micro_batch_size, seq_length)
+        return token_budget_plan(lengths, self.max_tokens_per_microbatch, self.sequence_multiple)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,10 +106,10 @@ def split_micro_batches(rows: dict[str, torch.Tensor], micro_batch_size: int) ->
     return out
 
 
-def compute_logprobs(ddp_chunks: list, micro_batches: list[dict], seq_length: int, micro_batch_size: int,
-                     groups: ParallelGroups, vocab_size: int, temperature: float = 1.0) -> torch.Tensor | None:
-    """Return the trainer's log-probs [B_local, S] of the labels under log_softmax(logits / temperature)
-    (last pipeline stage; None elsewhere)."""
+def forward_logprobs(ddp_chunks: list, micro_batches: list[dict], groups: ParallelGroups, vocab_size: int,
+                     temperature: float = 1.0) -> list[torch.Tensor] | None:
+    """Return the trainer's log-probs of each micro-batch's labels under log_softmax(logits / temperature), one
+    [rows, length] tensor per micro-batch (last pipeline stage; None elsewhere)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, model):
@@ -117,11 +127,25 @@ def compute_logprobs(ddp_chunks: list, micro_batches: list[dict], seq_length: in
         out = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micro_batches) if len(ddp_chunks) == 1
             else [iter(micro_batches) for _ in ddp_chunks], model=ddp_chunks if len(ddp_chunks) > 1 else ddp_chunks[0],
-            num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=micro_batch_size,
-            forward_only=True)
-    if not groups.is_last_stage:
-        return None
-    return torch.cat([o["logprobs"] for o in out])
+            num_microbatches=len(micro_batches), seq_length=max(mb["tokens"].shape[1] for mb in micro_batches),
+            micro_batch_size=max(mb["tokens"].shape[0] for mb in micro_batches), forward_only=True)
+    return [o["logprobs"] for o in out] if groups.is_last_stage else None
+
+
+def compute_logprobs(ddp_chunks: list, micro_batches: list[dict], seq_length: int, micro_batch_size: int,
+                     groups: ParallelGroups, vocab_size: int, temperature: float = 1.0) -> torch.Tensor | None:
+    """Return the trainer's log-probs [B_local, S] of the labels of equally shaped micro-batches [micro_batch_size,
+    seq_length] under log_softmax(logits / temperature) (last pipeline stage; None elsewhere)."""
+    out = forward_logprobs(ddp_chunks, micro_batches, groups, vocab_size, temperature)
+    return None if out is None else torch.cat(out)
+
+
+def score_rows(ddp_chunks: list, rows: dict[str, torch.Tensor], plan: MicroBatchPlan, groups: ParallelGroups,
+               vocab_size: int, temperature: float = 1.0) -> torch.Tensor | None:
+    """Return the trainer's log-probs [rows, S] of `rows`' labels, computed in the plan's micro-batches (zero
+    beyond each micro-batch's length; last pipeline stage, None elsewhere)."""
+    out = forward_logprobs(ddp_chunks, micro_batches(rows, plan), groups, vocab_size, temperature)
+    return None if out is None else scatter_rows(out, plan, tuple(rows["tokens"].shape))
 
 
 def _policy_forward_step(config: GRPOConfig, groups: ParallelGroups, normalizer: float, scale: float,
@@ -146,15 +170,23 @@ def _policy_forward_step(config: GRPOConfig, groups: ParallelGroups, normalizer:
     return output, loss_func
 
 
+def _rank_rows(batch: RolloutBatch, config: GRPOConfig, groups: ParallelGroups) -> list[int]:
+    """The batch rows this DP rank trains on: an equal contiguous share, or with a token budget, a share whose
+    token count balances the other ranks' (`batching.balanced_partition`; the same on every rank)."""
+    total, ranks = batch.tokens.shape[0], groups.data_parallel_size
+    if total % ranks:
+        raise ValueError(f"rollout batch of {total} sequences does not split over {ranks} DP ranks")
+    if config.max_tokens_per_microbatch is not None:
+        return balanced_partition(row_lengths(batch.mask), ranks)[groups.data_parallel_rank]
+    per_rank = total // ranks
+    return list(range(groups.data_parallel_rank * per_rank, (groups.data_parallel_rank + 1) * per_rank))
+
+
 def _local_rows(batch: RolloutBatch, config: GRPOConfig, groups: ParallelGroups
                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
     """This DP rank's share of the batch with its advantages; return (rows, response mask without the sequences
     excluded for NaN/Inf rollout log-probs, rollout log-probs with zeros off the mask, guard metrics)."""
-    total = batch.tokens.shape[0]
-    if total % groups.data_parallel_size:
-        raise ValueError(f"rollout batch of {total} sequences does not split over {groups.data_parallel_size} DP ranks")
-    per_rank = total // groups.data_parallel_size
-    rows = slice(groups.data_parallel_rank * per_rank, (groups.data_parallel_rank + 1) * per_rank)
+    rows = _rank_rows(batch, config, groups)
     # a sequence left out for a NaN rollout log-prob is left out of its group's mean and std too (the batch is the
     # same on every rank, so every rank computes the same advantages)
     advantages = group_advantages(batch.rewards, batch.group_size, not config.advantages.no_std,
@@ -170,13 +202,24 @@ def _local_rows(batch: RolloutBatch, config: GRPOConfig, groups: ParallelGroups
     return local, mask, rollout_lp, metrics
 
 
+def _plan(rows: dict[str, torch.Tensor], lengths: list[int], config: GRPOConfig,
+          groups: ParallelGroups) -> MicroBatchPlan:
+    """The micro-batches of some of a rank's rows. With a token budget every DP rank runs as many as the one that
+    needs most (token-less placeholders fill in): MoE layers exchange tokens across data-parallel ranks in every
+    micro-batch."""
+    plan = config.plan(lengths, rows["tokens"].shape[1])
+    if config.max_tokens_per_microbatch is not None and groups.data_parallel_size > 1:
+        count = torch.tensor([len(plan)])
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=groups.data_parallel_group)
+        plan = plan.with_placeholders(int(count), config.sequence_multiple)
+    return plan
+
+
 def _correct(ddp_chunks: list, local: dict, mask: torch.Tensor, rollout_lp: torch.Tensor, config: GRPOConfig,
-             state: AISState, groups: ParallelGroups, metrics: dict) -> AISResult:
+             state: AISState, groups: ParallelGroups, metrics: dict, plan: MicroBatchPlan) -> AISResult:
     """Score the rows with the policy before the update (old log-probs) and compute the correction once for the
     batch (λ from all-reduced statistics); fill in the rows' old log-probs, coefficients and keep mask."""
-    seq_length = local["tokens"].shape[1]
-    old_logprobs = compute_logprobs(ddp_chunks, split_micro_batches(local, config.micro_batch_size), seq_length,
-                                    config.micro_batch_size, groups, config.vocab_size, config.temperature)
+    old_logprobs = score_rows(ddp_chunks, local, plan, groups, config.vocab_size, config.temperature)
     result, coefficient, keep = EMPTY_RESULT, torch.ones_like(mask), mask
     if groups.is_last_stage:
         check_trainer_logprobs(old_logprobs, mask)
@@ -196,24 +239,25 @@ def _correct(ddp_chunks: list, local: dict, mask: torch.Tensor, rollout_lp: torc
     return result
 
 
-def _update(ddp_chunks: list, optimizer, local: dict, config: GRPOConfig, groups: ParallelGroups
-            ) -> tuple[list, list]:
+def _update(ddp_chunks: list, optimizer, local: dict, lengths: list[int], config: GRPOConfig,
+            groups: ParallelGroups) -> tuple[list, list]:
     """PPO-clip updates over --ppo-epochs passes of --num-minibatches mini-batches; return the micro-batches'
     loss reports and the grad norms."""
     from megatron_ais.training import train_step
 
     reports, grad_norms = [], []
-    per_rank, seq_length = local["tokens"].shape
+    per_rank = local["tokens"].shape[0]
     minibatch = per_rank // config.num_minibatches
     for _ in range(config.ppo_epochs):
         for start in range(0, per_rank, minibatch):
             part = {k: v[start:start + minibatch] for k, v in local.items()}
             normalizer = global_normalizer(part["keep"], config.loss.loss_agg, groups.data_parallel_group) \
                 if groups.is_last_stage else 0.0
-            micro = split_micro_batches(part, config.micro_batch_size)
+            micro = micro_batches(part, _plan(part, lengths[start:start + minibatch], config, groups))
             scale = megatron_loss_scale(len(micro), groups.data_parallel_size)
             step = train_step(ddp_chunks, optimizer, partial(_policy_forward_step, config, groups, normalizer, scale),
-                              iter(micro), len(micro), seq_length, config.micro_batch_size)
+                              iter(micro), len(micro), max(mb["tokens"].shape[1] for mb in micro),
+                              max(mb["tokens"].shape[0] for mb in micro))
             if not step.update_successful:
                 raise FloatingPointError("optimizer skipped the update: non-finite gradients")
             grad_norms.append(step.grad_norm)
@@ -246,14 +290,13 @@ def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GR
     local, mask, rollout_lp, metrics = _local_rows(batch.to(platform.device()), config, groups)
     if metrics["guard/valid_tokens"] == 0:
         return GRPOStepResult(skipped=True, ais=EMPTY_RESULT, metrics=metrics)
-    result = _correct(ddp_chunks, local, mask, rollout_lp, config, state, groups, metrics)
+    lengths = row_lengths(mask)
+    plan = _plan(local, lengths, config, groups)
+    result = _correct(ddp_chunks, local, mask, rollout_lp, config, state, groups, metrics, plan)
     if config.loss.kl_coef:
-        seq_length = local["tokens"].shape[1]
-        ref_logprobs = compute_logprobs(reference_chunks, split_micro_batches(local, config.micro_batch_size),
-                                        seq_length, config.micro_batch_size, groups, config.vocab_size,
-                                        config.temperature)
+        ref_logprobs = score_rows(reference_chunks, local, plan, groups, config.vocab_size, config.temperature)
         local["ref_logprobs"] = ref_logprobs if groups.is_last_stage else torch.zeros_like(mask)
-    reports, grad_norms = _update(ddp_chunks, optimizer, local, config, groups)
+    reports, grad_norms = _update(ddp_chunks, optimizer, local, lengths, config, groups)
     metrics.update(_loss_metrics(reports, config, groups))
     metrics["train/grad_norm"] = grad_norms[-1]
     metrics.update(result.metrics())

@@ -46,3 +46,34 @@ def test_load_converted_checkpoint_then_save_and_export(model_root, tmp_path):
     assert not torch.equal(a.get("model.embed_tokens.weight"), start.get("model.embed_tokens.weight"))
     assert os.path.isfile(os.path.join(exported, "tokenizer.json"))
     assert os.path.isfile(os.path.join(str(tmp_path / "a"), "summary.json"))
+
+
+def _sft_budgets_worker(argv, budgets):
+    """run_sft once per token budget in one process world; each run's loss history."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ais.arguments import SFT_FLAGS, SFTRunConfig, build_parser
+    from megatron_ais.sft import run_sft
+
+    histories = []
+    for budget in budgets:
+        args = build_parser("test", SFT_FLAGS).parse_args(argv + ["--max-tokens-per-microbatch", budget])
+        histories.append(run_sft(SFTRunConfig.from_args(args, 2))["losses"])
+        ps.destroy_model_parallel()
+    return histories
+
+
+@pytest.mark.slow
+def test_sft_by_token_budget_does_not_depend_on_the_grouping(model_root, tmp_path):
+    """tools/train_sft.py's path at DP2 with --max-tokens-per-microbatch: two budgets that group the examples into
+    different micro-batches (and share them out among the ranks by tokens) train to the same losses, since the loss
+    is the token mean over the global batch."""
+    hf_dir = make_model_dir(model_root, "llama")
+    argv = ["--hf-dir", hf_dir, "--train-iters", "3", "--fp32", "--seq-length", "48", "--global-batch-size", "16",
+            "--lr", "3e-3", "--num-examples", "64", "--task", "arithmetic", "--max-operand", "99",
+            "--output-dir", str(tmp_path)]
+    ranks = spawn(2, _sft_budgets_worker, argv, ["48", "200"])
+    assert ranks[0] == ranks[1]  # both ranks report the DP-global loss
+    small, large = ranks[0]
+    assert len(small) == 3 and small[-1] < small[0]
+    assert large == pytest.approx(small, rel=1e-5)
