@@ -470,14 +470,15 @@ def commit_checkpoint(root: str, iteration: int) -> str:
 
 
 def load_rank_state(root: str, tp_rank: int, pp_rank: int, pp_size: int, iteration: int | None = None,
-                    ep_rank: int = 0, ep_size: int = 1) -> dict:
-    """Return one rank's saved state (the newest usable iteration by default)."""
+                    ep_rank: int = 0, ep_size: int = 1, mmap: bool = False) -> dict:
+    """Return one rank's saved state (the newest usable iteration by default; `mmap`: tensors mapped from the file,
+    read when used)."""
     iteration = usable_iterations(root)[0] if iteration is None else iteration
     path = os.path.join(iteration_dir(root, iteration), rank_dir_name(tp_rank, pp_rank, pp_size, ep_rank, ep_size),
                         RANK_FILE)
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} is missing")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
 
 
 def check_layout(metadata: dict[str, Any], layout, root: str) -> None:

@@ -2,7 +2,7 @@
 
     python tools/convert_checkpoint.py hf-to-megatron --hf-dir DIR --save DIR \\
         --tensor-model-parallel-size T --pipeline-model-parallel-size P
-    python tools/convert_checkpoint.py megatron-to-hf --load DIR --save DIR
+    python tools/convert_checkpoint.py megatron-to-hf --load DIR --save DIR [--precision fp8]
 
 Both directions use the one Megatron<->HF mapping in megatron_ais/mapping (the trainer's loader and the
 resharding bridge use it too). Tensors keep their dtype, so HF -> Megatron -> HF is bit-exact. To reshard a
@@ -13,8 +13,11 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import sys
 import time
+
+import torch
 
 from megatron_ais.arguments import FlagParser
 from megatron_ais.checkpointing import (CHECKPOINT_VERSION, HF_ASSETS, RANK_FILE, TRACKER, checkpoint_metadata,
@@ -22,8 +25,11 @@ from megatron_ais.checkpointing import (CHECKPOINT_VERSION, HF_ASSETS, RANK_FILE
                                         prepare_staging, rank_dir_name, read_checkpoint_metadata, write_checksums,
                                         write_metadata, write_rank_state)
 from megatron_ais.errors import ArgumentValidationError, CheckpointError
-from megatron_ais.mapping.distributed import shard_context, stage_file_name, write_hf_index_and_config
-from megatron_ais.mapping.hf_io import HFCheckpointReader, hf_tensors_from_shards, megatron_shard_from_hf
+from megatron_ais.bridge.quantization import (QuantizationPolicy, check_engine_shapes, engine_quantization_config,
+                                              quantize_for_engine)
+from megatron_ais.mapping.distributed import shard_context, write_hf_index_and_config
+from megatron_ais.mapping.hf_io import (HFCheckpointReader, ShardedSafetensorsWriter, hf_tensors_from_shards,
+                                        megatron_shard_from_hf)
 from megatron_ais.mapping.rules import canonical_name, expert_index, megatron_param_names, split_layer, with_layer
 from megatron_ais.model import ModelBuildConfig, ModelShape, check_model_layout, check_supported_hf_config, \
     load_hf_config
@@ -96,18 +102,76 @@ def hf_to_megatron(hf_dir: str, save: str, tp: int, pp: int, divisible_by: int =
     return commit_checkpoint(save, iteration)
 
 
-def megatron_to_hf(load: str, save: str, allow_unverified: bool = False) -> str:
-    """Write a HF model directory (safetensors, config, tokenizer) from a Megatron checkpoint; return it.
+def _stage_hf_tensors(load: str, iteration: int, build: ModelBuildConfig, pp_rank: int):
+    """Yield (HF name, tensor) of one pipeline stage, tensor by tensor, from its shard directories (mapped, not
+    read whole: a tensor's pages are read when it is built).
 
     Under expert parallelism the shard directories are those of the ranks that saved (expert-data-parallel rank 0):
     with expert-TP = TP every TP x EP directory, with expert-TP < TP only some (at TP2 x EP2 x expert-TP 1:
     `mp_rank_00_000` and `mp_rank_01_001`). Dense weights come from any directory of each TP rank (they are the
     same in every EP rank's); EP rank e's experts, expert-TP shard k, from a directory (t, e) with t % expert-TP == k
-    (megatron lays expert-TP rank k on the ranks whose TP rank is k modulo expert-TP).
-    """
+    (megatron lays expert-TP rank k on the ranks whose TP rank is k modulo expert-TP)."""
+    shape, layout = build.shape, build.layout
+    tp, pp, ep, etp = layout.tensor, layout.pipeline, layout.expert, layout.expert_tensor_size
+    offset, num_local = stage_layers(shape.num_layers, pp, pp_rank).start, shape.num_experts // ep
+    saved = {(t, e) for t in range(tp) for e in range(ep)
+             if os.path.isfile(os.path.join(iteration_dir(load, iteration), rank_dir_name(t, pp_rank, pp, e, ep),
+                                            RANK_FILE))}
+
+    def models(pairs: list[tuple[int, int]], experts: bool) -> list[dict]:
+        """The model states of these shard directories, with only the expert (or only the dense) tensors."""
+        out = []
+        for t, e in pairs:
+            state = load_rank_state(load, t, pp_rank, pp, iteration, e, ep, mmap=True)
+            if "model" not in state:
+                raise CheckpointError("checkpoints saved with --virtual-pipeline-model-parallel-size are not "
+                                      "supported by the converter yet")
+            out.append({k: v for k, v in state["model"].items() if not k.endswith("_extra_state")
+                        and (expert_index(canonical_name(k)) is not None) == experts})
+        return out
+
+    def first_saved(candidates, what: str) -> tuple[int, int]:
+        found = next((c for c in candidates if c in saved), None)
+        if found is None:
+            raise CheckpointError(f"{load} iteration {iteration}: no shard directory holds {what} of pipeline "
+                                  f"stage {pp_rank}")
+        return found
+
+    jobs = [(models([first_saved([(t, e) for e in range(ep)], f"TP rank {t}") for t in range(tp)], False),
+             shard_context(build, 0), None)]
+    for e in range(ep if shape.is_moe else 0):
+        pairs = [first_saved([(t, e) for t in range(k, tp, etp)], f"expert-TP rank {k} of EP rank {e}")
+                 for k in range(etp)]
+        jobs.append((models(pairs, True), shard_context(build, 0, expert=True), e))
+    for states, ctx, ep_rank in jobs:
+        for local_name in states[0]:
+            name = canonical_name(local_name)
+            if ep_rank is not None:
+                name = _expert_name(name, ep_rank * num_local + expert_index(name))
+            layer, _ = split_layer(name)
+            if layer is not None:
+                layer += offset
+                name = with_layer(name, layer)
+            yield from hf_tensors_from_shards(name, layer, shape.model_type, ctx, [m[local_name] for m in states],
+                                              shape.tie_word_embeddings)
+
+
+def megatron_to_hf(load: str, save: str, allow_unverified: bool = False, precision: str = "bf16",
+                   max_shard_bytes: int = 5 * 10 ** 9) -> str:
+    """Write a HF model directory (sharded safetensors with their index, config, tokenizer, generation config) from a
+    Megatron checkpoint saved at any layout; return it. `precision` bf16 keeps the checkpoint's tensors bit for bit
+    (BF16 for a BF16 run); fp8 writes what the bridge sends an FP8 engine: blockwise e4m3 (128x128, fp32
+    `weight_scale_inv`) where the bridge's policy quantizes, BF16 elsewhere, with the `quantization_config` vLLM and
+    SGLang read. Tensors are written one by one into shards of at most `max_shard_bytes`."""
+    if precision not in ("bf16", "fp8"):
+        raise ArgumentValidationError(f"--precision {precision!r} must be bf16 or fp8")
+    if max_shard_bytes <= 0:
+        raise ArgumentValidationError("--max-shard-size-mb must be positive")
+    if os.path.isdir(save) and os.listdir(save):
+        raise ArgumentValidationError(f"--save {save} is not empty: name a new directory (an export never overwrites)")
     iteration = newest_verified_iteration(load, allow_unverified)
-    meta = read_checkpoint_metadata(load, iteration)
-    hf_config = meta["hf_config"]
+    meta = read_checkpoint_metadata(load, iteration, allow_unverified)
+    hf_config = dict(meta["hf_config"])
     tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
     ep = meta.get("expert_model_parallel_size", 1)
     etp = meta.get("expert_tensor_parallel_size") or tp
@@ -115,61 +179,30 @@ def megatron_to_hf(load: str, save: str, allow_unverified: bool = False) -> str:
         raise CheckpointError(f"{load}: expert-TP {etp} does not divide TP {tp}; the converter cannot place its shards")
     build = _build_config(hf_config, ParallelLayout(tensor=tp, pipeline=pp, expert=ep, expert_tensor=etp),
                           meta["make_vocab_size_divisible_by"])
-    shape = build.shape
-    os.makedirs(save, exist_ok=True)
-    from safetensors.torch import save_file
-
-    weight_map = {}
-    num_local = shape.num_experts // ep
-    for pp_rank in range(pp):
-        offset = stage_layers(shape.num_layers, pp, pp_rank).start
-        saved = {(t, e) for t in range(tp) for e in range(ep)
-                 if os.path.isfile(os.path.join(iteration_dir(load, iteration),
-                                                rank_dir_name(t, pp_rank, pp, e, ep), RANK_FILE))}
-
-        def models(pairs: list[tuple[int, int]], experts: bool) -> list[dict]:
-            """The model states of these shard directories, with only the expert (or only the dense) tensors."""
-            out = []
-            for t, e in pairs:
-                state = load_rank_state(load, t, pp_rank, pp, iteration, e, ep)
-                if "model" not in state:
-                    raise CheckpointError("checkpoints saved with --virtual-pipeline-model-parallel-size are not "
-                                          "supported by the converter yet")
-                out.append({k: v for k, v in state["model"].items() if not k.endswith("_extra_state")
-                            and (expert_index(canonical_name(k)) is not None) == experts})
-            return out
-
-        def first_saved(candidates, what: str) -> tuple[int, int]:
-            found = next((c for c in candidates if c in saved), None)
-            if found is None:
-                raise CheckpointError(f"{load} iteration {iteration}: no shard directory holds {what} of pipeline "
-                                      f"stage {pp_rank}")
-            return found
-
-        tensors = {}
-        jobs = [(models([first_saved([(t, e) for e in range(ep)], f"TP rank {t}") for t in range(tp)], False),
-                 shard_context(build, 0), None)]
-        for e in range(ep if shape.is_moe else 0):
-            pairs = [first_saved([(t, e) for t in range(k, tp, etp)], f"expert-TP rank {k} of EP rank {e}")
-                     for k in range(etp)]
-            jobs.append((models(pairs, True), shard_context(build, 0, expert=True), e))
-        for states, ctx, ep_rank in jobs:
-            for local_name in states[0]:
-                name = canonical_name(local_name)
-                if ep_rank is not None:
-                    name = _expert_name(name, ep_rank * num_local + expert_index(name))
-                layer, _ = split_layer(name)
-                if layer is not None:
-                    layer += offset
-                    name = with_layer(name, layer)
-                for hf_name, tensor in hf_tensors_from_shards(name, layer, shape.model_type, ctx,
-                                                              [m[local_name] for m in states],
-                                                              shape.tie_word_embeddings):
-                    tensors[hf_name] = tensor.contiguous()
-        file = stage_file_name(pp_rank, pp)
-        save_file(tensors, os.path.join(save, file), metadata={"format": "pt"})
-        weight_map.update({n: file for n in tensors})
-    write_hf_index_and_config(save, weight_map, hf_config, os.path.join(iteration_dir(load, iteration), HF_ASSETS))
+    policy = QuantizationPolicy(precision="fp8") if precision == "fp8" else None
+    if policy is not None:
+        check_engine_shapes(build.shape, policy, 1)
+    # written beside `save` and renamed at the end: a failed export (a non-finite tensor, a full disk) leaves nothing
+    staging = f"{os.path.normpath(save)}.partial-{os.getpid()}"
+    try:
+        writer, names = ShardedSafetensorsWriter(staging, max_shard_bytes), []
+        for pp_rank in range(pp):
+            for hf_name, tensor in _stage_hf_tensors(load, iteration, build, pp_rank):
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    raise CheckpointError(f"{load} iteration {iteration}: {hf_name} holds NaN/Inf; nothing exported")
+                names.append(hf_name)
+                for name, out in quantize_for_engine([(hf_name, tensor)], policy) if policy else [(hf_name, tensor)]:
+                    writer.add(name, out)
+        weight_map = writer.close()
+        if policy is not None:
+            hf_config.pop("quantization_config", None)
+            hf_config.update(quantization_config=engine_quantization_config(policy, names), dtype="bfloat16")
+        write_hf_index_and_config(staging, weight_map, hf_config,
+                                  os.path.join(iteration_dir(load, iteration), HF_ASSETS), total_size=writer.total_bytes)
+        os.replace(staging, save)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return save
 
 
@@ -195,6 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
     to_h.add_argument("--save", required=True, help="HF model directory to write.")
     to_h.add_argument("--allow-unverified-checkpoint", action="store_true",
                       help="Read a checkpoint that has no checksums.json (written by another tool); refused otherwise.")
+    to_h.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                      help="bf16: the checkpoint's tensors bit for bit (BF16 for a BF16 run); fp8: what an FP8 engine "
+                           "serves, as the bridge sends it (blockwise e4m3, 128x128, fp32 weight_scale_inv, with the "
+                           "quantization_config vLLM and SGLang read).")
+    to_h.add_argument("--max-shard-size-mb", type=float, default=5000.0,
+                      help="Largest safetensors shard (a larger tensor is a shard of its own); tensors are written one "
+                           "by one, so the converter holds about one shard in memory.")
     return parser
 
 
@@ -211,7 +251,8 @@ def main(argv=None) -> int:
                                  args.pipeline_model_parallel_size, args.make_vocab_size_divisible_by,
                                  ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
         else:
-            out = megatron_to_hf(args.load, args.save, args.allow_unverified_checkpoint)
+            out = megatron_to_hf(args.load, args.save, args.allow_unverified_checkpoint, args.precision,
+                                 int(args.max_shard_size_mb * 1e6))
     except (ValueError, FileNotFoundError, KeyError, RuntimeError) as err:  # ArgumentValidationError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         return 2

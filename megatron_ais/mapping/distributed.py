@@ -161,22 +161,22 @@ def save_hf_checkpoint(chunks: list, build: ModelBuildConfig, hf_config: dict, o
 
 
 def write_hf_index_and_config(out_dir: str, weight_map: dict[str, str], hf_config: dict,
-                              assets_from: str | None = None) -> None:
-    """Write model.safetensors.index.json and config.json for a set of stage files (and the tokenizer files
-    of `assets_from`), completing a HF model directory."""
+                              assets_from: str | None = None, total_size: int | None = None) -> None:
+    """Write model.safetensors.index.json and config.json for a set of safetensors files (and the tokenizer files
+    of `assets_from`), completing a HF model directory; `total_size`: the weights' bytes (else read from the files)."""
     from megatron_ais.checkpointing import copy_hf_assets
 
     from safetensors import safe_open
 
-    total = 0
-    for file in sorted(set(weight_map.values())):
+    total = total_size or 0
+    for file in sorted(set(weight_map.values())) if total_size is None else ():
         with safe_open(os.path.join(out_dir, file), framework="pt") as f:
             for key in f.keys():
                 t = f.get_slice(key)
                 numel = 1
                 for d in t.get_shape():
                     numel *= d
-                total += numel * {"F32": 4, "BF16": 2, "F16": 2}.get(t.get_dtype(), 4)
+                total += numel * {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1}.get(t.get_dtype(), 4)
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     with open(os.path.join(out_dir, "config.json"), "w") as f:

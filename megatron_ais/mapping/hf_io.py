@@ -94,3 +94,45 @@ def global_parameters(gpt_model) -> Iterator[tuple[str, int | None, torch.nn.Par
         # an expert-parallel rank holds experts local_expert_indices (global ids) as local_experts.0, 1, ...
         expert = None if local_expert is None else module.mlp.local_expert_indices[local_expert]
         yield template.format(layer=layer, expert=expert), layer, param
+
+
+class ShardedSafetensorsWriter:
+    """A HF model's weights written tensor by tensor into safetensors shards of at most `max_shard_bytes` (a larger
+    tensor is a shard of its own): a shard is written as soon as the next tensor would overflow it, so no more than
+    one shard is held in memory. `close` names the shards model-0000i-of-0000N.safetensors."""
+
+    def __init__(self, out_dir: str, max_shard_bytes: int):
+        self.out_dir, self.max_shard_bytes = out_dir, max_shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = self.total_bytes = 0
+        self.parts: list[list[str]] = []
+        os.makedirs(out_dir, exist_ok=True)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _part(self, index: int) -> str:
+        return os.path.join(self.out_dir, f"model-part-{index + 1:05d}.safetensors.tmp")
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self.pending, self._part(len(self.parts)), metadata={"format": "pt"})
+        self.parts.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> dict[str, str]:
+        """Write the last shard, give every shard its final name; return the weight map (tensor -> file)."""
+        if self.pending:
+            self._flush()
+        weight_map = {}
+        for index, names in enumerate(self.parts):
+            file = f"model-{index + 1:05d}-of-{len(self.parts):05d}.safetensors"
+            os.replace(self._part(index), os.path.join(self.out_dir, file))
+            weight_map.update({name: file for name in names})
+        return weight_map

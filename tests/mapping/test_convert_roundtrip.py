@@ -190,3 +190,29 @@ def test_converting_into_a_run_directory_is_refused(model_root, tmp_path):
     convert_checkpoint.hf_to_megatron(hf_dir, save, 1, 1)
     with pytest.raises(ArgumentValidationError, match="already holds a checkpoint run"):
         convert_checkpoint.hf_to_megatron(hf_dir, save, 1, 1)
+
+
+def test_an_export_never_overwrites_and_a_failed_one_leaves_nothing(tmp_path):
+    """megatron-to-hf refuses a non-empty --save by name; a NaN found after some shards were written (a checkpoint
+    from a broken HF source) is refused by tensor name and leaves no directory behind."""
+    from safetensors.torch import load_file
+
+    from megatron_ais.errors import ArgumentValidationError, CheckpointError
+
+    src = str(tmp_path / "src")
+    _write_random_hf(src, "llama", 2, 2, 2, 4, 8, 16, 64, False, 0)
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    weights["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(weights, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
+    convert_checkpoint.hf_to_megatron(src, str(tmp_path / "megatron"), 1, 1)
+
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "notes.txt").write_text("mine")
+    with pytest.raises(ArgumentValidationError, match="--save .*full is not empty"):
+        convert_checkpoint.megatron_to_hf(str(tmp_path / "megatron"), str(full))
+    assert os.listdir(full) == ["notes.txt"]
+
+    with pytest.raises(CheckpointError, match=r"model.layers.1.mlp.down_proj.weight holds NaN/Inf"):
+        convert_checkpoint.megatron_to_hf(str(tmp_path / "megatron"), str(tmp_path / "hf"), max_shard_bytes=256)
+    assert sorted(os.listdir(tmp_path)) == ["full", "megatron", "src"]
