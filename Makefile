@@ -20,7 +20,7 @@ $(STAMP): requirements/train.txt requirements/stubs.txt pyproject.toml tools/mak
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements/train.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	$(PY) -m pip check
-	$(PY) -c "import torch, megatron.core, vllm; assert not torch.version.cuda or torch.cuda.is_available(), 'CUDA torch on a CPU machine'"
+	$(PY) -W ignore -c "import logging; logging.disable(logging.WARNING); import torch, megatron.core, vllm; assert not torch.version.cuda or torch.cuda.is_available(), 'CUDA torch on a CPU machine'"
 	touch $@
 
 venv-launch: $(LAUNCH_STAMP)
@@ -39,10 +39,10 @@ RUN_DIR ?= runs/default
 run: $(STAMP)
 	rm -rf $(RUN_DIR)
 	$(PY) tools/make_tiny_model.py --arch qwen3 --out $(TINY)
-	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) tools/train_sft.py \
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) tools/train_sft.py \
 	    --hf-dir $(TINY) --task digit_sort --train-iters 150 --micro-batch-size 16 --global-batch-size 32 \
 	    --seq-length 64 --lr 3e-3 --log-interval 10 --output-dir $(RUN_DIR)/sft --save $(RUN_DIR)/sft/checkpoint
-	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) pretrain_grpo_ais.py \
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) pretrain_grpo_ais.py \
 	    --load $(RUN_DIR)/sft/checkpoint --task digit_sort --seq-length 64 --grpo-steps 50 --eval-interval 10 \
 	    --eval-prompts 128 --micro-batch-size 16 --max-tokens-per-microbatch 1024 --lr 3e-4 --prompts-per-step 32 \
 	    --group-size 8 --rollout-precision fp8 --is-correction ais --rollout-kv-cache-gb 0.5 \

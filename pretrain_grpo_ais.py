@@ -4,11 +4,15 @@ over megatron): the flags become typed configs once, here; the run lives in mega
     python -m torch.distributed.run --standalone --nproc-per-node 2 pretrain_grpo_ais.py \\
         --load runs/sft/checkpoint --rollout-precision fp8 --is-correction ais --grpo-steps 20
 """
+import os
 import sys
 
 from megatron_ais.arguments import GRPO_FLAGS, GRPORunConfig, build_parser, launched_world_size
 from megatron_ais.errors import USAGE_ERRORS
 from megatron_ais.grpo.run import GRPORun
+from megatron_ais.logging import apply_vllm_log_level, quiet_libraries
+
+apply_vllm_log_level()  # at import: vLLM's engine processes import this module first (see the function)
 
 
 def build_grpo_parser():
@@ -19,8 +23,10 @@ def build_grpo_parser():
 def main(argv=None) -> int:
     parser = build_grpo_parser()
     args = parser.parse_args(argv)
+    world_size = launched_world_size(parser)
+    quiet_libraries(int(os.environ["RANK"]))
     try:
-        summary = GRPORun(GRPORunConfig.from_args(args, launched_world_size(parser))).run()
+        summary = GRPORun(GRPORunConfig.from_args(args, world_size)).run()
     except USAGE_ERRORS as err:
         parser.error(str(err))
     import torch.distributed as dist

@@ -1,10 +1,15 @@
-"""Console lines, tensorboard scalars and the run summary; only the designated logging rank writes."""
+"""The run's console, tensorboard scalars, Weights & Biases and the run summary; only the designated logging rank
+writes. The console: one line per step under one progress bar for the run (steps done, ETA; on a terminal), our
+messages on stderr, and the summary line last."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import logging
 import os
 import sys
+import warnings
 from typing import Any
 
 from megatron_ais.errors import ArgumentValidationError
@@ -13,68 +18,155 @@ from megatron_ais.flags import FlagConfig, flag
 
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig(FlagConfig):
-    """Where a run writes its logs and how often it prints."""
+    """Where a run writes its logs and how often it prints; Weights & Biases with Megatron-LM's flags."""
 
     output_dir: str = flag("runs/default", "Run directory: tensorboard events, summary.json, figures.")
     log_interval: int = flag(1, "Print one console line every this many steps.")
     tensorboard_dir: str | None = flag(None, "Tensorboard event directory (default: <output-dir>/tensorboard).",
                                        type=str)
+    wandb_project: str | None = flag(None, "Log the same scalars as tensorboard, and the run's flags, to this Weights "
+                                           "& Biases project (needs the optional wandb package; WANDB_MODE=offline "
+                                           "keeps them on disk).", type=str)
+    wandb_exp_name: str | None = flag(None, "The Weights & Biases run's name (default: W&B's own).", type=str)
+    wandb_save_dir: str | None = flag(None, "Where Weights & Biases keeps its files (default: --output-dir).", type=str)
 
     def __post_init__(self):
         if self.log_interval < 1:
             raise ArgumentValidationError(f"--log-interval {self.log_interval} must be a positive integer")
+        if self.wandb_project and importlib.util.find_spec("wandb") is None:
+            raise ArgumentValidationError("--wandb-project needs the wandb package, which is optional: pip install "
+                                          "wandb (or drop the flag)")
 
     def prints(self, step: int, last_step: int) -> bool:
         """Whether `step`'s console line is printed: every --log-interval steps and the last."""
         return step % self.log_interval == 0 or step == last_step
 
 
+# the libraries whose Python warnings a run shows once (rank 0), not once per rank
+LIBRARIES = r"(megatron|torch|transformers|vllm|tensorboard|triton|numba)(\.|$)"
+
+
+def _one_line(message, category, filename, lineno, line=None) -> str:
+    return f"{category.__name__}: {message} ({os.path.basename(filename)}:{lineno})\n"
+
+
+def _once_per_subject(show):
+    """`warnings.showwarning` that shows one warning per subject (its first sentence): megatron says "Transformer
+    Engine and Apex are not installed" from four modules, each with its own fallback."""
+    seen = set()
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        subject = str(message).split(". ")[0]
+        if subject not in seen:
+            seen.add(subject)
+            show(message, category, filename, lineno, file, line)
+
+    return showwarning
+
+
+def quiet_libraries(rank: int) -> None:
+    """The console stays ours: the libraries' Python warnings are shown by rank 0 only, once per subject, on one line;
+    the other ranks drop them. Megatron's rerun state machine announces its default mode (disabled) at warning
+    level; that announcement is dropped."""
+    warnings.formatwarning = _one_line
+    warnings.showwarning = _once_per_subject(warnings.showwarning)
+    if rank != 0:
+        warnings.filterwarnings("ignore", module=LIBRARIES)
+    logging.getLogger("megatron.core.rerun_state_machine").setLevel(logging.ERROR)
+
+
+def apply_vllm_log_level() -> None:
+    """Hold vLLM's loggers to VLLM_LOGGING_LEVEL from the start: vLLM configures its logging lazily, and until then
+    what it logs while being imported reaches Python's last-resort handler, which knows nothing of that level. An
+    entry point calls this at import, so that the engine processes vLLM spawns (which import the entry point's
+    module before unpickling anything of vLLM's) apply it too."""
+    level = os.environ.get("VLLM_LOGGING_LEVEL")
+    if level:
+        logging.getLogger("vllm").setLevel(level.upper())
+
+
+def start_wandb(config: LoggingConfig, run_config: dict[str, Any]):
+    """A Weights & Biases run for the logging rank, with the run's flags as its config (quiet: the console stays
+    ours)."""
+    import wandb
+
+    return wandb.init(project=config.wandb_project, name=config.wandb_exp_name,
+                      dir=config.wandb_save_dir or config.output_dir, config=run_config,
+                      settings=wandb.Settings(console="off", silent=True))
+
+
 class RunLogger:
-    """One console line per step, tensorboard scalars and summary.json for a run directory."""
+    """One console line per step under a progress bar, tensorboard scalars, metrics.jsonl, W&B and summary.json."""
 
-    def __init__(self, output_dir: str, tensorboard_dir: str | None, enabled: bool, resume_step: int | None = None):
+    def __init__(self, config: LoggingConfig, enabled: bool, resume_step: int | None = None,
+                 run_config: dict[str, Any] | None = None, total_steps: int | None = None):
         """`resume_step`: a run resumed from that step's checkpoint; what an earlier run logged for later steps
-        (before it died) is dropped from metrics.jsonl and, by tensorboard's purge, from the event files."""
-        self.enabled = enabled
-        self.output_dir = output_dir
-        self.writer = None
-        if enabled:
-            os.makedirs(output_dir, exist_ok=True)
-            from torch.utils.tensorboard import SummaryWriter
+        (before it died) is dropped from metrics.jsonl and, by tensorboard's purge, from the event files.
+        `total_steps`: show a progress bar for the run (its steps done and ETA)."""
+        self.enabled, self.output_dir = enabled, config.output_dir
+        self.writer = self.wandb = self.progress = None
+        if not enabled:
+            return
+        os.makedirs(self.output_dir, exist_ok=True)
+        from torch.utils.tensorboard import SummaryWriter
 
-            if resume_step is not None:
-                drop_logged_steps_after(os.path.join(output_dir, "metrics.jsonl"), resume_step)
-            self.writer = SummaryWriter(tensorboard_dir or os.path.join(output_dir, "tensorboard"),
-                                        purge_step=None if resume_step is None else resume_step + 1)
+        if resume_step is not None:
+            drop_logged_steps_after(os.path.join(self.output_dir, "metrics.jsonl"), resume_step)
+        self.writer = SummaryWriter(config.tensorboard_dir or os.path.join(self.output_dir, "tensorboard"),
+                                    purge_step=None if resume_step is None else resume_step + 1)
+        if config.wandb_project:
+            self.wandb = start_wandb(config, run_config or {})
+        if total_steps:
+            from tqdm import tqdm
+
+            # on a terminal only (disable=None): in a log file a redrawn bar is noise between the step lines
+            self.progress = tqdm(total=total_steps, initial=resume_step or 0, desc="steps", unit="step",
+                                 file=sys.stderr, dynamic_ncols=True, disable=None)
+
+    def _print(self, line: str, file) -> None:
+        if self.progress is not None:
+            self.progress.write(line, file=file)
+        else:
+            print(line, file=file, flush=True)
 
     def step(self, step: int, scalars: dict[str, float], line: str | None) -> None:
-        """Write the step's scalars to tensorboard and metrics.jsonl, and print its console line (if any)."""
+        """Write the step's scalars to tensorboard, metrics.jsonl and W&B, and print its console line (if any)."""
         if not self.enabled:
             return
-        for name, value in scalars.items():
-            if value is not None:
-                self.writer.add_scalar(name, value, step)
+        logged = {k: v for k, v in scalars.items() if v is not None}
+        for name, value in logged.items():
+            self.writer.add_scalar(name, value, step)
         with open(os.path.join(self.output_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps({"step": step, **{k: v for k, v in scalars.items() if v is not None}}) + "\n")
+            f.write(json.dumps({"step": step, **logged}) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(logged, step=step)
         if line is not None:
-            print(line, flush=True)
+            self._print(line, sys.stdout)
+        if self.progress is not None:
+            self.progress.update(1)
 
     def info(self, message: str) -> None:
         """Print a message from the logging rank."""
         if self.enabled:
-            print(message, file=sys.stderr, flush=True)
+            self._print(message, sys.stderr)
 
     def summary(self, data: dict[str, Any]) -> None:
-        """Write summary.json and flush tensorboard."""
+        """Write summary.json (and the W&B summary's scalars), flush tensorboard."""
         if not self.enabled:
             return
         with open(os.path.join(self.output_dir, "summary.json"), "w") as f:
             json.dump(data, f, indent=2)
+        if self.wandb is not None:
+            self.wandb.summary.update({k: v for k, v in data.items() if isinstance(v, (int, float))})
         self.writer.flush()
 
     def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def drop_logged_steps_after(path: str, step: int) -> int:

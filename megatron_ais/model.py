@@ -287,6 +287,7 @@ def transformer_config(build: ModelBuildConfig):
     s = build.shape
     dtype = build.params_dtype
     return TransformerConfig(
+        cuda_graph_scope=[],  # the default, "full", means the same and is deprecated (a warning at every build)
         num_layers=s.num_layers,
         hidden_size=s.hidden_size,
         ffn_hidden_size=s.ffn_hidden_size,

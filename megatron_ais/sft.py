@@ -165,7 +165,7 @@ def run_sft(config) -> dict:
     lock = start_trainer(trainer)
     is_logger = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 \
         and ps.get_data_parallel_rank() == 0
-    log = RunLogger(trainer.logging.output_dir, trainer.logging.tensorboard_dir, is_logger)
+    log = RunLogger(trainer.logging, is_logger, run_config=trainer.flags)
     setup = setup_model_and_optimizer(build, trainer.weights, trainer.training, trainer.checkpoint.finetune)
     tokenizer = load_tokenizer(setup.assets_dir)
     encoded = [encode_sft_example(tokenizer, e, build.seq_length) for e in examples]

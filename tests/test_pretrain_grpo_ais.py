@@ -42,10 +42,12 @@ def test_two_grpo_steps_end_to_end(model_root, tmp_path, layout):
     pp = 2 if layout == "pp2" else 1
     checkpoint = _converted_checkpoint(model_root, tmp_path, pp)
     out = tmp_path / "run"
-    # PP2 also runs an FP8 KV cache: each stage measures its own layers' K/V scales at every sync
+    # PP2 also runs an FP8 KV cache: each stage measures its own layers' K/V scales at every sync; DP2 logs to W&B
     kv = ["--rollout-kv-cache-dtype", "fp8"] if layout == "pp2" else []
-    proc = subprocess.run(_command(checkpoint, out, 2, "--pipeline-model-parallel-size", str(pp), *kv),
-                          capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    wandb = ["--wandb-project", "megatron-ais-test", "--wandb-save-dir", str(tmp_path / "wb")] if layout == "dp2" else []
+    proc = subprocess.run(_command(checkpoint, out, 2, "--pipeline-model-parallel-size", str(pp), *kv, *wandb),
+                          capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
+                          env={**os.environ, "WANDB_MODE": "offline"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("accuracy_before=") and " steps=2 " in last and "wall_s=" in last
@@ -60,6 +62,16 @@ def test_two_grpo_steps_end_to_end(model_root, tmp_path, layout):
     assert (out / "run.png").stat().st_size > 10_000
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 2 and "λ" in steps[0] and "rollout" in steps[0]
+    if wandb:  # one run, the logging rank's: its flags and the scalars summary.json has
+        from wandb_records import offline_runs, read_offline_run
+
+        (run,) = offline_runs(str(tmp_path / "wb"))
+        flags, history = read_offline_run(run)
+        assert flags["group_size"] == 4 and flags["wandb_project"] == "megatron-ais-test"
+        assert sorted(history) == [1, 2]
+        for logged in summary["history"]:
+            assert history[logged["step"]]["ais/lambda"] == pytest.approx(logged["ais/lambda"])
+            assert history[logged["step"]]["rollout/reward"] == pytest.approx(logged["rollout/reward"])
 
 
 @pytest.mark.slow

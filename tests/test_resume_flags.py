@@ -6,7 +6,7 @@ import json
 
 from megatron_ais.flags import plain_flag_values
 from megatron_ais.grpo.state import changed_flags
-from megatron_ais.logging import RunLogger
+from megatron_ais.logging import LoggingConfig, RunLogger
 
 
 def test_changed_flags_lists_only_what_changes_the_computation():
@@ -37,11 +37,11 @@ def _scalars(tensorboard_dir, tag):
 
 def test_resumed_logs_continue_from_the_checkpoint(tmp_path):
     out = str(tmp_path)
-    first = RunLogger(out, None, True)
+    first = RunLogger(LoggingConfig(output_dir=out), True)
     for step in (1, 2, 3, 4):
         first.step(step, {"rollout/reward": float(step)}, None)
     first.close()  # the run died after logging step 4; its last checkpoint is step 2
-    resumed = RunLogger(out, None, True, resume_step=2)
+    resumed = RunLogger(LoggingConfig(output_dir=out), True, resume_step=2)
     for step in (3, 4):
         resumed.step(step, {"rollout/reward": 10.0 * step}, f"step {step}")
     resumed.close()

@@ -99,6 +99,7 @@ def randomise_norms_and_biases(model, generator: torch.Generator) -> None:
 def make_tiny_model(args) -> str:
     """Write the model and tokenizer to args.out and return the directory."""
     from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.utils.logging import disable_progress_bar
 
     tokenizer = train_tokenizer(args.vocab_size, args.seed)
     if len(tokenizer) > args.vocab_size:
@@ -111,6 +112,7 @@ def make_tiny_model(args) -> str:
     model.generation_config = GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
                                                bos_token_id=config.bos_token_id)
     os.makedirs(args.out, exist_ok=True)
+    disable_progress_bar()  # one model file: its bar would be the only line of this step
     model.save_pretrained(args.out, safe_serialization=True)
     tokenizer.save_pretrained(args.out)
     return args.out

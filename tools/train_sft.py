@@ -3,18 +3,22 @@
     python -m torch.distributed.run --standalone --nproc-per-node 2 tools/train_sft.py \\
         --hf-dir runs/tiny-llama --tensor-model-parallel-size 2 --train-iters 20
 """
+import os
 import sys
 
 from megatron_ais.arguments import SFT_FLAGS, SFTRunConfig, build_parser, launched_world_size
 from megatron_ais.errors import USAGE_ERRORS
+from megatron_ais.logging import quiet_libraries
 from megatron_ais.sft import run_sft
 
 
 def main(argv=None) -> int:
     parser = build_parser(__doc__.split("\n\n")[0], SFT_FLAGS, prog="train_sft.py")
     args = parser.parse_args(argv)
+    world_size = launched_world_size(parser)
+    quiet_libraries(int(os.environ["RANK"]))
     try:
-        summary = run_sft(SFTRunConfig.from_args(args, launched_world_size(parser)))
+        summary = run_sft(SFTRunConfig.from_args(args, world_size))
     except USAGE_ERRORS as err:
         parser.error(str(err))
     import torch.distributed as dist

@@ -178,8 +178,9 @@ class GRPORun:
         if state.data_seed != trainer.training.seed:
             self.task = build_task(trainer.task, state.data_seed)
         # a resumed run's logs continue from the checkpoint: later steps logged before the crash are dropped
-        self.log = RunLogger(out, trainer.logging.tensorboard_dir, dist.get_rank() == self.engine_rank,
-                             resume_step=state.step if state.saved is not None else None)
+        self.log = RunLogger(trainer.logging, dist.get_rank() == self.engine_rank,
+                             resume_step=state.step if state.saved is not None else None, run_config=trainer.flags,
+                             total_steps=self.loop.grpo_steps)
         init_dir = os.path.join(out, "engine_init")
         save_hf_checkpoint(self.model.chunks, self.build, self.hf_config, init_dir,
                            ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),

@@ -11,9 +11,11 @@ import torch
 
 from megatron_ais.bridge.arena import remove_stale_shared_files
 from megatron_ais.flags import FlagConfig, flag
+from megatron_ais.logging import apply_vllm_log_level
 from megatron_ais.rollout.feeds import EngineWeights, build_feed
 
 PRECISIONS = ("bf16", "fp8", "fp32")
+LOG_LEVELS = ("error", "warning", "info", "debug")
 WEIGHT_FEEDS = ("shm", "broadcast")
 PLACEMENTS = ("colocated", "separate")
 ENGINE_OVERHEAD_BYTES = 2 << 30  # CUDA context, activations of vLLM's profile run, sampler buffers
@@ -83,6 +85,9 @@ class EngineConfig(FlagConfig):
               "not been tried under graphs.", name="--rollout-enforce-eager", action=argparse.BooleanOptionalAction)
     max_num_seqs: int = flag(64, "Sequences the engine batches at once.", name="--rollout-max-num-seqs")
     max_model_len: int = flag(512, "Longest prompt + response the engine serves.", name="--rollout-max-model-len")
+    log_level: str = flag("error", "What vLLM prints (its processes too): error keeps the console to our lines; "
+                                   "warning adds its warnings; info adds its per-call progress bars and per-sync "
+                                   "lines.", name="--rollout-log-level", choices=LOG_LEVELS)
     seed: int = 0
     block_size: int = 128
     gpu_staging_arena: bool = False  # the bridge's staging arena will be allocated on this GPU too
@@ -153,6 +158,17 @@ def engine_memory_fraction(kv_cache_bytes: int, weight_bytes: int, tensor_parall
                          f"of activations and context) but a GPU has {total_bytes / 2**30:.1f} GiB: lower "
                          "--rollout-kv-cache-gb or raise --rollout-tensor-parallel-size")
     return budget / total_bytes
+
+
+def quiet_vllm(log_level: str) -> None:
+    """vLLM logs at `log_level` in this process and in the engine processes it starts (they inherit the
+    environment); at error those processes also drop Python's warnings and torch's C++ warnings (the CPU worker's
+    NUMA-binding notice)."""
+    os.environ["VLLM_LOGGING_LEVEL"] = log_level.upper()
+    apply_vllm_log_level()
+    if log_level == "error":
+        os.environ["PYTHONWARNINGS"] = "ignore"
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
 def engine_gpu_memory_utilization(config: EngineConfig, engine_dir: str, arena_allocated: bool) -> float:
@@ -227,6 +243,7 @@ class RolloutEngine:
 
     def _start(self) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.placement == "colocated" else "1"
+        quiet_vllm(self.config.log_level)
         from vllm import LLM
 
         config = self.config
@@ -240,7 +257,7 @@ class RolloutEngine:
                        max_num_seqs=config.max_num_seqs, seed=config.seed,
                        tensor_parallel_size=config.tensor_parallel_size,
                        kv_cache_memory_bytes=int(config.kv_cache_gb * (1 << 30)),
-                       logprobs_mode="processed_logprobs",
+                       logprobs_mode="processed_logprobs", use_tqdm_on_load=config.log_level in ("info", "debug"),
                        worker_extension_cls="megatron_ais.rollout.worker_extension.WeightSyncExtension", **kwargs)
         self.feed = build_feed(config.placement, config.weight_feed, config.tensor_parallel_size)
         self.starts += 1
@@ -326,7 +343,7 @@ class RolloutEngine:
                                 max_tokens=sampling.max_new_tokens, stop_token_ids=list(sampling.stop_token_ids),
                                 logprobs=0, seed=sampling.seed)
         outputs = self._generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                    use_tqdm=len(prompts) * sampling.n >= 64 if progress is None else progress)
+                                 use_tqdm=self.config.log_level in ("info", "debug") if progress is None else progress)
         rollouts = []
         for index, out in enumerate(outputs):
             for completion in out.outputs:

@@ -33,12 +33,20 @@ def cpu_has_avx512_bf16() -> bool:
         return False
 
 
+def derived_buffers_are_not_weights(record: logging.LogRecord) -> bool:
+    """Drop vLLM's "RotaryEmbedding: Failed to load weights" at every in-place reload: the rotary embedding holds
+    only its cos/sin cache, a buffer computed from the config that no checkpoint carries, so a reload has nothing to
+    load into it and vLLM puts the computed cache back, which is right. Its other reload messages pass."""
+    return not (record.msg == "%s: Failed to load weights" and "RotaryEmbedding" in str(record.args[0]))
+
+
 def register() -> None:
     """In a process a run started, exit with its parent (`lifetime`); patch the CPU FP8 W8A16 kernels' support gate
     and bias dtype, where that is known to be correct."""
     from megatron_ais.lifetime import exit_with_parent_if_asked
 
     exit_with_parent_if_asked()
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(derived_buffers_are_not_weights)
     if os.environ.get("MEGATRON_AIS_VLLM_PLUGIN", "1") != "1":
         return
     import torch

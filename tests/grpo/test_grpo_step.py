@@ -37,7 +37,7 @@ def _worker(hf_dir, tp, log_dir):
     from distributed import start_trainer
     from megatron_ais.grpo.loss import PolicyLossConfig
     from megatron_ais.grpo.step import GRPOConfig, ParallelGroups, grpo_train_step
-    from megatron_ais.logging import RunLogger, grpo_console_line
+    from megatron_ais.logging import LoggingConfig, RunLogger, grpo_console_line
     from megatron_ais.training import build_reference_chunks, setup_model_and_optimizer
 
     trainer, _, build = start_trainer("--hf-dir", hf_dir, "--fp32", "--seq-length", S, "--tensor-model-parallel-size",
@@ -53,7 +53,7 @@ def _worker(hf_dir, tp, log_dir):
     result = grpo_train_step(ddp, optimizer, batch, config, AISState(), ParallelGroups.from_parallel_state(),
                              reference)
     groups = ParallelGroups.from_parallel_state()
-    logger = RunLogger(log_dir, None, enabled=groups.data_parallel_rank == 0
+    logger = RunLogger(LoggingConfig(output_dir=log_dir), enabled=groups.data_parallel_rank == 0
                        and ps.get_tensor_model_parallel_rank() == 0)
     line = grpo_console_line(1, result.metrics)
     logger.step(1, result.metrics, line)
