@@ -40,7 +40,7 @@ class MicroBatchPlan:
 def row_lengths(mask: torch.Tensor) -> list[int]:
     """Each row's length: its positions up to its last response token's (at least 1), from the response mask
     [rows, S] (aligned with the next-token labels)."""
-    positions = torch.arange(1, mask.shape[1] + 1).expand_as(mask)
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device).expand_as(mask)
     return [max(int(n), 1) for n in (positions * (mask > 0)).amax(dim=1).tolist()]
 
 
