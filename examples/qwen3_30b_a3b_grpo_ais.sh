@@ -108,6 +108,7 @@ ROLLOUT_ARGS=(
     --bridge-bucket-size-mb 512
     --bridge-arena host                   # trainer GPUs copy their FP8 shards to /dev/shm, engine workers load them
     --verify-refit-interval 10            # probe-sequence refit check every 10 syncs
+    --moe-routing-replay rollout          # R3: the trainer routes every token to the engine's experts (docs/moe.md)
 )
 
 AIS_ARGS=(

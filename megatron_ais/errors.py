@@ -32,6 +32,10 @@ class RolloutError(RuntimeError):
     """The engine could not produce a step's rollouts (it failed, or died again after a restart)."""
 
 
+class RoutingReplayError(ValueError):
+    """Routed expert ids to replay do not fit the trainer's MoE layers (the message names the layer)."""
+
+
 # what a person fixes before starting again: reported as one line by the entry points
 USAGE_ERRORS = (ArgumentValidationError, CheckpointError, TaskError)
 # what every rank re-raises by type when the rank that met it shares it

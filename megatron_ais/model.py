@@ -338,7 +338,9 @@ def moe_config_kwargs(build: ModelBuildConfig) -> dict[str, Any]:
     return dict(num_moe_experts=s.num_experts, moe_router_topk=s.moe_topk, moe_ffn_hidden_size=s.moe_ffn_hidden_size,
                 moe_router_pre_softmax=not s.moe_norm_topk_prob, moe_router_score_function="softmax",
                 moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=s.moe_aux_loss_coeff,
-                moe_grouped_gemm=build.use_te)
+                moe_grouped_gemm=build.use_te,
+                # a RouterReplay per router; it replays only in forwards given routes (routing_replay.py)
+                moe_enable_routing_replay=True)
 
 
 def layer_spec(build: ModelBuildConfig):

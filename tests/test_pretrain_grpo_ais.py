@@ -75,10 +75,14 @@ def test_two_grpo_steps_end_to_end(model_root, tmp_path, layout):
 
 
 @pytest.mark.slow
-def test_two_grpo_steps_of_a_moe_model(model_root, tmp_path):
+def test_moe_model_replays_the_engine_routing_and_resumes_exactly(model_root, tmp_path):
     """Qwen3-MoE (8 experts, top-2) converted to an EP2 Megatron checkpoint, trained at EP2 (each rank loads,
     trains, exports and syncs its own four experts) in micro-batches by tokens, FP8 rollouts with float8 experts and
-    an FP8 KV cache (1 calibration sequence over 2 data-parallel ranks: the other runs a token-less padding row)."""
+    an FP8 KV cache (1 calibration sequence over 2 data-parallel ranks: the other runs a token-less padding row).
+    Routing replay is on by default: the same first step without it (identical rollouts: same weights and seeds)
+    has a larger trainer-engine mismatch; a run resumed from the step-1 checkpoint repeats step 2."""
+    import shutil
+
     import convert_checkpoint
 
     hf_dir = make_model_dir(model_root, "qwen3_moe", num_layers=2, hidden_size=256, vocab_size=512,
@@ -87,19 +91,37 @@ def test_two_grpo_steps_of_a_moe_model(model_root, tmp_path):
     convert_checkpoint.hf_to_megatron(hf_dir, checkpoint, 1, 1, ep=2)
     # with an FP8 KV cache: both data-parallel ranks run the calibration's forward (MoE layers exchange tokens)
     # micro-batches by tokens: every DP (and so EP) rank runs as many, token-less ones filling in
-    cmd = _command(checkpoint, tmp_path / "run", 2, "--expert-model-parallel-size", "2", "--rollout-kv-cache-dtype",
-                   "fp8", "--rollout-kv-cache-calibration-sequences", "1", "--max-tokens-per-microbatch", "64")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    summary = json.load(open(tmp_path / "run" / "summary.json"))
-    assert len(summary["history"]) == 2
-    first = summary["history"][0]
+    flags = ("--expert-model-parallel-size", "2", "--rollout-kv-cache-dtype", "fp8",
+             "--rollout-kv-cache-calibration-sequences", "1", "--max-tokens-per-microbatch", "64")
+
+    def run(load, out, steps, *extra):
+        proc = subprocess.run(_command(load, out, steps, *flags, *extra), capture_output=True, text=True,
+                              timeout=600, cwd=str(tmp_path))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc, _comparable(json.load(open(out / "summary.json"))["history"])
+
+    save = tmp_path / "replay" / "ckpt"
+    proc, replayed = run(checkpoint, tmp_path / "replay", 2, "--save", str(save), "--save-interval", "1")
+    assert sorted(replayed) == [1, 2]
+    first = replayed[1]
     assert 0.0 <= first["ais/lambda"] <= 1.0 and first["ais/num_units"] > 0
-    assert 0.0 <= first["rollout/routing_mismatch"] <= 1.0  # probe routes compared at every refit check
+    assert 0.0 <= first["rollout/routing_mismatch"] <= 1.0  # how often the trainer would route otherwise
     assert 0.0 < first["rollout/kv_cache_k_scale_max"] and 0.0 < first["rollout/kv_cache_v_scale_max"]
     assert proc.stdout.strip().splitlines()[-1].startswith("accuracy_before=")
-    files = sorted(os.listdir(tmp_path / "run" / "engine_init"))
+    files = sorted(os.listdir(tmp_path / "replay" / "engine_init"))
     assert "model-00001-of-00001-ep001.safetensors" in files  # EP rank 1 wrote its own experts
+
+    _, own = run(checkpoint, tmp_path / "own", 1, "--moe-routing-replay", "none")
+    assert own[1]["rollout/reward"] == first["rollout/reward"]  # the same rollouts
+    assert first["ais/k3_kl"] < own[1]["ais/k3_kl"] and first["ais/max_abs_logratio"] < own[1]["ais/max_abs_logratio"]
+    print(f"MoE step 1, k3 / max |log ratio|: replayed {first['ais/k3_kl']:.3e} / {first['ais/max_abs_logratio']:.3f},"
+          f" own routing {own[1]['ais/k3_kl']:.3e} / {own[1]['ais/max_abs_logratio']:.3f}")
+
+    cut = tmp_path / "cut" / "ckpt"
+    shutil.copytree(save, cut)
+    (cut / "latest_checkpointed_iteration.txt").write_text("1")
+    _, resumed = run(str(cut), tmp_path / "cut", 2, "--save", str(cut), "--save-interval", "1")
+    assert resumed[2] == pytest.approx(replayed[2], rel=1e-5, abs=1e-9)
 
 
 def _comparable(history):

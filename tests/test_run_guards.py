@@ -127,3 +127,9 @@ def test_parameter_count_equals_transformers(model_root, arch, overrides):
     hf_dir = make_model_dir(model_root, arch, **overrides)
     reference = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(hf_dir).parameters())
     assert ModelShape.from_hf_config(json.load(open(os.path.join(hf_dir, "config.json")))).num_parameters() == reference
+
+
+def test_routing_replay_of_a_dense_model_is_refused_naming_the_flag(grpo, model, tmp_path):
+    _refused(grpo("--hf-dir", model, "--moe-routing-replay", "rollout", "--output-dir", tmp_path / "out"),
+             "--moe-routing-replay rollout needs a MoE model", "use --moe-routing-replay none")
+    assert not (tmp_path / "out").exists()

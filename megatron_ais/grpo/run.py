@@ -39,6 +39,11 @@ class GRPOLoopConfig(FlagConfig):
                                 "beside it.")
     verify_refit_interval: int = flag(1, "Score the probe sequence and compare with the trainer every this many "
                                          "syncs (0 = never).")
+    moe_routing_replay: str | None = flag(
+        None, "MoE routing replay (R3). rollout: the engine returns the experts it routes every rollout token to and "
+              "the trainer's forwards (old, reference and training log-probs) use them, so the importance ratio "
+              "measures only the precision mismatch; none: the trainer routes itself. Default: rollout for MoE "
+              "models, none for dense ones.", choices=("none", "rollout"), type=str)
 
     def __post_init__(self):
         for name in ("grpo-steps", "prompts-per-step", "num-minibatches", "ppo-epochs", "max-new-tokens",
@@ -109,6 +114,7 @@ class GRPORun:
         from megatron_ais.bridge.quantization import check_engine_shapes
         from megatron_ais.data.tasks import build_task
         from megatron_ais.errors import ArgumentValidationError, TaskError
+        from megatron_ais.routing_replay import routing_replay_enabled
         from megatron_ais.training import prepare_trainer, start_trainer
 
         self.started = time.time()
@@ -122,6 +128,7 @@ class GRPORun:
             check_engine_shapes(self.build.shape, self.config.bridge.policy, self.config.engine.tensor_parallel_size)
         except ValueError as err:
             raise ArgumentValidationError(str(err)) from err
+        self.routing_replay = routing_replay_enabled(self.loop.moe_routing_replay, self.build.shape.is_moe)
         self.lock = start_trainer(trainer)
         self._setup_trainer()
         self._setup_engine()
@@ -158,7 +165,9 @@ class GRPORun:
                                num_minibatches=self.loop.num_minibatches, ppo_epochs=self.loop.ppo_epochs,
                                advantages=config.advantages, temperature=self.loop.temperature,
                                max_tokens_per_microbatch=trainer.training.max_tokens_per_microbatch,
-                               sequence_multiple=trainer.layout.tensor if trainer.layout.sequence_parallel else 1)
+                               sequence_multiple=trainer.layout.tensor if trainer.layout.sequence_parallel else 1,
+                               moe_routing=(self.build.shape.num_layers, self.build.shape.num_experts,
+                                            self.build.shape.moe_topk) if self.routing_replay else None)
         self.probe = probe_tokens(self.build.shape.vocab_size)
 
     def _setup_engine(self) -> None:
@@ -191,7 +200,7 @@ class GRPORun:
             sampling = SamplingConfig(n=loop.group_size, temperature=loop.temperature, top_p=loop.top_p,
                                       max_new_tokens=loop.max_new_tokens, stop_token_ids=(self.tokenizer.eos_token_id,))
             plan = RolloutPlan(loop.prompts_per_step, sampling, loop.eval_samples, trainer.training.seed,
-                               trainer.model.seq_length)
+                               trainer.model.seq_length, self.routing_replay)
             engine = RolloutEngine(dataclasses.replace(self.config.engine, model_dir=init_dir),
                                    os.path.join(out, "engine"))
             self.manager = RolloutManager(engine, self.tokenizer, self.task, plan, state.data_seed, state.rollout_seed,

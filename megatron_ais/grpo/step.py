@@ -13,11 +13,13 @@ from megatron_ais.ais import (AISConfig, AISResult, AISState, ais_coefficient, a
                               check_trainer_logprobs, exclude_invalid_sequences, invalid_sequences, max_abs_logratio,
                               mismatch_statistics, reduce_statistics)
 from megatron_ais.ais.coefficient import EMPTY_RESULT
+from megatron_ais.errors import RoutingReplayError
 from megatron_ais.grpo.advantages import AdvantageConfig, group_advantages
 from megatron_ais.grpo.batching import (MicroBatchPlan, balanced_partition, fixed_plan, micro_batches, row_lengths,
                                         scatter_rows, token_budget_plan)
 from megatron_ais.grpo.logprobs import vocab_parallel_logprobs
 from megatron_ais.grpo.loss import PolicyLossConfig, aggregate, global_normalizer, megatron_loss_scale, token_losses
+from megatron_ais.routing_replay import check_routed_experts, forward_replaying
 
 
 @dataclasses.dataclass
@@ -34,6 +36,8 @@ class RolloutBatch:
     rollout_logprobs: torch.Tensor
     rewards: torch.Tensor
     group_size: int
+    # MoE routing replay: the engine's top-k expert ids [B, S, MoE layers, k] (int16) at every input position
+    routed_experts: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "RolloutBatch":
         """Return the batch with its tensors on `device`."""
@@ -56,6 +60,7 @@ class GRPOConfig:
     temperature: float = 1.0
     max_tokens_per_microbatch: int | None = None  # token-budget micro-batches (grpo/batching.py); None: fixed
     sequence_multiple: int = 1  # micro-batch lengths are multiples of this (TP under sequence parallelism)
+    moe_routing: tuple[int, int, int] | None = None  # (MoE layers, experts, top-k): what replayed routes must fit
 
     def plan(self, lengths: list[int], seq_length: int) -> MicroBatchPlan:
         """The micro-batches of rows of these lengths."""
@@ -114,7 +119,7 @@ def forward_logprobs(ddp_chunks: list, micro_batches: list[dict], groups: Parall
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        output = model(mb["tokens"], mb["position_ids"], attention_mask=None)
+        output = forward_replaying(model, mb)
 
         def loss_func(logits):
             logprobs, _ = vocab_parallel_logprobs(logits / temperature, mb["labels"], groups.tensor_parallel_group,
@@ -151,7 +156,7 @@ def score_rows(ddp_chunks: list, rows: dict[str, torch.Tensor], plan: MicroBatch
 def _policy_forward_step(config: GRPOConfig, groups: ParallelGroups, normalizer: float, scale: float,
                          data_iterator, model):
     mb = next(data_iterator)
-    output = model(mb["tokens"], mb["position_ids"], attention_mask=None)
+    output = forward_replaying(model, mb)
 
     def loss_func(logits):
         logprobs, entropy = vocab_parallel_logprobs(logits / config.temperature, mb["labels"],
@@ -199,6 +204,8 @@ def _local_rows(batch: RolloutBatch, config: GRPOConfig, groups: ParallelGroups
     rollout_lp = torch.where(mask > 0, batch.rollout_logprobs[rows], torch.zeros(()))
     local = {"tokens": batch.tokens[rows], "labels": batch.labels[rows],
              "advantages": advantages[rows].unsqueeze(-1) * mask}
+    if batch.routed_experts is not None:
+        local["routed_experts"] = batch.routed_experts[rows]
     return local, mask, rollout_lp, metrics
 
 
@@ -287,6 +294,10 @@ def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GR
     """
     if config.loss.kl_coef and reference_chunks is None:
         raise ValueError("--kl-coef > 0 needs a reference policy (reference_chunks)")
+    if batch.routed_experts is not None:
+        if config.moe_routing is None:
+            raise RoutingReplayError("the rollout batch carries routed expert ids but the model has no MoE layers")
+        check_routed_experts(batch.routed_experts, *config.moe_routing)
     local, mask, rollout_lp, metrics = _local_rows(batch.to(platform.device()), config, groups)
     if metrics["guard/valid_tokens"] == 0:
         return GRPOStepResult(skipped=True, ais=EMPTY_RESULT, metrics=metrics)

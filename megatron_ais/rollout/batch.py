@@ -5,12 +5,14 @@ import torch
 
 from megatron_ais.grpo.step import RolloutBatch
 from megatron_ais.rollout.engine import Rollout
+from megatron_ais.routing_replay import padding_routes
 
 
 def rollouts_to_batch(rollouts: list[Rollout], rewards: list[float], group_size: int, seq_length: int,
-                      pad_token_id: int) -> RolloutBatch:
+                      pad_token_id: int, routes: list[torch.Tensor] | None = None) -> RolloutBatch:
     """Return a RolloutBatch: tokens = prompt + response (right padded), labels = tokens shifted by one; the
-    response token at absolute position p is predicted at label index p - 1, where mask and log-prob go."""
+    response token at absolute position p is predicted at label index p - 1, where mask and log-prob go. `routes`
+    (MoE routing replay): each rollout's expert ids [its input positions, MoE layers, k] from `RolloutEngine.route`."""
     count = len(rollouts)
     tokens = torch.full((count, seq_length), pad_token_id, dtype=torch.long)
     labels = torch.full((count, seq_length), pad_token_id, dtype=torch.long)
@@ -28,4 +30,14 @@ def rollouts_to_batch(rollouts: list[Rollout], rewards: list[float], group_size:
         mask[row, start:start + r.length] = 1.0
         logprobs[row, start:start + r.length] = torch.tensor(r.logprobs, dtype=torch.float32)
     return RolloutBatch(tokens=tokens, labels=labels, mask=mask, rollout_logprobs=logprobs,
-                        rewards=torch.tensor(rewards, dtype=torch.float32), group_size=group_size)
+                        rewards=torch.tensor(rewards, dtype=torch.float32), group_size=group_size,
+                        routed_experts=None if routes is None else _routed_experts(routes, seq_length))
+
+
+def _routed_experts(routes: list[torch.Tensor], seq_length: int) -> torch.Tensor:
+    """The rollouts' expert ids [B, S, MoE layers, k], padding positions routed to experts 0..k-1."""
+    _, layers, topk = routes[0].shape
+    out = padding_routes(seq_length, layers, topk).repeat(len(routes), 1, 1, 1)
+    for row, route in enumerate(routes):
+        out[row, :route.shape[0]] = route
+    return out

@@ -10,6 +10,7 @@ import os
 import torch
 
 from megatron_ais.bridge.arena import remove_stale_shared_files
+from megatron_ais.errors import RolloutError
 from megatron_ais.flags import FlagConfig, flag
 from megatron_ais.logging import apply_vllm_log_level
 from megatron_ais.rollout.feeds import EngineWeights, build_feed
@@ -189,6 +190,18 @@ def engine_gpu_memory_utilization(config: EngineConfig, engine_dir: str, arena_a
                            "put the arena in host memory (--bridge-arena host) or lower the trainer's memory "
                            "(--micro-batch-size, --use-distributed-optimizer, more model parallelism)")
     return fraction
+
+
+def _one_forward_batches(sequences: list[list[int]], max_tokens: int, max_sequences: int) -> list[list[list[int]]]:
+    """Consecutive batches of sequences whose prefill fits one scheduler step (token budget and sequence count)."""
+    batches, current, tokens = [], [], 0
+    for sequence in sequences:
+        if current and (tokens + len(sequence) > max_tokens or len(current) == max_sequences):
+            batches.append(current)
+            current, tokens = [], 0
+        current.append(sequence)
+        tokens += len(sequence)
+    return batches + ([current] if current else [])
 
 
 def generate_watching_engine(llm, *args, **kwargs):
@@ -371,14 +384,59 @@ class RolloutEngine:
         return [torch.from_numpy(a) for a in self.llm.collective_rpc("megatron_ais_collect_layer_states")[0]]
 
     def probe_routing(self, token_ids: list[int]) -> list[torch.Tensor]:
-        """Return each MoE layer's top-k expert ids [len(token_ids) - 1 or more, k] for a teacher-forced probe
-        (empty for dense models)."""
-        if not self.llm.collective_rpc("megatron_ais_capture_routing")[0]:
-            self.llm.collective_rpc("megatron_ais_collect_routing")
-            return []
-        self.llm.reset_prefix_cache()  # every probe position must be routed again
-        self.prompt_logprobs(token_ids)
-        return [torch.tensor(ids) for ids in self.llm.collective_rpc("megatron_ais_collect_routing")[0]]
+        """Return each MoE layer's top-k expert ids [len(token_ids), k] for a teacher-forced probe (empty for dense
+        models)."""
+        (routes,) = self.route([token_ids])
+        return list(routes.long().unbind(dim=1))
+
+    def route(self, sequences: list[list[int]]) -> list[torch.Tensor]:
+        """Each sequence's top-k expert ids [len(sequence), MoE layers, k] (int16) as the engine routes it now: a
+        prefill of every position at the engine's precision (FP8 weights and KV cache included), never read from the
+        prefix cache. Sequences go together in batches that fit one forward; a batch the scheduler still splits is
+        routed one sequence at a time (only within one forward are the rows in the order of the requests)."""
+        scheduler = self.llm.llm_engine.vllm_config.scheduler_config
+        routes = []
+        for batch in _one_forward_batches(sequences, scheduler.max_num_batched_tokens, scheduler.max_num_seqs):
+            together = self._route_together(batch)
+            routes += together if together is not None else [self._route_alone(s) for s in batch]
+        return routes
+
+    def _routing_pass(self, sequences: list[list[int]]) -> list[list[torch.Tensor]]:
+        """Per MoE layer, per forward, the expert ids [rows, k] of one prefill of `sequences` (each request salted
+        so that no position comes from the prefix cache)."""
+        import uuid
+
+        from vllm import SamplingParams, TokensPrompt
+
+        self.llm.collective_rpc("megatron_ais_capture_routing")
+        salt = uuid.uuid4().hex
+        try:
+            self._generate([TokensPrompt(prompt_token_ids=list(s), cache_salt=f"{salt}-{i}")
+                            for i, s in enumerate(sequences)], SamplingParams(max_tokens=1, temperature=0.0),
+                           use_tqdm=False)
+        finally:
+            layers = self.llm.collective_rpc("megatron_ais_collect_routing")[0]
+        return [[torch.frombuffer(bytearray(data), dtype=torch.int16).view(rows, k) for rows, k, data in calls]
+                for calls in layers]
+
+    def _route_together(self, sequences: list[list[int]]) -> list[torch.Tensor] | None:
+        """The routes of sequences prefilled in one forward; None if the engine needed more than one."""
+        layers = self._routing_pass(sequences)
+        total = sum(len(s) for s in sequences)
+        if not all(len(calls) == 1 and calls[0].shape[0] >= total for calls in layers):
+            return None
+        if not layers:
+            return [torch.zeros(len(s), 0, 0, dtype=torch.int16) for s in sequences]
+        rows = torch.stack([calls[0][:total] for calls in layers], dim=1)  # rows past `total`: CUDA-graph padding
+        return list(rows.split([len(s) for s in sequences]))
+
+    def _route_alone(self, sequence: list[int]) -> torch.Tensor:
+        layers = self._routing_pass([sequence])
+        rows = [torch.cat(calls) for calls in layers]
+        if any(r.shape[0] != len(sequence) for r in rows):
+            raise RolloutError(f"the engine routed {[r.shape[0] for r in rows]} positions of a {len(sequence)}-token "
+                               "sequence in its MoE layers")
+        return torch.stack(rows, dim=1) if rows else torch.zeros(len(sequence), 0, 0, dtype=torch.int16)
 
     def shutdown(self) -> None:
         """Stop the engine and its processes."""

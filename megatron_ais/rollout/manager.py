@@ -41,6 +41,7 @@ class RolloutPlan:
     eval_samples: int
     eval_seed: int
     seq_length: int
+    routing_replay: bool = False  # MoE: the engine routes every rollout once more for the trainer to replay
 
 
 class RolloutManager:
@@ -62,8 +63,11 @@ class RolloutManager:
         examples = step_examples(self.task, self.plan.prompts_per_step, self.data_seed, step)
         sampling = dataclasses.replace(self.plan.sampling, seed=self.rollout_seed * 100003 + step)
         rollouts = self.engine.generate(prompt_ids(self.tokenizer, [e.prompt for e in examples]), sampling)
+        # the trainer's input positions: every token but the last
+        routes = self.engine.route([(r.prompt_token_ids + r.token_ids)[:-1] for r in rollouts]) \
+            if self.plan.routing_replay else None
         return rollouts_to_batch(rollouts, self._score(examples, rollouts), self.plan.sampling.n,
-                                 self.plan.seq_length, self.tokenizer.pad_token_id)
+                                 self.plan.seq_length, self.tokenizer.pad_token_id, routes)
 
     def rollout_batch(self, step: int):
         """Sample this step's prompts, generate the group of responses per prompt and score them; return the

@@ -92,29 +92,29 @@ class LayerStateCapture:
 
 
 class RoutingCapture:
-    """The top-k expert ids every MoE layer's router picks in the next forward (vLLM's own capture hook on its
+    """The top-k expert ids every MoE layer's router picks in the next forwards (vLLM's own capture hook on its
     routers, the one `enable_return_routed_experts` uses; that option needs Model Runner V2, which needs Triton, so it
     is refused on CPU)."""
 
     def __init__(self, model):
         self.routers = [module.router for name, module in model.named_modules()
                         if hasattr(getattr(module, "router", None), "set_capture_fn")]
-        self.ids: dict[int, torch.Tensor] = {}
+        self.calls: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(self.routers))}
         for index, router in enumerate(self.routers):
             router.set_capture_fn(self._capture(index))
 
     def _capture(self, index: int):
         def capture(topk_ids):
-            if index not in self.ids:
-                self.ids[index] = topk_ids.detach().to("cpu", copy=True)
+            self.calls[index].append(topk_ids.detach().to("cpu", torch.int16, copy=True))
         return capture
 
     def collect(self) -> list:
-        """Remove the hooks; return each MoE layer's [tokens, k] expert ids as nested lists (integer NumPy arrays do
-        not survive a separate engine's RPC serialisation), None where a layer did not run."""
+        """Remove the hooks; return per MoE layer, per forward, (rows, k, int16 bytes) of the expert ids (bytes
+        survive a separate engine's RPC serialisation, integer NumPy arrays do not)."""
         for router in self.routers:
             router.set_capture_fn(None)
-        return [self.ids[i].tolist() if i in self.ids else None for i in range(len(self.routers))]
+        return [[(ids.shape[0], ids.shape[1], ids.numpy().tobytes()) for ids in self.calls[i]]
+                for i in range(len(self.routers))]
 
 
 class WeightSyncExtension:

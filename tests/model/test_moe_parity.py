@@ -71,3 +71,100 @@ def test_moe_logits_equal_hf_at_ep2_and_local_numbering_is_caught(moe_dir):
 def test_moe_logits_equal_hf_at_ep2_tp2(moe_dir):
     results = spawn(4, _moe_worker, moe_dir, 2, 2)
     assert all(diff <= TOLERANCE for diff, *_ in results)
+
+
+def _forced_gate(gate, forced):
+    """A transformers Qwen3-MoE gate that routes every token to the experts `forced` [tokens, k] names, weighting
+    them by its softmax over all experts, renormalised over the chosen ones (norm_topk_prob)."""
+    def forward(hidden_states):
+        logits = torch.nn.functional.linear(hidden_states.reshape(-1, gate.hidden_dim), gate.weight)
+        chosen = torch.softmax(logits, dtype=torch.float, dim=-1).gather(1, forced)
+        return logits, (chosen / chosen.sum(dim=-1, keepdim=True)).to(logits.dtype), forced
+    return forward
+
+
+def _hf_logprobs(hf, tokens, labels, routes=None):
+    """transformers' log-probs of the labels; `routes` [b, s, layers, k]: every MoE layer forced to them."""
+    for index, layer in enumerate(hf.model.layers):
+        gate = layer.mlp.gate
+        gate.forward = type(gate).forward.__get__(gate) if routes is None else \
+            _forced_gate(gate, routes[:, :, index].reshape(-1, routes.shape[-1]).long())
+    with torch.no_grad():
+        logits = hf(tokens).logits.float()
+    return torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def _replay_worker(hf_dir, tp, ep, pp):
+    """Megatron's log-probs of random tokens: routing itself, replaying the routes transformers chooses, and
+    replaying other routes; with transformers' log-probs under the same forced routes."""
+    from megatron.core import parallel_state as ps
+    from transformers import AutoModelForCausalLM
+
+    from distributed import start_trainer
+    from megatron_ais.grpo.step import ParallelGroups, forward_logprobs
+    from megatron_ais.mapping.distributed import load_hf_weights
+    from megatron_ais.model import build_model_chunks
+    from megatron_ais.platform import to_device
+
+    _, _, build = start_trainer("--hf-dir", hf_dir, "--fp32", "--tensor-model-parallel-size", tp,
+                                "--expert-model-parallel-size", ep, "--pipeline-model-parallel-size", pp,
+                                "--seq-length", 16, "--transformer-impl", "local",
+                                *(["--sequence-parallel"] if tp > 1 else []))
+    chunks = build_model_chunks(build)
+    load_hf_weights(chunks, hf_dir, build, ps.get_tensor_model_parallel_rank())
+    generator = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, build.shape.vocab_size, (2, 17), generator=generator)
+    tokens, labels = tokens[:, :-1], tokens[:, 1:]
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    own = _hf_routes(hf, tokens)
+    other = torch.rand(2, 16, 2, 8, generator=generator).argsort(-1)[..., :2].to(torch.int16)
+    groups, vocab = ParallelGroups.from_parallel_state(), build.shape.vocab_size
+
+    def megatron(routes):
+        mb = {"tokens": tokens, "labels": labels,
+              "position_ids": torch.arange(16).unsqueeze(0).expand(2, 16).contiguous()}
+        if routes is not None:
+            mb["routed_experts"] = routes
+        out = forward_logprobs(chunks, [to_device(mb)], groups, vocab)
+        return None if out is None else out[0].cpu()
+
+    results = (megatron(None), megatron(own), megatron(other), _hf_logprobs(hf, tokens, labels, other),
+               _hf_logprobs(hf, tokens, labels))
+    ps.destroy_model_parallel()
+    return results if groups.is_last_stage else None
+
+
+def _hf_routes(hf, tokens):
+    """The top-k experts transformers' own routers choose for every token and layer [b, s, layers, k] (int16)."""
+    routes = {}
+    hooks = [layer.mlp.gate.register_forward_hook(
+        lambda module, args, output, index=index: routes.__setitem__(index, output[2]))
+        for index, layer in enumerate(hf.model.layers)]
+    with torch.no_grad():
+        hf(tokens)
+    for hook in hooks:
+        hook.remove()
+    b, s = tokens.shape
+    return torch.stack([routes[i].reshape(b, s, -1) for i in sorted(routes)], dim=2).to(torch.int16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,ep,pp", [(1, 2, 1), (2, 1, 1), (1, 1, 2)], ids=["ep2", "tp2-sp", "pp2"])
+def test_replayed_routes_route_every_token_and_match_a_forced_reference(moe_dir, tp, ep, pp):
+    """Replaying the routes the model would choose itself changes no log-prob (bit for bit); replaying other routes
+    changes them, to transformers' log-probs under the same forced routes."""
+    _check_replay(next(r for r in spawn(2, _replay_worker, moe_dir, tp, ep, pp) if r is not None))
+
+
+@pytest.mark.gpu
+def test_replayed_routes_on_the_gpu(moe_dir):
+    (results,) = spawn(1, _replay_worker, moe_dir, 1, 1, 1)
+    _check_replay(results)
+
+
+def _check_replay(results):
+    own, replayed_own, replayed_other, forced, reference = results
+    assert (own - reference).abs().max() <= TOLERANCE  # the unforced forwards agree (so do their routes)
+    assert torch.equal(replayed_own, own)
+    assert (replayed_other - own).abs().max() > 100 * TOLERANCE
+    assert (replayed_other - forced).abs().max() <= TOLERANCE

@@ -1,0 +1,93 @@
+"""MoE routing replay (R3): every forward that scores rollouts routes each token to the experts the engine chose.
+
+The engine returns, per rollout, the top-k expert ids of every MoE layer at every position the trainer feeds
+(prompt and response; `rollout/engine.py RolloutEngine.route`); they travel with the batch as int16
+[sequences, positions, MoE layers, k]. Before a pipeline chunk's forward, each of its routers is given its layer's
+ids through megatron-core's `RouterReplay` (REPLAY_FORWARD), in the token order the router sees ([s, b] flattened,
+this tensor-parallel rank's sequence shard under sequence parallelism); after the forward the routers route
+themselves again (the refit probe measures how often they would disagree). Only the choice of experts is
+replayed: the gating weights are still the trainer's own, a softmax over its router logits of the chosen experts
+(Qwen3's renormalised top-k), so the router keeps its gradient; the auxiliary load-balancing loss is megatron's
+own top-k on the trainer's scores. The recipe does not recompute activations, so no backward re-routing happens.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_ais.errors import ArgumentValidationError, RoutingReplayError
+
+
+def routing_replay_enabled(choice: str | None, is_moe: bool) -> bool:
+    """Whether a run replays the engine's routing: --moe-routing-replay, by default on for MoE models."""
+    if choice == "rollout" and not is_moe:
+        raise ArgumentValidationError("--moe-routing-replay rollout needs a MoE model and this one has no MoE layers; "
+                                      "use --moe-routing-replay none or leave the flag out")
+    return is_moe if choice is None else choice == "rollout"
+
+
+def check_routed_experts(ids: torch.Tensor, num_layers: int, num_experts: int, topk: int) -> None:
+    """Refuse routed expert ids that do not fit the model: shape [sequences, positions, num_layers, topk], ids in
+    [0, num_experts), k distinct experts per token; the error names the first bad MoE layer."""
+    if ids.dim() != 4 or ids.shape[2] != num_layers or ids.shape[3] != topk:
+        raise RoutingReplayError(
+            f"routed expert ids of shape {tuple(ids.shape)} do not fit the trainer's model: expected [sequences, "
+            f"positions, {num_layers} MoE layers, top-{topk}]")
+    for layer in range(num_layers):
+        layer_ids = ids[:, :, layer].long()
+        low, high = int(layer_ids.min()), int(layer_ids.max())
+        if low < 0 or high >= num_experts:
+            raise RoutingReplayError(f"MoE layer {layer}: routed expert id {low if low < 0 else high} is outside "
+                                     f"[0, {num_experts})")
+        ordered = layer_ids.sort(dim=-1).values
+        if topk > 1 and (ordered[..., 1:] == ordered[..., :-1]).any():
+            raise RoutingReplayError(f"MoE layer {layer}: a token is routed to the same expert twice")
+
+
+def padding_routes(length: int, num_layers: int, topk: int) -> torch.Tensor:
+    """Routes for positions no rollout fills (padding): experts 0..k-1, distinct as the router requires."""
+    return torch.arange(topk, dtype=torch.int16).expand(length, num_layers, topk)
+
+
+def _routers(model) -> list:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [module for module in model.modules() if isinstance(module, TopKRouter)]
+
+
+def _router_view(ids: torch.Tensor, layer: int, config) -> torch.Tensor:
+    """One MoE layer's ids [b, s, k] as its router's [tokens, k] (int64): tokens in [s, b] order, this rank's
+    sequence shard under sequence parallelism."""
+    from megatron.core import parallel_state as ps
+
+    routes = ids[:, :, layer].transpose(0, 1)
+    if config.sequence_parallel:
+        shard = routes.shape[0] // ps.get_tensor_model_parallel_world_size()
+        rank = ps.get_tensor_model_parallel_rank()
+        routes = routes[rank * shard:(rank + 1) * shard]
+    return routes.reshape(-1, routes.shape[-1]).long()
+
+
+def set_replayed_routes(model, ids: torch.Tensor | None) -> None:
+    """Make every router of `model` (one pipeline chunk) replay its layer's slice of ids [b, s, MoE layers, k]
+    (global layer order) in the next forward; None: the routers route themselves."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    for router in _routers(model):
+        replay = router.router_replay
+        replay.clear_indices()
+        if ids is None:
+            replay.clear_router_replay_action()
+            continue
+        replay.set_target_indices(_router_view(ids, router.layer_number - 1, router.config))
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+def forward_replaying(model, micro_batch: dict):
+    """The chunk's forward of a micro-batch (tokens, position ids), replaying its `routed_experts` if it has them."""
+    ids = micro_batch.get("routed_experts")
+    set_replayed_routes(model, ids)
+    try:
+        return model(micro_batch["tokens"], micro_batch["position_ids"], attention_mask=None)
+    finally:
+        if ids is not None:
+            set_replayed_routes(model, None)
