@@ -49,7 +49,7 @@ run: $(STAMP)
 	    --save $(RUN_DIR)/checkpoint --save-interval 25 --output-dir $(RUN_DIR)
 
 test: $(STAMP) $(LAUNCH_STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 clean-venv:
 	rm -rf $(VENV) $(VENV_LAUNCH)

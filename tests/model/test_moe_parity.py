@@ -128,10 +128,25 @@ def _replay_worker(hf_dir, tp, ep, pp):
         out = forward_logprobs(chunks, [to_device(mb)], groups, vocab)
         return None if out is None else out[0].cpu()
 
-    results = (megatron(None), megatron(own), megatron(other), _hf_logprobs(hf, tokens, labels, other),
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    maps = {}
+    hooks = [m.register_forward_hook(lambda module, args, output: maps.__setitem__(module.layer_number, output[1]))
+             for m in chunks[0].modules() if isinstance(m, TopKRouter)]
+    replayed_other = megatron(other)
+    for hook in hooks:
+        hook.remove()
+    # every token went to the given experts in this rank's layers: the [s, b] tokens its routers see (under
+    # sequence parallelism this TP rank's share of the positions)
+    shard = 16 // tp
+    positions = slice(ps.get_tensor_model_parallel_rank() * shard, (ps.get_tensor_model_parallel_rank() + 1) * shard)
+    routed = all(torch.equal(routing_map.cpu(), torch.zeros(shard, 2, 8, dtype=torch.bool).scatter_(
+        -1, other[:, positions, number - 1].transpose(0, 1).long(), True).reshape(-1, 8))
+        for number, routing_map in maps.items())
+    results = (megatron(None), megatron(own), replayed_other, _hf_logprobs(hf, tokens, labels, other),
                _hf_logprobs(hf, tokens, labels))
     ps.destroy_model_parallel()
-    return results if groups.is_last_stage else None
+    return results if groups.is_last_stage else None, routed, sorted(maps)
 
 
 def _hf_routes(hf, tokens):
@@ -153,12 +168,16 @@ def _hf_routes(hf, tokens):
 def test_replayed_routes_route_every_token_and_match_a_forced_reference(moe_dir, tp, ep, pp):
     """Replaying the routes the model would choose itself changes no log-prob (bit for bit); replaying other routes
     changes them, to transformers' log-probs under the same forced routes."""
-    _check_replay(next(r for r in spawn(2, _replay_worker, moe_dir, tp, ep, pp) if r is not None))
+    ranks = spawn(2, _replay_worker, moe_dir, tp, ep, pp)
+    assert all(routed for _, routed, _ in ranks)  # each rank's routers used the given ids, token by token
+    assert sorted({layer for _, _, layers in ranks for layer in layers}) == [1, 2]
+    _check_replay(next(results for results, _, _ in ranks if results is not None))
 
 
 @pytest.mark.gpu
 def test_replayed_routes_on_the_gpu(moe_dir):
-    (results,) = spawn(1, _replay_worker, moe_dir, 1, 1, 1)
+    ((results, routed, layers),) = spawn(1, _replay_worker, moe_dir, 1, 1, 1)
+    assert routed and layers == [1, 2]
     _check_replay(results)
 
 
