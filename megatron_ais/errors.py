@@ -32,6 +32,10 @@ class RolloutError(RuntimeError):
     """The engine could not produce a step's rollouts (it failed, or died again after a restart)."""
 
 
+class NonFiniteInputError(FloatingPointError):
+    """An AIS entry point was given NaN/Inf log-probs, advantages or statistics (the message names which)."""
+
+
 class RoutingReplayError(ValueError):
     """Routed expert ids to replay do not fit the trainer's MoE layers (the message names the layer)."""
 

@@ -7,6 +7,7 @@ import torch
 
 from megatron_ais.ais import diagnostics
 from megatron_ais.ais.config import AISConfig
+from megatron_ais.ais.guards import check_finite_statistics
 from megatron_ais.ais.statistics import STAT_NAMES, unit_log_ratios
 
 
@@ -75,6 +76,7 @@ def ais_coefficient(stats: torch.Tensor, config: AISConfig, state: AISState | No
     A pure function of (stats, config, state): identical inputs on every rank give a bit-identical λ.
     """
     s = dict(zip(STAT_NAMES, stats.double().tolist()))
+    check_finite_statistics(s)
     if s["n"] <= 0:
         return EMPTY_RESULT
     state = state if state is not None else AISState()

@@ -33,9 +33,12 @@ class AISConfig(FlagConfig):
     level: str = flag("token", "Ratio per token, per sequence (product of token ratios) or geometric (per-token "
                                "mean).", name="--is-level", choices=LEVELS)
     cap: float = flag(2.0, "Truncation C of TIS and AIS (reliability band [1/C, C]).", name="--is-cap")
-    mis_low: float | None = flag(None, "MIS lower acceptance bound (default 1/high).", name="--is-mask-low",
+    mis_low: float | None = flag(None, "MIS lower acceptance bound on w = pi_trainer / pi_rollout (default 1/high). "
+                                       "verl's token rejection compares pi_rollout / pi_old with its band, the "
+                                       "inverse: its asymmetric 'L_U' band is ours at --is-mask-low 1/U "
+                                       "--is-mask-high 1/L (symmetric bands agree).", name="--is-mask-low",
                                  type=float)
-    mis_high: float = flag(2.0, "MIS upper acceptance bound.", name="--is-mask-high")
+    mis_high: float = flag(2.0, "MIS upper acceptance bound on w = pi_trainer / pi_rollout.", name="--is-mask-high")
     icepop_low: float = flag(0.5, "IcePop lower band edge alpha.")
     icepop_high: float = flag(5.0, "IcePop upper band edge beta.")
     tau: float = flag(0.05, "AIS severity scale tau_D in nats.", name="--ais-tau")

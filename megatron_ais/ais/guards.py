@@ -1,7 +1,12 @@
-"""Rollout log-probs that are NaN, ±Inf or −inf for a sampled token make a sequence unusable."""
+"""Rollout log-probs that are NaN, ±Inf or −inf for a sampled token make a sequence unusable; every public entry
+point of `megatron_ais.ais` refuses non-finite inputs rather than return NaN or clamp ±Inf silently."""
 from __future__ import annotations
 
+import math
+
 import torch
+
+from megatron_ais.errors import NonFiniteInputError
 
 
 def invalid_sequences(rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -23,3 +28,21 @@ def check_trainer_logprobs(trainer_logprobs: torch.Tensor, mask: torch.Tensor) -
         rows = bad.any(dim=-1).nonzero().flatten().tolist()
         raise FloatingPointError(f"trainer log-probs are NaN/Inf on {int(bad.sum())} valid tokens (sequences "
                                  f"{rows[:8]}); the model weights or activations are corrupt, refusing to train")
+
+
+def check_finite(values: torch.Tensor, mask: torch.Tensor, name: str) -> None:
+    """Refuse `values` [b, s] that are NaN/Inf on valid tokens, naming them (`name`); masked positions may hold
+    anything. The GRPO step excludes such sequences first (`exclude_invalid_sequences`); a library caller must too."""
+    bad = ~torch.isfinite(values) & (mask > 0)
+    if bad.any():
+        rows = bad.any(dim=-1).nonzero().flatten().tolist() if bad.dim() > 1 else []
+        raise NonFiniteInputError(f"{name} are NaN/Inf on {int(bad.sum())} valid tokens (sequences {rows[:8]}); "
+                                  "exclude those sequences first (megatron_ais.ais.exclude_invalid_sequences)")
+
+
+def check_finite_statistics(statistics: dict[str, float]) -> None:
+    """Refuse mismatch statistics holding NaN/Inf, naming the first such statistic."""
+    for name, value in statistics.items():
+        if not math.isfinite(value):
+            raise NonFiniteInputError(f"mismatch statistic {name} is {value}: the log-probs or advantages it sums "
+                                      "were not finite (or the weights overflowed); refusing to compute λ from it")

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ais.ais.config import AISConfig
+from megatron_ais.ais.guards import check_finite
 
 STAT_NAMES = (
     "n",                          # N: valid units
@@ -34,8 +35,10 @@ def unit_log_ratios(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tens
                     config: AISConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (δ per unit, unit mask): per token [b, s], or per sequence [b] (sum or mean of token δ).
 
-    Masked positions never contribute, even when they hold NaN or garbage.
+    Masked positions never contribute, even when they hold NaN or garbage; valid ones must be finite.
     """
+    check_finite(trainer_logprobs, mask, "trainer log-probs")
+    check_finite(rollout_logprobs, mask, "rollout log-probs")
     valid = mask > 0
     delta = torch.where(valid, trainer_logprobs.float() - rollout_logprobs.float(), torch.zeros((), dtype=torch.float32))
     if config.level == "token":
@@ -59,6 +62,7 @@ def severity_log_ratios(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.
 
 def unit_advantages(advantages: torch.Tensor, mask: torch.Tensor, config: AISConfig) -> torch.Tensor:
     """Return Â per unit: per token, or the sequence's advantage (its masked token mean) per sequence."""
+    check_finite(advantages, mask, "advantages")
     valid = mask > 0
     adv = torch.where(valid, advantages.float(), torch.zeros((), dtype=torch.float32))
     if config.level == "token":

@@ -16,7 +16,9 @@ LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 class PolicyLossConfig(FlagConfig):
     """PPO-clip bounds (asymmetric, DAPO-style defaults), KL and entropy coefficients, aggregation."""
 
-    clip_low: float = flag(0.2, "PPO ratio clip below: 1 - clip_low.")
+    clip_low: float = flag(0.2, "PPO ratio clip below: 1 - clip_low. There is no dual clip (verl's clip_ratio_c = 3 "
+                                "bounds the loss of a negative-advantage token whose ratio exceeds 3); the "
+                                "correction's weights are truncated (TIS, AIS) or masked (MIS, IcePop) instead.")
     clip_high: float = flag(0.28, "PPO ratio clip above: 1 + clip_high (DAPO).")
     kl_coef: float = flag(0.0, "Weight of the KL penalty to the reference policy.")
     kl_type: str = flag("k3", "KL estimator (Schulman's k1 or k3).", choices=("k1", "k3"))

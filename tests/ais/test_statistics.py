@@ -187,3 +187,39 @@ def test_chi_square_is_self_normalised_and_never_negative():
     uniform = ais_coefficient(mismatch_statistics(rollout + math.log(0.9), rollout, adv, mask, AISConfig()),
                               AISConfig())
     assert uniform.chi2 == 0.0  # every w = 0.9: Σw²/N − 1 = −0.19
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("which,name", [(1, "rollout log-probs"), (0, "trainer log-probs"), (2, "advantages")])
+def test_every_entry_point_refuses_non_finite_inputs_on_valid_tokens(bad, which, name):
+    from megatron_ais.ais import AISResult, max_abs_logratio
+    from megatron_ais.errors import NonFiniteInputError
+
+    inputs = list(_batch())
+    inputs[3] = torch.ones_like(inputs[3])
+    inputs[which][1, 2] = bad
+    trainer, rollout, adv, mask = inputs
+    cfg = AISConfig()
+    with pytest.raises(NonFiniteInputError, match=f"{name} are NaN/Inf on 1 valid tokens \\(sequences \\[1\\]\\)"):
+        mismatch_statistics(trainer, rollout, adv, mask, cfg)
+    if which == 2:
+        return
+    result = AISResult(lam=0.5, lam_raw=0.5, reliability=1, severity=1, variance_amplification=1, mean_abs_logratio=0,
+                       ess_ratio_raw=1, cv2_applied=0, chi2=0, k3_kl=0, truncated_fraction=0, num_units=1)
+    for call in (lambda: correction_weights(trainer, rollout, result, cfg, mask),
+                 lambda: apply_correction(trainer, rollout, mask, AISConfig(correction="tis"), result),
+                 lambda: max_abs_logratio(trainer, rollout, mask, cfg)):
+        with pytest.raises(NonFiniteInputError, match=name):
+            call()
+
+
+def test_lambda_is_refused_from_non_finite_statistics_naming_the_statistic():
+    from megatron_ais.errors import NonFiniteInputError
+
+    stats = mismatch_statistics(*_batch(), AISConfig())
+    stats[INDEX["sum_weight_sq"]] = float("inf")
+    with pytest.raises(NonFiniteInputError, match="mismatch statistic sum_weight_sq is inf"):
+        ais_coefficient(stats, AISConfig())
+    stats[INDEX["sum_weight_sq"]] = float("nan")
+    with pytest.raises(NonFiniteInputError, match="mismatch statistic sum_weight_sq is nan"):
+        ais_coefficient(stats, AISConfig())
