@@ -59,6 +59,12 @@ class EngineConfig(FlagConfig):
     precision: str = flag("fp8", "fp8: blockwise FP8 linear layers (128x128, weight_scale_inv) fed by the bridge; "
                                  "bf16; fp32 (exact comparisons with the trainer).", name="--rollout-precision",
                           choices=PRECISIONS)
+    fp8_activations: str = flag(
+        "none", "emulate: the CPU engine's FP8 linear layers quantize their inputs per token in 1x128 e4m3 groups, "
+                "as vLLM does on an H100 (W8A8), and multiply in fp32 — H100's FP8 numerics for studying the "
+                "mismatch, at CPU speed (an fp32 copy of the weights; not a speed path); none: W8A16 (the CPU "
+                "kernel's BF16 activations). GPUs run W8A8 natively.", name="--rollout-fp8-activations",
+        choices=("none", "emulate"))
     kv_cache_dtype: str = flag("auto", "KV-cache dtype of the engine (fp8 = e4m3, with per-layer K/V scales "
                                        "recalibrated by the trainer at every weight sync).",
                                name="--rollout-kv-cache-dtype", choices=("auto", "fp8"))
@@ -108,6 +114,9 @@ class EngineConfig(FlagConfig):
         if self.placement == "colocated" and self.tensor_parallel_size > 1:
             raise ValueError("--rollout-tensor-parallel-size > 1 needs --rollout-placement separate (vLLM's own "
                              "worker processes form the engine's tensor-parallel group)")
+        if self.fp8_activations == "emulate" and self.precision != "fp8":
+            raise ValueError(f"--rollout-fp8-activations emulate quantizes the inputs of FP8 linear layers; "
+                             f"--rollout-precision {self.precision} has none: use --rollout-precision fp8")
         if self.placement == "colocated" and self.weight_feed == "broadcast":
             raise ValueError("--rollout-weight-feed broadcast feeds a separate engine's workers; a colocated engine "
                              "takes the arena's tensors in process: drop the flag or use --rollout-placement separate")
@@ -255,8 +264,14 @@ class RolloutEngine:
         return self.config.placement
 
     def _start(self) -> None:
+        from megatron_ais.rollout.vllm_plugin import FP8_ACTIVATIONS_ENV
+
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.placement == "colocated" else "1"
         quiet_vllm(self.config.log_level)
+        if self.config.fp8_activations == "emulate" and torch.cuda.is_available():
+            raise ValueError("--rollout-fp8-activations emulate is for CPU engines: vLLM's FP8 layers on a GPU "
+                             "already quantize their activations; drop the flag")
+        os.environ[FP8_ACTIVATIONS_ENV] = self.config.fp8_activations
         from vllm import LLM
 
         config = self.config

@@ -13,6 +13,14 @@ skips the experts' `process_weights_after_loading`, which on CPU is what pre-pac
 any in-place `reload_weights` the experts read unpacked data as packed (garbage, no error). The plugin runs that
 step on updates too. (2) The FP8 W8A16 MoE experts (`CPUExpertsFp8`, op `fused_experts_cpu`) carry the same AMX
 gate; lifted under the same conditions as the linear kernels.
+W8A8 emulation (`--rollout-fp8-activations emulate`, environment MEGATRON_AIS_FP8_ACTIVATIONS=emulate): on an H100
+vLLM's blockwise FP8 linear layers are W8A8 — each activation row is quantized per token in 1x128 groups to e4m3
+with an fp32 scale (`per_token_group_quant_fp8`) before the block-scaled GEMM — while the CPU kernel is W8A16. With
+emulation the CPU kernel quantizes its input with the layer's own vLLM quantizer (`QuantFP8`, dynamic 1x128
+groups, the scales vLLM's GPU path computes) and multiplies the dequantized activations by the dequantized
+weights in fp32: H100's numerics (up to the tensor cores' accumulation order) at CPU speed, for studying the
+mismatch, not a speed path (it keeps an fp32 copy of every FP8 weight).
+
 Set MEGATRON_AIS_VLLM_PLUGIN=0 to disable it. Independently, in the engine processes a run starts, the plugin makes
 them exit with their parent (`megatron_ais.lifetime`).
 """
@@ -22,6 +30,7 @@ import logging
 import os
 
 logger = logging.getLogger("megatron_ais.vllm_plugin")
+FP8_ACTIVATIONS_ENV = "MEGATRON_AIS_FP8_ACTIVATIONS"
 
 
 def cpu_has_avx512_bf16() -> bool:
@@ -79,6 +88,7 @@ def register() -> None:
     if patched:
         logger.info("megatron-ais vLLM plugin: fp32 bias cast for %s%s", ", ".join(patched),
                     "; AMX gate lifted (AVX512-BF16 W8A16 op fp8_scaled_mm_cpu)" if lift_gate else "")
+    _add_w8a8_emulation(cpu_kernels.CPUFp8BlockScaledMMKernel)
     _patch_moe_reload()
     if lift_gate:
         _lift_fp8_moe_gate()
@@ -115,3 +125,49 @@ def _lift_fp8_moe_gate() -> None:
     cls._supports_current_device = staticmethod(lambda: bool(ops._supports_cpu_fp8_w8a16))
     cls._megatron_ais_patched = True
     logger.info("megatron-ais vLLM plugin: AMX gate lifted for FP8 MoE experts (fused_experts_cpu)")
+
+
+def dequantize_blockwise(codes, scales, block_rows: int = 128, block_cols: int = 128):
+    """fp32 weights from e4m3 codes [N, K] and their per-block scales [ceil(N/block_rows), ceil(K/block_cols)]."""
+    rows, cols = codes.shape
+    expanded = scales.float().repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
+    return codes.float() * expanded
+
+
+def w8a8_linear(quantizer, x, weight, bias=None):
+    """H100's blockwise FP8 linear layer in fp32: x [.., K] quantized by vLLM's dynamic 1x128-group `quantizer`
+    (codes and fp32 scales), dequantized, times the dequantized weight [N, K]; the output in x's dtype, then the
+    bias (as vLLM adds it on the GPU)."""
+    x_2d = x.reshape(-1, x.shape[-1])
+    codes, scales = quantizer.forward_native(x_2d)
+    group = x_2d.shape[-1] // scales.shape[-1]
+    activations = codes.float() * scales.float().repeat_interleave(group, dim=-1)
+    out = (activations @ weight.t()).to(x.dtype)
+    if bias is not None:
+        out = out + bias.to(x.dtype)
+    return out.reshape(x.shape[:-1] + (out.shape[-1],))
+
+
+def _add_w8a8_emulation(cls) -> None:
+    """Let the CPU blockwise-FP8 kernel run W8A8 for the layers loaded while MEGATRON_AIS_FP8_ACTIVATIONS=emulate
+    (each keeps its dequantized weight before the kernel packs it); other layers run the kernel as before."""
+    if getattr(cls, "_megatron_ais_w8a8", False):
+        return
+    original_process, original_apply = cls.process_weights_after_loading, cls.apply_weights
+
+    def process_weights_after_loading(self, layer, _original=original_process):
+        if os.environ.get(FP8_ACTIVATIONS_ENV) == "emulate":
+            params = self._get_layer_params(layer)
+            layer._megatron_ais_weight = dequantize_blockwise(params.weight.data, params.block_scale.data,
+                                                              self.weight_group_shape.row, self.weight_group_shape.col)
+        _original(self, layer)
+
+    def apply_weights(self, layer, x, bias=None, _original=original_apply, **kwargs):
+        weight = getattr(layer, "_megatron_ais_weight", None)
+        if weight is None:
+            return _original(self, layer, x, bias, **kwargs)
+        return w8a8_linear(self.quant_fp8, x, weight, bias)
+
+    cls.process_weights_after_loading = process_weights_after_loading
+    cls.apply_weights = apply_weights
+    cls._megatron_ais_w8a8 = True

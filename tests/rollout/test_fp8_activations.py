@@ -1,0 +1,130 @@
+"""W8A8 emulation (`--rollout-fp8-activations emulate`): activations quantized per token in 1x128 e4m3 groups with
+the codes and scales of vLLM's GPU kernel (`per_token_group_quant_fp8`: scale = group absmax / 448, codes =
+x / scale rounded to e4m3), then an fp32 GEMM of the dequantized operands; in the engine every FP8 linear layer
+computes that product, and its log-probs move from the W8A16 engine's by as much as a transformers forward with
+W8A8 fake quantization moves from the weights-only one."""
+import pytest
+import torch
+
+from conftest import make_model_dir
+from distributed import spawn
+
+FP8_MAX = 448.0
+PROBE = [3, 17, 42, 99, 120, 7, 8, 9, 250, 61, 5, 33, 201, 77, 150, 12, 88, 64, 199, 2, 45, 300, 11, 90]
+
+
+def group_quantize(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CUDA kernel's per-token-group quantization, written out: fp32 scale = max(absmax, 1e-10) / 448 per group
+    of `group` columns, codes = x / scale clamped to ±448 and rounded to e4m3."""
+    grouped = x.float().reshape(x.shape[0], -1, group)
+    scales = grouped.abs().amax(dim=-1).clamp(min=1e-10) / FP8_MAX
+    codes = (grouped / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.reshape(x.shape), scales
+
+
+def w8a8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (bf16) through a linear layer of dequantized weight [N, K], in float64."""
+    codes, scales = group_quantize(x)
+    activations = codes.double() * scales.double().repeat_interleave(128, dim=-1)
+    return activations @ weight.double().t()
+
+
+def test_activation_codes_and_scales_are_the_gpu_kernels_and_the_gemm_is_fp32():
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    from megatron_ais.rollout.vllm_plugin import dequantize_blockwise, w8a8_linear
+
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 384, generator=generator) * torch.logspace(-2, 1, 6).unsqueeze(-1)).to(torch.bfloat16)
+    with set_current_vllm_config(VllmConfig()):  # what the linear kernel builds its quantizer with
+        quantizer = QuantFP8(static=False, group_shape=GroupShape(1, 128), use_ue8m0=False)
+    codes, scales = quantizer.forward_native(x)
+    expected_codes, expected_scales = group_quantize(x)
+    assert torch.equal(scales, expected_scales)
+    assert torch.equal(codes.view(torch.uint8), expected_codes.view(torch.uint8))
+
+    weight_codes = (torch.randn(256, 384, generator=generator) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    weight_scales = torch.rand(2, 3, generator=generator) * 1e-3
+    weight = dequantize_blockwise(weight_codes, weight_scales)
+    assert torch.equal(weight[130, 260], weight_codes[130, 260].float() * weight_scales[1, 2])
+    out = w8a8_linear(quantizer, x, weight)
+    reference = w8a8_reference(x, weight)
+    assert out.dtype == torch.bfloat16 and out.shape == (6, 256)
+    # fp32 accumulation, then the bf16 output rounding (2^-8 relative)
+    assert ((out.double() - reference).abs() / reference.abs().clamp(min=1e-3)).max() <= 2 ** -8
+    # against the W8A16 product the activation rounding shows (e4m3: 2^-4 relative per element)
+    w8a16 = x.double() @ weight.double().t()
+    assert (out.double() - w8a16).abs().mean() > 10 * (out.double() - reference).abs().mean()
+
+
+def _engine_logprobs(hf_dir, work, activations):
+    """The engine's probe log-probs; with emulation also, for each FP8 linear layer of the first decoder layer, the
+    largest difference of its output on a random input from the float64 W8A8 and W8A16 references."""
+    from megatron_ais.rollout.engine import EngineConfig, RolloutEngine
+
+    engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision="fp8", fp8_activations=activations,
+                                        kv_cache_gb=0.25, placement="colocated"), work)
+    layers = {}
+    if activations == "emulate":
+        decoder = engine.model.model.layers[0]
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            layer = decoder.get_submodule(name)
+            weight = layer._megatron_ais_weight
+            x = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+            out = layer(x)
+            out = (out[0] if isinstance(out, tuple) else out).double()
+            layers[name] = ((out - w8a8_reference(x, weight)).abs().max().item(),
+                            (out - x.double() @ weight.double().t()).abs().max().item())
+    logprobs = engine.prompt_logprobs(PROBE)
+    engine_dir = engine.engine_dir
+    engine.shutdown()
+    return logprobs, engine_dir, layers
+
+
+def _fake_quantized_logprobs(hf_dir, engine_dir, activations: bool) -> torch.Tensor:
+    """transformers (fp32) with every FP8 linear layer's weight dequantized from the engine's own checkpoint and,
+    with `activations`, its bf16 input quantized per 1x128 group (the W8A8 reference)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from megatron_ais.rollout.vllm_plugin import dequantize_blockwise
+
+    tensors = load_file(f"{engine_dir}/model.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    for name, module in model.named_modules():
+        if f"{name}.weight_scale_inv" not in tensors:
+            continue
+        weight = dequantize_blockwise(tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"])
+        module.weight.data.copy_(weight)
+        if activations:
+            module.forward = lambda x, weight=weight: w8a8_reference(
+                x.reshape(-1, x.shape[-1]).to(torch.bfloat16), weight).float().reshape(*x.shape[:-1], -1)
+    with torch.no_grad():
+        logits = model(torch.tensor([PROBE])).logits[0].float()
+    return torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(PROBE[1:]).unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.slow
+def test_the_engines_fp8_layers_compute_w8a8_and_its_log_probs_move_by_the_w8a8_effect(model_root, tmp_path):
+    hf_dir = make_model_dir(model_root, "qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=512, initializer_range=0.02)
+    ((emulated, engine_dir, layers),) = spawn(1, _engine_logprobs, hf_dir, str(tmp_path / "w8a8"), "emulate")
+    ((w8a16, _, _),) = spawn(1, _engine_logprobs, hf_dir, str(tmp_path / "w8a16"), "none")
+    for name, (from_w8a8, from_w8a16) in layers.items():
+        # vLLM's own layers (fused q/k/v and gate/up) compute the W8A8 product up to the bf16 output rounding
+        assert from_w8a8 <= 2 ** -7 and from_w8a16 > 4 * from_w8a8, (name, from_w8a8, from_w8a16)
+    w8a8_ref = _fake_quantized_logprobs(hf_dir, engine_dir, activations=True)
+    w8a16_ref = _fake_quantized_logprobs(hf_dir, engine_dir, activations=False)
+
+    def gap(a, b):
+        return (a - b).abs().mean().item()
+
+    # a whole forward cannot follow a reference token by token: the engine's bf16 arithmetic moves activations
+    # across e4m3 rounding steps, so its W8A8 noise is its own; what must match is the size of the W8A8 effect
+    effect, emulation = gap(w8a8_ref, w8a16_ref), gap(emulated, w8a16)
+    print(f"mean |Δ| log-prob: W8A16 engine vs its reference {gap(w8a16, w8a16_ref):.4f}; W8A8 vs W8A16: references "
+          f"{effect:.4f}, engines {emulation:.4f}")
+    assert gap(w8a16, w8a16_ref) < effect / 4
+    assert effect / 2 < emulation < 2 * effect
