@@ -128,3 +128,44 @@ def test_the_engines_fp8_layers_compute_w8a8_and_its_log_probs_move_by_the_w8a8_
           f"{effect:.4f}, engines {emulation:.4f}")
     assert gap(w8a16, w8a16_ref) < effect / 4
     assert effect / 2 < emulation < 2 * effect
+
+
+def _hopper_w8a8(x_codes, x_scales, w_codes, w_scales):
+    """The blockwise W8A8 GEMM as DeepGEMM runs it on Hopper: per 128-wide K block an FP8 tensor-core product of
+    the codes (`torch._scaled_mm`, unit scales, fp32 out), then its activation and weight block scales applied and
+    the blocks summed in fp32."""
+    ones = torch.ones((), device=x_codes.device)
+    out = torch.zeros(x_codes.shape[0], w_codes.shape[0], device=x_codes.device)
+    for block in range(x_codes.shape[1] // 128):
+        cols = slice(block * 128, (block + 1) * 128)
+        product = torch._scaled_mm(x_codes[:, cols].contiguous(), w_codes[:, cols].contiguous().t(), scale_a=ones,
+                                   scale_b=ones, out_dtype=torch.float32)
+        out += product * x_scales[:, block:block + 1] * w_scales[:, block].repeat_interleave(128)[None, :]
+    return out
+
+
+@pytest.mark.gpu
+def test_the_fp32_emulation_matches_hopper_fp8_tensor_cores():
+    """How far the CPU emulation's fp32 GEMM is from the tensor cores' (their accumulation inside a block is
+    narrower than fp32), against the e4m3 rounding of the activations it is there to model."""
+    from megatron_ais.rollout.vllm_plugin import dequantize_blockwise
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(256, 4096, device="cuda", generator=generator).to(torch.bfloat16)
+    w_codes = (torch.randn(2048, 4096, device="cuda", generator=generator) * 64).clamp(-448, 448) \
+        .to(torch.float8_e4m3fn)
+    w_scales = torch.rand(16, 32, device="cuda", generator=generator) * 1e-3 + 1e-4
+    x_codes, x_scales = group_quantize(x)
+    weight = dequantize_blockwise(w_codes, w_scales)
+    activations = x_codes.float() * x_scales.repeat_interleave(128, dim=-1)
+    emulated = activations @ weight.t()
+    hopper = _hopper_w8a8(x_codes, x_scales, w_codes, w_scales)
+    exact = activations.double() @ weight.double().t()
+    w8a16 = x.double() @ weight.double().t()
+    size = exact.abs().mean()
+    tensor_cores, emulation = ((hopper - exact).abs().mean() / size).item(), ((emulated - exact).abs().mean() / size).item()
+    activation_rounding = ((w8a16 - exact).abs().mean() / size).item()
+    print(f"{torch.cuda.get_device_name()}: mean relative error of the tensor cores {tensor_cores:.2e}, of the fp32 "
+          f"emulation {emulation:.2e}; the activations' e4m3 rounding {activation_rounding:.2e}")
+    assert tensor_cores < activation_rounding / 20 and emulation < activation_rounding / 100
