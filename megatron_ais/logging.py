@@ -195,7 +195,8 @@ def grpo_console_line(step: int, metrics: dict[str, float]) -> str:
     return (f"step {step:5d} | λ {get('ais/lambda')} (sev {get('ais/severity', '.3f')} rel {get('ais/reliability', '.3f')} "
             f"var {get('ais/var_amp', '.3f')}) | |δ| mean {get('ais/mean_abs_logratio')} max "
             f"{get('ais/max_abs_logratio', '.3f')} | k3 {get('ais/k3_kl', '.2e')} χ² {get('ais/chi2', '.2e')} "
-            f"ess {get('ais/ess_ratio_raw', '.3f')} trunc {get('ais/frac_truncated', '.3f')} | excluded "
+            f"ess {get('ais/ess_ratio_raw', '.3f')} seq {get('ais/sequence_ess', '.3f')} "
+            f"trunc {get('ais/frac_truncated', '.3f')} | excluded "
             f"{get('guard/excluded_sequences', '.0f')} | loss {get('train/policy_loss')} "
             f"grad {get('train/grad_norm', '.3f')}" + routing)
 

@@ -48,6 +48,7 @@ class AISResult:
     k3_kl: float
     truncated_fraction: float
     num_units: float
+    sequence_ess: float = 1.0  # (Σ W)² / (N Σ W²) of the sequences' raw weights W = Π_t w_t, whatever the level
 
     def metrics(self, prefix: str = "ais/") -> dict[str, float]:
         """Return the scalars to log, named as in docs/ais-method.md §2.5."""
@@ -56,7 +57,8 @@ class AISResult:
                 prefix + "var_amp": self.variance_amplification, prefix + "mean_abs_logratio": self.mean_abs_logratio,
                 prefix + "ess_ratio_raw": self.ess_ratio_raw, prefix + "cv2_applied": self.cv2_applied,
                 prefix + "chi2": self.chi2, prefix + "k3_kl": self.k3_kl,
-                prefix + "frac_truncated": self.truncated_fraction, prefix + "num_units": self.num_units}
+                prefix + "frac_truncated": self.truncated_fraction, prefix + "num_units": self.num_units,
+                prefix + "sequence_ess": self.sequence_ess}
 
 
 EMPTY_RESULT = AISResult(lam=0.0, lam_raw=0.0, reliability=1.0, severity=0.0, variance_amplification=1.0,
@@ -68,6 +70,13 @@ def chi_square(s: dict) -> float:
     """χ²(π‖μ) estimated self-normalised from the raw weights, N·Σw² / (Σw)² − 1 (= 1/ESS ratio − 1): never negative
     (Cauchy-Schwarz), unlike Σw²/N − 1, whose sampling error goes below zero when the policies nearly agree."""
     return max(s["n"] * s["sum_weight_sq"] / s["sum_weight"] ** 2 - 1.0, 0.0)
+
+
+def sequence_ess(s: dict) -> float:
+    """ESS ratio of the sequence-level raw weights, (Σ W)² / (N Σ W²) (1 when no sequence has a valid token)."""
+    if s["n_sequences"] <= 0:
+        return 1.0
+    return s["sum_seq_weight"] ** 2 / (s["n_sequences"] * s["sum_seq_weight_sq"])
 
 
 def ais_coefficient(stats: torch.Tensor, config: AISConfig, state: AISState | None = None) -> AISResult:
@@ -99,7 +108,7 @@ def ais_coefficient(stats: torch.Tensor, config: AISConfig, state: AISState | No
         mean_abs_logratio=d, ess_ratio_raw=s["sum_weight"] ** 2 / (n * s["sum_weight_sq"]),
         cv2_applied=n * s["sum_trunc_weight_sq"] / s["sum_trunc_weight"] ** 2 - 1.0,
         chi2=chi_square(s), k3_kl=s["sum_k3"] / n, truncated_fraction=s["n_truncated"] / n,
-        num_units=n)
+        num_units=n, sequence_ess=sequence_ess(s))
 
 
 def unit_weights(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,

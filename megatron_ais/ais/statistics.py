@@ -27,6 +27,9 @@ STAT_NAMES = (
     "sum_trunc_weight_sq",        # Σw̄²
     "sum_k3",                     # Σ(w - 1 - δ)
     "n_truncated",                # #{w > C}
+    "n_sequences",                # sequences with a valid token   sequence-level ESS (logging), at every level:
+    "sum_seq_weight",             # Σ W, W = exp(Σ_t δ_t) per sequence (Σ δ clamped like δ)
+    "sum_seq_weight_sq",          # Σ W²
 )
 INDEX = {name: i for i, name in enumerate(STAT_NAMES)}
 
@@ -83,7 +86,10 @@ def mismatch_statistics(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.
     band = w.clamp(1.0 / cap, cap)
     terms = (m, severity.abs(), band, band * band, adv_sq, trunc * trunc * adv_sq, w, w * w, trunc, trunc * trunc,
              w - 1.0 - delta, (w > cap).double())
-    return torch.stack([(m * t).sum() for t in terms])
+    seq_delta, seq_m = unit_log_ratios(trainer_logprobs.detach(), rollout_logprobs.detach(), mask,
+                                       dataclasses.replace(config, level="sequence"))
+    seq_w, seq_m = seq_delta.double().exp(), seq_m.double()
+    return torch.stack([(m * t).sum() for t in terms] + [(seq_m * t).sum() for t in (seq_m, seq_w, seq_w * seq_w)])
 
 
 def reduce_statistics(stats: torch.Tensor, group) -> torch.Tensor:

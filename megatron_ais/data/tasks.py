@@ -5,6 +5,7 @@ Tasks are registered by name (`--task`, `TASKS`) and built from the task flags (
 - `digit_sort` (default): sort a list of digits; algorithmic, so a tiny model generalises to unseen lists.
 - `arithmetic`: `a + b` / `a - b` with operands up to `--max-operand`.
 - `countdown`: combine `--countdown-numbers` numbers with + - * to reach a target; exact checker.
+- `running_sum`: add `--sum-terms` digits writing every partial sum: long responses (a few hundred tokens).
 - `jsonl`: prompts from `--prompt-file` (GSM8K-style math scored with math-verify, see `docs/data.md`).
 
 Every task splits by problem: held-out prompts never appear in the training split (SFT or RL).
@@ -34,10 +35,12 @@ class Example:
     prompt: str
     answer: str
     solution: str | None = None
+    working: str | None = None  # worked steps written before the answer (long-response tasks)
 
     def response(self) -> str:
         """Return the reference response in the task's answer format."""
-        return f"<answer>{self.solution if self.solution is not None else self.answer}</answer>"
+        answer = f"<answer>{self.solution if self.solution is not None else self.answer}</answer>"
+        return answer if self.working is None else f"{self.working}\n{answer}"
 
 
 def answer_text(response: str) -> str | None:
@@ -148,6 +151,25 @@ def digit_sort_task(seed: int, length: int, train_size: int = 4096, eval_size: i
     return Task(train=train, eval=held_out, reward=exact_answer_reward)
 
 
+def running_sum_task(seed: int, terms: int, train_size: int = 4096, eval_size: int = 64) -> Task:
+    """Add `terms` digits (1-9) step by step: the reference response writes every partial sum ("12 + 7 = 19"), one
+    line per term, then the total as the answer — responses of a few hundred tokens whose every step a small model
+    can learn, so that the whole sequence's probability (and its sequence-level importance weight) compounds the
+    per-token mismatch over many tokens."""
+    rng = random.Random(seed)
+    pool = []
+    for _ in range(max(train_size, 2 * eval_size + 1024)):
+        digits = [rng.randint(1, 9) for _ in range(terms)]
+        steps, total = [], digits[0]
+        for digit in digits[1:]:
+            steps.append(f"{total} + {digit} = {total + digit}")
+            total += digit
+        pool.append(Example(f"Add step by step: {' + '.join(map(str, digits))}", str(total),
+                            working="\n".join(steps)))
+    train, held_out = split_by_problem(pool, seed, eval_size, train_size, f"--sum-terms {terms}")
+    return Task(train=train, eval=held_out, reward=exact_answer_reward)
+
+
 def _countdown_problem(rng: random.Random, count: int, max_number: int) -> Example:
     numbers = [rng.randint(1, max_number) for _ in range(count)]
     expr, value = str(numbers[0]), numbers[0]
@@ -228,6 +250,7 @@ TASKS: dict[str, Callable[["TaskConfig", int], Task]] = {
     "arithmetic": lambda c, seed: arithmetic_task(seed, c.max_operand, c.num_examples, c.eval_prompts),
     "countdown": lambda c, seed: countdown_task(seed, c.countdown_numbers, c.countdown_max, c.num_examples,
                                                 c.eval_prompts),
+    "running_sum": lambda c, seed: running_sum_task(seed, c.sum_terms, c.num_examples, c.eval_prompts),
     "jsonl": _jsonl,
 }
 
@@ -242,6 +265,8 @@ class TaskConfig(FlagConfig):
     max_operand: int = flag(20, "arithmetic: largest operand.")
     countdown_numbers: int = flag(3, "countdown: numbers per problem.")
     countdown_max: int = flag(9, "countdown: largest number.")
+    sum_terms: int = flag(32, "running_sum: digits to add; the worked response has one line per term (about 7 "
+                              "tokens each with the tiny model's tokenizer).")
     prompt_file: str | None = flag(None, 'jsonl: one JSON object per line, {"prompt": ..., "answer": ...} or '
                                          'GSM8K\'s {"question": ..., "answer": "... #### 42"} (docs/data.md).',
                                    type=str)
@@ -251,6 +276,8 @@ class TaskConfig(FlagConfig):
     eval_prompts: int = flag(64, "Held-out prompts (never trained on).")
 
     def __post_init__(self):
+        if self.sum_terms < 2:
+            raise ArgumentValidationError(f"--sum-terms {self.sum_terms} must be at least 2")
         for name in ("num-examples", "eval-prompts"):
             value = getattr(self, name.replace("-", "_"))
             if value < 1:

@@ -223,3 +223,16 @@ def test_lambda_is_refused_from_non_finite_statistics_naming_the_statistic():
     stats[INDEX["sum_weight_sq"]] = float("nan")
     with pytest.raises(NonFiniteInputError, match="mismatch statistic sum_weight_sq is nan"):
         ais_coefficient(stats, AISConfig())
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+def test_sequence_ess_is_logged_at_every_level_from_whole_sequence_weights(level):
+    trainer, rollout, adv, mask = _batch(b=6, s=10, scale=0.2)
+    mask[2] = 0  # a sequence without a valid token is not a sequence here
+    result = ais_coefficient(mismatch_statistics(trainer, rollout, adv, mask, AISConfig(level=level)),
+                             AISConfig(level=level))
+    weights = [math.exp(sum(float(t - r) for t, r, m in zip(trainer[i], rollout[i], mask[i]) if m > 0))
+               for i in range(6) if mask[i].sum() > 0]
+    expected = sum(weights) ** 2 / (len(weights) * sum(w * w for w in weights))
+    assert result.sequence_ess == pytest.approx(expected, rel=1e-6)  # δ in fp32
+    assert result.metrics()["ais/sequence_ess"] == result.sequence_ess and expected < 0.99

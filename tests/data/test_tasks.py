@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from megatron_ais.data.tasks import (arithmetic_task, countdown_reward, countdown_task, digit_sort_task,
-                                     exact_answer_reward, extract_answer, math_verify_reward, read_prompt_file)
+                                     exact_answer_reward, extract_answer, math_verify_reward, read_prompt_file,
+                                     running_sum_task)
 from megatron_ais.errors import PromptFileError, TaskError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,7 +26,8 @@ def test_exact_reward_and_answer_parsing():
 
 
 @pytest.mark.parametrize("build", [lambda: arithmetic_task(1, 9, eval_size=32), lambda: digit_sort_task(1, 5, eval_size=32),
-                                   lambda: countdown_task(1, 3, 9, eval_size=32)])
+                                   lambda: countdown_task(1, 3, 9, eval_size=32),
+                                   lambda: running_sum_task(1, 32, eval_size=32)])
 def test_held_out_split_is_disjoint_deterministic_and_solved_by_reference(build):
     task = build()
     assert len(task.eval) == 32 and len(task.train) == 4096
@@ -41,6 +43,17 @@ def test_answers_are_right():
     for e in digit_sort_task(3, 6, eval_size=32).eval:
         digits = e.prompt.removeprefix("Sort the digits: ").split()
         assert e.answer.split() == sorted(digits) and len(digits) == 6
+
+
+def test_running_sums_are_worked_out_line_by_line():
+    for e in running_sum_task(2, 32, eval_size=32).eval:
+        digits = [int(d) for d in e.prompt.removeprefix("Add step by step: ").split(" + ")]
+        lines = e.response().splitlines()
+        assert len(digits) == 32 and int(e.answer) == sum(digits) and len(lines) == 32
+        for n, line in enumerate(lines[:-1], start=2):  # "partial + next = partial'"
+            assert line == f"{sum(digits[:n - 1])} + {digits[n - 1]} = {sum(digits[:n])}"
+        assert lines[-1] == f"<answer>{sum(digits)}</answer>"
+    assert exact_answer_reward("12 + 3 = 15\n<answer>16</answer>", "15") == 0.0
 
 
 def test_small_tasks_are_refused_with_the_flag():
