@@ -1,44 +1,61 @@
-"""The AIS ablation: one SFT checkpoint, one seed and task, five GRPO runs that differ only in the rollout
-precision and the mismatch correction; a markdown table and one figure with the five curves.
+"""The mismatch study: one SFT checkpoint, GRPO runs that differ only in the rollout numerics and the mismatch
+correction, each over several seeds; a markdown table of mean ± std across seeds and one figure of the
+trajectories.
 
-    .venv/bin/python tools/ablate.py --load runs/default/sft/checkpoint --output-dir runs/ablation \\
-        -- --seq-length 64 --grpo-steps 40 --prompts-per-step 32 --group-size 8 --lr 5e-4
+    .venv/bin/python tools/ablate.py --load runs/study/sft/checkpoint --output-dir runs/study --regime w8a8 \\
+        --seeds 1 2 3 -- --task running_sum --seq-length 320 --max-new-tokens 256 --grpo-steps 12 ...
 
-Flags after `--` go to every pretrain_grpo_ais.py run unchanged (the defaults of `make run` are a good start).
+Regimes: `w8a16` (the CPU engine: e4m3 weights, BF16 activations, BF16 KV cache) and `w8a8` (H100's numerics:
+`--rollout-fp8-activations emulate` and an FP8 KV cache). Flags after `--` go to every pretrain_grpo_ais.py run
+unchanged.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+FP8 = ["--rollout-precision", "fp8"]
+# (name, label, flags): every arm but the first samples from the FP8 engine of the chosen regime
 ARMS = (
     ("bf16", "BF16 rollouts", ["--rollout-precision", "bf16", "--is-correction", "none"]),
-    ("fp8", "FP8, uncorrected", ["--rollout-precision", "fp8", "--is-correction", "none"]),
-    ("fp8-tis", "FP8 + TIS", ["--rollout-precision", "fp8", "--is-correction", "tis"]),
-    ("fp8-mis", "FP8 + MIS", ["--rollout-precision", "fp8", "--is-correction", "mis"]),
-    ("fp8-ais", "FP8 + AIS", ["--rollout-precision", "fp8", "--is-correction", "ais"]),
+    ("fp8", "FP8, uncorrected", FP8 + ["--is-correction", "none"]),
+    ("fp8-tis", "FP8 + TIS", FP8 + ["--is-correction", "tis"]),
+    ("fp8-mis", "FP8 + MIS", FP8 + ["--is-correction", "mis"]),
+    ("fp8-icepop", "FP8 + IcePop", FP8 + ["--is-correction", "icepop"]),
+    ("fp8-seq-tis", "FP8 + sequence TIS", FP8 + ["--is-correction", "tis", "--is-level", "sequence"]),
+    ("fp8-geo-tis", "FP8 + geometric TIS", FP8 + ["--is-correction", "tis", "--is-level", "geometric"]),
+    ("fp8-ais", "FP8 + AIS", FP8 + ["--is-correction", "ais"]),
+    ("fp8-ais-seq", "FP8 + AIS, sequence level", FP8 + ["--is-correction", "ais", "--is-level", "sequence"]),
+    ("fp8-ais-cv", "FP8 + AIS, CV variance", FP8 + ["--is-correction", "ais", "--ais-variance", "cv"]),
 )
+REGIMES = {"w8a16": [], "w8a8": ["--rollout-fp8-activations", "emulate", "--rollout-kv-cache-dtype", "fp8"]}
 
 
-def run_arm(name: str, flags: list[str], args, extra: list[str]) -> dict:
-    """Run one arm with torchrun; return its summary (raises with the tail of its log on failure)."""
-    out = os.path.join(args.output_dir, name)
+def arm_flags(name: str, flags: list[str], regime: str) -> list[str]:
+    """An arm's flags in a regime: the regime's engine numerics apply to the FP8 arms only."""
+    return flags + (REGIMES[regime] if name != "bf16" else [])
+
+
+def run_arm(name: str, flags: list[str], seed: int, args, extra: list[str]) -> dict:
+    """Run one arm at one seed with torchrun; return its summary (raises with the tail of its log on failure)."""
+    out = os.path.join(args.output_dir, name, f"seed{seed}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(args.nproc_per_node), os.path.join(ROOT, "pretrain_grpo_ais.py"), "--load", args.load,
-           "--seed", str(args.seed), "--output-dir", out, *extra, *flags]
+           "--seed", str(seed), "--output-dir", out, *extra, *arm_flags(name, flags, args.regime)]
     os.makedirs(out, exist_ok=True)
     start = time.time()
     with open(os.path.join(out, "log.txt"), "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     if proc.returncode != 0:
         tail = open(os.path.join(out, "log.txt")).read()[-3000:]
-        raise RuntimeError(f"arm {name} failed (exit {proc.returncode}):\n{tail}")
+        raise RuntimeError(f"arm {name} seed {seed} failed (exit {proc.returncode}):\n{tail}")
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     summary["launcher_wall_s"] = time.time() - start
@@ -49,40 +66,67 @@ def _values(history: list[dict], key: str) -> list[float]:
     return [h[key] for h in history if key in h]
 
 
-def table_row(label: str, summary: dict) -> str:
-    """One markdown row: accuracy before/after, best, mean mismatch, λ range, wall time."""
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def seed_figures(summary: dict) -> dict[str, float]:
+    """One run's figures: final and best held-out accuracy, and the per-step means of the mismatch metrics."""
     history = summary["history"]
-    k3 = _values(history, "ais/k3_kl")
-    delta = _values(history, "ais/mean_abs_logratio")
-    lam = _values(history, "ais/lambda")
     evals = _values(history, "eval/accuracy")
-    lam_range = f"{min(lam):.3f}–{max(lam):.3f}" if lam and "AIS" in label else "–"
-    return (f"| {label} | {summary['accuracy_before']:.3f} | {summary['accuracy_after']:.3f} | {max(evals):.3f} | "
-            f"{sum(k3) / len(k3):.2e} | {sum(delta) / len(delta):.4f} | {lam_range} | {summary['wall_s']:.0f} |")
+    return {"after": summary["accuracy_after"], "best": max(evals) if evals else summary["accuracy_after"],
+            "k3": _mean(_values(history, "ais/k3_kl")), "token_ess": _mean(_values(history, "ais/ess_ratio_raw")),
+            "sequence_ess": _mean(_values(history, "ais/sequence_ess")),
+            "truncated": _mean(_values(history, "ais/frac_truncated")),
+            "rejected": _mean(_values(history, "guard/rejected_fraction")),
+            "lambda_min": min(_values(history, "ais/lambda"), default=float("nan")),
+            "lambda_max": max(_values(history, "ais/lambda"), default=float("nan")), "wall_s": summary["wall_s"]}
 
 
-TABLE_HEADER = ("| run | held-out acc. before | after | best | mean k3 KL (trainer‖engine) | mean abs log-ratio | "
-                "λ range | wall s |\n|---|---|---|---|---|---|---|---|")
+def spread(values: list[float], digits: int = 3) -> str:
+    """mean ± sample standard deviation (± 0 for one seed)."""
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{_mean(values):.{digits}f} ± {std:.{digits}f}"
 
 
-def plot(summaries: dict[str, dict], labels: dict[str, str], path: str) -> str:
-    """One figure: held-out accuracy and train reward per step for every arm, and the mismatch."""
+def table_row(name: str, label: str, summaries: list[dict]) -> str:
+    """One markdown row over an arm's seeds."""
+    figures = [seed_figures(s) for s in summaries]
+
+    def column(key):
+        return [f[key] for f in figures]
+
+    lam = f"{min(column('lambda_min')):.3f}–{max(column('lambda_max')):.3f}" if "ais" in name else "–"
+    return (f"| {label} | {len(figures)} | {summaries[0]['accuracy_before']:.3f} | {spread(column('after'))} | "
+            f"{spread(column('best'))} | {_mean(column('k3')):.2e} | {_mean(column('token_ess')):.4f} | "
+            f"{_mean(column('sequence_ess')):.3f} | "
+            f"{_mean(column('truncated')):.3f} | "
+            f"{_mean(column('rejected')):.3f} | {lam} | {_mean(column('wall_s')):.0f} |")
+
+
+TABLE_HEADER = ("| arm | seeds | held-out acc. before | after (mean ± std) | best step (mean ± std) | mean k3 KL "
+                "(trainer‖engine) | token ESS | sequence ESS | units with w > C | rejected tokens | λ range | "
+                "wall s per run |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def plot(summaries: dict[str, list[dict]], labels: dict[str, str], path: str) -> str:
+    """One figure of the trajectories, averaged over seeds: held-out accuracy, k3, token and sequence ESS, λ."""
     from megatron_ais.logging import save_step_figure, step_figure
 
-    plt, fig, axes = step_figure(3)
-    for name, summary in summaries.items():
-        history = summary["history"]
-        evals = [(0, summary["accuracy_before"])] + [(h["step"], h["eval/accuracy"]) for h in history
-                                                     if "eval/accuracy" in h]
-        axes[0].plot(*zip(*evals), "o-", label=labels[name])
-        axes[1].plot([h["step"] for h in history], [h["rollout/reward"] for h in history], label=labels[name],
-                     alpha=0.8)
-        axes[2].plot([h["step"] for h in history], [h.get("ais/k3_kl", float("nan")) for h in history],
-                     label=labels[name], alpha=0.8)
-    axes[0].set_title("held-out accuracy (avg@k, sampled)")
-    axes[1].set_title("train reward")
-    axes[2].set_title("mismatch: k3 KL trainer ‖ engine")
-    axes[2].set_yscale("log")
+    panels = (("eval/accuracy", "held-out accuracy (avg@k, sampled)"), ("ais/k3_kl", "k3 KL trainer ‖ engine"),
+              ("ais/ess_ratio_raw", "token ESS (raw weights)"), ("ais/sequence_ess", "sequence ESS (raw weights)"),
+              ("ais/lambda", "AIS λ"))
+    plt, fig, axes = step_figure(len(panels))
+    for name, runs in summaries.items():
+        for axis, (key, title) in zip(axes, panels):
+            steps = sorted({h["step"] for s in runs for h in s["history"] if key in h})
+            if key == "ais/lambda" and "ais" not in name or not steps:
+                continue
+            means = [_mean([h[key] for s in runs for h in s["history"] if h["step"] == step and key in h])
+                     for step in steps]
+            axis.plot(steps, means, "o-" if key == "eval/accuracy" else "-", label=labels[name], alpha=0.8)
+            axis.set_title(title)
+    axes[1].set_yscale("log")
     return save_step_figure(plt, fig, axes, path)
 
 
@@ -94,23 +138,28 @@ def main(argv=None) -> int:
                                      epilog="Flags after `--` go to every pretrain_grpo_ais.py run unchanged.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--load", required=True, help="SFT (or any) Megatron checkpoint every arm starts from.")
-    parser.add_argument("--output-dir", default="runs/ablation", help="One sub-directory per arm, table, figure.")
-    parser.add_argument("--seed", type=int, default=1234, help="The seed shared by every arm.")
-    parser.add_argument("--nproc-per-node", type=int, default=2, help="Trainer ranks per arm.")
+    parser.add_argument("--output-dir", default="runs/ablation", help="One sub-directory per arm and seed, table, "
+                                                                        "figure.")
+    parser.add_argument("--regime", choices=tuple(REGIMES), default="w8a16",
+                        help="The FP8 engine's numerics: w8a16 (CPU) or w8a8 (H100's, emulated, FP8 KV cache).")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1234], help="Seeds; every arm runs each.")
+    parser.add_argument("--nproc-per-node", type=int, default=2, help="Trainer ranks per run.")
     parser.add_argument("--arms", nargs="*", default=[a[0] for a in ARMS], choices=[a[0] for a in ARMS],
                         help="Arms to run.")
     args = parser.parse_args(own)
     os.makedirs(args.output_dir, exist_ok=True)
     labels = {name: label for name, label, _ in ARMS}
-    summaries = {}
+    summaries: dict[str, list[dict]] = {}
     for name, label, flags in ARMS:
-        if name in args.arms:
-            print(f"[ablate] {label} ...", flush=True)
-            summaries[name] = run_arm(name, flags, args, extra)
-            print(f"[ablate] {table_row(label, summaries[name])}", flush=True)
+        if name not in args.arms:
+            continue
+        for seed in args.seeds:
+            print(f"[ablate] {label}, seed {seed} ...", flush=True)
+            summaries.setdefault(name, []).append(run_arm(name, flags, seed, args, extra))
+        print(f"[ablate] {table_row(name, label, summaries[name])}", flush=True)
     figure = plot(summaries, labels, os.path.join(args.output_dir, "ablation.png"))
     command = " ".join(["tools/ablate.py", *own, "--", *extra])
-    table = "\n".join([TABLE_HEADER] + [table_row(labels[n], s) for n, s in summaries.items()])
+    table = "\n".join([TABLE_HEADER] + [table_row(n, labels[n], s) for n, s in summaries.items()])
     with open(os.path.join(args.output_dir, "ablation.md"), "w") as f:
         f.write(f"Command: `{command}`\n\n{table}\n\n![ablation]({os.path.basename(figure)})\n")
     print(table)
