@@ -181,6 +181,14 @@ def quiet_vllm(log_level: str) -> None:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
+def cpu_scheduling(max_model_len: int) -> dict:
+    """vLLM 0.32's CPU runner crashes on a seeded request whose prefill is split over steps ("CPU Generator does
+    not use offset": it rewinds the request's generator by a CUDA Philox offset); every rollout is seeded, so on CPU
+    prefills are never split (as vLLM itself does on CPU for MLA models): a step takes whole prompts up to its
+    token budget, at least one whole `max_model_len` sequence."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 4096)}
+
+
 def engine_gpu_memory_utilization(config: EngineConfig, engine_dir: str, arena_allocated: bool) -> float:
     """`--rollout-gpu-memory-utilization`, or the engine's own budget, refused here with the flags to change when
     this GPU (the one the engine's first worker shares with this trainer rank) has not that much free. The bridge's
@@ -280,6 +288,8 @@ class RolloutEngine:
             kwargs["kv_cache_dtype"] = config.kv_cache_dtype
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = engine_gpu_memory_utilization(config, self.engine_dir, self.starts > 0)
+        else:
+            kwargs.update(cpu_scheduling(config.max_model_len))
         self.llm = LLM(model=self.engine_dir, dtype="float32" if config.precision == "fp32" else "bfloat16",
                        enforce_eager=config.enforce_eager, max_model_len=config.max_model_len,
                        max_num_seqs=config.max_num_seqs, seed=config.seed,

