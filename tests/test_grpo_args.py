@@ -82,3 +82,10 @@ def test_refit_tolerance_row_follows_what_is_compared():
     # an fp32 engine against a BF16 trainer: the trainer's own rounding sets the bound
     assert _refit_row("--rollout-precision", "fp32") == "bf16"
     assert _refit_row("--rollout-precision", "fp32", "--fp32") == "fp32"
+    assert _refit_row("--rollout-fp8-activations", "emulate", "--rollout-kv-cache-dtype", "fp8") == "fp8-w8a8"
+
+
+def test_w8a8_emulation_needs_an_fp8_engine():
+    with pytest.raises(ArgumentValidationError, match="--rollout-fp8-activations emulate quantizes the inputs of FP8 "
+                                                      "linear layers; --rollout-precision bf16 has none"):
+        _config("--rollout-precision", "bf16", "--rollout-fp8-activations", "emulate")

@@ -406,7 +406,8 @@ class RolloutEngine:
         self.llm.collective_rpc("megatron_ais_capture_layer_states")
         self.llm.reset_prefix_cache()  # every layer must run on every probe position
         self.prompt_logprobs(token_ids)
-        return [torch.from_numpy(a) for a in self.llm.collective_rpc("megatron_ais_collect_layer_states")[0]]
+        return [None if state is None else torch.frombuffer(bytearray(state[2]), dtype=torch.float32).view(*state[:2])
+                for state in self.llm.collective_rpc("megatron_ais_collect_layer_states")[0]]
 
     def probe_routing(self, token_ids: list[int]) -> list[torch.Tensor]:
         """Return each MoE layer's top-k expert ids [len(token_ids), k] for a teacher-forced probe (empty for dense

@@ -85,10 +85,12 @@ class LayerStateCapture:
         return hook
 
     def collect(self) -> list:
-        """Remove the hooks; return each layer's [tokens, hidden] output as a NumPy array (None if not run)."""
+        """Remove the hooks; return each layer's [tokens, hidden] fp32 output as (rows, columns, bytes), None if it
+        did not run (bytes survive a separate engine's RPC serialisation, NumPy arrays do not)."""
         for handle in self.handles:
             handle.remove()
-        return [self.states[i].numpy() if i in self.states else None for i in range(len(self.layers))]
+        return [(*self.states[i].shape, self.states[i].numpy().tobytes()) if i in self.states else None
+                for i in range(len(self.layers))]
 
 
 class RoutingCapture:
@@ -126,7 +128,7 @@ class WeightSyncExtension:
         return len(self._megatron_ais_capture.layers)
 
     def megatron_ais_collect_layer_states(self) -> list:
-        """Return what `megatron_ais_capture_layer_states` recorded (NumPy arrays pickle through the RPC)."""
+        """Return what `megatron_ais_capture_layer_states` recorded."""
         capture, self._megatron_ais_capture = self._megatron_ais_capture, None
         return capture.collect()
 

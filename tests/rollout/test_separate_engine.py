@@ -1,7 +1,8 @@
 """A separate-process vLLM engine: bridge sync with the workers mapping the shared staging arena, generation with
 log-probs equal to the trainer's, a killed engine detected and restarted with the weights it had (re-fed over the
 broadcast feed group it is restarted with), then re-synced over that group (every worker verifies what it
-receives; a corrupted feed is refused and the weights stay), and no orphan processes after shutdown."""
+receives; a corrupted feed is refused and the weights stay), the refit diagnosis's per-layer outputs read back
+over its RPC, and no orphan processes after shutdown."""
 import dataclasses
 import time
 
@@ -96,6 +97,12 @@ def _worker(old_dir, new_dir, work):
     except Exception as err:  # the worker's error comes back through collective_rpc
         refused = str(err)
     after_refused = _max_diff(engine, chunks, build, groups)
+    # the refit diagnosis reads every decoder layer's output back through the separate engine's RPC
+    from megatron_ais.rollout.verify import layer_errors, probe_tokens, trainer_layer_states
+
+    probe = probe_tokens(build.shape.vocab_size)
+    trainer_states = trainer_layer_states(chunks, probe, groups, build.shape.vocab_size)
+    layer_diffs = layer_errors(engine.probe_layer_states(probe), [trainer_states[i] for i in sorted(trainer_states)])
     engine.shutdown()
     bridge.close()
     receiver.close()
@@ -103,7 +110,7 @@ def _worker(old_dir, new_dir, work):
     orphans = [p.name() for p in engine_processes()]
     assert started, "the separate engine must run in its own processes"
     return (before_sync, after_sync, alive_after_kill, alive_after_restart, after_restart, after_resync, refused,
-            after_refused, orphans)
+            after_refused, orphans, layer_diffs)
 
 
 @pytest.mark.slow
@@ -111,8 +118,9 @@ def test_separate_engine_sync_kill_restart_resync(model_root, tmp_path):
     shape = dict(hidden_size=128, intermediate_size=256)
     old_dir = make_model_dir(model_root, "qwen3", seed=1, **shape)
     new_dir = make_model_dir(model_root, "qwen3", seed=2, **shape)
-    ((before, after, alive_killed, alive_restarted, restarted, resynced, refused, after_refused, orphans),) = spawn(
-        1, _worker, old_dir, new_dir, str(tmp_path))
+    ((before, after, alive_killed, alive_restarted, restarted, resynced, refused, after_refused, orphans,
+      layer_diffs),) = spawn(1, _worker, old_dir, new_dir, str(tmp_path))
+    assert len(layer_diffs) == 2 and max(layer_diffs) <= 1e-3  # fp32 engine: every layer's output as the trainer's
     assert before > 0.1 and after <= 1e-4
     assert not alive_killed and alive_restarted
     assert restarted <= 1e-4, "a restarted engine comes back with the weights it had (re-fed by its new feed)"
