@@ -83,11 +83,13 @@ def set_replayed_routes(model, ids: torch.Tensor | None) -> None:
 
 
 def forward_replaying(model, micro_batch: dict):
-    """The chunk's forward of a micro-batch (tokens, position ids), replaying its `routed_experts` if it has them."""
+    """The chunk's forward of a micro-batch (tokens, position ids), replaying its `routed_experts` if it has them
+    (without them the routers are not touched: every replaying forward hands them back routing themselves)."""
     ids = micro_batch.get("routed_experts")
+    if ids is None:
+        return model(micro_batch["tokens"], micro_batch["position_ids"], attention_mask=None)
     set_replayed_routes(model, ids)
     try:
         return model(micro_batch["tokens"], micro_batch["position_ids"], attention_mask=None)
     finally:
-        if ids is not None:
-            set_replayed_routes(model, None)
+        set_replayed_routes(model, None)

