@@ -19,7 +19,9 @@ with an fp32 scale (`per_token_group_quant_fp8`) before the block-scaled GEMM â€
 emulation the CPU kernel quantizes its input with the layer's own vLLM quantizer (`QuantFP8`, dynamic 1x128
 groups, the scales vLLM's GPU path computes) and multiplies the dequantized activations by the dequantized
 weights in fp32: H100's numerics (up to the tensor cores' accumulation order) at CPU speed, for studying the
-mismatch, not a speed path (it keeps an fp32 copy of every FP8 weight).
+mismatch, not a speed path (it keeps an fp32 copy of every FP8 weight). The FP8 MoE experts (`CPUExpertsFp8`) get
+the same treatment: the experts' input and their SiLU-and-mul output are quantized per token in 1x128 groups before
+the two expert GEMMs, as vLLM's block-FP8 fused MoE does on an H100 (`w8a8_experts`).
 
 Set MEGATRON_AIS_VLLM_PLUGIN=0 to disable it. Independently, in the engine processes a run starts, the plugin makes
 them exit with their parent (`megatron_ais.lifetime`).
@@ -92,6 +94,7 @@ def register() -> None:
     _patch_moe_reload()
     if lift_gate:
         _lift_fp8_moe_gate()
+    _add_w8a8_expert_emulation()
 
 
 def _patch_moe_reload() -> None:
@@ -171,3 +174,77 @@ def _add_w8a8_emulation(cls) -> None:
     cls.process_weights_after_loading = process_weights_after_loading
     cls.apply_weights = apply_weights
     cls._megatron_ais_w8a8 = True
+
+
+def _activation_quantizer():
+    """vLLM's dynamic per-token 1x128-group e4m3 quantizer (the one its block-FP8 kernels build)."""
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    return QuantFP8(static=False, group_shape=GroupShape(1, 128), use_ue8m0=False)
+
+
+def _quantize_dequantize(quantizer, x):
+    codes, scales = quantizer.forward_native(x)
+    return codes.float() * scales.float().repeat_interleave(x.shape[-1] // scales.shape[-1], dim=-1)
+
+
+def w8a8_experts(quantizer, hidden, w13, w2, topk_weights, topk_ids):
+    """H100's block-FP8 fused MoE in fp32: hidden [M, H] quantized per token in 1x128 groups; for each routed expert
+    e the gate/up GEMM with the dequantized w13[e] [2I, H] (output rounded to hidden's dtype, as the GPU kernel
+    writes it), SiLU(gate) * up rounded to hidden's dtype and quantized per token again, the down GEMM with w2[e]
+    [H, I] scaled by the token's router weight (rounded to hidden's dtype); the top-k outputs summed. Returns [M, H]."""
+    import torch
+
+    dtype = hidden.dtype
+    activations = _quantize_dequantize(quantizer, hidden)
+    out = torch.zeros(hidden.shape, dtype=torch.float32)
+    for expert in torch.unique(topk_ids).tolist():
+        rows, slots = (topk_ids == expert).nonzero(as_tuple=True)
+        gate, up = (activations[rows] @ w13[expert].t()).to(dtype).float().chunk(2, dim=-1)
+        intermediate = (torch.nn.functional.silu(gate) * up).to(dtype)
+        down = _quantize_dequantize(quantizer, intermediate) @ w2[expert].t()
+        out.index_add_(0, rows, (down * topk_weights[rows, slots].float().unsqueeze(-1)).to(dtype).float())
+    return out.to(dtype)
+
+
+def _add_w8a8_expert_emulation() -> None:
+    """Let the CPU FP8 MoE experts run W8A8 (`w8a8_experts`) for the layers loaded while
+    MEGATRON_AIS_FP8_ACTIVATIONS=emulate: each keeps its experts' dequantized weights before the kernel packs them,
+    at every (re)load; other layers run `fused_experts_cpu` as before."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+
+    if getattr(Fp8MoEMethod, "_megatron_ais_w8a8", False) or not hasattr(cpu_moe, "CPUExpertsFp8"):
+        return
+    original_setup, original_apply = Fp8MoEMethod._setup_kernel, cpu_moe.CPUExpertsFp8.apply
+
+    def _setup_kernel(self, layer, w13, w2, w13_scale, w2_scale, *args, _original=original_setup):
+        weights = None
+        if os.environ.get(FP8_ACTIVATIONS_ENV) == "emulate" and self.block_quant:
+            rows, cols = self.weight_block_size
+            weights = tuple(torch.stack([dequantize_blockwise(c, s, rows, cols) for c, s in zip(codes, scales)])
+                            for codes, scales in ((w13, w13_scale), (w2, w2_scale)))
+        _original(self, layer, w13, w2, w13_scale, w2_scale, *args)
+        experts = self.moe_kernel.fused_experts
+        if weights is not None and isinstance(experts, cpu_moe.CPUExpertsFp8):
+            if not hasattr(self, "_megatron_ais_quantizer"):  # built at load: in-place reloads run outside vLLM's config
+                self._megatron_ais_quantizer = _activation_quantizer()
+            experts._megatron_ais_weights = weights
+            experts._megatron_ais_quantizer = self._megatron_ais_quantizer
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, *args, _original=original_apply, **kwargs):
+        weights = getattr(self, "_megatron_ais_weights", None)
+        if weights is None:
+            return _original(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                             global_num_experts, expert_map, *args, **kwargs)
+        local_ids = topk_ids if expert_map is None else expert_map[topk_ids]
+        weights_here = torch.where(local_ids >= 0, topk_weights, torch.zeros_like(topk_weights))
+        output.copy_(w8a8_experts(self._megatron_ais_quantizer, hidden_states, *weights, weights_here,
+                                  local_ids.clamp(min=0)))
+
+    Fp8MoEMethod._setup_kernel = _setup_kernel
+    cpu_moe.CPUExpertsFp8.apply = apply
+    Fp8MoEMethod._megatron_ais_w8a8 = True

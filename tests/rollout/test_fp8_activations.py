@@ -59,6 +59,47 @@ def test_activation_codes_and_scales_are_the_gpu_kernels_and_the_gemm_is_fp32():
     assert (out.double() - w8a16).abs().mean() > 10 * (out.double() - reference).abs().mean()
 
 
+
+def test_moe_experts_quantize_their_input_and_their_intermediate_per_token():
+    """The W8A8 experts against a per-token float64 reference written out: top-k experts, each quantizing the
+    token's input and its SiLU(gate) * up per 1x128 group before its two GEMMs, weighted by the router; the GEMM
+    outputs rounded to bf16 where the GPU kernel writes them."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    from megatron_ais.rollout.vllm_plugin import w8a8_experts
+
+    generator = torch.Generator().manual_seed(0)
+    experts, hidden, intermediate, tokens, top_k = 4, 256, 128, 7, 2
+    x = torch.randn(tokens, hidden, generator=generator).to(torch.bfloat16)
+    w13 = torch.randn(experts, 2 * intermediate, hidden, generator=generator) / 16
+    w2 = torch.randn(experts, hidden, intermediate, generator=generator) / 12
+    topk_ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
+    topk_weights = torch.softmax(torch.randn(tokens, top_k, generator=generator), -1)
+    with set_current_vllm_config(VllmConfig()):
+        quantizer = QuantFP8(static=False, group_shape=GroupShape(1, 128), use_ue8m0=False)
+    out = w8a8_experts(quantizer, x, w13, w2, topk_weights, topk_ids)
+
+    def dequantized(row):
+        codes, scales = group_quantize(row.unsqueeze(0))
+        return codes.double() * scales.double().repeat_interleave(128, dim=-1)
+
+    reference, w8a16 = torch.zeros(tokens, hidden, dtype=torch.float64), torch.zeros(tokens, hidden, dtype=torch.float64)
+    for t in range(tokens):
+        for k in range(top_k):
+            e, weight = topk_ids[t, k].item(), topk_weights[t, k].item()
+            gate, up = (dequantized(x[t]) @ w13[e].double().t()).to(torch.bfloat16).double().chunk(2, dim=-1)
+            h = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16)
+            reference[t] += (weight * (dequantized(h[0]) @ w2[e].double().t())[0]).to(torch.bfloat16).double()
+            gate, up = (x[t].double() @ w13[e].double().t()).chunk(2, dim=-1)
+            w8a16[t] += weight * ((torch.nn.functional.silu(gate) * up) @ w2[e].double().t())
+    assert out.dtype == torch.bfloat16 and out.shape == (tokens, hidden)
+    error = (out.double() - reference).abs().mean()
+    # fp32 against float64 sums, then the same bf16 roundings (one e4m3 step moved now and then)
+    assert error <= 2 ** -9 * reference.abs().mean(), error
+    assert (w8a16 - reference).abs().mean() > 5 * error  # the activation rounding the emulation is there to model
+
 def _engine_logprobs(hf_dir, work, activations):
     """The engine's probe log-probs; with emulation also, for each FP8 linear layer of the first decoder layer, the
     largest difference of its output on a random input from the float64 W8A8 and W8A16 references."""

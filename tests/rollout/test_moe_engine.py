@@ -12,7 +12,16 @@ from distributed import spawn
 PROMPTS = [[5, 17, 42, 99], [7, 8, 9], [120, 3, 44, 250, 61]]
 
 
-def _moe_engine_worker(hf_dir, work, precision):
+def _expert_fc1(chunks):
+    """The trainer's first layer's expert 0 gate/up weight [2I, H] (Megatron's order, gate then up, as vLLM's w13)."""
+    for name, param in chunks[0].named_parameters():
+        if "layers.0.mlp.experts" in name and "linear_fc1" in name and name.endswith(("local_experts.0.linear_fc1.weight",
+                                                                                       "linear_fc1.weight0")):
+            return param
+    raise AssertionError("no expert 0 fc1 weight in layer 0")
+
+
+def _moe_engine_worker(hf_dir, work, precision, activations="none"):
     from distributed import start_trainer
     from megatron_ais.bridge.quantization import QuantizationPolicy
     from megatron_ais.bridge.config import BridgeConfig
@@ -25,8 +34,8 @@ def _moe_engine_worker(hf_dir, work, precision):
     from megatron_ais.rollout.verify import probe_tokens, routing_mismatch, trainer_routing
     from megatron_ais.training import load_policy_chunks
 
-    engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision=precision, kv_cache_gb=0.25,
-                                        placement="colocated"), work)
+    engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision=precision, fp8_activations=activations,
+                                        kv_cache_gb=0.25, placement="colocated"), work)
     experts = engine.model.model.layers[0].mlp.experts
     weights = {n: p.dtype for n, p in experts.named_parameters()}
     trainer, hf_config, build = start_trainer("--hf-dir", hf_dir, "--fp32", "--seq-length", "40")
@@ -69,6 +78,10 @@ def _moe_engine_worker(hf_dir, work, precision):
         routed = routing_mismatch(engine_ids, [maps[i] for i in sorted(maps)])
         # negative control: the engine's expert ids shifted by one expert must count as a mismatch everywhere
         shifted = routing_mismatch([(ids + 1) % 8 for ids in engine_ids], [maps[i] for i in sorted(maps)])
+        if activations == "emulate":  # the experts' dequantized copy is this update's: FP8 rounding from the trainer's
+            emulated = experts.routed_experts.quant_method.moe_kernel.fused_experts._megatron_ais_weights[0][0]
+            trained = _expert_fc1(chunks).detach()
+            replay["w13_error"] = ((emulated - trained).abs().max() / trained.abs().max()).item()
         diffs.append((update, delta.max().item(), (delta.sum() / batch.mask.sum()).item(), engine.version,
                       routed, shifted, len(engine_ids), replay))
     bridge.close()
@@ -124,16 +137,19 @@ def test_fp32_moe_engine_matches_trainer_after_three_updates(moe_dir, tmp_path):
 
 @pytest.mark.slow
 def test_fp8_moe_engine_holds_float8_experts_and_tracks_trainer(moe_dir, tmp_path):
-    ((weights, diffs),) = spawn(1, _moe_engine_worker, moe_dir, str(tmp_path), "fp8")
+    """With W8A8 emulation (`--rollout-fp8-activations emulate`): the W8A16 kernel's float8 experts are kept, and
+    beside them each (re)load's dequantized copy, which the emulated experts multiply."""
+    ((weights, diffs),) = spawn(1, _moe_engine_worker, moe_dir, str(tmp_path), "fp8", "emulate")
     assert {d for n, d in weights.items() if n.endswith(("w13_weight", "w2_weight"))} == {torch.float8_e4m3fn}
     for update, largest, mean, _, routed, _, _, replay in diffs:
         assert 0.0 <= routed < 0.5  # FP8 flips near-tie routes, not most of them
-        # blockwise FP8 experts + attention with bf16 activations against the fp32 trainer (measured 0.21-0.28, with
-        # 7-20 % of probe routes flipped); the refit bound of docs/rollout.md; a garbled update gives a mean above 1
+        # blockwise FP8 experts + attention, W8A8, against the fp32 trainer (measured 0.30-0.39, with 7-17 % of
+        # rollout routes flipped; W8A16: 0.21-0.28); the refit bound of docs/rollout.md; a garbled update gives > 1
         assert mean <= 0.5, f"update {update}: mean |engine - trainer| log-prob {mean:.3f}"
         # replayed, the trainer routes every token (padding too) to the engine's experts, some of which it would
         # not have chosen, and its log-probs come closer to the engine's
         assert replay["routes_equal"] and 0.0 < replay["own_flipped"] < 0.5
         assert replay["mean"] < mean and replay["max"] <= largest, (update, replay, largest, mean)
+        assert replay["w13_error"] <= 2 ** -4, (update, replay["w13_error"])  # e4m3: 3 mantissa bits
     print("fp8 moe replay", [(d[0], round(d[1], 4), round(d[2], 4), round(d[7]["max"], 4), round(d[7]["mean"], 4),
                               round(d[7]["own_flipped"], 4)) for d in diffs])
