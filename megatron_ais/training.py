@@ -170,6 +170,18 @@ def read_model_config(model, layout, load: str | None, allow_unverified: bool = 
     return hf_config
 
 
+def tokenizer_dir(trainer) -> str:
+    """Where the run's tokenizer is, read before anything starts: the --load checkpoint's newest usable iteration's HF
+    assets, else --hf-dir."""
+    from megatron_ais.checkpointing import HF_ASSETS, iteration_dir, usable_iterations
+
+    checkpoint = trainer.checkpoint
+    if checkpoint.load is None:
+        return trainer.model.hf_dir
+    iteration = usable_iterations(checkpoint.load, checkpoint.allow_unverified_checkpoint)[0]
+    return os.path.join(iteration_dir(checkpoint.load, iteration), HF_ASSETS)
+
+
 def check_output_directories(trainer) -> None:
     """--save, --output-dir and --tensorboard-dir can be written (or created), checked before anything is."""
     for option, path in (("--save", trainer.checkpoint.save), ("--output-dir", trainer.logging.output_dir),

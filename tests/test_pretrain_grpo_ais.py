@@ -37,41 +37,38 @@ def _command(load, out, steps, *extra):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["dp2", "pp2"])
-def test_two_grpo_steps_end_to_end(model_root, tmp_path, layout):
-    pp = 2 if layout == "pp2" else 1
-    checkpoint = _converted_checkpoint(model_root, tmp_path, pp)
+def test_pp2_end_to_end_restarts_a_killed_engine_and_resyncs(model_root, tmp_path):
+    """Three GRPO steps at PP2 with an FP8 KV cache (each stage measures its own layers' K/V scales at every sync);
+    the vLLM engine is killed after step 1, restarted and re-fed by both stages, and the run completes with its
+    refit check passing (the DP2 end-to-end run, with W&B: the launcher-kill test below)."""
+    import psutil
+
+    checkpoint = _converted_checkpoint(model_root, tmp_path, pp=2)
     out = tmp_path / "run"
-    # PP2 also runs an FP8 KV cache: each stage measures its own layers' K/V scales at every sync; DP2 logs to W&B
-    kv = ["--rollout-kv-cache-dtype", "fp8"] if layout == "pp2" else []
-    wandb = ["--wandb-project", "megatron-ais-test", "--wandb-save-dir", str(tmp_path / "wb")] if layout == "dp2" else []
-    proc = subprocess.run(_command(checkpoint, out, 2, "--pipeline-model-parallel-size", str(pp), *kv, *wandb),
-                          capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
-                          env={**os.environ, "WANDB_MODE": "offline"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("accuracy_before=") and " steps=2 " in last and "wall_s=" in last
+    run = _LiveRun(_command(checkpoint, out, 3, "--pipeline-model-parallel-size", "2", "--rollout-kv-cache-dtype",
+                            "fp8"), str(tmp_path))
+    run.wait_for(lambda line: line.startswith("step     1 |"))
+    engines = [p for p in psutil.Process(run.proc.pid).children(recursive=True)
+               if any("EngineCore" in part for part in [p.name()] + p.cmdline())]
+    assert engines, "no vLLM engine process found"
+    for engine in engines:
+        engine.kill()
+    assert run.finish(timeout=600) == 0, run.output()[-4000:]
+    printed = run.output()
+    # the kill lands in step 2's rollout or in its weight sync; either path restarts the engine and re-syncs
+    assert "the rollout engine died" in printed and "restarting it and re-syncing" in printed
+    last = printed.strip().splitlines()[-1]
+    assert last.startswith("accuracy_before=") and " steps=3 " in last and "wall_s=" in last
     summary = json.load(open(out / "summary.json"))
-    assert len(summary["history"]) == 2
+    assert [h["step"] for h in summary["history"]] == [1, 2, 3]  # the refit check passed after the re-sync
     first = summary["history"][0]
     assert 0.0 <= first["ais/lambda"] <= 1.0 and first["ais/num_units"] > 0
-    if kv:
-        assert 0.0 < first["rollout/kv_cache_v_scale_max"] < 1.0 and 0.0 < first["rollout/kv_cache_k_scale_max"]
+    assert 0.0 < first["rollout/kv_cache_v_scale_max"] < 1.0 and 0.0 < first["rollout/kv_cache_k_scale_max"]
     assert "eval/accuracy" in summary["history"][1] and "eval/greedy_accuracy" in summary["history"][1]
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(out / "tensorboard"))
     assert (out / "run.png").stat().st_size > 10_000
-    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
-    assert len(steps) == 2 and "λ" in steps[0] and "rollout" in steps[0]
-    if wandb:  # one run, the logging rank's: its flags and the scalars summary.json has
-        from wandb_records import offline_runs, read_offline_run
-
-        (run,) = offline_runs(str(tmp_path / "wb"))
-        flags, history = read_offline_run(run)
-        assert flags["group_size"] == 4 and flags["wandb_project"] == "megatron-ais-test"
-        assert sorted(history) == [1, 2]
-        for logged in summary["history"]:
-            assert history[logged["step"]]["ais/lambda"] == pytest.approx(logged["ais/lambda"])
-            assert history[logged["step"]]["rollout/reward"] == pytest.approx(logged["rollout/reward"])
+    steps = [line for line in printed.splitlines() if line.startswith("step ")]
+    assert len(steps) == 3 and "λ" in steps[0] and "rollout" in steps[0]
 
 
 @pytest.mark.slow
@@ -79,8 +76,8 @@ def test_moe_model_replays_the_engine_routing_and_resumes_exactly(model_root, tm
     """Qwen3-MoE (8 experts, top-2) converted to an EP2 Megatron checkpoint, trained at EP2 (each rank loads,
     trains, exports and syncs its own four experts) in micro-batches by tokens, FP8 rollouts with float8 experts and
     an FP8 KV cache (1 calibration sequence over 2 data-parallel ranks: the other runs a token-less padding row).
-    Routing replay is on by default: the same first step without it (identical rollouts: same weights and seeds)
-    has a larger trainer-engine mismatch; a run resumed from the step-1 checkpoint repeats step 2."""
+    Routing replay is on by default (that it shrinks the trainer-engine mismatch: tests/rollout/test_moe_engine.py);
+    a run resumed from the step-1 checkpoint repeats step 2."""
     import shutil
 
     import convert_checkpoint
@@ -111,12 +108,6 @@ def test_moe_model_replays_the_engine_routing_and_resumes_exactly(model_root, tm
     files = sorted(os.listdir(tmp_path / "replay" / "engine_init"))
     assert "model-00001-of-00001-ep001.safetensors" in files  # EP rank 1 wrote its own experts
 
-    _, own = run(checkpoint, tmp_path / "own", 1, "--moe-routing-replay", "none")
-    assert own[1]["rollout/reward"] == first["rollout/reward"]  # the same rollouts
-    assert first["ais/k3_kl"] < own[1]["ais/k3_kl"] and first["ais/max_abs_logratio"] < own[1]["ais/max_abs_logratio"]
-    print(f"MoE step 1, k3 / max |log ratio|: replayed {first['ais/k3_kl']:.3e} / {first['ais/max_abs_logratio']:.3f},"
-          f" own routing {own[1]['ais/k3_kl']:.3e} / {own[1]['ais/max_abs_logratio']:.3f}")
-
     cut = tmp_path / "cut" / "ckpt"
     shutil.copytree(save, cut)
     (cut / "latest_checkpointed_iteration.txt").write_text("1")
@@ -132,6 +123,31 @@ def test_moe_model_replays_the_engine_routing_and_resumes_exactly(model_root, tm
         tolerance = 0 if exact else 0.15 if key == "ais/sequence_ess" else 2e-2
         assert got[key] == pytest.approx(expected[key], rel=tolerance,
                                          abs=0.05 if key == "rollout/routing_mismatch" else 1e-9), key
+
+
+def _check_end_to_end(stdout, out, wandb_dir, steps):
+    """What a finished DP2 run leaves: its last line, summary, evaluation, tensorboard, figure, one console line per
+    step, and one W&B run (the logging rank's) holding its flags and the scalars summary.json has."""
+    from wandb_records import offline_runs, read_offline_run
+
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith("accuracy_before=") and f" steps={steps} " in last and "wall_s=" in last
+    summary = json.load(open(out / "summary.json"))
+    assert [h["step"] for h in summary["history"]] == list(range(1, steps + 1))
+    first = summary["history"][0]
+    assert 0.0 <= first["ais/lambda"] <= 1.0 and first["ais/num_units"] > 0
+    assert "eval/accuracy" in summary["history"][1] and "eval/greedy_accuracy" in summary["history"][1]
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(out / "tensorboard"))
+    assert (out / "run.png").stat().st_size > 10_000
+    lines = [line for line in stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == steps and "λ" in lines[0] and "rollout" in lines[0]
+    (run,) = offline_runs(str(wandb_dir))
+    flags, history = read_offline_run(run)
+    assert flags["group_size"] == 4 and flags["wandb_project"] == "megatron-ais-test"
+    assert sorted(history) == list(range(1, steps + 1))
+    for logged in summary["history"]:
+        assert history[logged["step"]]["ais/lambda"] == pytest.approx(logged["ais/lambda"])
+        assert history[logged["step"]]["rollout/reward"] == pytest.approx(logged["rollout/reward"])
 
 
 def _comparable(history):
@@ -207,9 +223,13 @@ def test_launcher_sigkilled_mid_step_takes_the_run_with_it_then_resume_equals_un
     # a step long enough to be killed inside; an FP8 KV cache, whose scales the uninterrupted run measured on step
     # 2's rollouts, which the resumed run no longer has (the checkpoint carries them)
     bigger = ("--prompts-per-step", "16", "--max-new-tokens", "24", "--rollout-kv-cache-dtype", "fp8")
+    # the uninterrupted run is also the DP2 end-to-end run, logging to W&B (offline)
+    wandb = ("--wandb-project", "megatron-ais-test", "--wandb-save-dir", str(tmp_path / "wb"))
     full = subprocess.run(_command(checkpoint, full_out, 4, "--save", str(full_out / "ckpt"), "--save-interval", "2",
-                                   *bigger), capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+                                   *bigger, *wandb), capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
+                          env={**os.environ, "WANDB_MODE": "offline"})
     assert full.returncode == 0, full.stderr[-4000:]
+    _check_end_to_end(full.stdout, full_out, tmp_path / "wb", steps=4)
 
     save = str(cut_out / "ckpt")
     printed = _run_until_launcher_killed(_command(checkpoint, cut_out, 4, "--save", save, "--save-interval", "2",
@@ -238,24 +258,3 @@ def test_launcher_sigkilled_mid_step_takes_the_run_with_it_then_resume_equals_un
     exported = convert_checkpoint.megatron_to_hf(save, str(tmp_path / "hf"))
     model = AutoModelForCausalLM.from_pretrained(exported)
     assert model.config.num_hidden_layers == 2
-
-
-@pytest.mark.slow
-def test_engine_killed_mid_run_is_restarted_and_resynced(model_root, tmp_path):
-    import psutil
-
-    checkpoint = _converted_checkpoint(model_root, tmp_path)
-    out = tmp_path / "run"
-    run = _LiveRun(_command(checkpoint, out, 3), str(tmp_path))
-    run.wait_for(lambda line: line.startswith("step     1 |"))
-    engines = [p for p in psutil.Process(run.proc.pid).children(recursive=True)
-               if any("EngineCore" in part for part in [p.name()] + p.cmdline())]
-    assert engines, "no vLLM engine process found"
-    for engine in engines:
-        engine.kill()
-    assert run.finish(timeout=600) == 0, run.output()[-4000:]
-    printed = run.output()
-    # the kill lands in step 2's rollout or in its weight sync; either path restarts the engine and re-syncs
-    assert "the rollout engine died" in printed and "restarting it and re-syncing" in printed
-    summary = json.load(open(out / "summary.json"))
-    assert [h["step"] for h in summary["history"]] == [1, 2, 3]  # the refit check passed after the re-sync

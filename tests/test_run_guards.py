@@ -133,3 +133,22 @@ def test_routing_replay_of_a_dense_model_is_refused_naming_the_flag(grpo, model,
     _refused(grpo("--hf-dir", model, "--moe-routing-replay", "rollout", "--output-dir", tmp_path / "out"),
              "--moe-routing-replay rollout needs a MoE model", "use --moe-routing-replay none")
     assert not (tmp_path / "out").exists()
+
+
+def test_prompts_longer_than_the_sequence_allows_are_refused_before_the_run(grpo, model, tmp_path):
+    """Every prompt the task can draw is measured (chat template included) before anything starts, not at the step
+    that happens to draw the longest one."""
+    from megatron_ais.data.tasks import running_sum_task
+    from megatron_ais.rollout.manager import prompt_ids
+    from megatron_ais.sft import load_tokenizer
+
+    task = running_sum_task(1234, 10)
+    longest = max(map(len, prompt_ids(load_tokenizer(model), [e.prompt for e in task.train + task.eval])))
+    flags = ("--hf-dir", model, "--task", "running_sum", "--sum-terms", "10", "--max-new-tokens", "96",
+             "--output-dir", tmp_path / "out")
+    _refused(grpo(*flags, "--seq-length", longest + 94, "--rollout-max-model-len", 512),
+             f"--seq-length {longest + 94} is too short: the task's longest prompt has {longest} tokens",
+             f"raise --seq-length to {longest + 95} or lower --max-new-tokens")
+    _refused(grpo(*flags, "--seq-length", longest + 95, "--rollout-max-model-len", longest + 95),
+             f"raise --rollout-max-model-len to {longest + 96}")
+    assert not (tmp_path / "out").exists()

@@ -114,8 +114,10 @@ class GRPORun:
         from megatron_ais.bridge.quantization import check_engine_shapes
         from megatron_ais.data.tasks import build_task
         from megatron_ais.errors import ArgumentValidationError, TaskError
+        from megatron_ais.rollout.manager import check_prompt_lengths
         from megatron_ais.routing_replay import routing_replay_enabled
-        from megatron_ais.training import prepare_trainer, start_trainer
+        from megatron_ais.sft import load_tokenizer
+        from megatron_ais.training import prepare_trainer, start_trainer, tokenizer_dir
 
         self.started = time.time()
         trainer = self.trainer
@@ -129,6 +131,9 @@ class GRPORun:
         except ValueError as err:
             raise ArgumentValidationError(str(err)) from err
         self.routing_replay = routing_replay_enabled(self.loop.moe_routing_replay, self.build.shape.is_moe)
+        self.tokenizer = load_tokenizer(tokenizer_dir(trainer))
+        check_prompt_lengths(self.tokenizer, self.task, self.loop.max_new_tokens, trainer.model.seq_length,
+                             self.config.engine.max_model_len)
         self.lock = start_trainer(trainer)
         self._setup_trainer()
         self._setup_engine()
@@ -179,13 +184,13 @@ class GRPORun:
         from megatron_ais.logging import RunLogger
         from megatron_ais.mapping.distributed import save_hf_checkpoint
         from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
-        from megatron_ais.rollout.manager import RolloutManager, RolloutPlan
-        from megatron_ais.sft import load_tokenizer
+        from megatron_ais.rollout.manager import RolloutManager, RolloutPlan, check_prompt_lengths
 
         trainer, state, out = self.trainer, self.state, self.trainer.logging.output_dir
-        self.tokenizer = load_tokenizer(self.model.assets_dir)
         if state.data_seed != trainer.training.seed:
             self.task = build_task(trainer.task, state.data_seed)
+            check_prompt_lengths(self.tokenizer, self.task, self.loop.max_new_tokens, trainer.model.seq_length,
+                                 self.config.engine.max_model_len)
         # a resumed run's logs continue from the checkpoint: later steps logged before the crash are dropped
         self.log = RunLogger(trainer.logging, dist.get_rank() == self.engine_rank,
                              resume_step=state.step if state.saved is not None else None, run_config=trainer.flags,

@@ -7,18 +7,29 @@ import dataclasses
 import random
 from typing import Callable
 
-from megatron_ais.errors import RolloutError
+from megatron_ais.errors import ArgumentValidationError, RolloutError
 from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
 
 
 def prompt_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
     """The chat-templated token ids of user prompts, ready for generation."""
-    out = []
-    for prompt in prompts:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                            add_generation_prompt=True)
-        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return out
+    if not prompts:
+        return []
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                           add_generation_prompt=True) for prompt in prompts]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def check_prompt_lengths(tokenizer, task, max_new_tokens: int, seq_length: int, max_model_len: int) -> None:
+    """Every prompt the run can draw (training and held-out, chat-templated) leaves room for --max-new-tokens in
+    the trainer's --seq-length and in the engine's --rollout-max-model-len; checked before the run starts."""
+    longest = max(len(ids) for ids in prompt_ids(tokenizer, sorted({e.prompt for e in task.train + task.eval})))
+    for flag, limit, need in (("--seq-length", seq_length, longest + max_new_tokens - 1),
+                              ("--rollout-max-model-len", max_model_len, longest + max_new_tokens)):
+        if limit < need:
+            raise ArgumentValidationError(
+                f"{flag} {limit} is too short: the task's longest prompt has {longest} tokens (chat template "
+                f"included) and --max-new-tokens is {max_new_tokens}; raise {flag} to {need} or lower --max-new-tokens")
 
 
 def step_examples(task, prompts_per_step: int, data_seed: int, step: int) -> list:
