@@ -8,7 +8,7 @@ import os
 import sys
 
 from megatron_ais.arguments import GRPO_FLAGS, GRPORunConfig, build_parser, launched_world_size
-from megatron_ais.errors import USAGE_ERRORS
+from megatron_ais.errors import USAGE_ERRORS, ArgumentValidationError
 from megatron_ais.grpo.run import GRPORun
 from megatron_ais.logging import apply_vllm_log_level, quiet_libraries
 
@@ -20,9 +20,37 @@ def build_grpo_parser():
     return build_parser(__doc__.split("\n\n")[0], GRPO_FLAGS, prog="pretrain_grpo_ais.py")
 
 
+def print_placement(parser, args) -> int:
+    """--print-placement: the run's flags planned onto --cluster-nodes x --cluster-gpus-per-node GPUs; nothing
+    starts (no torchrun needed)."""
+    from megatron_ais.checkpointing import read_checkpoint_metadata
+    from megatron_ais.model import load_hf_config
+    from megatron_ais.rollout.engine import EngineConfig
+    from megatron_ais.rollout.placement import ClusterConfig, describe_placement, planned_trainer_world
+
+    try:
+        engine = EngineConfig.from_args(args, seed=0)
+        world = planned_trainer_world(ClusterConfig.from_args(args), engine.placement, engine.tensor_parallel_size)
+        config = GRPORunConfig.from_args(args, world)
+        load, hf_dir = config.trainer.checkpoint.load, config.trainer.model.hf_dir
+        if load:
+            hf_config, name = read_checkpoint_metadata(load)["hf_config"], load
+        elif hf_dir:
+            hf_config, name = load_hf_config(hf_dir), hf_dir
+        else:
+            raise ArgumentValidationError("--print-placement needs the model: pass --hf-dir DIR (its config.json is "
+                                          "enough, e.g. examples/models/qwen3-8b) or --load DIR")
+        print(describe_placement(config, hf_config, name))
+    except USAGE_ERRORS as err:
+        parser.error(str(err))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = build_grpo_parser()
     args = parser.parse_args(argv)
+    if args.print_placement:
+        return print_placement(parser, args)
     world_size = launched_world_size(parser)
     quiet_libraries(int(os.environ["RANK"]))
     try:

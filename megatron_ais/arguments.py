@@ -27,6 +27,7 @@ from megatron_ais.model import ModelConfig
 from megatron_ais.parallel import ParallelLayout
 from megatron_ais.rollout.engine import EngineConfig
 from megatron_ais.rollout.kv_scales import KVCacheCalibrationConfig
+from megatron_ais.rollout.placement import ClusterConfig
 from megatron_ais.sft import SFTConfig
 from megatron_ais.training import TrainingConfig, WeightSource
 
@@ -36,6 +37,7 @@ TRAINER_FLAGS = (("model", (ModelConfig,)), ("parallelism", (ParallelLayout,)), 
 GRPO_FLAGS = TRAINER_FLAGS + (("grpo", (PolicyLossConfig, AdvantageConfig)),
                               ("importance-sampling correction", (AISConfig,)),
                               ("rollout", (EngineConfig, KVCacheCalibrationConfig)),
+                              ("rollout fleet", (ClusterConfig,)),
                               ("bridge", (BridgeConfig, QuantizationPolicy)), ("grpo loop", (GRPOLoopConfig,)))
 SFT_FLAGS = TRAINER_FLAGS + (("sft", (SFTConfig,)),)
 
@@ -128,6 +130,7 @@ class GRPORunConfig:
     engine: EngineConfig
     kv_calibration: KVCacheCalibrationConfig
     bridge: BridgeConfig
+    cluster: ClusterConfig
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, world_size: int) -> "GRPORunConfig":
@@ -142,7 +145,7 @@ class GRPORunConfig:
             return cls(trainer, GRPOLoopConfig.from_args(args), PolicyLossConfig.from_args(args),
                        AdvantageConfig.from_args(args), AISConfig.from_args(args),
                        dataclasses.replace(engine, gpu_staging_arena=bridge.arena_on_gpu),
-                       KVCacheCalibrationConfig.from_args(args), bridge)
+                       KVCacheCalibrationConfig.from_args(args), bridge, ClusterConfig.from_args(args))
 
         config = _configs(build)
         config.check(world_size)
@@ -163,6 +166,10 @@ class GRPORunConfig:
         # with a token budget micro-batches take what fits: --micro-batch-size does not apply
         check_rollout_batch(loop, 1 if training.max_tokens_per_microbatch else training.micro_batch_size,
                             self.trainer.data_parallel(world_size))
+        if self.cluster.engines_per_node > 1 and not self.cluster.print_placement:
+            raise ArgumentValidationError(
+                f"--rollout-engines-per-node {self.cluster.engines_per_node}: a run drives one engine today (the "
+                "fleet is planned by --print-placement, not yet run); drop the flag")
         if self.engine.placement == "colocated" and world_size > 1:
             raise ArgumentValidationError("--rollout-placement colocated needs a single-rank trainer (an in-process "
                                           "vLLM engine owns torch.distributed); use --rollout-placement separate")

@@ -1,0 +1,316 @@
+"""Where a run's rollout engines go, on paper: a pure planner from the cluster (nodes, GPUs per node), the trainer's
+layout, the engines' tensor parallelism and the placement mode to which GPUs each engine uses, which trainer rank
+drives it, which node's staging arena feeds it, and what one weight sync moves into each node and across nodes.
+`pretrain_grpo_ais.py --print-placement` prints it without starting anything.
+
+Modes. `separate`: each node gives `--rollout-engines-per-node` x `--rollout-tensor-parallel-size` GPUs to engines
+(after the trainer's GPUs, as slime places them) and the rest to the trainer; each engine is driven by a trainer
+rank on its node. `colocated`: every trainer GPU also hosts an engine shard (vLLM's `external_launcher`, sleep mode
+during training, as verl's hybrid engine), one engine per `--rollout-tensor-parallel-size` consecutive ranks.
+
+Feeding. One staging arena per node with engines: the bridge's writers on that node write their shards into it,
+the rest arrives over the network once per node (not once per engine), forwarded node to node as a pipelined ring
+broadcast over the node leaders (so no node's link carries a byte more than once each way), and every engine on
+the node applies from it. The writers are DP replica 0 of every pipeline stage (dense shards over TP, expert shards over EP x expert-TP),
+Megatron's rank order (TP fastest, then DP, then PP).
+
+Memory (per GPU, GiB): an engine holds its share of the weights at the rollout precision, its KV cache and 2 GiB of
+workspace (the budget `--rollout-gpu-memory-utilization` defaults to); a trainer rank holds BF16 weights, fp32
+gradients and fp32 Adam state (main weights and two moments; over DP with the distributed optimizer). Activations
+are not counted: the trainer's figure is a floor.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_ais.errors import ArgumentValidationError
+from megatron_ais.flags import FlagConfig, flag
+
+GIB = 1024 ** 3
+ENGINE_WORKSPACE_GIB = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig(FlagConfig):
+    """The cluster a plan is for (`--print-placement`), and how many engines each node runs."""
+
+    print_placement: bool = flag(False, "Print where the engines and trainer ranks go on --cluster-nodes x "
+                                        "--cluster-gpus-per-node GPUs, and what each weight sync moves per node and "
+                                        "across nodes, for the model and flags given; start nothing and exit.")
+    nodes: int = flag(1, "Nodes of the cluster --print-placement plans for.", name="--cluster-nodes")
+    gpus_per_node: int = flag(8, "GPUs per node of that cluster.", name="--cluster-gpus-per-node")
+    gpu_memory_gb: float = flag(80.0, "Memory of one GPU (GiB; H100 SXM: 80).", name="--cluster-gpu-memory-gb")
+    link_gb_per_s: float = flag(50.0, "Network bandwidth into or out of one node (GB/s; 400 Gb/s InfiniBand: 50), "
+                                      "for the sync-time estimate.", name="--cluster-link-gb-per-s")
+    engines_per_node: int = flag(1, "Rollout engines per node (separate placement); each takes "
+                                    "--rollout-tensor-parallel-size GPUs. The run itself drives one engine today; "
+                                    "--print-placement plans any number.", name="--rollout-engines-per-node")
+
+    def __post_init__(self):
+        for name, value in (("--cluster-nodes", self.nodes), ("--cluster-gpus-per-node", self.gpus_per_node),
+                            ("--rollout-engines-per-node", self.engines_per_node)):
+            if value < 1:
+                raise ArgumentValidationError(f"{name} {value} must be at least 1")
+        for name, value in (("--cluster-gpu-memory-gb", self.gpu_memory_gb),
+                            ("--cluster-link-gb-per-s", self.link_gb_per_s)):
+            if value <= 0:
+                raise ArgumentValidationError(f"{name} {value} must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelBytes:
+    """One model's weights as a sync moves them: dense and expert bytes at the rollout precision (FP8 linear layers
+    with fp32 128x128 block scales, the rest BF16), the trainer's parameter counts, and the engine's per-token KV
+    bytes."""
+
+    dense_sync: int
+    expert_sync: int
+    dense_parameters: int
+    expert_parameters: int
+    kv_bytes_per_token: int
+
+    @property
+    def sync(self) -> int:
+        return self.dense_sync + self.expert_sync
+
+    @classmethod
+    def of(cls, shape, precision: str, kv_cache_dtype: str = "auto") -> "ModelBytes":
+        """From a ModelShape; `precision` the rollout's (fp8, bf16, fp32)."""
+        h, hd, layers = shape.hidden_size, shape.head_dim, shape.num_layers
+        linear_bytes = {"fp8": 1 + 4 / (128 * 128), "bf16": 2, "fp32": 4}[precision]
+        other_bytes = 4 if precision == "fp32" else 2
+        attention = h * hd * (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads)
+        norms = 2 * h + (2 * hd if shape.qk_norm else 0) + (hd * (shape.num_attention_heads + 2 *
+                                                                   shape.num_key_value_heads) if shape.qkv_bias else 0)
+        embeddings = shape.vocab_size * h * (1 if shape.tie_word_embeddings else 2) + h
+        if shape.is_moe:
+            experts = shape.num_experts * 3 * h * shape.moe_ffn_hidden_size
+            router, mlp = shape.num_experts * h, 0
+        else:
+            experts, router, mlp = 0, 0, 3 * h * shape.ffn_hidden_size
+        dense_linear = layers * (attention + mlp)
+        dense_other = layers * (norms + router) + embeddings
+        kv_element = 1 if kv_cache_dtype == "fp8" else 2
+        return cls(dense_sync=round(dense_linear * linear_bytes + dense_other * other_bytes),
+                   expert_sync=round(layers * experts * linear_bytes),
+                   dense_parameters=dense_linear + dense_other, expert_parameters=layers * experts,
+                   kv_bytes_per_token=2 * layers * shape.num_key_value_heads * hd * kv_element)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSlot:
+    index: int
+    node: int
+    gpus: tuple[int, ...]  # local GPU indices on its node
+    host_rank: int  # the global trainer rank that drives it
+
+
+@dataclasses.dataclass(frozen=True)
+class NodePlan:
+    node: int
+    trainer_ranks: tuple[int, ...]
+    engines: tuple[int, ...]
+    written_here: int  # bytes of one sync the node's own writers put into its arena
+    received: int  # bytes of one sync that reach its arena over the network (0 without engines)
+    sent: int  # bytes of one sync its writers send to other nodes' arenas
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    mode: str
+    cluster: ClusterConfig
+    rollout_tensor_parallel: int
+    trainer_world: int
+    data_parallel: int
+    model: ModelBytes
+    nodes: tuple[NodePlan, ...]
+    engines: tuple[EngineSlot, ...]
+    engine_gpu_gib: float
+    trainer_gpu_gib: float
+
+    @property
+    def cross_node_bytes(self) -> int:
+        return sum(n.received for n in self.nodes)
+
+    @property
+    def sync_seconds(self) -> float:
+        """The network's share of one sync: the busiest node's link, each direction at the link's bandwidth."""
+        busiest = max(max(n.received, n.sent) for n in self.nodes)
+        return busiest / (self.cluster.link_gb_per_s * 1e9)
+
+
+def _check_rollout_tensor_parallel(shape, rollout_tp: int) -> None:
+    heads, kv_heads = shape.num_attention_heads, shape.num_key_value_heads
+    if heads % rollout_tp or (kv_heads % rollout_tp and rollout_tp % kv_heads):
+        raise ArgumentValidationError(
+            f"--rollout-tensor-parallel-size {rollout_tp} does not split the model's {heads} attention heads and "
+            f"{kv_heads} KV heads (vLLM needs heads divisible by it, and KV heads divisible by it or it by them); "
+            f"use a divisor of {heads}")
+
+
+def _writers(layout, trainer_world: int, model: ModelBytes) -> dict[int, int]:
+    """Global trainer rank -> bytes of one sync it writes: DP replica 0 of each stage, dense shards over TP, expert
+    shards over EP x expert-TP (Megatron's rank order: TP fastest, then DP, then PP)."""
+    dp = trainer_world // layout.model_parallel
+    per_stage_ranks = layout.tensor * dp
+    written: dict[int, int] = {}
+    for stage in range(layout.pipeline):
+        first = stage * per_stage_ranks
+        for tp_rank in range(layout.tensor):
+            rank = first + tp_rank
+            written[rank] = written.get(rank, 0) + model.dense_sync // (layout.pipeline * layout.tensor)
+        expert_ranks = layout.expert * layout.expert_tensor_size
+        for index in range(expert_ranks):
+            rank = first + index
+            written[rank] = written.get(rank, 0) + model.expert_sync // (layout.pipeline * expert_ranks)
+    return written
+
+
+def _ring_forwarding(written: dict[int, int], serving: list[int]) -> dict[int, int]:
+    """Bytes each node sends when every node's writes reach every other serving node's arena by a pipelined ring
+    broadcast over the node leaders (what NCCL's broadcast does): a node sends its own writes once, and forwards each
+    other node's writes unless it is the last in that ring."""
+    sent = dict.fromkeys(written, 0)
+    for source, nbytes in written.items():
+        if not nbytes:
+            continue
+        others = [n for n in sorted(serving, key=lambda n: (n - source) % len(written)) if n != source]
+        for node in [source] + others[:-1]:
+            sent[node] += nbytes if others else 0
+    return sent
+
+
+def trainer_memory_gib(layout, data_parallel: int, model: ModelBytes, distributed_optimizer: bool) -> float:
+    """A trainer rank's weights (BF16), gradients (fp32) and Adam state (fp32 main weights and two moments, sharded
+    over DP with the distributed optimizer), in GiB: the floor before activations."""
+    expert_dp = max(1, data_parallel * layout.tensor // (layout.expert * layout.expert_tensor_size))
+    dense = model.dense_parameters / (layout.tensor * layout.pipeline)
+    experts = model.expert_parameters / (layout.expert * layout.expert_tensor_size * layout.pipeline)
+    optimizer = 12 * (dense / data_parallel + experts / expert_dp) if distributed_optimizer else 12 * (dense + experts)
+    return ((dense + experts) * (2 + 4) + optimizer) / GIB
+
+
+def plan_placement(cluster: ClusterConfig, layout, shape, *, mode: str, rollout_tp: int, precision: str,
+                   kv_cache_gb: float, kv_cache_dtype: str = "auto", distributed_optimizer: bool = False) -> Placement:
+    """The plan, or an ArgumentValidationError naming the flag that makes the layout impossible."""
+    _check_rollout_tensor_parallel(shape, rollout_tp)
+    gpus = cluster.gpus_per_node
+    if mode == "separate":
+        engine_gpus = cluster.engines_per_node * rollout_tp
+        if engine_gpus >= gpus:
+            raise ArgumentValidationError(
+                f"--rollout-engines-per-node {cluster.engines_per_node} x --rollout-tensor-parallel-size {rollout_tp} "
+                f"= {engine_gpus} GPUs leaves no GPU of the node's {gpus} (--cluster-gpus-per-node) to the trainer; "
+                "run fewer or smaller engines")
+        trainer_per_node = gpus - engine_gpus
+    elif mode == "colocated":
+        if cluster.engines_per_node != 1:
+            raise ArgumentValidationError("--rollout-engines-per-node applies to --rollout-placement separate; "
+                                          "colocated engines are one per --rollout-tensor-parallel-size trainer GPUs")
+        if gpus % rollout_tp:
+            raise ArgumentValidationError(f"--rollout-tensor-parallel-size {rollout_tp} does not divide "
+                                          f"--cluster-gpus-per-node {gpus}: colocated engines span whole GPU groups")
+        trainer_per_node = gpus
+    else:
+        raise ArgumentValidationError(f"--rollout-placement {mode!r} must be separate or colocated")
+    trainer_world = cluster.nodes * trainer_per_node
+    data_parallel = layout.data_parallel(trainer_world)
+    model = ModelBytes.of(shape, precision, kv_cache_dtype)
+
+    engines, node_engines = [], {n: [] for n in range(cluster.nodes)}
+    for node in range(cluster.nodes):
+        first_rank = node * trainer_per_node
+        if mode == "separate":
+            for k in range(cluster.engines_per_node):
+                start = trainer_per_node + k * rollout_tp
+                slot = EngineSlot(len(engines), node, tuple(range(start, start + rollout_tp)),
+                                  first_rank + k % trainer_per_node)
+                engines.append(slot)
+                node_engines[node].append(slot.index)
+        else:
+            for start in range(0, gpus, rollout_tp):
+                slot = EngineSlot(len(engines), node, tuple(range(start, start + rollout_tp)), first_rank + start)
+                engines.append(slot)
+                node_engines[node].append(slot.index)
+
+    writers = _writers(layout, trainer_world, model)
+    written = {n: sum(b for r, b in writers.items() if r // trainer_per_node == n) for n in range(cluster.nodes)}
+    serving = [n for n in range(cluster.nodes) if node_engines[n]]
+    sent = _ring_forwarding(written, serving)
+    nodes = tuple(NodePlan(node=n, trainer_ranks=tuple(range(n * trainer_per_node, (n + 1) * trainer_per_node)),
+                           engines=tuple(node_engines[n]), written_here=written[n],
+                           received=model.sync - written[n] if node_engines[n] else 0, sent=sent[n])
+                  for n in range(cluster.nodes))
+
+    engine_gib = model.sync / rollout_tp / GIB + kv_cache_gb + ENGINE_WORKSPACE_GIB
+    trainer_gib = trainer_memory_gib(layout, data_parallel, model, distributed_optimizer)
+    need = engine_gib + trainer_gib if mode == "colocated" else max(engine_gib, trainer_gib)
+    if engine_gib > cluster.gpu_memory_gb:
+        raise ArgumentValidationError(
+            f"an engine needs {engine_gib:.1f} GiB per GPU (weights {model.sync / rollout_tp / GIB:.1f} + "
+            f"--rollout-kv-cache-gb {kv_cache_gb:g} + {ENGINE_WORKSPACE_GIB:g} workspace), over "
+            f"--cluster-gpu-memory-gb {cluster.gpu_memory_gb:g}; raise --rollout-tensor-parallel-size or lower "
+            "--rollout-kv-cache-gb")
+    if need > cluster.gpu_memory_gb:
+        raise ArgumentValidationError(
+            f"a trainer rank needs at least {trainer_gib:.1f} GiB per GPU before activations"
+            + (f" and its colocated engine {engine_gib:.1f} GiB" if mode == "colocated" else "")
+            + f", over --cluster-gpu-memory-gb {cluster.gpu_memory_gb:g}; raise --tensor-model-parallel-size or "
+            "--pipeline-model-parallel-size, use --use-distributed-optimizer"
+            + (", lower --rollout-kv-cache-gb or use --rollout-placement separate" if mode == "colocated" else ""))
+    return Placement(mode, cluster, rollout_tp, trainer_world, data_parallel, model, nodes, tuple(engines),
+                     engine_gib, trainer_gib)
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+
+
+def format_placement(plan: Placement, layout, model_name: str) -> str:
+    """The plan as a person reads it: the layout, one line per node, the engines, memory and one sync's traffic."""
+    c, gb = plan.cluster, 1e9
+    lines = [
+        f"placement for {model_name}: {c.nodes} node(s) x {c.gpus_per_node} GPUs ({c.gpu_memory_gb:g} GiB), "
+        f"--rollout-placement {plan.mode}",
+        f"trainer: {plan.trainer_world} ranks = TP {layout.tensor} x PP {layout.pipeline} x DP {plan.data_parallel}"
+        + (f" (EP {layout.expert}, expert-TP {layout.expert_tensor_size})" if plan.model.expert_parameters else "")
+        + f"; at least {plan.trainer_gpu_gib:.1f} GiB per GPU before activations",
+        f"engines: {len(plan.engines)} x rollout TP {plan.rollout_tensor_parallel}; "
+        f"{plan.engine_gpu_gib:.1f} GiB per engine GPU (weights, KV cache, workspace); one sync = "
+        f"{plan.model.sync / gb:.2f} GB ({plan.model.expert_sync / gb:.2f} GB experts)",
+        "node | trainer ranks | engines (GPUs, driving rank) | sync bytes written here | received | sent",
+    ]
+    for node in plan.nodes:
+        engines = ", ".join(f"e{e.index} (GPU {_ranks(e.gpus)}, rank {e.host_rank})"
+                            for e in plan.engines if e.node == node.node) or "-"
+        lines.append(f"{node.node} | {_ranks(node.trainer_ranks)} | {engines} | {node.written_here / gb:.2f} GB | "
+                     f"{node.received / gb:.2f} GB | {node.sent / gb:.2f} GB")
+    lines.append(f"across nodes per sync: {plan.cross_node_bytes / gb:.2f} GB in all (each node's arena fed once, "
+                 f"not once per engine); busiest link {max(max(n.received, n.sent) for n in plan.nodes) / gb:.2f} GB "
+                 f"≈ {plan.sync_seconds:.2f} s at --cluster-link-gb-per-s {c.link_gb_per_s:g}")
+    return "\n".join(lines)
+
+
+def describe_placement(config, hf_config: dict, model_name: str) -> str:
+    """`--print-placement`: the plan of a run's configs (arguments.GRPORunConfig built for the planned trainer world)
+    and its model's HF config."""
+    from megatron_ais.model import ModelShape
+
+    engine, layout = config.engine, config.trainer.layout
+    plan = plan_placement(config.cluster, layout, ModelShape.from_hf_config(hf_config), mode=engine.placement,
+                          rollout_tp=engine.tensor_parallel_size, precision=engine.precision,
+                          kv_cache_gb=engine.kv_cache_gb, kv_cache_dtype=engine.kv_cache_dtype,
+                          distributed_optimizer=config.trainer.training.use_distributed_optimizer)
+    return format_placement(plan, layout, model_name)
+
+
+def planned_trainer_world(cluster: ClusterConfig, placement: str, rollout_tp: int) -> int:
+    """The trainer ranks a plan leaves: every GPU when colocated, else what the engines leave on each node."""
+    per_node = cluster.gpus_per_node if placement == "colocated" else \
+        cluster.gpus_per_node - cluster.engines_per_node * rollout_tp
+    if per_node < 1:
+        raise ArgumentValidationError(
+            f"--rollout-engines-per-node {cluster.engines_per_node} x --rollout-tensor-parallel-size {rollout_tp} "
+            f"leaves no GPU of --cluster-gpus-per-node {cluster.gpus_per_node} to the trainer; run fewer or smaller "
+            "engines")
+    return cluster.nodes * per_node

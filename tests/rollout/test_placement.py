@@ -1,0 +1,134 @@
+"""The placement planner (`--print-placement`): which GPUs each engine takes, which rank drives it, what one
+weight sync moves into each node and across nodes, and the layouts it refuses naming the flag; checked against
+closed forms on the Qwen3-8B and Qwen3-30B-A3B configs shipped with the examples."""
+import json
+import os
+
+import pytest
+
+from conftest import ROOT
+from megatron_ais.errors import ArgumentValidationError
+from megatron_ais.model import ModelShape
+from megatron_ais.parallel import ParallelLayout
+from megatron_ais.rollout.placement import ClusterConfig, ModelBytes, plan_placement
+
+GB = 1e9
+
+
+def _shape(name):
+    with open(os.path.join(ROOT, "examples", "models", name, "config.json")) as f:
+        return ModelShape.from_hf_config(json.load(f))
+
+
+QWEN3_8B, QWEN3_30B_A3B = _shape("qwen3-8b"), _shape("qwen3-30b-a3b")
+
+
+def test_sync_bytes_are_two_per_parameter_in_bf16_and_one_per_linear_weight_in_fp8():
+    for shape in (QWEN3_8B, QWEN3_30B_A3B):
+        assert ModelBytes.of(shape, "bf16").sync == 2 * shape.num_parameters()
+    fp8 = ModelBytes.of(QWEN3_8B, "fp8")
+    h, layers = 4096, 36
+    linear = layers * (h * 128 * (2 * 32 + 2 * 8) + 3 * h * 12288)
+    rest = QWEN3_8B.num_parameters() - linear
+    assert fp8.sync == pytest.approx(linear * (1 + 4 / 128 ** 2) + 2 * rest, abs=2)
+    assert fp8.expert_sync == 0 and fp8.dense_parameters == QWEN3_8B.num_parameters()
+    moe = ModelBytes.of(QWEN3_30B_A3B, "fp8")
+    assert moe.expert_parameters == 48 * 128 * 3 * 2048 * 768
+    assert moe.expert_sync == pytest.approx(moe.expert_parameters * (1 + 4 / 128 ** 2), abs=1)
+
+
+def test_four_nodes_of_eight_two_engines_each_qwen3_8b():
+    cluster = ClusterConfig(nodes=4, gpus_per_node=8, engines_per_node=2)
+    plan = plan_placement(cluster, ParallelLayout(tensor=4), QWEN3_8B, mode="separate", rollout_tp=1,
+                          precision="fp8", kv_cache_gb=40, distributed_optimizer=True)
+    assert plan.trainer_world == 24 and plan.data_parallel == 6 and len(plan.engines) == 8
+    assert [(e.node, e.gpus, e.host_rank) for e in plan.engines[:2]] == [(0, (6,), 0), (0, (7,), 1)]
+    assert [e.host_rank for e in plan.engines] == [0, 1, 6, 7, 12, 13, 18, 19]  # a trainer rank on the engine's node
+    sync = plan.model.sync
+    # DP replica 0 (ranks 0-3, node 0) writes every shard; each other node's arena receives the whole sync once
+    assert [n.written_here for n in plan.nodes] == [pytest.approx(sync, abs=4), 0, 0, 0]
+    assert [n.received for n in plan.nodes] == [pytest.approx(0, abs=4)] + [sync] * 3
+    assert plan.cross_node_bytes == pytest.approx(3 * sync, abs=4)
+    # forwarded as a ring 0 -> 1 -> 2 -> 3: every link carries the sync once, the last node sends nothing
+    assert [n.sent for n in plan.nodes] == [pytest.approx(sync, abs=4)] * 3 + [0]
+    assert plan.sync_seconds == pytest.approx(sync / 50e9, rel=1e-6)
+    # 8B at 1 byte + BF16 embeddings and head (2 x 151936 x 4096 x 2 bytes): ~9.4 GB
+    assert 9.3 * GB < sync < 9.6 * GB
+    assert plan.engine_gpu_gib == pytest.approx(sync / 2 ** 30 + 40 + 2)
+
+
+def test_sixteen_nodes_of_eight_colocated_moe_splits_the_writers_over_nodes():
+    cluster = ClusterConfig(nodes=16, gpus_per_node=8)
+    layout = ParallelLayout(tensor=2, pipeline=4, expert=8, expert_tensor=1)
+    plan = plan_placement(cluster, layout, QWEN3_30B_A3B, mode="colocated", rollout_tp=4, precision="fp8",
+                          kv_cache_gb=16, distributed_optimizer=True)
+    assert plan.trainer_world == 128 and plan.data_parallel == 16 and len(plan.engines) == 32
+    assert [(e.node, e.gpus, e.host_rank) for e in plan.engines[:3]] == [(0, (0, 1, 2, 3), 0), (0, (4, 5, 6, 7), 4),
+                                                                        (1, (0, 1, 2, 3), 8)]
+    # a stage spans TP 2 x DP 16 = 32 ranks = 4 nodes; its writers (TP ranks 0-1 for dense, the first 8 for experts)
+    # sit on the stage's first node: nodes 0, 4, 8 and 12 write a quarter of the sync each
+    writers = [n.node for n in plan.nodes if n.written_here]
+    assert writers == [0, 4, 8, 12]
+    quarter = plan.nodes[0].written_here
+    for node in plan.nodes:
+        assert node.written_here + node.received == pytest.approx(plan.model.sync, abs=64)
+        # four rings (one per writing node) over the 16 nodes: each node forwards every ring but the one it ends
+        ends = sum(1 for source in writers if (source - 1) % 16 == node.node)
+        assert node.sent == pytest.approx((4 - ends) * quarter, rel=0.05)
+    assert plan.cross_node_bytes == pytest.approx(15 * plan.model.sync, abs=1024)
+
+
+@pytest.mark.parametrize("kwargs,cluster,message", [
+    (dict(mode="separate", rollout_tp=4), dict(engines_per_node=2),
+     "--rollout-engines-per-node 2 x --rollout-tensor-parallel-size 4 = 8 GPUs leaves no GPU"),
+    (dict(mode="separate", rollout_tp=3), {}, "--rollout-tensor-parallel-size 3 does not split the model's 32 "
+                                              "attention heads"),
+    (dict(mode="colocated", rollout_tp=16), {}, "--rollout-tensor-parallel-size 16 does not divide "
+                                                 "--cluster-gpus-per-node 8"),
+    (dict(mode="separate", rollout_tp=1, kv_cache_gb=100), {}, "over --cluster-gpu-memory-gb 80; raise "
+                                                               "--rollout-tensor-parallel-size or lower"),
+    (dict(mode="colocated", rollout_tp=1, kv_cache_gb=60), {}, "and its colocated engine"),
+])
+def test_impossible_layouts_are_refused_naming_the_flag(kwargs, cluster, message):
+    with pytest.raises(ArgumentValidationError) as err:
+        plan_placement(ClusterConfig(nodes=1, gpus_per_node=8, **cluster), ParallelLayout(tensor=1), QWEN3_8B,
+                       precision="fp8", **{"kv_cache_gb": 8, **kwargs})
+    assert message in str(err.value), str(err.value)
+
+
+def test_a_world_the_trainer_layout_does_not_fit_names_the_parallel_flags():
+    with pytest.raises(ArgumentValidationError, match="--tensor-model-parallel-size 4"):
+        plan_placement(ClusterConfig(nodes=1, gpus_per_node=8, engines_per_node=2), ParallelLayout(tensor=4),
+                       QWEN3_8B, mode="separate", rollout_tp=1, precision="fp8", kv_cache_gb=8)
+
+
+def test_print_placement_runs_without_torchrun_and_starts_nothing(monkeypatch, capsys, tmp_path):
+    import pretrain_grpo_ais
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "out"
+    code = pretrain_grpo_ais.main([
+        "--print-placement", "--hf-dir", os.path.join(ROOT, "examples", "models", "qwen3-30b-a3b"),
+        "--cluster-nodes", "4", "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "4",
+        "--expert-tensor-parallel-size", "1", "--rollout-engines-per-node", "2", "--rollout-tensor-parallel-size", "2",
+        "--use-distributed-optimizer", "--seq-length", "4096", "--max-new-tokens", "3072", "--prompts-per-step", "128",
+        "--group-size", "8", "--rollout-kv-cache-gb", "32", "--output-dir", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "16 ranks = TP 2 x PP 1 x DP 8 (EP 4, expert-TP 1)" in printed and "engines: 8 x rollout TP 2" in printed
+    assert "e1 (GPU 6-7, rank 1)" in printed and "across nodes per sync" in printed
+    assert not out.exists()
+
+
+def test_a_run_with_several_engines_per_node_is_refused_until_the_fleet_runs(monkeypatch, capsys, tmp_path):
+    import pretrain_grpo_ais
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_grpo_ais.main(["--hf-dir", os.path.join(ROOT, "examples", "models", "qwen3-8b"),
+                                "--rollout-engines-per-node", "2", "--output-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert "--rollout-engines-per-node 2: a run drives one engine today" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
