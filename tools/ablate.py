@@ -74,7 +74,9 @@ def seed_figures(summary: dict) -> dict[str, float]:
     """One run's figures: final and best held-out accuracy, and the per-step means of the mismatch metrics."""
     history = summary["history"]
     evals = _values(history, "eval/accuracy")
+    rewards = _values(history, "rollout/reward")
     return {"after": summary["accuracy_after"], "best": max(evals) if evals else summary["accuracy_after"],
+            "late_reward": _mean(rewards[len(rewards) // 2:]),
             "k3": _mean(_values(history, "ais/k3_kl")), "token_ess": _mean(_values(history, "ais/ess_ratio_raw")),
             "sequence_ess": _mean(_values(history, "ais/sequence_ess")),
             "truncated": _mean(_values(history, "ais/frac_truncated")),
@@ -98,22 +100,24 @@ def table_row(name: str, label: str, summaries: list[dict]) -> str:
 
     lam = f"{min(column('lambda_min')):.3f}–{max(column('lambda_max')):.3f}" if "ais" in name else "–"
     return (f"| {label} | {len(figures)} | {summaries[0]['accuracy_before']:.3f} | {spread(column('after'))} | "
-            f"{spread(column('best'))} | {_mean(column('k3')):.2e} | {_mean(column('token_ess')):.4f} | "
+            f"{spread(column('best'))} | {spread(column('late_reward'))} | {_mean(column('k3')):.2e} | {_mean(column('token_ess')):.4f} | "
             f"{_mean(column('sequence_ess')):.3f} | "
             f"{_mean(column('truncated')):.3f} | "
             f"{_mean(column('rejected')):.3f} | {lam} | {_mean(column('wall_s')):.0f} |")
 
 
-TABLE_HEADER = ("| arm | seeds | held-out acc. before | after (mean ± std) | best step (mean ± std) | mean k3 KL "
-                "(trainer‖engine) | token ESS | sequence ESS | units with w > C | rejected tokens | λ range | "
-                "wall s per run |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+TABLE_HEADER = ("| arm | seeds | held-out acc. before | after (mean ± std) | best step (mean ± std) | training reward, "
+                "second half (mean ± std) | mean k3 KL (trainer‖engine) | token ESS | sequence ESS | units with w > C | "
+                "rejected tokens | λ range | wall s per run |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def plot(summaries: dict[str, list[dict]], labels: dict[str, str], path: str) -> str:
-    """One figure of the trajectories, averaged over seeds: held-out accuracy, k3, token and sequence ESS, λ."""
+    """One figure of the trajectories, averaged over seeds: held-out accuracy, training reward, k3, token and
+    sequence ESS, λ."""
     from megatron_ais.logging import save_step_figure, step_figure
 
-    panels = (("eval/accuracy", "held-out accuracy (avg@k, sampled)"), ("ais/k3_kl", "k3 KL trainer ‖ engine"),
+    panels = (("eval/accuracy", "held-out accuracy (avg@k, sampled)"), ("rollout/reward", "training reward"),
+              ("ais/k3_kl", "k3 KL trainer ‖ engine"),
               ("ais/ess_ratio_raw", "token ESS (raw weights)"), ("ais/sequence_ess", "sequence ESS (raw weights)"),
               ("ais/lambda", "AIS λ"))
     plt, fig, axes = step_figure(len(panels))
@@ -126,7 +130,7 @@ def plot(summaries: dict[str, list[dict]], labels: dict[str, str], path: str) ->
                      for step in steps]
             axis.plot(steps, means, "o-" if key == "eval/accuracy" else "-", label=labels[name], alpha=0.8)
             axis.set_title(title)
-    axes[1].set_yscale("log")
+    axes[2].set_yscale("log")
     return save_step_figure(plt, fig, axes, path)
 
 
@@ -146,6 +150,8 @@ def main(argv=None) -> int:
     parser.add_argument("--nproc-per-node", type=int, default=2, help="Trainer ranks per run.")
     parser.add_argument("--arms", nargs="*", default=[a[0] for a in ARMS], choices=[a[0] for a in ARMS],
                         help="Arms to run.")
+    parser.add_argument("--report-only", action="store_true",
+                        help="Run nothing: table and figure from the summaries already in --output-dir.")
     args = parser.parse_args(own)
     os.makedirs(args.output_dir, exist_ok=True)
     labels = {name: label for name, label, _ in ARMS}
@@ -154,6 +160,10 @@ def main(argv=None) -> int:
         if name not in args.arms:
             continue
         for seed in args.seeds:
+            if args.report_only:
+                with open(os.path.join(args.output_dir, name, f"seed{seed}", "summary.json")) as f:
+                    summaries.setdefault(name, []).append(json.load(f))
+                continue
             print(f"[ablate] {label}, seed {seed} ...", flush=True)
             summaries.setdefault(name, []).append(run_arm(name, flags, seed, args, extra))
         print(f"[ablate] {table_row(name, label, summaries[name])}", flush=True)
