@@ -26,11 +26,12 @@ def print_placement(parser, args) -> int:
     from megatron_ais.checkpointing import read_checkpoint_metadata
     from megatron_ais.model import load_hf_config
     from megatron_ais.rollout.engine import EngineConfig
-    from megatron_ais.rollout.placement import ClusterConfig, describe_placement, planned_trainer_world
+    from megatron_ais.rollout.placement import ClusterConfig, describe_placement, trainer_gpus_per_node
 
     try:
         engine = EngineConfig.from_args(args, seed=0)
-        world = planned_trainer_world(ClusterConfig.from_args(args), engine.placement, engine.tensor_parallel_size)
+        cluster = ClusterConfig.from_args(args)
+        world = cluster.nodes * trainer_gpus_per_node(cluster, engine.placement, engine.tensor_parallel_size)
         config = GRPORunConfig.from_args(args, world)
         load, hf_dir = config.trainer.checkpoint.load, config.trainer.model.hf_dir
         if load:

@@ -112,6 +112,8 @@ AIS_ARGS=(
 DATA_ARGS=(
     --task jsonl
     --prompt-file "$PROMPT_FILE"
+    --reward-workers 8                    # math-verify in 8 processes on the engine's host (it breaks in threads)
+    --reward-timeout-s 30                 # a sample past it scores 0 and is counted (rollout/reward_timeouts)
     --eval-prompts 256
     --eval-samples 4
     --eval-interval 20

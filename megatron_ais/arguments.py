@@ -28,6 +28,7 @@ from megatron_ais.parallel import ParallelLayout
 from megatron_ais.rollout.engine import EngineConfig
 from megatron_ais.rollout.kv_scales import KVCacheCalibrationConfig
 from megatron_ais.rollout.placement import ClusterConfig
+from megatron_ais.rollout.rewards import RewardConfig
 from megatron_ais.sft import SFTConfig
 from megatron_ais.training import TrainingConfig, WeightSource
 
@@ -37,7 +38,7 @@ TRAINER_FLAGS = (("model", (ModelConfig,)), ("parallelism", (ParallelLayout,)), 
 GRPO_FLAGS = TRAINER_FLAGS + (("grpo", (PolicyLossConfig, AdvantageConfig)),
                               ("importance-sampling correction", (AISConfig,)),
                               ("rollout", (EngineConfig, KVCacheCalibrationConfig)),
-                              ("rollout fleet", (ClusterConfig,)),
+                              ("rollout fleet", (ClusterConfig,)), ("rewards", (RewardConfig,)),
                               ("bridge", (BridgeConfig, QuantizationPolicy)), ("grpo loop", (GRPOLoopConfig,)))
 SFT_FLAGS = TRAINER_FLAGS + (("sft", (SFTConfig,)),)
 
@@ -131,6 +132,7 @@ class GRPORunConfig:
     kv_calibration: KVCacheCalibrationConfig
     bridge: BridgeConfig
     cluster: ClusterConfig
+    rewards: RewardConfig
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, world_size: int) -> "GRPORunConfig":
@@ -145,7 +147,8 @@ class GRPORunConfig:
             return cls(trainer, GRPOLoopConfig.from_args(args), PolicyLossConfig.from_args(args),
                        AdvantageConfig.from_args(args), AISConfig.from_args(args),
                        dataclasses.replace(engine, gpu_staging_arena=bridge.arena_on_gpu),
-                       KVCacheCalibrationConfig.from_args(args), bridge, ClusterConfig.from_args(args))
+                       KVCacheCalibrationConfig.from_args(args), bridge, ClusterConfig.from_args(args),
+                       RewardConfig.from_args(args))
 
         config = _configs(build)
         config.check(world_size)

@@ -185,6 +185,7 @@ class GRPORun:
         from megatron_ais.mapping.distributed import save_hf_checkpoint
         from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
         from megatron_ais.rollout.manager import RolloutManager, RolloutPlan, check_prompt_lengths
+        from megatron_ais.rollout.rewards import RewardScorer
 
         trainer, state, out = self.trainer, self.state, self.trainer.logging.output_dir
         if state.data_seed != trainer.training.seed:
@@ -209,7 +210,7 @@ class GRPORun:
             engine = RolloutEngine(dataclasses.replace(self.config.engine, model_dir=init_dir),
                                    os.path.join(out, "engine"))
             self.manager = RolloutManager(engine, self.tokenizer, self.task, plan, state.data_seed, state.rollout_seed,
-                                          self.log.info)
+                                          self.log.info, RewardScorer(self.task.reward, self.config.rewards))
         dist.barrier()
 
     def _setup_bridge(self) -> None:
@@ -299,7 +300,8 @@ class GRPORun:
 
         metrics = from_last_stage(dict(train_metrics))
         metrics.update(synced)
-        metrics.update({"rollout/reward": float(batch.rewards.mean()), "time/rollout_s": seconds["rollout"],
+        metrics.update({"rollout/reward": float(batch.rewards.mean()), "rollout/reward_failures": batch.reward_failures,
+                        "rollout/reward_timeouts": batch.reward_timeouts, "time/rollout_s": seconds["rollout"],
                         "time/train_s": seconds["train"], "time/sync_s": seconds["sync"],
                         "rollout/tokens_per_s": float(batch.mask.sum()) / max(seconds["rollout"], 1e-9)})
         metrics.update(evaluated)
@@ -369,6 +371,7 @@ class GRPORun:
         self.bridge.close()
         if self.manager is not None:
             self.manager.engine.shutdown()
+            self.manager.scorer.close()
             self.receiver.close()
         if self.lock is not None:
             self.lock.release()

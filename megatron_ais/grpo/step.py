@@ -38,6 +38,8 @@ class RolloutBatch:
     group_size: int
     # MoE routing replay: the engine's top-k expert ids [B, S, MoE layers, k] (int16) at every input position
     routed_experts: torch.Tensor | None = None
+    reward_failures: int = 0  # rewards that raised or were not a number in [0, 1] (scored 0)
+    reward_timeouts: int = 0  # rewards that ran past --reward-timeout-s (scored 0)
 
     def to(self, device: torch.device) -> "RolloutBatch":
         """Return the batch with its tensors on `device`."""

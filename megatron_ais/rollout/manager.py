@@ -9,6 +9,7 @@ from typing import Callable
 
 from megatron_ais.errors import ArgumentValidationError, RolloutError
 from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
+from megatron_ais.rollout.rewards import RewardScorer, Scores
 
 
 def prompt_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
@@ -60,13 +61,17 @@ class RolloutManager:
     applies weight syncs, restarting the engine when it died (`log` tells the user)."""
 
     def __init__(self, engine: RolloutEngine, tokenizer, task, plan: RolloutPlan, data_seed: int, rollout_seed: int,
-                 log: Callable[[str], None]):
+                 log: Callable[[str], None], scorer: RewardScorer):
         self.engine, self.tokenizer, self.task, self.plan = engine, tokenizer, task, plan
-        self.data_seed, self.rollout_seed, self.log = data_seed, rollout_seed, log
+        self.data_seed, self.rollout_seed, self.log, self.scorer = data_seed, rollout_seed, log, scorer
 
-    def _score(self, examples: list, rollouts: list) -> list[float]:
-        return [self.task.reward(self.tokenizer.decode(r.token_ids, skip_special_tokens=True),
-                                 examples[r.prompt_index].answer) for r in rollouts]
+    def _score(self, examples: list, rollouts: list, what: str) -> Scores:
+        scores = self.scorer.score([(self.tokenizer.decode(r.token_ids, skip_special_tokens=True),
+                                     examples[r.prompt_index].answer) for r in rollouts])
+        if scores.failed or scores.timed_out:
+            self.log(f"{what}: {scores.failed} reward(s) raised or were not a number in [0, 1], {scores.timed_out} "
+                     f"ran past --reward-timeout-s {self.scorer.config.timeout_s:g}; scored 0")
+        return scores
 
     def _collect(self, step: int):
         from megatron_ais.rollout.batch import rollouts_to_batch
@@ -77,8 +82,10 @@ class RolloutManager:
         # the trainer's input positions: every token but the last
         routes = self.engine.route([(r.prompt_token_ids + r.token_ids)[:-1] for r in rollouts]) \
             if self.plan.routing_replay else None
-        return rollouts_to_batch(rollouts, self._score(examples, rollouts), self.plan.sampling.n,
-                                 self.plan.seq_length, self.tokenizer.pad_token_id, routes)
+        scores = self._score(examples, rollouts, f"step {step}")
+        batch = rollouts_to_batch(rollouts, scores.values, self.plan.sampling.n, self.plan.seq_length,
+                                  self.tokenizer.pad_token_id, routes)
+        return dataclasses.replace(batch, reward_failures=scores.failed, reward_timeouts=scores.timed_out)
 
     def rollout_batch(self, step: int):
         """Sample this step's prompts, generate the group of responses per prompt and score them; return the
@@ -100,7 +107,7 @@ class RolloutManager:
         examples = self.task.eval
         rollouts = self.engine.generate(prompt_ids(self.tokenizer, [e.prompt for e in examples]), sampling,
                                         progress=False)
-        rewards = self._score(examples, rollouts)
+        rewards = self._score(examples, rollouts, "evaluation").values
         return sum(rewards) / len(rewards)
 
     def evaluate(self) -> dict[str, float]:

@@ -166,6 +166,41 @@ def _writers(layout, trainer_world: int, model: ModelBytes) -> dict[int, int]:
     return written
 
 
+def _engine_slots(cluster: ClusterConfig, mode: str, rollout_tp: int, trainer_per_node: int) -> list[EngineSlot]:
+    """Separate: each node's engines on the GPUs after its trainer ranks, driven by its first trainer ranks.
+    Colocated: one engine per `rollout_tp` consecutive GPUs, driven by the first rank on them."""
+    engines = []
+    for node in range(cluster.nodes):
+        first_rank = node * trainer_per_node
+        if mode == "separate":
+            for k in range(cluster.engines_per_node):
+                start = trainer_per_node + k * rollout_tp
+                engines.append(EngineSlot(len(engines), node, tuple(range(start, start + rollout_tp)),
+                                          first_rank + k % trainer_per_node))
+        else:
+            for start in range(0, cluster.gpus_per_node, rollout_tp):
+                engines.append(EngineSlot(len(engines), node, tuple(range(start, start + rollout_tp)),
+                                          first_rank + start))
+    return engines
+
+
+def _check_memory(cluster: ClusterConfig, mode: str, engine_gib: float, trainer_gib: float, weights_gib: float,
+                  kv_cache_gb: float) -> None:
+    if engine_gib > cluster.gpu_memory_gb:
+        raise ArgumentValidationError(
+            f"an engine needs {engine_gib:.1f} GiB per GPU (weights {weights_gib:.1f} + --rollout-kv-cache-gb "
+            f"{kv_cache_gb:g} + {ENGINE_WORKSPACE_GIB:g} workspace), over --cluster-gpu-memory-gb "
+            f"{cluster.gpu_memory_gb:g}; raise --rollout-tensor-parallel-size or lower --rollout-kv-cache-gb")
+    need = engine_gib + trainer_gib if mode == "colocated" else trainer_gib
+    if need > cluster.gpu_memory_gb:
+        raise ArgumentValidationError(
+            f"a trainer rank needs at least {trainer_gib:.1f} GiB per GPU before activations"
+            + (f" and its colocated engine {engine_gib:.1f} GiB" if mode == "colocated" else "")
+            + f", over --cluster-gpu-memory-gb {cluster.gpu_memory_gb:g}; raise --tensor-model-parallel-size or "
+            "--pipeline-model-parallel-size, use --use-distributed-optimizer"
+            + (", lower --rollout-kv-cache-gb or use --rollout-placement separate" if mode == "colocated" else ""))
+
+
 def _ring_forwarding(written: dict[int, int], serving: list[int]) -> dict[int, int]:
     """Bytes each node sends when every node's writes reach every other serving node's arena by a pipelined ring
     broadcast over the node leaders (what NCCL's broadcast does): a node sends its own writes once, and forwards each
@@ -190,10 +225,8 @@ def trainer_memory_gib(layout, data_parallel: int, model: ModelBytes, distribute
     return ((dense + experts) * (2 + 4) + optimizer) / GIB
 
 
-def plan_placement(cluster: ClusterConfig, layout, shape, *, mode: str, rollout_tp: int, precision: str,
-                   kv_cache_gb: float, kv_cache_dtype: str = "auto", distributed_optimizer: bool = False) -> Placement:
-    """The plan, or an ArgumentValidationError naming the flag that makes the layout impossible."""
-    _check_rollout_tensor_parallel(shape, rollout_tp)
+def trainer_gpus_per_node(cluster: ClusterConfig, mode: str, rollout_tp: int) -> int:
+    """The GPUs of each node the trainer gets: every one when colocated, else what the engines leave."""
     gpus = cluster.gpus_per_node
     if mode == "separate":
         engine_gpus = cluster.engines_per_node * rollout_tp
@@ -202,37 +235,29 @@ def plan_placement(cluster: ClusterConfig, layout, shape, *, mode: str, rollout_
                 f"--rollout-engines-per-node {cluster.engines_per_node} x --rollout-tensor-parallel-size {rollout_tp} "
                 f"= {engine_gpus} GPUs leaves no GPU of the node's {gpus} (--cluster-gpus-per-node) to the trainer; "
                 "run fewer or smaller engines")
-        trainer_per_node = gpus - engine_gpus
-    elif mode == "colocated":
-        if cluster.engines_per_node != 1:
-            raise ArgumentValidationError("--rollout-engines-per-node applies to --rollout-placement separate; "
-                                          "colocated engines are one per --rollout-tensor-parallel-size trainer GPUs")
-        if gpus % rollout_tp:
-            raise ArgumentValidationError(f"--rollout-tensor-parallel-size {rollout_tp} does not divide "
-                                          f"--cluster-gpus-per-node {gpus}: colocated engines span whole GPU groups")
-        trainer_per_node = gpus
-    else:
+        return gpus - engine_gpus
+    if mode != "colocated":
         raise ArgumentValidationError(f"--rollout-placement {mode!r} must be separate or colocated")
+    if cluster.engines_per_node != 1:
+        raise ArgumentValidationError("--rollout-engines-per-node applies to --rollout-placement separate; "
+                                      "colocated engines are one per --rollout-tensor-parallel-size trainer GPUs")
+    if gpus % rollout_tp:
+        raise ArgumentValidationError(f"--rollout-tensor-parallel-size {rollout_tp} does not divide "
+                                      f"--cluster-gpus-per-node {gpus}: colocated engines span whole GPU groups")
+    return gpus
+
+
+def plan_placement(cluster: ClusterConfig, layout, shape, *, mode: str, rollout_tp: int, precision: str,
+                   kv_cache_gb: float, kv_cache_dtype: str = "auto", distributed_optimizer: bool = False) -> Placement:
+    """The plan, or an ArgumentValidationError naming the flag that makes the layout impossible."""
+    _check_rollout_tensor_parallel(shape, rollout_tp)
+    trainer_per_node = trainer_gpus_per_node(cluster, mode, rollout_tp)
     trainer_world = cluster.nodes * trainer_per_node
     data_parallel = layout.data_parallel(trainer_world)
     model = ModelBytes.of(shape, precision, kv_cache_dtype)
 
-    engines, node_engines = [], {n: [] for n in range(cluster.nodes)}
-    for node in range(cluster.nodes):
-        first_rank = node * trainer_per_node
-        if mode == "separate":
-            for k in range(cluster.engines_per_node):
-                start = trainer_per_node + k * rollout_tp
-                slot = EngineSlot(len(engines), node, tuple(range(start, start + rollout_tp)),
-                                  first_rank + k % trainer_per_node)
-                engines.append(slot)
-                node_engines[node].append(slot.index)
-        else:
-            for start in range(0, gpus, rollout_tp):
-                slot = EngineSlot(len(engines), node, tuple(range(start, start + rollout_tp)), first_rank + start)
-                engines.append(slot)
-                node_engines[node].append(slot.index)
-
+    engines = _engine_slots(cluster, mode, rollout_tp, trainer_per_node)
+    node_engines = {n: [e.index for e in engines if e.node == n] for n in range(cluster.nodes)}
     writers = _writers(layout, trainer_world, model)
     written = {n: sum(b for r, b in writers.items() if r // trainer_per_node == n) for n in range(cluster.nodes)}
     serving = [n for n in range(cluster.nodes) if node_engines[n]]
@@ -244,20 +269,7 @@ def plan_placement(cluster: ClusterConfig, layout, shape, *, mode: str, rollout_
 
     engine_gib = model.sync / rollout_tp / GIB + kv_cache_gb + ENGINE_WORKSPACE_GIB
     trainer_gib = trainer_memory_gib(layout, data_parallel, model, distributed_optimizer)
-    need = engine_gib + trainer_gib if mode == "colocated" else max(engine_gib, trainer_gib)
-    if engine_gib > cluster.gpu_memory_gb:
-        raise ArgumentValidationError(
-            f"an engine needs {engine_gib:.1f} GiB per GPU (weights {model.sync / rollout_tp / GIB:.1f} + "
-            f"--rollout-kv-cache-gb {kv_cache_gb:g} + {ENGINE_WORKSPACE_GIB:g} workspace), over "
-            f"--cluster-gpu-memory-gb {cluster.gpu_memory_gb:g}; raise --rollout-tensor-parallel-size or lower "
-            "--rollout-kv-cache-gb")
-    if need > cluster.gpu_memory_gb:
-        raise ArgumentValidationError(
-            f"a trainer rank needs at least {trainer_gib:.1f} GiB per GPU before activations"
-            + (f" and its colocated engine {engine_gib:.1f} GiB" if mode == "colocated" else "")
-            + f", over --cluster-gpu-memory-gb {cluster.gpu_memory_gb:g}; raise --tensor-model-parallel-size or "
-            "--pipeline-model-parallel-size, use --use-distributed-optimizer"
-            + (", lower --rollout-kv-cache-gb or use --rollout-placement separate" if mode == "colocated" else ""))
+    _check_memory(cluster, mode, engine_gib, trainer_gib, model.sync / rollout_tp / GIB, kv_cache_gb)
     return Placement(mode, cluster, rollout_tp, trainer_world, data_parallel, model, nodes, tuple(engines),
                      engine_gib, trainer_gib)
 
@@ -302,15 +314,3 @@ def describe_placement(config, hf_config: dict, model_name: str) -> str:
                           kv_cache_gb=engine.kv_cache_gb, kv_cache_dtype=engine.kv_cache_dtype,
                           distributed_optimizer=config.trainer.training.use_distributed_optimizer)
     return format_placement(plan, layout, model_name)
-
-
-def planned_trainer_world(cluster: ClusterConfig, placement: str, rollout_tp: int) -> int:
-    """The trainer ranks a plan leaves: every GPU when colocated, else what the engines leave on each node."""
-    per_node = cluster.gpus_per_node if placement == "colocated" else \
-        cluster.gpus_per_node - cluster.engines_per_node * rollout_tp
-    if per_node < 1:
-        raise ArgumentValidationError(
-            f"--rollout-engines-per-node {cluster.engines_per_node} x --rollout-tensor-parallel-size {rollout_tp} "
-            f"leaves no GPU of --cluster-gpus-per-node {cluster.gpus_per_node} to the trainer; run fewer or smaller "
-            "engines")
-    return cluster.nodes * per_node
