@@ -18,6 +18,7 @@ def test_the_regime_changes_only_the_fp8_arms():
     w8a8 = ablate.arm_flags("fp8-ais-seq", arms["fp8-ais-seq"], "w8a8")
     assert w8a8[-4:] == ["--rollout-fp8-activations", "emulate", "--rollout-kv-cache-dtype", "fp8"]
     assert "--is-level" in w8a8 and ablate.arm_flags("fp8", arms["fp8"], "w8a16") == arms["fp8"]
+    assert ablate.arm_flags("fp8", arms["fp8"], "gpu")[-2:] == ["--rollout-kv-cache-dtype", "fp8"]  # W8A8 natively
     assert len(arms) == 10
 
 

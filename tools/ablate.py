@@ -5,9 +5,9 @@ trajectories.
     .venv/bin/python tools/ablate.py --load runs/study/sft/checkpoint --output-dir runs/study --regime w8a8 \\
         --seeds 1 2 3 -- --task running_sum --seq-length 320 --max-new-tokens 256 --grpo-steps 12 ...
 
-Regimes: `w8a16` (the CPU engine: e4m3 weights, BF16 activations, BF16 KV cache) and `w8a8` (H100's numerics:
-`--rollout-fp8-activations emulate` and an FP8 KV cache). Flags after `--` go to every pretrain_grpo_ais.py run
-unchanged.
+Regimes: `w8a16` (the CPU engine: e4m3 weights, BF16 activations, BF16 KV cache), `w8a8` (H100's numerics on a
+CPU: `--rollout-fp8-activations emulate` and an FP8 KV cache) and `gpu` (a GPU engine, W8A8 natively, with an FP8 KV
+cache). Flags after `--` go to every pretrain_grpo_ais.py run unchanged.
 """
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ ARMS = (
     ("fp8-ais-seq", "FP8 + AIS, sequence level", FP8 + ["--is-correction", "ais", "--is-level", "sequence"]),
     ("fp8-ais-cv", "FP8 + AIS, CV variance", FP8 + ["--is-correction", "ais", "--ais-variance", "cv"]),
 )
-REGIMES = {"w8a16": [], "w8a8": ["--rollout-fp8-activations", "emulate", "--rollout-kv-cache-dtype", "fp8"]}
+# the FP8 engine's numerics: the CPU kernel's W8A16; H100's W8A8 emulated on a CPU; on a GPU vLLM's own W8A8 path
+REGIMES = {"w8a16": [], "w8a8": ["--rollout-fp8-activations", "emulate", "--rollout-kv-cache-dtype", "fp8"],
+           "gpu": ["--rollout-kv-cache-dtype", "fp8"]}
 
 
 def arm_flags(name: str, flags: list[str], regime: str) -> list[str]:
@@ -145,7 +147,8 @@ def main(argv=None) -> int:
     parser.add_argument("--output-dir", default="runs/ablation", help="One sub-directory per arm and seed, table, "
                                                                         "figure.")
     parser.add_argument("--regime", choices=tuple(REGIMES), default="w8a16",
-                        help="The FP8 engine's numerics: w8a16 (CPU) or w8a8 (H100's, emulated, FP8 KV cache).")
+                        help="The FP8 engine's numerics: w8a16 (CPU), w8a8 (H100's, emulated on a CPU, FP8 KV cache) "
+                             "or gpu (vLLM's native W8A8 on a GPU, FP8 KV cache).")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1234], help="Seeds; every arm runs each.")
     parser.add_argument("--nproc-per-node", type=int, default=2, help="Trainer ranks per run.")
     parser.add_argument("--arms", nargs="*", default=[a[0] for a in ARMS], choices=[a[0] for a in ARMS],
