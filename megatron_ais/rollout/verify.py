@@ -12,6 +12,10 @@ one are held to the fp8 row whatever their weights' precision (`refit_precision`
 (`--rollout-fp8-activations emulate`) the activations are rounded to e4m3 too: on the running-sum SFT model with an
 FP8 KV cache the probe's mean |Δ| was 0.54 with every decoder layer within 7-14 % (relative) of the trainer's, so
 that engine has its own row (1.0): still below what wrong weights give (a stale lm_head 1.9, unpacked experts 8).
+The low-precision rows are checked on a trimmed mean, the tenth of probe positions with the largest |Δ| left out:
+on a confident model a few random probe tokens sit far in the tail, where FP8 rounding moves a log-prob by
+several nats (the W8A8 study's running-sum model, after some GRPO steps: mean 1.07 with one position at 7.1, a false
+alarm that stopped the run), while wrong or stale weights move most positions.
 """
 from __future__ import annotations
 
@@ -22,8 +26,10 @@ import torch
 from megatron_ais.distributed import from_last_stage, gather_on, share
 from megatron_ais.errors import RefitVerificationError
 
-# (statistic, bound): fp32 is checked on the max, the low-precision engines on the mean
-TOLERANCES = {"fp32": ("max", 1e-4), "bf16": ("mean", 0.25), "fp8": ("mean", 0.5), "fp8-w8a8": ("mean", 1.0)}
+# (statistic, bound): fp32 is checked on the max, the low-precision engines on the trimmed mean
+TOLERANCES = {"fp32": ("max", 1e-4), "bf16": ("trimmed mean", 0.25), "fp8": ("trimmed mean", 0.5),
+              "fp8-w8a8": ("trimmed mean", 1.0)}
+TRIMMED_FRACTION = 0.1  # of the probe positions, the largest |Δ|, left out of the trimmed mean
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +52,8 @@ def verify_refit(engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, 
     if not bool(torch.isfinite(diff).all()):
         raise RefitVerificationError("refit verification: non-finite log-probs on the probe sequence")
     statistic, bound = TOLERANCES[precision]
-    value = diff.mean().item() if statistic == "mean" else diff.max().item()
+    kept = diff.numel() - int(TRIMMED_FRACTION * diff.numel())
+    value = diff.sort().values[:kept].mean().item() if statistic == "trimmed mean" else diff.max().item()
     report = RefitReport(diff.mean().item(), diff.max().item(), int(diff.argmax()), value <= bound)
     if not report.passed and raise_on_failure:
         raise RefitVerificationError(
