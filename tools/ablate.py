@@ -101,14 +101,15 @@ def table_row(name: str, label: str, summaries: list[dict]) -> str:
         return [f[key] for f in figures]
 
     lam = f"{min(column('lambda_min')):.3f}–{max(column('lambda_max')):.3f}" if "ais" in name else "–"
-    return (f"| {label} | {len(figures)} | {summaries[0]['accuracy_before']:.3f} | {spread(column('after'))} | "
+    before = _mean([s["accuracy_before"] for s in summaries])
+    return (f"| {label} | {len(figures)} | {before:.3f} | {spread(column('after'))} | "
             f"{spread(column('best'))} | {spread(column('late_reward'))} | {_mean(column('k3')):.2e} | {_mean(column('token_ess')):.4f} | "
             f"{_mean(column('sequence_ess')):.3f} | "
             f"{_mean(column('truncated')):.3f} | "
             f"{_mean(column('rejected')):.3f} | {lam} | {_mean(column('wall_s')):.0f} |")
 
 
-TABLE_HEADER = ("| arm | seeds | held-out acc. before | after (mean ± std) | best step (mean ± std) | training reward, "
+TABLE_HEADER = ("| arm | seeds | held-out acc. before (mean) | after (mean ± std) | best step (mean ± std) | training reward, "
                 "second half (mean ± std) | mean k3 KL (trainer‖engine) | token ESS | sequence ESS | units with w > C | "
                 "rejected tokens | λ range | wall s per run |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
