@@ -141,10 +141,7 @@ def w8a8_linear(quantizer, x, weight, bias=None):
     """H100's blockwise FP8 linear layer in fp32: x [.., K] quantized by vLLM's dynamic 1x128-group `quantizer`
     (codes and fp32 scales), dequantized, times the dequantized weight [N, K]; the output in x's dtype, then the
     bias (as vLLM adds it on the GPU)."""
-    x_2d = x.reshape(-1, x.shape[-1])
-    codes, scales = quantizer.forward_native(x_2d)
-    group = x_2d.shape[-1] // scales.shape[-1]
-    activations = codes.float() * scales.float().repeat_interleave(group, dim=-1)
+    activations = _quantize_dequantize(quantizer, x.reshape(-1, x.shape[-1]))
     out = (activations @ weight.t()).to(x.dtype)
     if bias is not None:
         out = out + bias.to(x.dtype)
@@ -185,6 +182,7 @@ def _activation_quantizer():
 
 
 def _quantize_dequantize(quantizer, x):
+    """x [M, K] through `quantizer` (e4m3 codes, one fp32 scale per group) and back to fp32."""
     codes, scales = quantizer.forward_native(x)
     return codes.float() * scales.float().repeat_interleave(x.shape[-1] // scales.shape[-1], dim=-1)
 
