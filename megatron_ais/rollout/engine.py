@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 
@@ -221,6 +222,16 @@ def _one_forward_batches(sequences: list[list[int]], max_tokens: int, max_sequen
     return batches + ([current] if current else [])
 
 
+def request_seed(seed: int | None, index: int) -> int | None:
+    """The sampling seed of the call's `index`-th prompt. vLLM seeds a request's n samples with seed, seed + 1, ...:
+    one seed shared by every prompt would give the j-th sample of every prompt the same random draws; a hash of
+    (seed, index) keeps the prompts' streams apart, and a prompt's samples do not depend on what else is batched
+    with it. None (unseeded) stays None."""
+    if seed is None:
+        return None
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=6).digest(), "little")
+
+
 def generate_watching_engine(llm, *args, **kwargs):
     """llm.generate, made to raise when a separate engine core dies mid-request: vLLM's sync client marks the
     engine dead and stops its output thread without waking the caller waiting on the output queue, so a watchdog
@@ -372,14 +383,17 @@ class RolloutEngine:
         """The (q, k, v) KV-cache scales every attention layer of the engine uses now."""
         return [tuple(row) for row in self.llm.collective_rpc("megatron_ais_kv_cache_scales")[0]]
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, progress: bool | None = None
-                 ) -> list[Rollout]:
-        """Return n rollouts per prompt, grouped consecutively by prompt, with sampled-token log-probs."""
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, progress: bool | None = None,
+                 first_index: int = 0) -> list[Rollout]:
+        """Return n rollouts per prompt, grouped consecutively by prompt, with sampled-token log-probs. The prompts
+        are `first_index`, `first_index` + 1, ... of a larger list (one engine's share): each is sampled with that
+        index's seed, so a share draws what the whole list would (`prompt_index` stays within the call)."""
         from vllm import SamplingParams, TokensPrompt
 
-        params = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                max_tokens=sampling.max_new_tokens, stop_token_ids=list(sampling.stop_token_ids),
-                                logprobs=0, seed=sampling.seed)
+        params = [SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                                 max_tokens=sampling.max_new_tokens, stop_token_ids=list(sampling.stop_token_ids),
+                                 logprobs=0, seed=request_seed(sampling.seed, first_index + index))
+                  for index in range(len(prompts))]
         outputs = self._generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                  use_tqdm=self.config.log_level in ("info", "debug") if progress is None else progress)
         rollouts = []

@@ -1,7 +1,7 @@
 """The fp32 vLLM engine against the trainer: greedy generation equals transformers', and sampled-token log-probs
 (T = 1 and T = 0.7) equal the Megatron trainer's teacher-forced log-probs after each of three consecutive
 in-place updates through the bridge, on a tied-embedding model (a stale lm_head would fail this); seeded sampling
-of more prompt tokens than a step takes runs and repeats."""
+of more prompt tokens than a step takes runs and repeats; each prompt of a call samples from its own stream."""
 import pytest
 import torch
 
@@ -32,6 +32,13 @@ def _worker(hf_dir, work):
     long_prompts = [[(7 * i + j) % 300 + 1 for j in range(200)] for i in range(24)]
     long_samples = [[r.token_ids for r in engine.generate(long_prompts, SamplingConfig(n=2, max_new_tokens=4, seed=3))]
                     for _ in range(2)]
+    # each prompt has its own random stream: the same prompt twice in a call samples differently, and a prompt's
+    # samples do not depend on the rest of the batch
+    seeded = SamplingConfig(n=2, max_new_tokens=8, seed=5)
+    twins = [r.token_ids for r in engine.generate([PROMPTS[0], PROMPTS[0], PROMPTS[1]], seeded)]
+    other_batch = [r.token_ids for r in engine.generate([PROMPTS[0], PROMPTS[2]], seeded)]
+    shard = [r.token_ids for r in engine.generate([PROMPTS[2]], seeded, first_index=1)]
+    streams = (twins[:2], twins[2:4], other_batch[:2], other_batch[2:4], shard)
     trainer, hf_config, build = start_trainer("--hf-dir", hf_dir, "--fp32", "--seq-length", "40")
     chunks, _, _ = load_policy_chunks(build, trainer.weights)
     layout, groups = BridgeLayout.from_parallel_state(), ParallelGroups.from_parallel_state()
@@ -55,7 +62,7 @@ def _worker(hf_dir, work):
             diff = ((trainer - batch.rollout_logprobs).abs() * batch.mask).max().item()
             diffs.append((update, temperature, diff, int(batch.mask.sum()), engine.version))
     bridge.close()
-    return greedy, diffs, long_samples
+    return greedy, diffs, long_samples, streams
 
 
 @pytest.mark.slow
@@ -64,8 +71,11 @@ def test_fp32_engine_matches_transformers_and_trainer_across_updates(model_root,
 
     # vLLM's CPU attention needs head_dim >= 32
     hf_dir = make_model_dir(model_root, "qwen3", tie_word_embeddings=True, hidden_size=128, intermediate_size=256)
-    ((greedy, diffs, long_samples),) = spawn(1, _worker, hf_dir, str(tmp_path))
+    ((greedy, diffs, long_samples, (first, twin, elsewhere, second, shard)),) = spawn(1, _worker, hf_dir,
+                                                                                      str(tmp_path))
     assert len(long_samples[0]) == 48 and long_samples[0] == long_samples[1]
+    assert first == elsewhere and first != twin
+    assert shard == second  # a share of the prompts (first_index) samples what the whole call did
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     for prompt, got in zip(PROMPTS, greedy):
         ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12,
