@@ -169,10 +169,21 @@ class GRPORunConfig:
         # with a token budget micro-batches take what fits: --micro-batch-size does not apply
         check_rollout_batch(loop, 1 if training.max_tokens_per_microbatch else training.micro_batch_size,
                             self.trainer.data_parallel(world_size))
-        if self.cluster.engines_per_node > 1 and not self.cluster.print_placement:
-            raise ArgumentValidationError(
-                f"--rollout-engines-per-node {self.cluster.engines_per_node}: a run drives one engine today (the "
-                "fleet is planned by --print-placement, not yet run); drop the flag")
+        engines = self.cluster.engines_per_node
+        if engines > 1 and not self.cluster.print_placement:
+            ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            if self.engine.placement == "colocated":
+                raise ArgumentValidationError(
+                    f"--rollout-engines-per-node {engines} with --rollout-placement colocated: a colocated engine "
+                    "runs inside a single-rank trainer; use --rollout-placement separate")
+            if engines > ranks_on_node:
+                raise ArgumentValidationError(
+                    f"--rollout-engines-per-node {engines} exceeds the {ranks_on_node} trainer ranks of the node, one "
+                    "of which drives each engine; lower it or start more ranks per node (--nproc-per-node)")
+            if engines > loop.prompts_per_step:
+                raise ArgumentValidationError(
+                    f"--rollout-engines-per-node {engines} exceeds --prompts-per-step {loop.prompts_per_step}: every "
+                    "engine serves at least one prompt group; lower it or raise --prompts-per-step")
         if self.engine.placement == "colocated" and world_size > 1:
             raise ArgumentValidationError("--rollout-placement colocated needs a single-rank trainer (an in-process "
                                           "vLLM engine owns torch.distributed); use --rollout-placement separate")

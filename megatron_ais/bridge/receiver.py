@@ -121,8 +121,9 @@ class SyncReceiver:
         if self.error is None:
             self.error = reason
 
-    def commit(self, sync_id: int) -> None:
-        """Apply the arena's tensors when every stage delivered every tensor intact; raise SyncError otherwise."""
+    def commit(self, sync_id: int):
+        """Apply the arena's tensors when every stage delivered every tensor intact (return what `apply` returned);
+        raise SyncError otherwise."""
         self._wait_for_verification()
         if self.error is None:
             for stage, tensors in enumerate(self.expected):
@@ -134,7 +135,7 @@ class SyncReceiver:
         self.sync_id = None
         if self.error is not None:
             raise SyncError(self.error)
-        self.apply(ArenaWeights(self.arena.ref, tuple(
+        return self.apply(ArenaWeights(self.arena.ref, tuple(
             ManifestEntry(t.name, t.dtype, t.shape, self.stage_offsets[s] + t.offset, t.nbytes,
                           self.received[s][t.name])
             for s, tensors in enumerate(self.expected) for t in tensors)))

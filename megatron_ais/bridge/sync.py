@@ -37,6 +37,7 @@ class SyncStats:
     written_bytes: int = 0  # what this rank wrote itself (its pieces; FP8 ones as codes)
     seconds: float = 0.0
     transport: str = ""
+    committed: object = None  # what the receiver's `apply` returned, on every rank (small: it is pickled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,13 +183,14 @@ class WeightBridge:
         if self.layout.is_sender:
             self.transport.finish(sync_id, error)
 
-    def _receive_and_commit(self, sync_id: int) -> None:
-        """The engine's rank: take the other stages' deliveries, then verify and apply the sync."""
+    def _receive_and_commit(self, sync_id: int):
+        """The engine's rank: take the other stages' deliveries, then verify and apply the sync; return what the
+        receiver's `apply` returned."""
         for stage, src in enumerate(self.layout.stage_senders):
             if src != self.layout.engine_rank:
                 receive_stage(src, stage, self.receiver, self.stage_bytes[stage])
         try:
-            self.receiver.commit(sync_id)
+            return self.receiver.commit(sync_id)
         except SyncError:
             raise
         except Exception as err:  # every rank must learn that the sync failed, whatever the engine raised
@@ -205,7 +207,7 @@ class WeightBridge:
             self.receiver.begin(sync_id)
         if self.layout.writes:
             self._send_stage(sync_id, stats)
-        share(lambda: self._receive_and_commit(sync_id), src=self.layout.engine_rank)
+        stats.committed = share(lambda: self._receive_and_commit(sync_id), src=self.layout.engine_rank)
         stats.seconds = time.perf_counter() - start
         self.completed += 1
         return stats

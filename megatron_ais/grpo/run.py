@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import time
 
 import torch.distributed as dist
@@ -81,10 +82,11 @@ class PhaseTimes:
 
 
 class GRPORun:
-    """One GRPO + AIS run (every rank builds one). `run()` is the whole loop; the engine lives on global rank 0,
-    whose `RolloutManager` generates, scores and evaluates, and whose logger writes."""
+    """One GRPO + AIS run (every rank builds one). `run()` is the whole loop. Engine e lives on global rank e
+    (`rollout.fleet`), whose `RolloutManager` generates, scores and evaluates its share; global rank 0 holds the
+    bridge's staging arena and the logger."""
 
-    engine_rank = 0
+    arena_rank = 0  # the bridge's receiver (the staging arena every engine applies from) and the logger
 
     def __init__(self, config):
         self.config = config  # arguments.GRPORunConfig
@@ -96,13 +98,13 @@ class GRPORun:
         for step in range(self.state.step + 1, self.loop.grpo_steps + 1):
             times = PhaseTimes()
             with times.phase("rollout"):
-                batch = self.rollout(step)
+                rollouts = self.rollout(step)
             with times.phase("train"):
-                result = self.train(batch)
+                result = self.train(rollouts.batch)
             with times.phase("sync"):
-                synced = self.sync(step, batch)
+                synced = self.sync(step)
             evaluated = self.evaluate(step)
-            self.record(step, batch, result.metrics, synced, evaluated, times.seconds)
+            self.record(step, rollouts, result.metrics, synced, evaluated, times.seconds)
             self.save(step)
         return self.finish()
 
@@ -146,6 +148,7 @@ class GRPORun:
         from megatron_ais.checkpointing import CheckpointRanks
         from megatron_ais.grpo.state import GRPOState, reference_source
         from megatron_ais.grpo.step import GRPOConfig, ParallelGroups
+        from megatron_ais.rollout.fleet import FleetLayout
         from megatron_ais.rollout.verify import probe_tokens
         from megatron_ais.training import WeightSource, build_reference_chunks, setup_model_and_optimizer
 
@@ -159,8 +162,11 @@ class GRPORun:
             unverified)
         self.state = GRPOState.begin(saved, trainer.training.seed, self.loop.rollout_seed, reference)
         self.groups = ParallelGroups.from_parallel_state()
+        self.fleet = FleetLayout.first_ranks(self.config.cluster.engines_per_node, dist.get_rank())
+        self.data_parallel_rank_of = [None] * dist.get_world_size()
+        dist.all_gather_object(self.data_parallel_rank_of, self.groups.data_parallel_rank)
         self.checkpoint_ranks = CheckpointRanks.from_parallel_state()
-        self.bridge_layout = BridgeLayout.from_parallel_state(self.engine_rank)
+        self.bridge_layout = BridgeLayout.from_parallel_state(self.arena_rank)
         self.reference = None
         if config.loss.kl_coef:
             self.reference = build_reference_chunks(self.build,
@@ -176,14 +182,16 @@ class GRPORun:
         self.probe = probe_tokens(self.build.shape.vocab_size)
 
     def _setup_engine(self) -> None:
-        """The logger, and on the engine's rank the engine (started from an HF export of the initial policy, one
-        file per pipeline stage) with its rollout manager."""
+        """The logger, and on each engine's host rank the engine (started from an HF export of the initial policy,
+        one file per pipeline stage; on CPU bound to a core of its own when there are several) with its rollout
+        manager."""
         from megatron.core import parallel_state as ps
 
         from megatron_ais.data.tasks import build_task
         from megatron_ais.logging import RunLogger
         from megatron_ais.mapping.distributed import save_hf_checkpoint
         from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
+        from megatron_ais.rollout.fleet import cpu_core_of
         from megatron_ais.rollout.manager import RolloutManager, RolloutPlan, check_prompt_lengths
         from megatron_ais.rollout.rewards import RewardScorer
 
@@ -193,48 +201,60 @@ class GRPORun:
             check_prompt_lengths(self.tokenizer, self.task, self.loop.max_new_tokens, trainer.model.seq_length,
                                  self.config.engine.max_model_len)
         # a resumed run's logs continue from the checkpoint: later steps logged before the crash are dropped
-        self.log = RunLogger(trainer.logging, dist.get_rank() == self.engine_rank,
+        self.log = RunLogger(trainer.logging, dist.get_rank() == self.arena_rank,
                              resume_step=state.step if state.saved is not None else None, run_config=trainer.flags,
                              total_steps=self.loop.grpo_steps)
         init_dir = os.path.join(out, "engine_init")
         save_hf_checkpoint(self.model.chunks, self.build, self.hf_config, init_dir,
                            ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
                            is_stage_writer=self.bridge_layout.is_sender, assets_from=self.model.assets_dir)
-        self.manager = None
-        if dist.get_rank() == self.engine_rank:
+        dist.barrier()  # the export is complete before any engine reads it
+        self.manager, index, several = None, self.fleet.engine_here, self.fleet.size > 1
+        if index is not None:
             loop = self.loop
             sampling = SamplingConfig(n=loop.group_size, temperature=loop.temperature, top_p=loop.top_p,
                                       max_new_tokens=loop.max_new_tokens, stop_token_ids=(self.tokenizer.eos_token_id,))
             plan = RolloutPlan(loop.prompts_per_step, sampling, loop.eval_samples, trainer.training.seed,
-                               trainer.model.seq_length, self.routing_replay)
-            engine = RolloutEngine(dataclasses.replace(self.config.engine, model_dir=init_dir),
-                                   os.path.join(out, "engine"))
+                               trainer.model.seq_length, self.config.advantages, self.routing_replay)
+            engine = RolloutEngine(dataclasses.replace(self.config.engine, model_dir=init_dir,
+                                                       cpu_core=cpu_core_of(index) if several else None),
+                                   os.path.join(out, f"engine-{index}" if several else "engine"))
             self.manager = RolloutManager(engine, self.tokenizer, self.task, plan, state.data_seed, state.rollout_seed,
-                                          self.log.info, RewardScorer(self.task.reward, self.config.rewards))
+                                          self._engine_log(index), RewardScorer(self.task.reward, self.config.rewards),
+                                          share=lambda count: self.fleet.prompts(count, index))
         dist.barrier()
 
+    def _engine_log(self, index: int):
+        """Where engine `index`'s manager tells the user what happened to it: the run's log on the logging rank,
+        stderr on other hosts; lines name the engine when there are several."""
+        prefix = f"engine {index}: " if self.fleet.size > 1 else ""
+        if self.log.enabled:
+            return lambda message: self.log.info(prefix + message)
+        return lambda message: print(prefix + message, file=sys.stderr, flush=True)
+
     def _setup_bridge(self) -> None:
-        """The engine's rank receives syncs into its staging arena; every rank writes its shards."""
+        """Global rank 0 receives syncs into the staging arena and verifies them once; every rank writes its
+        shards; every engine applies each verified sync from the arena (`sync_weights`)."""
         from megatron_ais.bridge.receiver import SyncReceiver
         from megatron_ais.bridge.sync import WeightBridge
 
-        self.receiver = SyncReceiver(apply=self.manager.apply_weights) if self.manager is not None else None
+        self.receiver = SyncReceiver(apply=lambda weights: weights) if dist.get_rank() == self.arena_rank else None
         self.bridge = WeightBridge(self.model.chunks, self.build, self.config.bridge, self.bridge_layout, self.receiver)
 
     def _start_or_resume(self) -> None:
         """A fresh run measures the KV-cache scales and evaluates the initial policy; a resumed one gives the engine
         what the bridge would have sent after the saved step, with the KV-cache scales the uninterrupted run measured
         then (on that step's rollouts, which the resumed run no longer has)."""
-        from megatron_ais.distributed import share
         from megatron_ais.grpo.state import changed_flags
-        from megatron_ais.rollout.manager import step_prompt_ids
+        from megatron_ais.rollout.fleet import from_every_engine
+        from megatron_ais.rollout.manager import mean_rewards, step_prompt_ids
 
         state = self.state
         first_prompts = step_prompt_ids(self.tokenizer, self.task, self.loop.prompts_per_step, state.data_seed,
                                         state.step + 1)
         if state.saved is None:
             self.calibrate_kv_cache(first_prompts)
-            state.eval_before = share(lambda: self.manager.evaluate(), src=self.engine_rank)
+            state.eval_before = mean_rewards(from_every_engine(lambda: self.manager.evaluate(), self.fleet))
             return
         self.log.info(f"resuming GRPO at step {state.step + 1} from {self.trainer.checkpoint.load} (iteration "
                       f"{self.model.loaded.iteration})")
@@ -250,10 +270,14 @@ class GRPORun:
             self.manager.engine.set_kv_cache_scales(state.kv_cache_scales)
 
     def rollout(self, step: int):
-        """This step's rollout batch, made on the engine's rank and given to every rank."""
-        from megatron_ais.distributed import share
+        """This step's rollouts: every engine makes its share, every rank receives the rows its DP rank trains on
+        (`fleet.StepRollouts`)."""
+        from megatron_ais.rollout.fleet import exchange_rows
 
-        return share(lambda: self.manager.rollout_batch(step), src=self.engine_rank)
+        self.rollouts = exchange_rows(lambda: self.manager.rollout_batch(step), self.fleet,
+                                      self.data_parallel_rank_of, self.groups.data_parallel_rank,
+                                      self.trainer.training.max_tokens_per_microbatch is not None)
+        return self.rollouts
 
     def train(self, batch):
         """One GRPO update on the batch (λ once for the batch)."""
@@ -262,22 +286,24 @@ class GRPORun:
         return grpo_train_step(self.model.ddp_chunks, self.model.optimizer, batch, self.grpo, self.state.ais,
                                self.groups, self.reference)
 
-    def sync(self, step: int, batch) -> dict:
-        """Bridge the updated policy into the engine, re-measure the FP8 KV-cache scales on this batch, check the
-        refit; return what the step logs of it."""
+    def sync(self, step: int) -> dict:
+        """Bridge the updated policy into every engine, re-measure the FP8 KV-cache scales on this step's first
+        rollouts (the first engine's), check every engine's refit; return what the step logs of it."""
+        from megatron_ais.distributed import share
         from megatron_ais.rollout.kv_scales import rollout_sequences
         from megatron_ais.rollout.verify import refit_precision, verify_refit_on_all_ranks
 
         self.sync_weights(step)
-        self.calibrate_kv_cache(rollout_sequences(batch.tokens, batch.mask, self.config.kv_calibration.sequences))
-        metrics = {}
+        if self.config.engine.kv_cache_dtype == "fp8":
+            made, count = self.rollouts.made, self.config.kv_calibration.sequences
+            self.calibrate_kv_cache(share(lambda: rollout_sequences(made.tokens, made.mask, count),
+                                          src=self.fleet.hosts[0]))
+        metrics = {"rollout/engine_weight_version_min": min(self.engine_versions)}
         if self.loop.verifies_at(step):
-            routing = verify_refit_on_all_ranks(
+            metrics.update(verify_refit_on_all_ranks(
                 self.manager.engine if self.manager else None, self.model.ddp_chunks, self.probe, self.groups,
                 self.build.shape.vocab_size, refit_precision(self.config.engine, self.build.precision),
-                self.engine_rank, self.build.shape.is_moe)
-            if routing is not None:
-                metrics["rollout/routing_mismatch"] = routing
+                self.fleet, self.build.shape.is_moe))
         scales = self.state.kv_cache_scales
         if scales is not None:
             metrics.update({"rollout/kv_cache_k_scale_max": max(k for _, k, _ in scales.scales),
@@ -285,14 +311,15 @@ class GRPORun:
         return metrics
 
     def evaluate(self, step: int) -> dict:
-        """Held-out accuracy at evaluation steps (computed on the engine's rank, known to every rank)."""
-        from megatron_ais.distributed import share
+        """Held-out accuracy at evaluation steps (each engine evaluates its share; every rank knows the means)."""
+        from megatron_ais.rollout.fleet import from_every_engine
+        from megatron_ais.rollout.manager import mean_rewards
 
         if not self.loop.evaluates_at(step):
             return {}
-        return share(lambda: self.manager.evaluate_unless_dead(step), src=self.engine_rank)
+        return mean_rewards(from_every_engine(lambda: self.manager.evaluate_unless_dead(step), self.fleet))
 
-    def record(self, step: int, batch, train_metrics: dict, synced: dict, evaluated: dict,
+    def record(self, step: int, rollouts, train_metrics: dict, synced: dict, evaluated: dict,
                seconds: dict[str, float]) -> None:
         """Log the step: its metrics into the history, tensorboard and metrics.jsonl, and its console line."""
         from megatron_ais.distributed import from_last_stage
@@ -300,10 +327,15 @@ class GRPORun:
 
         metrics = from_last_stage(dict(train_metrics))
         metrics.update(synced)
-        metrics.update({"rollout/reward": float(batch.rewards.mean()), "rollout/reward_failures": batch.reward_failures,
-                        "rollout/reward_timeouts": batch.reward_timeouts, "time/rollout_s": seconds["rollout"],
+        metrics.update({"rollout/reward": float(rollouts.rewards.mean()),
+                        "rollout/reward_failures": rollouts.reward_failures,
+                        "rollout/reward_timeouts": rollouts.reward_timeouts, "time/rollout_s": seconds["rollout"],
                         "time/train_s": seconds["train"], "time/sync_s": seconds["sync"],
-                        "rollout/tokens_per_s": float(batch.mask.sum()) / max(seconds["rollout"], 1e-9)})
+                        "rollout/tokens_per_s": rollouts.response_tokens / max(seconds["rollout"], 1e-9),
+                        "rollout/engines": self.fleet.size,
+                        "rollout/engine_tokens_per_s_min": min(rollouts.engine_tokens_per_s),
+                        "rollout/received_bytes": rollouts.received_bytes,
+                        "rollout/rank_bytes_fraction": rollouts.held_bytes / max(rollouts.batch_bytes, 1)})
         metrics.update(evaluated)
         self.state.step = step
         self.state.history.append({"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
@@ -333,8 +365,20 @@ class GRPORun:
         self.log.info(f"saved checkpoint {checkpoint.save} iteration {step}")
 
     def sync_weights(self, sync_id: int) -> None:
-        """Bridge the current policy into the engine (collective on every rank)."""
+        """Bridge the current policy into the arena, verified once, and apply it to every engine (collective on
+        every rank); a sync is complete when every engine has applied it."""
+        from megatron_ais.errors import SyncError
+        from megatron_ais.rollout.fleet import from_every_engine
+
         stats = self.bridge.sync(sync_id)
+
+        def apply() -> int:
+            try:
+                return self.manager.apply_weights(stats.committed)
+            except Exception as err:  # every rank must learn that the sync failed, whatever the engine raised
+                raise SyncError(f"sync {sync_id}: {type(err).__name__}: {err}") from err
+
+        self.engine_versions = from_every_engine(apply, self.fleet)
         if self.bridge_layout.is_sender and self.bridge.completed == 1:
             self.log.info(f"bridge: {stats.tensors} tensors in {stats.buckets} buckets, {stats.bytes / 1e6:.1f} MB "
                           f"from this stage by {stats.transport}, {stats.seconds:.2f} s")
@@ -372,6 +416,7 @@ class GRPORun:
         if self.manager is not None:
             self.manager.engine.shutdown()
             self.manager.scorer.close()
+        if self.receiver is not None:
             self.receiver.close()
         if self.lock is not None:
             self.lock.release()

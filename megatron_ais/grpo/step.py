@@ -40,6 +40,14 @@ class RolloutBatch:
     routed_experts: torch.Tensor | None = None
     reward_failures: int = 0  # rewards that raised or were not a number in [0, 1] (scored 0)
     reward_timeouts: int = 0  # rewards that ran past --reward-timeout-s (scored 0)
+    # [B] each row's group advantage, computed where its whole group is (the engine's host); None: the batch is
+    # whole and the same on every rank, which computes them and takes its share
+    advantages: torch.Tensor | None = None
+
+    def rows(self, indices: list[int]) -> "RolloutBatch":
+        """The batch of the rows `indices` (in that order)."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name)[indices] for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})
 
     def to(self, device: torch.device) -> "RolloutBatch":
         """Return the batch with its tensors on `device`."""
@@ -177,37 +185,42 @@ def _policy_forward_step(config: GRPOConfig, groups: ParallelGroups, normalizer:
     return output, loss_func
 
 
-def _rank_rows(batch: RolloutBatch, config: GRPOConfig, groups: ParallelGroups) -> list[int]:
-    """The batch rows this DP rank trains on: an equal contiguous share, or with a token budget, a share whose
-    token count balances the other ranks' (`batching.balanced_partition`; the same on every rank)."""
-    total, ranks = batch.tokens.shape[0], groups.data_parallel_size
-    if total % ranks:
-        raise ValueError(f"rollout batch of {total} sequences does not split over {ranks} DP ranks")
-    if config.max_tokens_per_microbatch is not None:
-        return balanced_partition(row_lengths(batch.mask), ranks)[groups.data_parallel_rank]
-    per_rank = total // ranks
-    return list(range(groups.data_parallel_rank * per_rank, (groups.data_parallel_rank + 1) * per_rank))
+def data_parallel_rows(lengths: list[int], ranks: int, balanced: bool) -> list[list[int]]:
+    """The rows (of a batch whose rows have these lengths) each DP rank trains on: equal contiguous shares, or with a
+    token budget, shares whose token counts balance (`batching.balanced_partition`); the same on every rank."""
+    if len(lengths) % ranks:
+        raise ValueError(f"rollout batch of {len(lengths)} sequences does not split over {ranks} DP ranks")
+    if balanced:
+        return balanced_partition(lengths, ranks)
+    per_rank = len(lengths) // ranks
+    return [list(range(rank * per_rank, (rank + 1) * per_rank)) for rank in range(ranks)]
+
+
+def with_advantages(batch: RolloutBatch, config: AdvantageConfig) -> RolloutBatch:
+    """The batch (whole groups) with each row's group advantage. A sequence left out for a NaN rollout log-prob is
+    left out of its group's mean and std too."""
+    return dataclasses.replace(batch, advantages=group_advantages(
+        batch.rewards, batch.group_size, not config.no_std, config.leave_one_out,
+        valid=~invalid_sequences(batch.rollout_logprobs, batch.mask)))
 
 
 def _local_rows(batch: RolloutBatch, config: GRPOConfig, groups: ParallelGroups
                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
-    """This DP rank's share of the batch with its advantages; return (rows, response mask without the sequences
-    excluded for NaN/Inf rollout log-probs, rollout log-probs with zeros off the mask, guard metrics)."""
-    rows = _rank_rows(batch, config, groups)
-    # a sequence left out for a NaN rollout log-prob is left out of its group's mean and std too (the batch is the
-    # same on every rank, so every rank computes the same advantages)
-    advantages = group_advantages(batch.rewards, batch.group_size, not config.advantages.no_std,
-                                  config.advantages.leave_one_out,
-                                  valid=~invalid_sequences(batch.rollout_logprobs, batch.mask))
-    mask, excluded = exclude_invalid_sequences(batch.rollout_logprobs[rows], batch.mask[rows].float())
+    """This DP rank's rows with their advantages (a whole batch, the same on every rank, is cut to this rank's
+    share here); return (rows, response mask without the sequences excluded for NaN/Inf rollout log-probs, rollout
+    log-probs with zeros off the mask, guard metrics)."""
+    if batch.advantages is None:
+        rows = data_parallel_rows(row_lengths(batch.mask), groups.data_parallel_size,
+                                  config.max_tokens_per_microbatch is not None)[groups.data_parallel_rank]
+        batch = with_advantages(batch, config.advantages).rows(rows)
+    mask, excluded = exclude_invalid_sequences(batch.rollout_logprobs, batch.mask.float())
     counts = torch.tensor([float(excluded), float(mask.sum())], dtype=torch.float64)
     dist.all_reduce(counts, group=groups.data_parallel_group)
     metrics = {"guard/excluded_sequences": counts[0].item(), "guard/valid_tokens": counts[1].item()}
-    rollout_lp = torch.where(mask > 0, batch.rollout_logprobs[rows], torch.zeros(()))
-    local = {"tokens": batch.tokens[rows], "labels": batch.labels[rows],
-             "advantages": advantages[rows].unsqueeze(-1) * mask}
+    rollout_lp = torch.where(mask > 0, batch.rollout_logprobs, torch.zeros(()))
+    local = {"tokens": batch.tokens, "labels": batch.labels, "advantages": batch.advantages.unsqueeze(-1) * mask}
     if batch.routed_experts is not None:
-        local["routed_experts"] = batch.routed_experts[rows]
+        local["routed_experts"] = batch.routed_experts
     return local, mask, rollout_lp, metrics
 
 

@@ -98,6 +98,7 @@ class EngineConfig(FlagConfig):
                                    "lines.", name="--rollout-log-level", choices=LOG_LEVELS)
     seed: int = 0
     block_size: int = 128
+    cpu_core: str | None = None  # CPU: the core its worker is bound to (several engines on a node); None: vLLM's
     gpu_staging_arena: bool = False  # the bridge's staging arena will be allocated on this GPU too
 
     def __post_init__(self):
@@ -291,6 +292,8 @@ class RolloutEngine:
             raise ValueError("--rollout-fp8-activations emulate is for CPU engines: vLLM's FP8 layers on a GPU "
                              "already quantize their activations; drop the flag")
         os.environ[FP8_ACTIVATIONS_ENV] = self.config.fp8_activations
+        if self.config.cpu_core is not None and not torch.cuda.is_available():
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.config.cpu_core  # read by the worker vLLM starts
         from vllm import LLM
 
         config = self.config

@@ -53,17 +53,20 @@ class RolloutPlan:
     eval_samples: int
     eval_seed: int
     seq_length: int
+    advantages: object  # grpo.advantages.AdvantageConfig: the engine's host computes its groups' advantages
     routing_replay: bool = False  # MoE: the engine routes every rollout once more for the trainer to replay
 
 
 class RolloutManager:
-    """Lives on the engine's rank: generates and scores each step's rollouts, evaluates held-out accuracy and
-    applies weight syncs, restarting the engine when it died (`log` tells the user)."""
+    """Lives on an engine's host rank: generates and scores its share of each step's rollouts (`share(count)`: the
+    indices of the prompts, of `count`, its engine serves), evaluates its share of the held-out prompts and applies
+    weight syncs, restarting the engine when it died (`log` tells the user)."""
 
     def __init__(self, engine: RolloutEngine, tokenizer, task, plan: RolloutPlan, data_seed: int, rollout_seed: int,
-                 log: Callable[[str], None], scorer: RewardScorer):
+                 log: Callable[[str], None], scorer: RewardScorer, share: Callable[[int], range] = range):
         self.engine, self.tokenizer, self.task, self.plan = engine, tokenizer, task, plan
         self.data_seed, self.rollout_seed, self.log, self.scorer = data_seed, rollout_seed, log, scorer
+        self.share = share
 
     def _score(self, examples: list, rollouts: list, what: str) -> Scores:
         scores = self.scorer.score([(self.tokenizer.decode(r.token_ids, skip_special_tokens=True),
@@ -73,23 +76,33 @@ class RolloutManager:
                      f"ran past --reward-timeout-s {self.scorer.config.timeout_s:g}; scored 0")
         return scores
 
+    def _generate(self, examples: list, sampling: SamplingConfig, progress: bool | None = None) -> tuple[list, list]:
+        """This engine's share of `examples` and its rollouts (each prompt sampled with its index's seed)."""
+        indices = self.share(len(examples))
+        mine = [examples[i] for i in indices]
+        return mine, self.engine.generate(prompt_ids(self.tokenizer, [e.prompt for e in mine]), sampling,
+                                          progress=progress, first_index=indices.start if indices else 0)
+
     def _collect(self, step: int):
+        from megatron_ais.grpo.step import with_advantages
         from megatron_ais.rollout.batch import rollouts_to_batch
 
-        examples = step_examples(self.task, self.plan.prompts_per_step, self.data_seed, step)
         sampling = dataclasses.replace(self.plan.sampling, seed=self.rollout_seed * 100003 + step)
-        rollouts = self.engine.generate(prompt_ids(self.tokenizer, [e.prompt for e in examples]), sampling)
+        examples, rollouts = self._generate(step_examples(self.task, self.plan.prompts_per_step, self.data_seed, step),
+                                            sampling)
         # the trainer's input positions: every token but the last
         routes = self.engine.route([(r.prompt_token_ids + r.token_ids)[:-1] for r in rollouts]) \
             if self.plan.routing_replay else None
         scores = self._score(examples, rollouts, f"step {step}")
         batch = rollouts_to_batch(rollouts, scores.values, self.plan.sampling.n, self.plan.seq_length,
                                   self.tokenizer.pad_token_id, routes)
-        return dataclasses.replace(batch, reward_failures=scores.failed, reward_timeouts=scores.timed_out)
+        return with_advantages(dataclasses.replace(batch, reward_failures=scores.failed,
+                                                   reward_timeouts=scores.timed_out), self.plan.advantages)
 
     def rollout_batch(self, step: int):
-        """Sample this step's prompts, generate the group of responses per prompt and score them; return the
-        RolloutBatch. An engine that died is restarted (with its weights) and asked once more."""
+        """Sample this step's prompts, generate the group of responses per prompt of this engine's share and score
+        them; return the RolloutBatch of its rows, advantages included. An engine that died is restarted (with its
+        weights) and asked once more."""
         try:
             return self._collect(step)
         except Exception as err:  # vLLM raises many kinds of errors when its engine core dies
@@ -103,23 +116,22 @@ class RolloutManager:
         except Exception as err:
             raise RolloutError(f"step {step}: rollout generation failed: {type(err).__name__}: {err}") from err
 
-    def _mean_reward(self, sampling: SamplingConfig) -> float:
-        examples = self.task.eval
-        rollouts = self.engine.generate(prompt_ids(self.tokenizer, [e.prompt for e in examples]), sampling,
-                                        progress=False)
+    def _reward_sum(self, sampling: SamplingConfig) -> tuple[float, int]:
+        examples, rollouts = self._generate(self.task.eval, sampling, progress=False)
         rewards = self._score(examples, rollouts, "evaluation").values
-        return sum(rewards) / len(rewards)
+        return sum(rewards), len(rewards)
 
-    def evaluate(self) -> dict[str, float]:
-        """Held-out accuracy: mean reward of the evaluation's samples per prompt at the rollout temperature (fixed
-        seed, so evaluations are comparable across steps), and greedy accuracy."""
+    def evaluate(self) -> dict[str, tuple[float, int]]:
+        """Held-out accuracy on this engine's share of the held-out prompts, as (sum of rewards, samples) per
+        metric (`mean_rewards` of every engine's gives the means): the evaluation's samples per prompt at the
+        rollout temperature (fixed seed, so evaluations are comparable across steps), and greedy."""
         sampling = self.plan.sampling
         sampled = dataclasses.replace(sampling, n=self.plan.eval_samples, seed=self.plan.eval_seed)
         greedy = SamplingConfig(temperature=0.0, max_new_tokens=sampling.max_new_tokens,
                                 stop_token_ids=sampling.stop_token_ids)
-        return {"eval/accuracy": self._mean_reward(sampled), "eval/greedy_accuracy": self._mean_reward(greedy)}
+        return {"eval/accuracy": self._reward_sum(sampled), "eval/greedy_accuracy": self._reward_sum(greedy)}
 
-    def evaluate_unless_dead(self, step: int) -> dict[str, float]:
+    def evaluate_unless_dead(self, step: int) -> dict[str, tuple[float, int]]:
         """`evaluate`; an engine that died meanwhile skips it (it is restarted at the next rollout)."""
         try:
             return self.evaluate()
@@ -137,3 +149,11 @@ class RolloutManager:
             self.log(f"the rollout engine died during a weight sync ({type(err).__name__}: {err}); restarting it and "
                      "re-syncing the current weights")
         return self.engine.update_weights_or_restart(weights, on_restart=restarting)
+
+
+def mean_rewards(parts: list[dict[str, tuple[float, int]]]) -> dict[str, float]:
+    """Every engine's evaluation (`RolloutManager.evaluate`) as mean rewards; none if an engine skipped it."""
+    if not parts or any(not part for part in parts):
+        return {}
+    return {name: sum(part[name][0] for part in parts) / max(sum(part[name][1] for part in parts), 1)
+            for name in parts[0]}

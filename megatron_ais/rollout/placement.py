@@ -43,8 +43,10 @@ class ClusterConfig(FlagConfig):
     link_gb_per_s: float = flag(50.0, "Network bandwidth into or out of one node (GB/s; 400 Gb/s InfiniBand: 50), "
                                       "for the sync-time estimate.", name="--cluster-link-gb-per-s")
     engines_per_node: int = flag(1, "Rollout engines per node (separate placement); each takes "
-                                    "--rollout-tensor-parallel-size GPUs. The run itself drives one engine today; "
-                                    "--print-placement plans any number.", name="--rollout-engines-per-node")
+                                    "--rollout-tensor-parallel-size GPUs (on CPU: one core each). A run drives its "
+                                    "engines from the first node's first ranks, all fed from that node's staging "
+                                    "arena; --print-placement plans them on every node.",
+                                 name="--rollout-engines-per-node")
 
     def __post_init__(self):
         for name, value in (("--cluster-nodes", self.nodes), ("--cluster-gpus-per-node", self.gpus_per_node),

@@ -20,6 +20,7 @@ alarm that stopped the run), while wrong or stale weights move most positions.
 from __future__ import annotations
 
 import dataclasses
+import socket
 
 import torch
 
@@ -181,27 +182,40 @@ def _merged(parts: list[dict]) -> list:
 
 
 def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups, vocab_size: int, precision: str,
-                              engine_rank: int, moe: bool = False) -> float | None:
-    """Collective refit check: every stage scores the probe (the last stage's log-probs go to the first), the
-    engine's rank (`engine` there, None elsewhere) compares them with the engine's. A failed check names the first
-    decoder layer whose output differs and raises on every rank. For MoE models, return (on the engine's rank) the
-    fraction of probe (token, layer) pairs whose top-k experts differ between engine and trainer."""
+                              fleet, moe: bool = False) -> dict[str, float]:
+    """Collective refit check of every engine of the fleet (`rollout.fleet.FleetLayout`): every stage scores the
+    probe (the last stage's log-probs go to the first), each engine's host (`engine` there, None elsewhere) compares
+    them with its engine's. A failed check names the engine, its host and the first decoder layer whose output
+    differs, and raises on every rank. Return (on every rank) how far the engines' probe log-probs are apart
+    (`rollout/engine_probe_spread`: 0 when every engine holds the same weights), and for MoE models (on the first
+    engine's host) the fraction of probe (token, layer) pairs whose top-k experts differ between its engine and the
+    trainer (`rollout/routing_mismatch`)."""
+    from megatron_ais.rollout.fleet import from_every_engine
+
     trainer = from_last_stage(trainer_probe_logprobs(ddp_chunks, probe, groups, vocab_size))
 
-    def compare() -> str | None:
+    def compare() -> tuple[str | None, torch.Tensor]:
+        logprobs = engine.prompt_logprobs(probe)
         try:
-            verify_refit(engine.prompt_logprobs(probe), trainer, precision)
+            verify_refit(logprobs, trainer, precision)
         except RefitVerificationError as err:
-            return str(err)
-        return None
+            return str(err), logprobs
+        return None, logprobs
 
-    error = share(compare, src=engine_rank)
-    if error is not None:  # where does the engine's forward leave the trainer's? the engine's rank compares
-        parts = gather_on(trainer_layer_states(ddp_chunks, probe, groups, vocab_size), dst=engine_rank)
-        error = share(lambda: error + layer_diagnosis(layer_errors(engine.probe_layer_states(probe), _merged(parts)),
-                                                      precision), src=engine_rank)
+    results = from_every_engine(compare, fleet)
+    failed = next((index for index, (error, _) in enumerate(results) if error is not None), None)
+    if failed is not None:  # where does the engine's forward leave the trainer's? that engine's host compares
+        host = fleet.hosts[failed]
+        parts = gather_on(trainer_layer_states(ddp_chunks, probe, groups, vocab_size), dst=host)
+        error = share(lambda: f"engine {failed} (rank {host} on {socket.gethostname()}): {results[failed][0]}"
+                      + layer_diagnosis(layer_errors(engine.probe_layer_states(probe), _merged(parts)), precision),
+                      src=host)
         raise RefitVerificationError(error + "; stopping")
+    first = results[0][1]
+    metrics = {"rollout/engine_probe_spread": max(float((lp - first).abs().max()) for _, lp in results)}
     if not moe:
-        return None
-    parts = gather_on(trainer_routing(ddp_chunks, probe, groups, vocab_size), dst=engine_rank)
-    return None if engine is None else routing_mismatch(engine.probe_routing(probe), _merged(parts))
+        return metrics
+    parts = gather_on(trainer_routing(ddp_chunks, probe, groups, vocab_size), dst=fleet.hosts[0])
+    if fleet.rank == fleet.hosts[0]:
+        metrics["rollout/routing_mismatch"] = routing_mismatch(engine.probe_routing(probe), _merged(parts))
+    return metrics

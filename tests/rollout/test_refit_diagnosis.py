@@ -14,6 +14,7 @@ def _worker(hf_dir, work):
     from megatron_ais.mapping.hf_io import HFCheckpointReader
     from megatron_ais.errors import RefitVerificationError
     from megatron_ais.rollout.engine import EngineConfig, RolloutEngine
+    from megatron_ais.rollout.fleet import FleetLayout
     from megatron_ais.rollout.verify import probe_tokens, verify_refit_on_all_ranks
     from megatron_ais.training import load_policy_chunks
 
@@ -23,14 +24,15 @@ def _worker(hf_dir, work):
     chunks, _, _ = load_policy_chunks(build, trainer.weights)
     groups = ParallelGroups.from_parallel_state()
     probe = probe_tokens(build.shape.vocab_size)
-    verify_refit_on_all_ranks(engine, chunks, probe, groups, build.shape.vocab_size, "fp32", 0)  # clean: passes
+    fleet = FleetLayout.first_ranks(1, rank=0)
+    verify_refit_on_all_ranks(engine, chunks, probe, groups, build.shape.vocab_size, "fp32", fleet)  # clean: passes
 
     reader = HFCheckpointReader(hf_dir)
     corrupted = [(n, -reader.get(n).float() if n == "model.layers.1.mlp.down_proj.weight" else reader.get(n).float())
                  for n in reader.names()]
     engine.update_weights(list(quantize_for_engine(iter(corrupted), QuantizationPolicy(precision="fp32"))))
     try:
-        verify_refit_on_all_ranks(engine, chunks, probe, groups, build.shape.vocab_size, "fp32", 0)
+        verify_refit_on_all_ranks(engine, chunks, probe, groups, build.shape.vocab_size, "fp32", fleet)
         message = None
     except RefitVerificationError as err:
         message = str(err)
@@ -44,6 +46,7 @@ def test_failed_refit_names_the_first_mismatching_layer(model_root, tmp_path):
                             tie_word_embeddings=True)
     (message,) = spawn(1, _worker, hf_dir, str(tmp_path))
     assert message is not None, "a corrupted engine passed the refit check"
+    assert message.startswith("engine 0 (rank 0 on "), message
     assert "first mismatching layer: model.layers.1 " in message and message.endswith("; stopping"), message
     layer0 = float(message.split("per layer: 0: ")[1].split(",")[0])
     assert layer0 < 1e-4, message
