@@ -1,8 +1,9 @@
 """pretrain_grpo_ais.py end to end on 2 gloo ranks (DP2 and PP2): Megatron checkpoint -> FP8 rollouts in a separate
 vLLM engine -> rewards -> GRPO + AIS update -> bridge sync -> refit verification -> logs, checkpoints, the last
 line; the same for a Qwen3-MoE model; a launcher SIGKILLed in the middle of a step takes its ranks and engine
-processes with it, and the run resumes to exactly the metrics of an uninterrupted run; a vLLM engine killed mid-run
-is restarted, re-synced and the run completes."""
+processes with it, and the run resumes to exactly the metrics of an uninterrupted run (which ran two engines, one of
+them killed and restarted alone: its rollouts equal the 1-engine runs'); a vLLM engine killed mid-run is restarted,
+re-synced and the run completes."""
 import json
 import os
 import signal
@@ -15,7 +16,9 @@ import pytest
 
 from conftest import ROOT, make_model_dir
 
-TIME_KEYS = ("time/", "rollout/tokens_per_s")
+# what differs between runs of the same seeds: timings, and how many engines made the rollouts and what each rank
+# was sent
+RUN_SPECIFIC_KEYS = ("time/", "rollout/tokens_per_s", "rollout/engine", "rollout/received_bytes")
 
 
 def _converted_checkpoint(model_root, tmp_path, pp=1):
@@ -151,7 +154,7 @@ def _check_end_to_end(stdout, out, wandb_dir, steps):
 
 
 def _comparable(history):
-    return {h["step"]: {k: v for k, v in h.items() if not k.startswith(TIME_KEYS)} for h in history}
+    return {h["step"]: {k: v for k, v in h.items() if not k.startswith(RUN_SPECIFIC_KEYS)} for h in history}
 
 
 def _descendants(pid):
@@ -181,6 +184,22 @@ class _LiveRun:
 
     def output(self):
         return "".join(self.lines)
+
+
+def _kill_engine_after_first_step(launcher_pid, metrics):
+    """Once step 1 is logged, SIGKILL the vLLM engine core driven by rank 1; return the killed pids."""
+    import psutil
+
+    deadline = time.time() + 300
+    while not (metrics.exists() and metrics.read_text().strip()) and time.time() < deadline:
+        time.sleep(0.05)
+    rank1 = [p for p in psutil.Process(launcher_pid).children(recursive=True)
+             if "pretrain_grpo_ais.py" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1"]
+    engines = [p for rank in rank1 for p in rank.children(recursive=True)
+               if any("EngineCore" in part for part in [p.name()] + p.cmdline())]
+    for engine in engines:
+        engine.kill()
+    return [engine.pid for engine in engines]
 
 
 def _alive(pids):
@@ -223,13 +242,27 @@ def test_launcher_sigkilled_mid_step_takes_the_run_with_it_then_resume_equals_un
     # a step long enough to be killed inside; an FP8 KV cache, whose scales the uninterrupted run measured on step
     # 2's rollouts, which the resumed run no longer has (the checkpoint carries them)
     bigger = ("--prompts-per-step", "16", "--max-new-tokens", "24", "--rollout-kv-cache-dtype", "fp8")
-    # the uninterrupted run is also the DP2 end-to-end run, logging to W&B (offline)
+    # the uninterrupted run is also the DP2 end-to-end run, logging to W&B (offline), with two engines (one per
+    # rank), the second killed after step 1: it alone restarts, and the run's rollouts are the 1-engine runs' below
     wandb = ("--wandb-project", "megatron-ais-test", "--wandb-save-dir", str(tmp_path / "wb"))
-    full = subprocess.run(_command(checkpoint, full_out, 4, "--save", str(full_out / "ckpt"), "--save-interval", "2",
-                                   *bigger, *wandb), capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
-                          env={**os.environ, "WANDB_MODE": "offline"})
-    assert full.returncode == 0, full.stderr[-4000:]
-    _check_end_to_end(full.stdout, full_out, tmp_path / "wb", steps=4)
+    full = subprocess.Popen(_command(checkpoint, full_out, 4, "--save", str(full_out / "ckpt"), "--save-interval", "2",
+                                     "--rollout-engines-per-node", "2", *bigger, *wandb), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=str(tmp_path),
+                            env={**os.environ, "WANDB_MODE": "offline"})
+    killed = []
+    threading.Thread(target=lambda: killed.extend(_kill_engine_after_first_step(full.pid, full_out / "metrics.jsonl")),
+                     daemon=True).start()
+    stdout, stderr = full.communicate(timeout=600)
+    assert full.returncode == 0, stderr[-4000:]
+    assert killed, "engine 1's process was not found"
+    assert "engine 1: step 2: the rollout engine died" in stderr or "engine 1: the rollout engine died" in stderr
+    assert "engine 0: " not in stderr, stderr[-4000:]
+    _check_end_to_end(stdout, full_out, tmp_path / "wb", steps=4)
+    history = json.load(open(full_out / "summary.json"))["history"]
+    # after every sync both engines hold the same weights: their probe log-probs agree bit for bit
+    assert all(h["rollout/engines"] == 2 and h["rollout/engine_probe_spread"] == 0.0 for h in history)
+    # each rank trains on half the batch, which its own engine made: nothing crosses ranks
+    assert all(h["rollout/received_bytes"] == 0 and h["rollout/rank_bytes_fraction"] == 0.5 for h in history)
 
     save = str(cut_out / "ckpt")
     printed = _run_until_launcher_killed(_command(checkpoint, cut_out, 4, "--save", save, "--save-interval", "2",
