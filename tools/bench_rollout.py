@@ -5,6 +5,12 @@ KV cache (scales as the trainer would install them: max |K|, |V| x 2 / 448, meas
     .venv/bin/python tools/bench_rollout.py [--prompts 32 --n 4 --max-new-tokens 64 --repeats 3]
 
 Prints a table and, as its last line, `fp8_over_bf16_tokens_per_s=<ratio> weight_update_ms=<median>`.
+
+`--fleet`: the run's fleet on 2 gloo ranks (DP2), FP8 engines in separate processes, each bound to one CPU core:
+total tokens/s of 2 engines (one per rank, each generating its share of the prompts with the prompts' own seeds)
+against 1 engine (rank 0's, all the prompts), and the bytes of rollout rows each rank is sent and holds against the
+whole batch (`rollout.fleet.exchange_rows`). Last line: `engines_2_over_1_tokens_per_s=<ratio>
+rank_bytes_fraction=<largest share of the batch a rank holds> ...`.
 """
 from __future__ import annotations
 
@@ -87,6 +93,69 @@ def _engine_worker(hf_dir: str, precision: str, work: str, prompts: int, n: int,
             "tokens": sum(r.length for r in rollouts), "threads": torch.get_num_threads()}
 
 
+def _fleet_worker(hf_dir: str, work: str, engines: int, prompts: int, n: int, max_new: int, repeats: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_ais.grpo.advantages import AdvantageConfig
+    from megatron_ais.grpo.step import with_advantages
+    from megatron_ais.initialize import initialize_distributed
+    from megatron_ais.rollout.batch import rollouts_to_batch
+    from megatron_ais.rollout.engine import EngineConfig, RolloutEngine, SamplingConfig
+    from megatron_ais.rollout.fleet import FleetLayout, cpu_core_of, exchange_rows
+
+    initialize_distributed()
+    layout = FleetLayout.first_ranks(engines, dist.get_rank())
+    g = torch.Generator().manual_seed(0)
+    batch = [torch.randint(10, 400, (16,), generator=g).tolist() for _ in range(prompts)]
+    sampling = SamplingConfig(n=n, max_new_tokens=max_new, seed=0)
+    engine = share = None
+    if layout.engine_here is not None:
+        engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision="fp8", kv_cache_gb=0.5, max_num_seqs=prompts * n,
+                                            placement="separate", cpu_core=cpu_core_of(layout.engine_here)),
+                               os.path.join(work, f"engine-{layout.engine_here}"))
+        share = layout.prompts(prompts, layout.engine_here)
+        engine.generate(batch[share.start:share.stop], sampling, progress=False, first_index=share.start)  # warm up
+    rates = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        tokens = torch.zeros(1)
+        if engine is not None:
+            rollouts = engine.generate(batch[share.start:share.stop], sampling, progress=False, first_index=share.start)
+            tokens += sum(r.length for r in rollouts)
+        dist.all_reduce(tokens)
+        rates.append(float(tokens) / (time.perf_counter() - t0))
+
+    def make_part():
+        return with_advantages(rollouts_to_batch(rollouts, [0.0] * len(rollouts), n, 16 + max_new, 0),
+                               AdvantageConfig())
+
+    got = exchange_rows(make_part, layout, [0, 1], dist.get_rank(), balanced=False)
+    if engine is not None:
+        engine.shutdown()
+    return {"tokens_per_s": statistics.median(rates), "received": got.received_bytes, "held": got.held_bytes,
+            "batch": got.batch_bytes}
+
+
+def _fleet(hf_dir: str, tmp: str, args) -> None:
+    from megatron_ais.launch import spawn
+
+    results = {engines: spawn(2, _fleet_worker, hf_dir, os.path.join(tmp, f"fleet{engines}"), engines, args.prompts,
+                              args.n, args.max_new_tokens, args.repeats)
+               for engines in (1, 2)}
+    print(f"| fleet (DP2, FP8 engines, one core each, {args.prompts} prompts x {args.n}) | tokens/s | rank 0 sent "
+          "/ holds (bytes) | rank 1 sent / holds (bytes) | whole batch (bytes) |")
+    print("|---|---|---|---|---|")
+    for engines, ranks in results.items():
+        print(f"| {engines} engine(s) | {ranks[0]['tokens_per_s']:.0f} | "
+              + " | ".join(f"{r['received']} / {r['held']}" for r in ranks) + f" | {ranks[0]['batch']} |")
+    two = results[2]
+    print(f"engines_2_over_1_tokens_per_s={two[0]['tokens_per_s'] / results[1][0]['tokens_per_s']:.3f} "
+          f"rank_bytes_fraction={max(r['held'] for r in two) / two[0]['batch']:.3f} "
+          f"rank_received_fraction={max(r['received'] for r in two) / two[0]['batch']:.3f}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=32)
@@ -95,6 +164,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--fleet", action="store_true", help="2 engines against 1 on 2 ranks (see above)")
     args = parser.parse_args(argv)
     import make_tiny_model
     from megatron_ais.launch import spawn
@@ -105,6 +175,9 @@ def main(argv=None) -> int:
             "--num-layers", str(args.num_layers), "--intermediate-size", str(4 * args.hidden_size),
             "--num-attention-heads", str(args.hidden_size // 64), "--num-key-value-heads", "2",
             "--head-dim", "64", "--vocab-size", "1024"]))
+        if args.fleet:
+            _fleet(hf_dir, tmp, args)
+            return 0
         results = {(p, kv): spawn(1, _engine_worker, hf_dir, p, os.path.join(tmp, p + kv), args.prompts, args.n,
                                   args.max_new_tokens, args.repeats, kv)[0]
                    for p, kv in (("bf16", "auto"), ("fp8", "auto"), ("fp8", "fp8"))}

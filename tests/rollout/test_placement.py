@@ -121,14 +121,21 @@ def test_print_placement_runs_without_torchrun_and_starts_nothing(monkeypatch, c
     assert not out.exists()
 
 
-def test_a_run_with_several_engines_per_node_is_refused_until_the_fleet_runs(monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize("world,extra,message", [
+    (1, (), "--rollout-engines-per-node 2 exceeds the 1 trainer ranks of the node"),
+    (1, ("--rollout-placement", "colocated"), "--rollout-engines-per-node 2 with --rollout-placement colocated"),
+    (4, ("--rollout-engines-per-node", "4", "--prompts-per-step", "2", "--micro-batch-size", "2"),
+     "--rollout-engines-per-node 4 exceeds --prompts-per-step 2"),
+])
+def test_a_fleet_the_run_cannot_drive_is_refused(monkeypatch, capsys, tmp_path, world, extra, message):
     import pretrain_grpo_ais
 
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
     with pytest.raises(SystemExit) as exit_info:
         pretrain_grpo_ais.main(["--hf-dir", os.path.join(ROOT, "examples", "models", "qwen3-8b"),
-                                "--rollout-engines-per-node", "2", "--output-dir", str(tmp_path / "out")])
+                                "--rollout-engines-per-node", "2", *extra, "--output-dir", str(tmp_path / "out")])
     assert exit_info.value.code == 2
-    assert "--rollout-engines-per-node 2: a run drives one engine today" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
