@@ -27,6 +27,7 @@ from megatron_ais.model import ModelConfig
 from megatron_ais.parallel import ParallelLayout
 from megatron_ais.rollout.engine import EngineConfig
 from megatron_ais.rollout.kv_scales import KVCacheCalibrationConfig
+from megatron_ais.rollout.fleet import FleetConfig
 from megatron_ais.rollout.placement import ClusterConfig
 from megatron_ais.rollout.rewards import RewardConfig
 from megatron_ais.sft import SFTConfig
@@ -38,7 +39,7 @@ TRAINER_FLAGS = (("model", (ModelConfig,)), ("parallelism", (ParallelLayout,)), 
 GRPO_FLAGS = TRAINER_FLAGS + (("grpo", (PolicyLossConfig, AdvantageConfig)),
                               ("importance-sampling correction", (AISConfig,)),
                               ("rollout", (EngineConfig, KVCacheCalibrationConfig)),
-                              ("rollout fleet", (ClusterConfig,)), ("rewards", (RewardConfig,)),
+                              ("rollout fleet", (ClusterConfig, FleetConfig)), ("rewards", (RewardConfig,)),
                               ("bridge", (BridgeConfig, QuantizationPolicy)), ("grpo loop", (GRPOLoopConfig,)))
 SFT_FLAGS = TRAINER_FLAGS + (("sft", (SFTConfig,)),)
 
@@ -133,6 +134,7 @@ class GRPORunConfig:
     bridge: BridgeConfig
     cluster: ClusterConfig
     rewards: RewardConfig
+    fleet: FleetConfig
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, world_size: int) -> "GRPORunConfig":
@@ -148,7 +150,7 @@ class GRPORunConfig:
                        AdvantageConfig.from_args(args), AISConfig.from_args(args),
                        dataclasses.replace(engine, gpu_staging_arena=bridge.arena_on_gpu),
                        KVCacheCalibrationConfig.from_args(args), bridge, ClusterConfig.from_args(args),
-                       RewardConfig.from_args(args))
+                       RewardConfig.from_args(args), FleetConfig.from_args(args))
 
         config = _configs(build)
         config.check(world_size)
@@ -170,6 +172,9 @@ class GRPORunConfig:
         check_rollout_batch(loop, 1 if training.max_tokens_per_microbatch else training.micro_batch_size,
                             self.trainer.data_parallel(world_size))
         engines = self.cluster.engines_per_node
+        if self.fleet.min_engines > engines:
+            raise ArgumentValidationError(f"--rollout-min-engines {self.fleet.min_engines} exceeds the run's "
+                                          f"{engines} engine(s) (--rollout-engines-per-node)")
         if engines > 1 and not self.cluster.print_placement:
             ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             if self.engine.placement == "colocated":

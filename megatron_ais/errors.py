@@ -32,6 +32,14 @@ class RolloutError(RuntimeError):
     """The engine could not produce a step's rollouts (it failed, or died again after a restart)."""
 
 
+class GenerationTimeoutError(RolloutError):
+    """An engine's generate call ran past --rollout-generation-timeout-s (the engine is then restarted)."""
+
+
+class EngineRetiredError(RolloutError):
+    """An engine died more often than --rollout-max-engine-restarts allows: it serves no more."""
+
+
 class NonFiniteInputError(FloatingPointError):
     """An AIS entry point was given NaN/Inf log-probs, advantages or statistics (the message names which)."""
 

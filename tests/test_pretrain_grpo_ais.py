@@ -75,6 +75,31 @@ def test_pp2_end_to_end_restarts_a_killed_engine_and_resyncs(model_root, tmp_pat
 
 
 @pytest.mark.slow
+def test_engines_dying_past_their_restart_budget_stop_the_run_with_its_checkpoint_intact(model_root, tmp_path):
+    """Two engines, no restarts allowed: both killed after step 1, both are retired at the next call, fewer than
+    --rollout-min-engines serve, and every rank stops naming both engines; the last checkpoint is complete."""
+    import psutil
+
+    from megatron_ais.checkpointing import checkpoint_problem, read_tracker
+
+    checkpoint = _converted_checkpoint(model_root, tmp_path)
+    out, save = tmp_path / "run", tmp_path / "run" / "ckpt"
+    run = _LiveRun(_command(checkpoint, out, 4, "--rollout-engines-per-node", "2", "--rollout-max-engine-restarts",
+                            "0", "--save", str(save), "--save-interval", "1"), str(tmp_path))
+    run.wait_for(lambda line: line.startswith("step     1 |"))
+    for engine in [p for p in psutil.Process(run.proc.pid).children(recursive=True)
+                   if any("EngineCore" in part for part in [p.name()] + p.cmdline())]:
+        engine.kill()
+    assert run.finish(timeout=600) != 0
+    printed = run.output()
+    assert "fewer than --rollout-min-engines 1: stopping" in printed, printed[-4000:]
+    assert "engine 0 (rank 0 on " in printed and "engine 1 (rank 1 on " in printed
+    assert "after 0 restart(s) (--rollout-max-engine-restarts 0); it serves no more" in printed
+    last = read_tracker(str(save))
+    assert last in (1, 2) and checkpoint_problem(str(save), last) is None
+
+
+@pytest.mark.slow
 def test_moe_model_replays_the_engine_routing_and_resumes_exactly(model_root, tmp_path):
     """Qwen3-MoE (8 experts, top-2) converted to an EP2 Megatron checkpoint, trained at EP2 (each rank loads,
     trains, exports and syncs its own four experts) in micro-batches by tokens, FP8 rollouts with float8 experts and

@@ -102,7 +102,7 @@ def _fleet_worker(hf_dir: str, work: str, engines: int, prompts: int, n: int, ma
     from megatron_ais.initialize import initialize_distributed
     from megatron_ais.rollout.batch import rollouts_to_batch
     from megatron_ais.rollout.engine import EngineConfig, RolloutEngine, SamplingConfig
-    from megatron_ais.rollout.fleet import FleetLayout, cpu_core_of, exchange_rows
+    from megatron_ais.rollout.fleet import FleetLayout, cpu_core_of, exchange_rows, make_rows
 
     initialize_distributed()
     layout = FleetLayout.first_ranks(engines, dist.get_rank())
@@ -114,7 +114,7 @@ def _fleet_worker(hf_dir: str, work: str, engines: int, prompts: int, n: int, ma
         engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision="fp8", kv_cache_gb=0.5, max_num_seqs=prompts * n,
                                             placement="separate", cpu_core=cpu_core_of(layout.engine_here)),
                                os.path.join(work, f"engine-{layout.engine_here}"))
-        share = layout.prompts(prompts, layout.engine_here)
+        share = layout.share(range(prompts), layout.engine_here)
         engine.generate(batch[share.start:share.stop], sampling, progress=False, first_index=share.start)  # warm up
     rates = []
     for _ in range(repeats):
@@ -127,11 +127,11 @@ def _fleet_worker(hf_dir: str, work: str, engines: int, prompts: int, n: int, ma
         dist.all_reduce(tokens)
         rates.append(float(tokens) / (time.perf_counter() - t0))
 
-    def make_part():
+    def made_rows(_: range):
         return with_advantages(rollouts_to_batch(rollouts, [0.0] * len(rollouts), n, 16 + max_new, 0),
                                AdvantageConfig())
 
-    got = exchange_rows(make_part, layout, [0, 1], dist.get_rank(), balanced=False)
+    got = exchange_rows(make_rows(made_rows, layout, prompts, 1), [0, 1], dist.get_rank(), balanced=False)
     if engine is not None:
         engine.shutdown()
     return {"tokens_per_s": statistics.median(rates), "received": got.received_bytes, "held": got.held_bytes,
@@ -144,8 +144,8 @@ def _fleet(hf_dir: str, tmp: str, args) -> None:
     results = {engines: spawn(2, _fleet_worker, hf_dir, os.path.join(tmp, f"fleet{engines}"), engines, args.prompts,
                               args.n, args.max_new_tokens, args.repeats)
                for engines in (1, 2)}
-    print(f"| fleet (DP2, FP8 engines, one core each, {args.prompts} prompts x {args.n}) | tokens/s | rank 0 sent "
-          "/ holds (bytes) | rank 1 sent / holds (bytes) | whole batch (bytes) |")
+    print(f"| fleet (DP2, FP8 engines, one core each, {args.prompts} prompts x {args.n}) | tokens/s | rank 0 received "
+          "/ holds (bytes) | rank 1 received / holds (bytes) | whole batch (bytes) |")
     print("|---|---|---|---|---|")
     for engines, ranks in results.items():
         print(f"| {engines} engine(s) | {ranks[0]['tokens_per_s']:.0f} | "

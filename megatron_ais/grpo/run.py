@@ -192,7 +192,7 @@ class GRPORun:
         from megatron_ais.mapping.distributed import save_hf_checkpoint
         from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
         from megatron_ais.rollout.fleet import cpu_core_of
-        from megatron_ais.rollout.manager import RolloutManager, RolloutPlan, check_prompt_lengths
+        from megatron_ais.rollout.manager import RolloutManager, RolloutPlan, ServingPolicy, check_prompt_lengths
         from megatron_ais.rollout.rewards import RewardScorer
 
         trainer, state, out = self.trainer, self.state, self.trainer.logging.output_dir
@@ -219,9 +219,10 @@ class GRPORun:
             engine = RolloutEngine(dataclasses.replace(self.config.engine, model_dir=init_dir,
                                                        cpu_core=cpu_core_of(index) if several else None),
                                    os.path.join(out, f"engine-{index}" if several else "engine"))
+            fleet = self.config.fleet
             self.manager = RolloutManager(engine, self.tokenizer, self.task, plan, state.data_seed, state.rollout_seed,
                                           self._engine_log(index), RewardScorer(self.task.reward, self.config.rewards),
-                                          share=lambda count: self.fleet.prompts(count, index))
+                                          ServingPolicy(fleet.max_engine_restarts, fleet.generation_timeout_s))
         dist.barrier()
 
     def _engine_log(self, index: int):
@@ -246,15 +247,14 @@ class GRPORun:
         what the bridge would have sent after the saved step, with the KV-cache scales the uninterrupted run measured
         then (on that step's rollouts, which the resumed run no longer has)."""
         from megatron_ais.grpo.state import changed_flags
-        from megatron_ais.rollout.fleet import from_every_engine
-        from megatron_ais.rollout.manager import mean_rewards, step_prompt_ids
+        from megatron_ais.rollout.manager import step_prompt_ids
 
         state = self.state
         first_prompts = step_prompt_ids(self.tokenizer, self.task, self.loop.prompts_per_step, state.data_seed,
                                         state.step + 1)
         if state.saved is None:
             self.calibrate_kv_cache(first_prompts)
-            state.eval_before = mean_rewards(from_every_engine(lambda: self.manager.evaluate(), self.fleet))
+            state.eval_before = self._evaluate_on_engines(lambda prompts: self.manager.evaluate(prompts))
             return
         self.log.info(f"resuming GRPO at step {state.step + 1} from {self.trainer.checkpoint.load} (iteration "
                       f"{self.model.loaded.iteration})")
@@ -270,14 +270,22 @@ class GRPORun:
             self.manager.engine.set_kv_cache_scales(state.kv_cache_scales)
 
     def rollout(self, step: int):
-        """This step's rollouts: every engine makes its share, every rank receives the rows its DP rank trains on
-        (`fleet.StepRollouts`)."""
-        from megatron_ais.rollout.fleet import exchange_rows
+        """This step's rollouts: every serving engine makes its share (an engine retired meanwhile leaves its share
+        to the others), every rank receives the rows its DP rank trains on (`fleet.StepRollouts`)."""
+        from megatron_ais.rollout.fleet import exchange_rows, make_rows
 
-        self.rollouts = exchange_rows(lambda: self.manager.rollout_batch(step), self.fleet,
-                                      self.data_parallel_rank_of, self.groups.data_parallel_rank,
+        made = make_rows(lambda prompts: self.manager.rollout_rows(step, prompts), self.fleet,
+                         self.loop.prompts_per_step, self.config.fleet.min_engines)
+        self._retire(made.layout, made.retired)
+        self.rollouts = exchange_rows(made, self.data_parallel_rank_of, self.groups.data_parallel_rank,
                                       self.trainer.training.max_tokens_per_microbatch is not None)
         return self.rollouts
+
+    def _retire(self, layout, messages: list[str]) -> None:
+        """Go on with the engines still serving (`layout`), telling the user which were retired."""
+        for message in messages:
+            self.log.info(f"{message}; {layout.size} engine(s) serve on")
+        self.fleet = layout
 
     def train(self, batch):
         """One GRPO update on the batch (λ once for the batch)."""
@@ -295,9 +303,9 @@ class GRPORun:
 
         self.sync_weights(step)
         if self.config.engine.kv_cache_dtype == "fp8":
-            made, count = self.rollouts.made, self.config.kv_calibration.sequences
-            self.calibrate_kv_cache(share(lambda: rollout_sequences(made.tokens, made.mask, count),
-                                          src=self.fleet.hosts[0]))
+            first, count = self.rollouts.first_rows, self.config.kv_calibration.sequences
+            self.calibrate_kv_cache(share(lambda: rollout_sequences(first.tokens, first.mask, count),
+                                          src=self.rollouts.first_host))
         metrics = {"rollout/engine_weight_version_min": min(self.engine_versions)}
         if self.loop.verifies_at(step):
             metrics.update(verify_refit_on_all_ranks(
@@ -312,12 +320,18 @@ class GRPORun:
 
     def evaluate(self, step: int) -> dict:
         """Held-out accuracy at evaluation steps (each engine evaluates its share; every rank knows the means)."""
+        if not self.loop.evaluates_at(step):
+            return {}
+        return self._evaluate_on_engines(lambda prompts: self.manager.evaluate_unless_dead(step, prompts))
+
+    def _evaluate_on_engines(self, evaluate) -> dict:
+        """`evaluate(prompts)` on every serving engine's share of the held-out prompts, as mean rewards."""
         from megatron_ais.rollout.fleet import from_every_engine
         from megatron_ais.rollout.manager import mean_rewards
 
-        if not self.loop.evaluates_at(step):
-            return {}
-        return mean_rewards(from_every_engine(lambda: self.manager.evaluate_unless_dead(step), self.fleet))
+        prompts = range(len(self.task.eval))
+        return mean_rewards(from_every_engine(lambda: evaluate(self.fleet.share(prompts, self.fleet.rank)),
+                                              self.fleet))
 
     def record(self, step: int, rollouts, train_metrics: dict, synced: dict, evaluated: dict,
                seconds: dict[str, float]) -> None:
@@ -367,18 +381,22 @@ class GRPORun:
     def sync_weights(self, sync_id: int) -> None:
         """Bridge the current policy into the arena, verified once, and apply it to every engine (collective on
         every rank); a sync is complete when every engine has applied it."""
-        from megatron_ais.errors import SyncError
-        from megatron_ais.rollout.fleet import from_every_engine
+        from megatron_ais.errors import EngineRetiredError, SyncError
+        from megatron_ais.rollout.fleet import Retired, from_every_engine, retire
 
         stats = self.bridge.sync(sync_id)
 
         def apply() -> int:
             try:
                 return self.manager.apply_weights(stats.committed)
+            except EngineRetiredError:
+                raise
             except Exception as err:  # every rank must learn that the sync failed, whatever the engine raised
                 raise SyncError(f"sync {sync_id}: {type(err).__name__}: {err}") from err
 
-        self.engine_versions = from_every_engine(apply, self.fleet)
+        results = from_every_engine(apply, self.fleet)
+        self.engine_versions = [v for v in results if not isinstance(v, Retired)]
+        self._retire(*retire(results, self.fleet, self.config.fleet.min_engines))
         if self.bridge_layout.is_sender and self.bridge.completed == 1:
             self.log.info(f"bridge: {stats.tensors} tensors in {stats.buckets} buckets, {stats.bytes / 1e6:.1f} MB "
                           f"from this stage by {stats.transport}, {stats.seconds:.2f} s")

@@ -7,11 +7,12 @@ import dataclasses
 import hashlib
 import json
 import os
+import time
 
 import torch
 
 from megatron_ais.bridge.arena import remove_stale_shared_files
-from megatron_ais.errors import RolloutError
+from megatron_ais.errors import GenerationTimeoutError, RolloutError
 from megatron_ais.flags import FlagConfig, flag
 from megatron_ais.logging import apply_vllm_log_level
 from megatron_ais.rollout.feeds import EngineWeights, build_feed
@@ -233,10 +234,11 @@ def request_seed(seed: int | None, index: int) -> int | None:
     return int.from_bytes(hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=6).digest(), "little")
 
 
-def generate_watching_engine(llm, *args, **kwargs):
-    """llm.generate, made to raise when a separate engine core dies mid-request: vLLM's sync client marks the
+def generate_watching_engine(llm, *args, timeout_s: float | None = None, **kwargs):
+    """llm.generate, made to raise when a separate engine core dies mid-request (vLLM's sync client marks the
     engine dead and stops its output thread without waking the caller waiting on the output queue, so a watchdog
-    puts the error there itself."""
+    puts the error there itself), or GenerationTimeoutError once it has run `timeout_s` seconds (the engine's
+    requests are then still in flight: the caller restarts it)."""
     client = getattr(llm.llm_engine, "engine_core", None)
     resources, outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
     if resources is None or outputs is None:
@@ -245,12 +247,16 @@ def generate_watching_engine(llm, *args, **kwargs):
 
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    done = threading.Event()
+    done, deadline = threading.Event(), None if timeout_s is None else time.monotonic() + timeout_s
 
     def watch():
-        while not done.wait(0.5):
+        while not done.wait(min(0.5, timeout_s or 0.5)):
             if getattr(resources, "engine_dead", False):
                 outputs.put_nowait(EngineDeadError())
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                outputs.put_nowait(GenerationTimeoutError(f"generation ran past --rollout-generation-timeout-s "
+                                                          f"{timeout_s:g}"))
                 return
 
     threading.Thread(target=watch, daemon=True, name="megatron-ais-engine-watch").start()
@@ -333,18 +339,6 @@ class RolloutEngine:
         self.version += 1
         return self.version
 
-    def update_weights_or_restart(self, weights: EngineWeights, on_restart=None) -> int:
-        """update_weights; if the engine died, restart it with these weights (`on_restart(error)` is told first).
-        An error of a live engine is raised."""
-        try:
-            return self.update_weights(weights)
-        except Exception as err:  # vLLM raises many kinds of errors when its engine core dies
-            if self.health_check():
-                raise
-            if on_restart is not None:
-                on_restart(err)
-            return self.restart(weights)
-
     def health_check(self) -> bool:
         """Return True when the engine answers a one-token request."""
         from vllm import SamplingParams, TokensPrompt
@@ -355,10 +349,10 @@ class RolloutEngine:
             return False
         return True
 
-    def _generate(self, *args, **kwargs):
+    def _generate(self, *args, timeout_s: float | None = None, **kwargs):
         if self.placement == "colocated":
             return self.llm.generate(*args, **kwargs)
-        return generate_watching_engine(self.llm, *args, **kwargs)
+        return generate_watching_engine(self.llm, *args, timeout_s=timeout_s, **kwargs)
 
     def restart(self, weights: EngineWeights | None = None) -> int:
         """Replace a crashed engine by a fresh one (a feed of its own) with the last KV-cache scales and `weights`
@@ -387,10 +381,11 @@ class RolloutEngine:
         return [tuple(row) for row in self.llm.collective_rpc("megatron_ais_kv_cache_scales")[0]]
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, progress: bool | None = None,
-                 first_index: int = 0) -> list[Rollout]:
+                 first_index: int = 0, timeout_s: float | None = None) -> list[Rollout]:
         """Return n rollouts per prompt, grouped consecutively by prompt, with sampled-token log-probs. The prompts
         are `first_index`, `first_index` + 1, ... of a larger list (one engine's share): each is sampled with that
-        index's seed, so a share draws what the whole list would (`prompt_index` stays within the call)."""
+        index's seed, so a share draws what the whole list would (`prompt_index` stays within the call). A separate
+        engine's call raises GenerationTimeoutError past `timeout_s` seconds."""
         from vllm import SamplingParams, TokensPrompt
 
         params = [SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
@@ -398,7 +393,8 @@ class RolloutEngine:
                                  logprobs=0, seed=request_seed(sampling.seed, first_index + index))
                   for index in range(len(prompts))]
         outputs = self._generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                 use_tqdm=self.config.log_level in ("info", "debug") if progress is None else progress)
+                                 use_tqdm=self.config.log_level in ("info", "debug") if progress is None else progress,
+                                 timeout_s=timeout_s)
         rollouts = []
         for index, out in enumerate(outputs):
             for completion in out.outputs:

@@ -20,14 +20,40 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_ais.errors import SHARED_ERRORS
+from megatron_ais.errors import SHARED_ERRORS, ArgumentValidationError, EngineRetiredError
+from megatron_ais.flags import FlagConfig, flag
 
 ROW_TENSORS = ("tokens", "labels", "mask", "rollout_logprobs", "rewards", "advantages", "routed_experts")
 
 
 @dataclasses.dataclass(frozen=True)
+class FleetConfig(FlagConfig):
+    """How the run keeps its engines serving."""
+
+    max_engine_restarts: int = flag(3, "Restarts each engine may have over the run (after dying or running past "
+                                       "--rollout-generation-timeout-s); one that dies once more is retired, and the "
+                                       "other engines take over its prompts in the same step.",
+                                    name="--rollout-max-engine-restarts")
+    min_engines: int = flag(1, "Fewest serving engines the run goes on with: below it every rank stops, naming the "
+                               "retired engines and their last errors (the last checkpoint stays as it was).",
+                            name="--rollout-min-engines")
+    generation_timeout_s: float = flag(600.0, "Longest one engine's share of a step may take to generate (seconds, "
+                                              "separate placement); past it the engine counts as dead: restarted.",
+                                       name="--rollout-generation-timeout-s")
+
+    def __post_init__(self):
+        if self.max_engine_restarts < 0:
+            raise ArgumentValidationError(f"--rollout-max-engine-restarts {self.max_engine_restarts} must be >= 0")
+        if self.min_engines < 1:
+            raise ArgumentValidationError(f"--rollout-min-engines {self.min_engines} must be at least 1")
+        if self.generation_timeout_s <= 0:
+            raise ArgumentValidationError(f"--rollout-generation-timeout-s {self.generation_timeout_s} must be "
+                                          "positive")
+
+
+@dataclasses.dataclass(frozen=True)
 class FleetLayout:
-    """Engine e is driven by global rank `hosts[e]`; `rank` is this process's."""
+    """The serving engines, each named by the global rank that drives it (`hosts`); `rank` is this process's."""
 
     hosts: tuple[int, ...]
     rank: int
@@ -44,12 +70,16 @@ class FleetLayout:
 
     @property
     def engine_here(self) -> int | None:
-        """The engine this rank drives (None: it drives none)."""
-        return self.hosts.index(self.rank) if self.rank in self.hosts else None
+        """The serving engine this rank drives (None: it drives none)."""
+        return self.rank if self.rank in self.hosts else None
 
-    def prompts(self, count: int, engine: int) -> range:
-        """Engine `engine`'s share of `count` prompts: a contiguous run, the shares differing by at most one."""
-        return range(count * engine // self.size, count * (engine + 1) // self.size)
+    def share(self, prompts: range, engine: int) -> range:
+        """Engine `engine`'s share of `prompts`: a contiguous run, the shares differing by at most one."""
+        index, count = self.hosts.index(engine), len(prompts)
+        return prompts[count * index // self.size: count * (index + 1) // self.size]
+
+    def without(self, retired: list[int]) -> "FleetLayout":
+        return dataclasses.replace(self, hosts=tuple(h for h in self.hosts if h not in retired))
 
 
 def cpu_core_of(engine: int) -> str:
@@ -59,32 +89,54 @@ def cpu_core_of(engine: int) -> str:
     return str(cores[engine % len(cores)])
 
 
+@dataclasses.dataclass(frozen=True)
+class Retired:
+    """What `from_every_engine` returns for an engine that was retired (EngineRetiredError) while computing."""
+
+    message: str  # names the engine and its host
+
+
 def from_every_engine(compute: Callable[[], Any] | None, layout: FleetLayout) -> list:
-    """Run `compute` on every engine's host (others pass None) and return the hosts' values, in engine order, on
-    every rank; if it raised on any host, every rank raises the first engine's error (its type when one of
-    errors.SHARED_ERRORS, RuntimeError otherwise) naming the engine, its rank and its host. Values are pickled to
-    every rank: small records only."""
-    value, failure = None, None
+    """Run `compute` on every serving engine's host (others pass None) and return the hosts' values, in `hosts`
+    order, on every rank (a Retired for an engine retired meanwhile); if it raised on any host, every rank raises
+    the first engine's error (its type when one of errors.SHARED_ERRORS, RuntimeError otherwise) naming the
+    engine, its rank and its host. Values are pickled to every rank: small records only."""
+    value, failure, name = None, None, f"engine {layout.rank} (rank {layout.rank} on {socket.gethostname()})"
     if layout.engine_here is not None:
         try:
             value = compute()
+        except EngineRetiredError as err:
+            value = Retired(f"{name}: {err}")
         except Exception as err:  # every rank must learn of any engine's failure, whatever raised it
             kind = type(err) if isinstance(err, SHARED_ERRORS) else RuntimeError
-            failure = (kind, f"{type(err).__name__}: {err}" if kind is RuntimeError else str(err))
+            failure = (kind, f"{name}: " + (f"{type(err).__name__}: {err}" if kind is RuntimeError else str(err)))
     parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (value, failure, socket.gethostname()))
-    for engine, host in enumerate(layout.hosts):
-        _, failure, hostname = parts[host]
-        if failure is not None:
-            kind, message = failure
-            raise kind(f"engine {engine} (rank {host} on {hostname}): {message}")
+    dist.all_gather_object(parts, (value, failure))
+    for host in layout.hosts:
+        if parts[host][1] is not None:
+            kind, message = parts[host][1]
+            raise kind(message)
     return [parts[host][0] for host in layout.hosts]
+
+
+def retire(results: list, layout: FleetLayout, min_engines: int) -> tuple[FleetLayout, list[str]]:
+    """The layout without the engines `from_every_engine` found retired, and their messages; with fewer than
+    `min_engines` left, EngineRetiredError on every rank (every rank has the same results)."""
+    retired = [(host, r.message) for host, r in zip(layout.hosts, results) if isinstance(r, Retired)]
+    left = layout.without([host for host, _ in retired])
+    if retired and left.size < min_engines:
+        raise EngineRetiredError("; ".join(message for _, message in retired) + f"; {left.size} engine(s) left, "
+                                 f"fewer than --rollout-min-engines {min_engines}: stopping")
+    return left, [message for _, message in retired]
 
 
 @dataclasses.dataclass(frozen=True)
 class RowsRecord:
-    """What an engine's host tells every rank about the rows it made this step (small: a few numbers per row)."""
+    """What an engine's host tells every rank about the rows of one run of prompts it made (small: a few numbers
+    per row)."""
 
+    host: int
+    first_prompt: int
     lengths: tuple[int, ...]  # each row's length to its last response token (`batching.row_lengths`)
     rewards: tuple[float, ...]
     response_tokens: int
@@ -95,15 +147,16 @@ class RowsRecord:
     seconds: float  # how long the engine's host took to make them
 
     @classmethod
-    def of(cls, batch, seconds: float) -> "RowsRecord":
+    def of(cls, batch, host: int, first_prompt: int, seconds: float) -> "RowsRecord":
         from megatron_ais.grpo.batching import row_lengths
 
-        return cls(tuple(row_lengths(batch.mask)), tuple(batch.rewards.tolist()), int(batch.mask.sum()),
-                   batch.group_size, tuple((name, t.dtype, tuple(t.shape[1:])) for name, t in row_tensors(batch)),
+        return cls(host, first_prompt, tuple(row_lengths(batch.mask)), tuple(batch.rewards.tolist()),
+                   int(batch.mask.sum()), batch.group_size,
+                   tuple((name, t.dtype, tuple(t.shape[1:])) for name, t in row_tensors(batch)),
                    batch.reward_failures, batch.reward_timeouts, seconds)
 
     def empty(self, rows: int) -> dict[str, torch.Tensor]:
-        """Tensors for `rows` of the engine's rows (what a receiver fills)."""
+        """Tensors for `rows` of these rows (what a receiver fills)."""
         return {name: torch.empty((rows,) + shape, dtype=dtype) for name, dtype, shape in self.columns}
 
     def nbytes(self, rows: int) -> int:
@@ -122,6 +175,41 @@ def row_tensors(batch) -> list[tuple[str, torch.Tensor]]:
     return [(name, getattr(batch, name)) for name in ROW_TENSORS if getattr(batch, name) is not None]
 
 
+@dataclasses.dataclass
+class MadeRows:
+    """A step's rows as the engines made them: every rank's records (in prompt order), the serving engines after
+    any retirement, and on each host the RolloutBatch of each of its records (by first prompt)."""
+
+    records: list[RowsRecord]
+    layout: FleetLayout
+    made: dict[int, Any]
+    retired: list[str]
+
+
+def make_rows(make: Callable[[range], Any] | None, layout: FleetLayout, count: int, min_engines: int) -> MadeRows:
+    """Every serving engine makes the rows of its share of prompts 0 .. count - 1 (`make(prompts)` on its host: a
+    RolloutBatch with advantages); the share of an engine retired meanwhile goes to the others, until every prompt
+    is made or fewer than `min_engines` serve (EngineRetiredError on every rank)."""
+    pending, records, made, retired = [range(count)], [], {}, []
+    while pending:
+        assigned = {host: [layout.share(p, host) for p in pending if layout.share(p, host)] for host in layout.hosts}
+
+        def make_assigned() -> list[RowsRecord]:
+            out = []
+            for prompts in assigned[layout.rank]:
+                start = time.perf_counter()
+                made[prompts.start] = make(prompts)
+                out.append(RowsRecord.of(made[prompts.start], layout.rank, prompts.start, time.perf_counter() - start))
+            return out
+
+        results = from_every_engine(make_assigned, layout)
+        pending = [p for host, r in zip(layout.hosts, results) if isinstance(r, Retired) for p in assigned[host]]
+        records += [record for r in results if not isinstance(r, Retired) for record in r]
+        layout, messages = retire(results, layout, min_engines)
+        retired += messages
+    return MadeRows(sorted(records, key=lambda r: r.first_prompt), layout, made, retired)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepRollouts:
     """One step's rollouts as a rank holds them: the rows its DP rank trains on (`batch`, advantages included) and
@@ -135,54 +223,46 @@ class StepRollouts:
     received_bytes: int  # row bytes this rank was sent by other ranks
     held_bytes: int  # row bytes of the rows it trains on
     batch_bytes: int  # row bytes of the whole batch
-    engine_tokens_per_s: tuple[float, ...]  # each engine's response tokens per second of its generation
-    made: object = None  # the RolloutBatch this rank's engine made (None on other ranks)
+    engine_tokens_per_s: tuple[float, ...]  # each run of prompts' response tokens per second of its making
+    first_host: int  # the host that made the batch's first rows
+    first_rows: object = None  # their RolloutBatch, on that host (None elsewhere)
 
 
-def exchange_rows(make_part: Callable[[], Any] | None, layout: FleetLayout, data_parallel_rank_of: list[int],
-                  data_parallel_rank: int, balanced: bool) -> StepRollouts:
-    """Every rank's rows from the engines' hosts. `make_part()` makes the RolloutBatch of this rank's engine (with
-    advantages; called on engine hosts only), `data_parallel_rank_of` is every global rank's DP rank, `balanced`
-    whether DP shares balance tokens (--max-tokens-per-microbatch) rather than being contiguous."""
+def exchange_rows(rows: MadeRows, data_parallel_rank_of: list[int], data_parallel_rank: int,
+                  balanced: bool) -> StepRollouts:
+    """Every rank's rows from the engines' hosts, by point-to-point sends (each host sends each rank only rows of
+    its DP rank). `data_parallel_rank_of` is every global rank's DP rank, `balanced` whether DP shares balance
+    tokens (--max-tokens-per-microbatch) rather than being contiguous."""
     from megatron_ais.grpo.step import RolloutBatch, data_parallel_rows
 
-    part = None
-
-    def make_record() -> RowsRecord:
-        nonlocal part
-        start = time.perf_counter()
-        part = make_part()
-        return RowsRecord.of(part, time.perf_counter() - start)
-
-    records = from_every_engine(make_record, layout)
+    records, me = rows.records, rows.layout.rank
     offsets = [0]
     for record in records:
         offsets.append(offsets[-1] + len(record.lengths))
     shares = data_parallel_rows([n for record in records for n in record.lengths], max(data_parallel_rank_of) + 1,
                                 balanced)
 
-    def engine_rows(engine: int, dp_rank: int) -> list[int]:
-        return [row - offsets[engine] for row in shares[dp_rank] if offsets[engine] <= row < offsets[engine + 1]]
+    def record_rows(index: int, dp_rank: int) -> list[int]:
+        return [row - offsets[index] for row in shares[dp_rank] if offsets[index] <= row < offsets[index + 1]]
 
     requests, pieces, received = [], [], 0
-    me, engine_here = layout.rank, layout.engine_here
-    if engine_here is not None:  # send every other rank the rows of its DP rank
-        tensors = row_tensors(part)
-        for rank, dp_rank in enumerate(data_parallel_rank_of):
-            rows = engine_rows(engine_here, dp_rank)
-            if rank != me and rows:
-                requests += [dist.isend(t[rows].contiguous(), dst=rank) for _, t in tensors]
-    for engine, host in enumerate(layout.hosts):
-        rows = engine_rows(engine, data_parallel_rank)
-        if not rows:
+    for index, record in enumerate(records):  # every pair of ranks meets its messages in this order
+        if record.host == me:
+            tensors = row_tensors(rows.made[record.first_prompt])
+            for rank, dp_rank in enumerate(data_parallel_rank_of):
+                wanted = record_rows(index, dp_rank)
+                if rank != me and wanted:
+                    requests += [dist.isend(t[wanted].contiguous(), dst=rank) for _, t in tensors]
+            mine = record_rows(index, data_parallel_rank)
+            if mine:
+                pieces.append({name: t[mine] for name, t in tensors})
             continue
-        if host == me:
-            pieces.append({name: t[rows] for name, t in row_tensors(part)})
-            continue
-        piece = records[engine].empty(len(rows))
-        requests += [dist.irecv(t, src=host) for t in piece.values()]
-        received += records[engine].nbytes(len(rows))
-        pieces.append(piece)
+        mine = record_rows(index, data_parallel_rank)
+        if mine:
+            piece = record.empty(len(mine))
+            requests += [dist.irecv(t, src=record.host) for t in piece.values()]
+            received += record.nbytes(len(mine))
+            pieces.append(piece)
     for request in requests:
         request.wait()
     batch = RolloutBatch(**{name: torch.cat([piece[name] for piece in pieces]) for name in pieces[0]},
@@ -194,4 +274,4 @@ def exchange_rows(make_part: Callable[[], Any] | None, layout: FleetLayout, data
                         held_bytes=records[0].nbytes(len(shares[data_parallel_rank])),
                         batch_bytes=sum(r.nbytes(len(r.lengths)) for r in records),
                         engine_tokens_per_s=tuple(r.response_tokens / max(r.seconds, 1e-9) for r in records),
-                        made=part)
+                        first_host=records[0].host, first_rows=rows.made.get(0) if records[0].host == me else None)

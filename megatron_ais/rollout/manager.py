@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Callable
+from typing import Any, Callable
 
-from megatron_ais.errors import ArgumentValidationError, RolloutError
+from megatron_ais.errors import ArgumentValidationError, EngineRetiredError, GenerationTimeoutError, RolloutError
 from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
 from megatron_ais.rollout.rewards import RewardScorer, Scores
 
@@ -57,16 +57,26 @@ class RolloutPlan:
     routing_replay: bool = False  # MoE: the engine routes every rollout once more for the trainer to replay
 
 
+@dataclasses.dataclass(frozen=True)
+class ServingPolicy:
+    """How hard a manager keeps its engine serving: restarts over the run, and how long one generate call may take
+    (seconds; None: no limit)."""
+
+    max_restarts: int = 3
+    generation_timeout_s: float | None = None
+
+
 class RolloutManager:
-    """Lives on an engine's host rank: generates and scores its share of each step's rollouts (`share(count)`: the
-    indices of the prompts, of `count`, its engine serves), evaluates its share of the held-out prompts and applies
-    weight syncs, restarting the engine when it died (`log` tells the user)."""
+    """Lives on an engine's host rank: generates and scores the prompts of each step it is given (a range of the
+    step's prompt indices), evaluates its share of the held-out prompts and applies weight syncs. An engine that dies
+    (or runs past the generation timeout) is restarted and asked again while `policy.max_restarts` lasts; after that
+    it is shut down and EngineRetiredError raised (`log` tells the user)."""
 
     def __init__(self, engine: RolloutEngine, tokenizer, task, plan: RolloutPlan, data_seed: int, rollout_seed: int,
-                 log: Callable[[str], None], scorer: RewardScorer, share: Callable[[int], range] = range):
+                 log: Callable[[str], None], scorer: RewardScorer, policy: ServingPolicy = ServingPolicy()):
         self.engine, self.tokenizer, self.task, self.plan = engine, tokenizer, task, plan
         self.data_seed, self.rollout_seed, self.log, self.scorer = data_seed, rollout_seed, log, scorer
-        self.share = share
+        self.policy, self.restarts = policy, 0
 
     def _score(self, examples: list, rollouts: list, what: str) -> Scores:
         scores = self.scorer.score([(self.tokenizer.decode(r.token_ids, skip_special_tokens=True),
@@ -76,20 +86,21 @@ class RolloutManager:
                      f"ran past --reward-timeout-s {self.scorer.config.timeout_s:g}; scored 0")
         return scores
 
-    def _generate(self, examples: list, sampling: SamplingConfig, progress: bool | None = None) -> tuple[list, list]:
-        """This engine's share of `examples` and its rollouts (each prompt sampled with its index's seed)."""
-        indices = self.share(len(examples))
+    def _generate(self, examples: list, indices: range, sampling: SamplingConfig, progress: bool | None = None
+                  ) -> tuple[list, list]:
+        """The examples at `indices` and their rollouts (each prompt sampled with its index's seed)."""
         mine = [examples[i] for i in indices]
         return mine, self.engine.generate(prompt_ids(self.tokenizer, [e.prompt for e in mine]), sampling,
-                                          progress=progress, first_index=indices.start if indices else 0)
+                                          progress=progress, first_index=indices.start if indices else 0,
+                                          timeout_s=self.policy.generation_timeout_s)
 
-    def _collect(self, step: int):
+    def _collect(self, step: int, prompts: range):
         from megatron_ais.grpo.step import with_advantages
         from megatron_ais.rollout.batch import rollouts_to_batch
 
         sampling = dataclasses.replace(self.plan.sampling, seed=self.rollout_seed * 100003 + step)
         examples, rollouts = self._generate(step_examples(self.task, self.plan.prompts_per_step, self.data_seed, step),
-                                            sampling)
+                                            prompts, sampling)
         # the trainer's input positions: every token but the last
         routes = self.engine.route([(r.prompt_token_ids + r.token_ids)[:-1] for r in rollouts]) \
             if self.plan.routing_replay else None
@@ -99,42 +110,51 @@ class RolloutManager:
         return with_advantages(dataclasses.replace(batch, reward_failures=scores.failed,
                                                    reward_timeouts=scores.timed_out), self.plan.advantages)
 
-    def rollout_batch(self, step: int):
-        """Sample this step's prompts, generate the group of responses per prompt of this engine's share and score
-        them; return the RolloutBatch of its rows, advantages included. An engine that died is restarted (with its
-        weights) and asked once more."""
-        try:
-            return self._collect(step)
-        except Exception as err:  # vLLM raises many kinds of errors when its engine core dies
-            if self.engine.health_check():
-                raise RolloutError(f"step {step}: rollout generation failed: {type(err).__name__}: {err}") from err
-            self.log(f"step {step}: the rollout engine died ({type(err).__name__}: {err}); restarting it and "
-                     "re-syncing the current weights")
-            self.engine.restart()
-        try:
-            return self._collect(step)
-        except Exception as err:
-            raise RolloutError(f"step {step}: rollout generation failed: {type(err).__name__}: {err}") from err
+    def _serving(self, action: Callable[[], Any], what: str) -> Any:
+        """`action()`, restarting the engine (with its last weights) and asking again each time it died or ran past
+        the generation timeout, while the restart budget lasts; an error of a live engine is a RolloutError."""
+        while True:
+            try:
+                return action()
+            except Exception as err:  # vLLM raises many kinds of errors when its engine core dies
+                if not isinstance(err, GenerationTimeoutError) and self.engine.health_check():
+                    raise RolloutError(f"{what} failed: {type(err).__name__}: {err}") from err
+                if self.restarts >= self.policy.max_restarts:
+                    self.engine.shutdown()
+                    raise EngineRetiredError(
+                        f"{what}: the rollout engine died again ({type(err).__name__}: {err}) after "
+                        f"{self.restarts} restart(s) (--rollout-max-engine-restarts {self.policy.max_restarts}); it "
+                        "serves no more") from err
+                self.log(f"{what}: the rollout engine died ({type(err).__name__}: {err}); restarting it and "
+                         "re-syncing the current weights")
+                self.restarts += 1
+                self.engine.restart()
 
-    def _reward_sum(self, sampling: SamplingConfig) -> tuple[float, int]:
-        examples, rollouts = self._generate(self.task.eval, sampling, progress=False)
+    def rollout_rows(self, step: int, prompts: range):
+        """Generate the group of responses to each of the step's prompts at indices `prompts` and score them; return
+        the RolloutBatch of their rows, advantages included."""
+        return self._serving(lambda: self._collect(step, prompts), f"step {step}")
+
+    def _reward_sum(self, prompts: range, sampling: SamplingConfig) -> tuple[float, int]:
+        examples, rollouts = self._generate(self.task.eval, prompts, sampling, progress=False)
         rewards = self._score(examples, rollouts, "evaluation").values
         return sum(rewards), len(rewards)
 
-    def evaluate(self) -> dict[str, tuple[float, int]]:
-        """Held-out accuracy on this engine's share of the held-out prompts, as (sum of rewards, samples) per
-        metric (`mean_rewards` of every engine's gives the means): the evaluation's samples per prompt at the
-        rollout temperature (fixed seed, so evaluations are comparable across steps), and greedy."""
+    def evaluate(self, prompts: range) -> dict[str, tuple[float, int]]:
+        """Held-out accuracy on the held-out prompts at indices `prompts`, as (sum of rewards, samples) per metric
+        (`mean_rewards` of every engine's gives the means): the evaluation's samples per prompt at the rollout
+        temperature (fixed seed, so evaluations are comparable across steps), and greedy."""
         sampling = self.plan.sampling
         sampled = dataclasses.replace(sampling, n=self.plan.eval_samples, seed=self.plan.eval_seed)
         greedy = SamplingConfig(temperature=0.0, max_new_tokens=sampling.max_new_tokens,
                                 stop_token_ids=sampling.stop_token_ids)
-        return {"eval/accuracy": self._reward_sum(sampled), "eval/greedy_accuracy": self._reward_sum(greedy)}
+        return {"eval/accuracy": self._reward_sum(prompts, sampled),
+                "eval/greedy_accuracy": self._reward_sum(prompts, greedy)}
 
-    def evaluate_unless_dead(self, step: int) -> dict[str, tuple[float, int]]:
+    def evaluate_unless_dead(self, step: int, prompts: range) -> dict[str, tuple[float, int]]:
         """`evaluate`; an engine that died meanwhile skips it (it is restarted at the next rollout)."""
         try:
-            return self.evaluate()
+            return self.evaluate(prompts)
         except Exception as err:
             if self.engine.health_check():
                 raise
@@ -143,12 +163,9 @@ class RolloutManager:
             return {}
 
     def apply_weights(self, weights) -> int:
-        """The bridge receiver's callback: install a verified sync (an engine that died meanwhile is restarted and
-        given the same complete set of weights)."""
-        def restarting(err):
-            self.log(f"the rollout engine died during a weight sync ({type(err).__name__}: {err}); restarting it and "
-                     "re-syncing the current weights")
-        return self.engine.update_weights_or_restart(weights, on_restart=restarting)
+        """Install a verified sync; an engine that died meanwhile is restarted (while the budget lasts) and given
+        it; return the engine's weight version."""
+        return self._serving(lambda: self.engine.update_weights(weights), "weight sync")
 
 
 def mean_rewards(parts: list[dict[str, tuple[float, int]]]) -> dict[str, float]:

@@ -1,7 +1,8 @@
 """The rollout fleet's data path on real gloo ranks: engines' shares of the prompts; each rank receives from the
 engines' hosts exactly the rows its DP rank trains on (what cutting the whole batch would give it, advantages
-included, for contiguous and token-balanced shares, one or two engines), and fewer bytes than the whole batch; an
-error on one engine's host is raised on every rank naming that engine."""
+included, for contiguous and token-balanced shares, one or two engines, and when one engine is retired mid-step and
+the other makes its prompts), and fewer bytes than the whole batch; below --rollout-min-engines every rank stops;
+an error on one engine's host is raised on every rank naming that engine."""
 import pytest
 import torch
 
@@ -24,60 +25,73 @@ def _whole_batch(rows: int, group_size: int, seq_length: int, seed: int):
                         reward_failures=1)
 
 
-def _worker(engines: int, balanced: bool):
+def _worker(engines: int, balanced: bool, retiring: bool):
     import torch.distributed as dist
 
-    from megatron_ais.errors import RolloutError
+    from megatron_ais.errors import EngineRetiredError, RolloutError
     from megatron_ais.grpo.advantages import AdvantageConfig
     from megatron_ais.grpo.batching import row_lengths
     from megatron_ais.grpo.step import data_parallel_rows, with_advantages
     from megatron_ais.initialize import initialize_distributed
-    from megatron_ais.rollout.fleet import FleetLayout, exchange_rows, from_every_engine
+    from megatron_ais.rollout.fleet import FleetLayout, exchange_rows, from_every_engine, make_rows
 
     initialize_distributed()
     rank, group_size, prompts = dist.get_rank(), 4, 6
     layout = FleetLayout.first_ranks(engines, rank)
     whole = with_advantages(_whole_batch(prompts * group_size, group_size, 12, seed=5), AdvantageConfig())
 
-    def make_part():
-        share = layout.prompts(prompts, layout.engine_here)
+    def make(share: range):
+        if retiring and rank == engines - 1:  # the last engine died past its restart budget
+            raise EngineRetiredError("the rollout engine died again")
         return whole.rows(list(range(share.start * group_size, share.stop * group_size)))
 
-    got = exchange_rows(make_part, layout, [0, 1], rank, balanced)
+    made = make_rows(make, layout, prompts, min_engines=1)
+    got = exchange_rows(made, [0, 1], rank, balanced)
     expected = whole.rows(data_parallel_rows(row_lengths(whole.mask), 2, balanced)[rank])
     same = all(torch.equal(getattr(got.batch, name), getattr(expected, name))
                for name in ("tokens", "labels", "mask", "rollout_logprobs", "rewards", "advantages"))
+    try:  # with a minimum of 2 serving engines a retirement stops every rank
+        make_rows(make, layout, prompts, min_engines=2)
+        stopped = None
+    except EngineRetiredError as err:
+        stopped = str(err)
 
     def fails_on_last_engine():
         if layout.engine_here == engines - 1:
             raise RuntimeError("engine core died")
         return layout.engine_here
 
-    try:
-        from_every_engine(fails_on_last_engine, layout)
-        error = None
-    except RuntimeError as err:
-        error = str(err)
-    try:
-        from_every_engine(lambda: (_ for _ in ()).throw(RolloutError("generation timed out")), layout)
-        shared_kind = None
-    except RolloutError as err:
-        shared_kind = str(err)
+    errors = []
+    for compute in (fails_on_last_engine, lambda: (_ for _ in ()).throw(RolloutError("generation timed out"))):
+        try:
+            from_every_engine(compute, layout)
+        except (RuntimeError, RolloutError) as err:
+            errors.append((type(err).__name__, str(err)))
     return (same, torch.equal(got.rewards, whole.rewards), got.response_tokens == int(whole.mask.sum()),
-            got.reward_failures, got.received_bytes, got.held_bytes, got.batch_bytes, error, shared_kind)
+            got.reward_failures, got.received_bytes, got.held_bytes, got.batch_bytes, made.layout.hosts,
+            made.retired, stopped, errors)
 
 
-@pytest.mark.parametrize("engines,balanced", [(2, False), (2, True), (1, True)])
-def test_each_rank_receives_only_its_rows(engines, balanced):
-    results = spawn(2, _worker, engines, balanced)
-    for rank, (same, rewards, tokens, failures, received, held, whole, error, shared_kind) in enumerate(results):
+@pytest.mark.parametrize("engines,balanced,retiring", [(2, False, False), (2, True, False), (1, True, False),
+                                                      (2, False, True)])
+def test_each_rank_receives_only_its_rows(engines, balanced, retiring):
+    results = spawn(2, _worker, engines, balanced, retiring)
+    for rank, (same, rewards, tokens, failures, received, held, whole, hosts, retired, stopped, errors) in \
+            enumerate(results):
         assert same and rewards and tokens, rank
-        assert failures == engines  # every engine's count, summed
+        assert failures == engines  # every run of prompts' count, summed (engine 0 made two when engine 1 retired)
         assert held < whole and received <= held, (held, received, whole)
-        assert error.startswith(f"engine {engines - 1} (rank {engines - 1} on ")
-        assert error.endswith("): RuntimeError: engine core died")
-        assert shared_kind.startswith("engine 0 (rank 0 on ") and shared_kind.endswith("): generation timed out")
-    if engines == 1:
+        (kind, message), (shared_kind, shared_message) = errors
+        assert kind == "RuntimeError" and message.startswith(f"engine {engines - 1} (rank {engines - 1} on ")
+        assert message.endswith("): RuntimeError: engine core died")
+        assert shared_kind == "RolloutError" and shared_message.startswith("engine 0 (rank 0 on ")
+        assert shared_message.endswith("): generation timed out")
+        if retiring:  # engine 1's prompts were made by engine 0 in the same step; rank 1 was sent its half
+            assert hosts == (0,) and len(retired) == 1 and retired[0].startswith("engine 1 (rank 1 on ")
+            assert stopped.endswith("1 engine(s) left, fewer than --rollout-min-engines 2: stopping")
+        else:
+            assert hosts == tuple(range(engines)) and not retired and stopped is None
+    if engines == 1 or retiring:
         assert results[0][4] == 0 and results[1][4] == results[1][5]  # rank 0 made them all, rank 1 got its half
 
 
@@ -87,7 +101,8 @@ def test_prompt_shares_cover_the_step_in_order():
     for engines in (1, 2, 3, 5):
         layout = FleetLayout.first_ranks(engines, 0)
         for count in (engines, 7, 32):
-            shares = [layout.prompts(count, e) for e in range(engines)]
+            shares = [layout.share(range(count), e) for e in range(engines)]
             assert [i for share in shares for i in share] == list(range(count))
             assert max(map(len, shares)) - min(map(len, shares)) <= 1
     assert FleetLayout.first_ranks(2, 1).engine_here == 1 and FleetLayout.first_ranks(2, 3).engine_here is None
+    assert FleetLayout.first_ranks(3, 0).without([1]).share(range(4, 10), 2) == range(7, 10)
