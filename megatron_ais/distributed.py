@@ -4,6 +4,7 @@ rank is left waiting in a collective. Also the host and port helpers of process 
 torchrun's world."""
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any, Callable
 
@@ -56,6 +57,12 @@ def from_last_stage(obj: Any) -> Any:
         return obj
     return share(lambda: obj, src=ps.get_pipeline_model_parallel_last_rank(),
                  group=ps.get_pipeline_model_parallel_group())
+
+
+def node_name() -> str:
+    """The name of this process's node: its hostname, or MEGATRON_AIS_NODE_NAME when set (containers that share a
+    hostname; tests that run two nodes on one machine). Ranks with the same name share memory."""
+    return os.environ.get("MEGATRON_AIS_NODE_NAME") or socket.gethostname()
 
 
 def free_port() -> int:

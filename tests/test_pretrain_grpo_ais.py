@@ -148,7 +148,9 @@ def test_moe_model_replays_the_engine_routing_and_resumes_exactly(model_root, tm
     assert sorted(got) == sorted(expected)
     for key in expected:
         exact = key.startswith(("rollout/reward", "eval/")) or key == "step"
-        tolerance = 0 if exact else 0.15 if key == "ais/sequence_ess" else 2e-2
+        # the sequence ESS and the largest |log-ratio| of the batch are the noisiest: an exponential of sums, a max
+        tolerance = 0 if exact else 0.15 if key == "ais/sequence_ess" else 5e-2 if key == "ais/max_abs_logratio" \
+            else 2e-2
         assert got[key] == pytest.approx(expected[key], rel=tolerance,
                                          abs=0.05 if key == "rollout/routing_mismatch" else 1e-9), key
 

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-import socket
 
 import torch.distributed as dist
 
 from megatron_ais.bridge.plan import WriterRole
+from megatron_ais.distributed import node_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,7 @@ class BridgeLayout:
         cp0 = ps.get_context_parallel_rank() == 0
         me = RankPosition(dist.get_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(), cp0,
                           cp0 and ps.get_expert_data_parallel_rank() == 0, ps.get_tensor_model_parallel_rank(),
-                          socket.gethostname())
+                          node_name())
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, me)
         stages = sorted({p.pp_rank for p in everyone})

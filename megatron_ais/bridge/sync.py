@@ -6,7 +6,6 @@ let alone the model."""
 from __future__ import annotations
 
 import dataclasses
-import socket
 import time
 
 import torch.distributed as dist
@@ -21,7 +20,7 @@ from megatron_ais.bridge.receiver import SyncReceiver
 from megatron_ais.bridge.transports import StageTransport, receive_stage
 from megatron_ais.bridge.transports.point_to_point import PointToPointTransport
 from megatron_ais.bridge.transports.shared_memory import SharedMemoryTransport
-from megatron_ais.distributed import share
+from megatron_ais.distributed import node_name, share
 from megatron_ais.errors import SyncError
 from megatron_ais.mapping.distributed import expert_tensor_parallel_rank, shard_context
 
@@ -106,7 +105,7 @@ class WeightBridge:
         infos = [None] * dist.get_world_size()
         dist.all_gather_object(infos, StageInfo(lay.pp_rank, lay.is_sender, list(self.plan.tensors) if lay.is_sender
                                                 else None, self.plan.nbytes if self.plan else 0,
-                                                self.plan.scratch_bytes if self.plan else 0, socket.gethostname()))
+                                                self.plan.scratch_bytes if self.plan else 0, node_name()))
         stages = sorted((i for i in infos if i.is_sender), key=lambda i: i.pp_rank)
         self.stage_bytes = [i.nbytes for i in stages]
         engine = infos[lay.engine_rank]

@@ -148,6 +148,7 @@ class GRPORun:
         from megatron_ais.checkpointing import CheckpointRanks
         from megatron_ais.grpo.state import GRPOState, reference_source
         from megatron_ais.grpo.step import GRPOConfig, ParallelGroups
+        from megatron_ais.distributed import node_name
         from megatron_ais.rollout.fleet import FleetLayout
         from megatron_ais.rollout.verify import probe_tokens
         from megatron_ais.training import WeightSource, build_reference_chunks, setup_model_and_optimizer
@@ -162,9 +163,11 @@ class GRPORun:
             unverified)
         self.state = GRPOState.begin(saved, trainer.training.seed, self.loop.rollout_seed, reference)
         self.groups = ParallelGroups.from_parallel_state()
-        self.fleet = FleetLayout.first_ranks(self.config.cluster.engines_per_node, dist.get_rank())
-        self.data_parallel_rank_of = [None] * dist.get_world_size()
-        dist.all_gather_object(self.data_parallel_rank_of, self.groups.data_parallel_rank)
+        places = [None] * dist.get_world_size()
+        dist.all_gather_object(places, (node_name(), self.groups.data_parallel_rank))
+        self.node_of = [node for node, _ in places]
+        self.data_parallel_rank_of = [dp_rank for _, dp_rank in places]
+        self.fleet = FleetLayout.per_node(self.config.cluster.engines_per_node, dist.get_rank(), self.node_of)
         self.checkpoint_ranks = CheckpointRanks.from_parallel_state()
         self.bridge_layout = BridgeLayout.from_parallel_state(self.arena_rank)
         self.reference = None
@@ -216,8 +219,9 @@ class GRPORun:
                                       max_new_tokens=loop.max_new_tokens, stop_token_ids=(self.tokenizer.eos_token_id,))
             plan = RolloutPlan(loop.prompts_per_step, sampling, loop.eval_samples, trainer.training.seed,
                                trainer.model.seq_length, self.config.advantages, self.routing_replay)
+            local_rank = int(os.environ.get("LOCAL_RANK", index))  # a node's engines are driven by its first ranks
             engine = RolloutEngine(dataclasses.replace(self.config.engine, model_dir=init_dir,
-                                                       cpu_core=cpu_core_of(index) if several else None),
+                                                       cpu_core=cpu_core_of(local_rank) if several else None),
                                    os.path.join(out, f"engine-{index}" if several else "engine"))
             fleet = self.config.fleet
             self.manager = RolloutManager(engine, self.tokenizer, self.task, plan, state.data_seed, state.rollout_seed,
@@ -235,9 +239,14 @@ class GRPORun:
 
     def _setup_bridge(self) -> None:
         """Global rank 0 receives syncs into the staging arena and verifies them once; every rank writes its
-        shards; every engine applies each verified sync from the arena (`sync_weights`)."""
+        shards; the other nodes with engines get a verified copy each; every engine applies each sync from its
+        node's arena (`sync_weights`)."""
+        from megatron_ais.bridge.node_copies import NodeCopies, node_leaders
         from megatron_ais.bridge.receiver import SyncReceiver
         from megatron_ais.bridge.sync import WeightBridge
+
+        self.node_copies = NodeCopies(self.arena_rank, node_leaders(self.fleet.hosts, self.node_of, self.arena_rank),
+                                      dist.get_rank())
 
         self.receiver = SyncReceiver(apply=lambda weights: weights) if dist.get_rank() == self.arena_rank else None
         self.bridge = WeightBridge(self.model.chunks, self.build, self.config.bridge, self.bridge_layout, self.receiver)
@@ -379,22 +388,23 @@ class GRPORun:
         self.log.info(f"saved checkpoint {checkpoint.save} iteration {step}")
 
     def sync_weights(self, sync_id: int) -> None:
-        """Bridge the current policy into the arena, verified once, and apply it to every engine (collective on
-        every rank); a sync is complete when every engine has applied it."""
+        """Bridge the current policy into the arena, verified once, forward it to the other nodes' copies (each
+        verified) and apply it to every engine (collective on every rank); a sync is complete when every engine
+        has applied it."""
         from megatron_ais.errors import EngineRetiredError, SyncError
-        from megatron_ais.rollout.fleet import Retired, from_every_engine, retire
+        from megatron_ais.rollout.fleet import Retired, apply_on_every_engine, retire
 
         stats = self.bridge.sync(sync_id)
 
-        def apply() -> int:
+        def apply(weights) -> int:
             try:
-                return self.manager.apply_weights(stats.committed)
+                return self.manager.apply_weights(weights)
             except EngineRetiredError:
                 raise
             except Exception as err:  # every rank must learn that the sync failed, whatever the engine raised
                 raise SyncError(f"sync {sync_id}: {type(err).__name__}: {err}") from err
 
-        results = from_every_engine(apply, self.fleet)
+        results = apply_on_every_engine(stats.committed, self.node_copies, self.fleet, self.node_of, apply, sync_id)
         self.engine_versions = [v for v in results if not isinstance(v, Retired)]
         self._retire(*retire(results, self.fleet, self.config.fleet.min_engines))
         if self.bridge_layout.is_sender and self.bridge.completed == 1:
@@ -431,6 +441,7 @@ class GRPORun:
             plot_run(history, os.path.join(self.trainer.logging.output_dir, "run.png"), accuracy_before)
         self.log.close()
         self.bridge.close()
+        self.node_copies.close()
         if self.manager is not None:
             self.manager.engine.shutdown()
             self.manager.scorer.close()

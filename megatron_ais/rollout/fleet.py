@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from megatron_ais.errors import SHARED_ERRORS, ArgumentValidationError, EngineRetiredError
+from megatron_ais.distributed import node_name
+from megatron_ais.errors import SHARED_ERRORS, ArgumentValidationError, EngineRetiredError, SyncError
 from megatron_ais.flags import FlagConfig, flag
 
 ROW_TENSORS = ("tokens", "labels", "mask", "rollout_logprobs", "rewards", "advantages", "routed_experts")
@@ -60,9 +60,17 @@ class FleetLayout:
 
     @classmethod
     def first_ranks(cls, engines: int, rank: int) -> "FleetLayout":
-        """`engines` engines driven by global ranks 0 .. engines - 1 (the first node's; `arguments` checks that
-        the node has them)."""
+        """`engines` engines driven by global ranks 0 .. engines - 1."""
         return cls(tuple(range(engines)), rank)
+
+    @classmethod
+    def per_node(cls, engines_per_node: int, rank: int, node_of: list[str]) -> "FleetLayout":
+        """`engines_per_node` engines on every node, driven by its first ranks (`node_of`: every global rank's
+        node; `arguments` checks that each node has the ranks)."""
+        hosts = []
+        for node in dict.fromkeys(node_of):
+            hosts += [r for r, n in enumerate(node_of) if n == node][:engines_per_node]
+        return cls(tuple(hosts), rank)
 
     @property
     def size(self) -> int:
@@ -101,7 +109,7 @@ def from_every_engine(compute: Callable[[], Any] | None, layout: FleetLayout) ->
     order, on every rank (a Retired for an engine retired meanwhile); if it raised on any host, every rank raises
     the first engine's error (its type when one of errors.SHARED_ERRORS, RuntimeError otherwise) naming the
     engine, its rank and its host. Values are pickled to every rank: small records only."""
-    value, failure, name = None, None, f"engine {layout.rank} (rank {layout.rank} on {socket.gethostname()})"
+    value, failure, name = None, None, f"engine {layout.rank} (rank {layout.rank} on {node_name()})"
     if layout.engine_here is not None:
         try:
             value = compute()
@@ -128,6 +136,23 @@ def retire(results: list, layout: FleetLayout, min_engines: int) -> tuple[FleetL
         raise EngineRetiredError("; ".join(message for _, message in retired) + f"; {left.size} engine(s) left, "
                                  f"fewer than --rollout-min-engines {min_engines}: stopping")
     return left, [message for _, message in retired]
+
+
+def apply_on_every_engine(weights, copies, layout: FleetLayout, node_of: list[str], apply: Callable[[Any], Any],
+                          sync_id: int) -> list:
+    """Collective on every rank, after the bridge committed a sync (`weights`: the verified arena, on every rank):
+    forward it to the other nodes' copies (`bridge.node_copies.NodeCopies`); if any copy differs, SyncError on every
+    rank before any engine applies anything; else every serving engine applies its node's copy (the arena itself on
+    the arena's node) with `apply`. Return `from_every_engine`'s results (what `apply` returned, or Retired)."""
+    copy, error = copies.forward(weights)
+    if error is not None:
+        error = f"node {node_name()} (rank {layout.rank}): {error}"
+    verdicts = from_every_engine(lambda: (copy, error), layout)
+    errors = [error for _, error in verdicts if error is not None]
+    if errors:
+        raise SyncError(f"sync {sync_id} refused, every engine keeps its weights: " + "; ".join(errors))
+    node_weights = {node_of[host]: copy for host, (copy, _) in zip(layout.hosts, verdicts) if copy is not None}
+    return from_every_engine(lambda: apply(node_weights.get(node_of[layout.rank], weights)), layout)
 
 
 @dataclasses.dataclass(frozen=True)

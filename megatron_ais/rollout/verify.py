@@ -20,11 +20,10 @@ alarm that stopped the run), while wrong or stale weights move most positions.
 from __future__ import annotations
 
 import dataclasses
-import socket
 
 import torch
 
-from megatron_ais.distributed import from_last_stage, gather_on, share
+from megatron_ais.distributed import from_last_stage, gather_on, node_name, share
 from megatron_ais.errors import RefitVerificationError
 
 # (statistic, bound): fp32 is checked on the max, the low-precision engines on the trimmed mean
@@ -207,7 +206,7 @@ def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups
     if failed is not None:  # where does the engine's forward leave the trainer's? that engine's host compares
         host = fleet.hosts[failed]
         parts = gather_on(trainer_layer_states(ddp_chunks, probe, groups, vocab_size), dst=host)
-        error = share(lambda: f"engine {failed} (rank {host} on {socket.gethostname()}): {results[failed][0]}"
+        error = share(lambda: f"engine {failed} (rank {host} on {node_name()}): {results[failed][0]}"
                       + layer_diagnosis(layer_errors(engine.probe_layer_states(probe), _merged(parts)), precision),
                       src=host)
         raise RefitVerificationError(error + "; stopping")

@@ -1,0 +1,98 @@
+"""Two engines on two simulated nodes (two gloo ranks with different node names, DP2 trainer): the bridge writes and
+verifies the arena on node 0, node 1's engine host receives one copy and verifies it, and after every sync both
+engines (FP8, separate processes) hold the same weights: their probe log-probs agree bit for bit and follow the
+trainer. A copy with one flipped byte on node 1 refuses the sync on every rank, naming the node, and both engines
+keep the weights they had."""
+import pytest
+
+from conftest import make_model_dir
+from distributed import spawn
+
+
+def _worker(hf_dir, work):
+    import os
+
+    os.environ["MEGATRON_AIS_NODE_NAME"] = f"node{os.environ['RANK']}"
+    import torch
+    import torch.distributed as dist
+
+    from distributed import start_trainer
+    from megatron_ais.bridge import node_copies
+    from megatron_ais.bridge.config import BridgeConfig
+    from megatron_ais.bridge.layout import BridgeLayout
+    from megatron_ais.bridge.node_copies import NodeCopies, node_leaders
+    from megatron_ais.bridge.receiver import SyncReceiver
+    from megatron_ais.bridge.sync import WeightBridge
+    from megatron_ais.distributed import node_name
+    from megatron_ais.errors import SyncError
+    from megatron_ais.rollout.engine import EngineConfig, RolloutEngine
+    from megatron_ais.rollout.fleet import FleetLayout, apply_on_every_engine
+    from megatron_ais.rollout.verify import probe_tokens
+    from megatron_ais.training import load_policy_chunks
+
+    trainer, _, build = start_trainer("--hf-dir", hf_dir, "--seq-length", "64")
+    chunks, _, _ = load_policy_chunks(build, trainer.weights)
+    rank = dist.get_rank()
+    node_of = [None] * dist.get_world_size()
+    dist.all_gather_object(node_of, node_name())
+    fleet = FleetLayout.per_node(1, rank, node_of)
+    copies = NodeCopies(0, node_leaders(fleet.hosts, node_of, 0), rank)
+    engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision="fp8", kv_cache_gb=0.25, placement="separate",
+                                        cpu_core=str(rank)), os.path.join(work, f"engine-{rank}"))
+    receiver = SyncReceiver(apply=lambda weights: weights) if rank == 0 else None
+    bridge = WeightBridge(chunks, build, BridgeConfig(bucket_size_mb=1.0), BridgeLayout.from_parallel_state(), receiver)
+    probe = probe_tokens(build.shape.vocab_size)
+
+    def sync(sync_id):
+        weights = bridge.sync(sync_id).committed
+        apply_on_every_engine(weights, copies, fleet, node_of, engine.update_weights, sync_id)
+        return engine.prompt_logprobs(probe)
+
+    def gathered(logprobs):
+        parts = [None, None]
+        dist.all_gather_object(parts, logprobs)
+        return parts
+
+    first = gathered(sync(1))
+    with torch.no_grad():
+        for param in chunks[0].parameters():
+            param.mul_(1.05)
+    second = gathered(sync(2))
+
+    received = node_copies.receive_bytes
+
+    def flipping(group, out, chunk_bytes):  # one byte of node 1's copy changes on the way
+        received(group, out, chunk_bytes)
+        out[out.numel() // 2] ^= 1
+        return out
+
+    node_copies.receive_bytes = flipping
+    with torch.no_grad():
+        for param in chunks[0].parameters():
+            param.mul_(1.05)
+    try:
+        sync(3)
+        refused = None
+    except SyncError as err:
+        refused = str(err)
+    kept = gathered(engine.prompt_logprobs(probe))
+    engine.shutdown()
+    bridge.close()
+    copies.close()
+    if receiver is not None:
+        receiver.close()
+    return first, second, refused, kept, copies.leaders
+
+
+@pytest.mark.slow
+def test_a_second_node_gets_one_verified_copy_and_a_flipped_byte_is_refused_everywhere(model_root, tmp_path):
+    hf_dir = make_model_dir(model_root, "qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=512)
+    results = spawn(2, _worker, hf_dir, str(tmp_path))
+    (first, second, refused, kept, leaders), (_, _, refused_1, _, _) = results
+    assert leaders == (1,)
+    assert first[0].equal(first[1]) and second[0].equal(second[1])  # both engines, the same weights
+    assert (second[0] - first[0]).abs().max() > 1e-3  # and the second sync changed them
+    assert refused == refused_1 and refused is not None, (refused, refused_1)
+    assert "node node1 (rank 1)" in refused and "checksum" in refused and "every engine keeps" in refused
+    assert kept[0].equal(second[0]) and kept[1].equal(second[1])  # neither engine applied sync 3
