@@ -2,6 +2,7 @@
 
 The entry points report the first four as one line (no traceback): they describe a run that cannot start. The
 others stop a run that has started; every rank raises the same one (`distributed.share`)."""
+import contextlib
 
 
 class ArgumentValidationError(ValueError):
@@ -49,6 +50,18 @@ class RoutingReplayError(ValueError):
 
 
 # what a person fixes before starting again: reported as one line by the entry points
+@contextlib.contextmanager
+def as_sync_error(prefix: str = "", passing: tuple[type, ...] = ()):
+    """Re-raise any error but a SyncError (or one of `passing`) as a SyncError: every rank must learn that a sync
+    failed, whatever raised it (the engine raises many kinds)."""
+    try:
+        yield
+    except (SyncError, *passing):
+        raise
+    except Exception as err:
+        raise SyncError(f"{prefix}{type(err).__name__}: {err}") from err
+
+
 USAGE_ERRORS = (ArgumentValidationError, CheckpointError, TaskError)
 # what every rank re-raises by type when the rank that met it shares it
 SHARED_ERRORS = USAGE_ERRORS + (SyncError, RefitVerificationError, RolloutError, FloatingPointError)

@@ -21,7 +21,7 @@ from megatron_ais.bridge.transports import StageTransport, receive_stage
 from megatron_ais.bridge.transports.point_to_point import PointToPointTransport
 from megatron_ais.bridge.transports.shared_memory import SharedMemoryTransport
 from megatron_ais.distributed import node_name, share
-from megatron_ais.errors import SyncError
+from megatron_ais.errors import as_sync_error
 from megatron_ais.mapping.distributed import expert_tensor_parallel_rank, shard_context
 
 
@@ -188,12 +188,8 @@ class WeightBridge:
         for stage, src in enumerate(self.layout.stage_senders):
             if src != self.layout.engine_rank:
                 receive_stage(src, stage, self.receiver, self.stage_bytes[stage])
-        try:
+        with as_sync_error():
             return self.receiver.commit(sync_id)
-        except SyncError:
-            raise
-        except Exception as err:  # every rank must learn that the sync failed, whatever the engine raised
-            raise SyncError(f"{type(err).__name__}: {err}") from err
 
     def sync(self, sync_id: int) -> SyncStats:
         """One complete sync; raises SyncError on every rank when the engine refused it."""

@@ -391,18 +391,14 @@ class GRPORun:
         """Bridge the current policy into the arena, verified once, forward it to the other nodes' copies (each
         verified) and apply it to every engine (collective on every rank); a sync is complete when every engine
         has applied it."""
-        from megatron_ais.errors import EngineRetiredError, SyncError
+        from megatron_ais.errors import EngineRetiredError, as_sync_error
         from megatron_ais.rollout.fleet import Retired, apply_on_every_engine, retire
 
         stats = self.bridge.sync(sync_id)
 
         def apply(weights) -> int:
-            try:
+            with as_sync_error(f"sync {sync_id}: ", passing=(EngineRetiredError,)):
                 return self.manager.apply_weights(weights)
-            except EngineRetiredError:
-                raise
-            except Exception as err:  # every rank must learn that the sync failed, whatever the engine raised
-                raise SyncError(f"sync {sync_id}: {type(err).__name__}: {err}") from err
 
         results = apply_on_every_engine(stats.committed, self.node_copies, self.fleet, self.node_of, apply, sync_id)
         self.engine_versions = [v for v in results if not isinstance(v, Retired)]
