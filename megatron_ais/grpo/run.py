@@ -146,9 +146,9 @@ class GRPORun:
         """The policy (resumed, or its weights loaded), its optimizer, the run's state, the KL reference."""
         from megatron_ais.bridge.layout import BridgeLayout
         from megatron_ais.checkpointing import CheckpointRanks
+        from megatron_ais.distributed import node_name
         from megatron_ais.grpo.state import GRPOState, reference_source
         from megatron_ais.grpo.step import GRPOConfig, ParallelGroups
-        from megatron_ais.distributed import node_name
         from megatron_ais.rollout.fleet import FleetLayout
         from megatron_ais.rollout.verify import probe_tokens
         from megatron_ais.training import WeightSource, build_reference_chunks, setup_model_and_optimizer
@@ -247,7 +247,6 @@ class GRPORun:
 
         self.node_copies = NodeCopies(self.arena_rank, node_leaders(self.fleet.hosts, self.node_of, self.arena_rank),
                                       dist.get_rank())
-
         self.receiver = SyncReceiver(apply=lambda weights: weights) if dist.get_rank() == self.arena_rank else None
         self.bridge = WeightBridge(self.model.chunks, self.build, self.config.bridge, self.bridge_layout, self.receiver)
 
@@ -275,7 +274,7 @@ class GRPORun:
             state.kv_cache_scales = None
         elif state.kv_cache_scales is None:
             self.calibrate_kv_cache(first_prompts)
-        elif self.manager is not None:
+        elif self.fleet.engine_here is not None:
             self.manager.engine.set_kv_cache_scales(state.kv_cache_scales)
 
     def rollout(self, step: int):
@@ -315,7 +314,7 @@ class GRPORun:
             first, count = self.rollouts.first_rows, self.config.kv_calibration.sequences
             self.calibrate_kv_cache(share(lambda: rollout_sequences(first.tokens, first.mask, count),
                                           src=self.rollouts.first_host))
-        metrics = {"rollout/engine_weight_version_min": min(self.engine_versions)}
+        metrics = {f"rollout/engine{host}_weight_version": version for host, version in self.engine_versions.items()}
         if self.loop.verifies_at(step):
             metrics.update(verify_refit_on_all_ranks(
                 self.manager.engine if self.manager else None, self.model.ddp_chunks, self.probe, self.groups,
@@ -356,7 +355,8 @@ class GRPORun:
                         "time/train_s": seconds["train"], "time/sync_s": seconds["sync"],
                         "rollout/tokens_per_s": rollouts.response_tokens / max(seconds["rollout"], 1e-9),
                         "rollout/engines": self.fleet.size,
-                        "rollout/engine_tokens_per_s_min": min(rollouts.engine_tokens_per_s),
+                        **{f"rollout/engine{host}_tokens_per_s": rate
+                           for host, rate in rollouts.engine_tokens_per_s.items()},
                         "rollout/received_bytes": rollouts.received_bytes,
                         "rollout/rank_bytes_fraction": rollouts.held_bytes / max(rollouts.batch_bytes, 1)})
         metrics.update(evaluated)
@@ -401,7 +401,7 @@ class GRPORun:
                 return self.manager.apply_weights(weights)
 
         results = apply_on_every_engine(stats.committed, self.node_copies, self.fleet, self.node_of, apply, sync_id)
-        self.engine_versions = [v for v in results if not isinstance(v, Retired)]
+        self.engine_versions = {host: v for host, v in zip(self.fleet.hosts, results) if not isinstance(v, Retired)}
         self._retire(*retire(results, self.fleet, self.config.fleet.min_engines))
         if self.bridge_layout.is_sender and self.bridge.completed == 1:
             self.log.info(f"bridge: {stats.tensors} tensors in {stats.buckets} buckets, {stats.bytes / 1e6:.1f} MB "
@@ -419,7 +419,7 @@ class GRPORun:
             self.model.ddp_chunks, sequences[:calibration.sequences], self.build.seq_length,
             self.trainer.training.micro_batch_size, self.groups, self.build.shape.vocab_size,
             self.build.shape.num_layers, calibration.scale_margin)
-        if self.manager is not None:
+        if self.fleet.engine_here is not None:  # every serving engine
             self.manager.engine.set_kv_cache_scales(self.state.kv_cache_scales)
 
     def finish(self) -> dict:
@@ -431,7 +431,7 @@ class GRPORun:
                                           accuracy_before),
                    "steps": self.loop.grpo_steps, "wall_s": time.time() - self.started, "history": history}
         self.log.summary(summary)
-        if self.manager is not None and history:
+        if self.log.enabled and history:
             from megatron_ais.logging import plot_run
 
             plot_run(history, os.path.join(self.trainer.logging.output_dir, "run.png"), accuracy_before)

@@ -235,6 +235,16 @@ def make_rows(make: Callable[[range], Any] | None, layout: FleetLayout, count: i
     return MadeRows(sorted(records, key=lambda r: r.first_prompt), layout, made, retired)
 
 
+def tokens_per_second(records: list[RowsRecord]) -> dict[int, float]:
+    """Each engine's response tokens per second of making its rows (all its runs of prompts together)."""
+    made: dict[int, list[float]] = {}
+    for record in records:
+        tokens_seconds = made.setdefault(record.host, [0.0, 0.0])
+        tokens_seconds[0] += record.response_tokens
+        tokens_seconds[1] += record.seconds
+    return {host: tokens / max(seconds, 1e-9) for host, (tokens, seconds) in made.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class StepRollouts:
     """One step's rollouts as a rank holds them: the rows its DP rank trains on (`batch`, advantages included) and
@@ -248,7 +258,7 @@ class StepRollouts:
     received_bytes: int  # row bytes this rank was sent by other ranks
     held_bytes: int  # row bytes of the rows it trains on
     batch_bytes: int  # row bytes of the whole batch
-    engine_tokens_per_s: tuple[float, ...]  # each run of prompts' response tokens per second of its making
+    engine_tokens_per_s: dict[int, float]  # each engine's response tokens per second of making its rows
     first_host: int  # the host that made the batch's first rows
     first_rows: object = None  # their RolloutBatch, on that host (None elsewhere)
 
@@ -298,5 +308,5 @@ def exchange_rows(rows: MadeRows, data_parallel_rank_of: list[int], data_paralle
                         reward_timeouts=sum(r.reward_timeouts for r in records), received_bytes=received,
                         held_bytes=records[0].nbytes(len(shares[data_parallel_rank])),
                         batch_bytes=sum(r.nbytes(len(r.lengths)) for r in records),
-                        engine_tokens_per_s=tuple(r.response_tokens / max(r.seconds, 1e-9) for r in records),
+                        engine_tokens_per_s=tokens_per_second(records),
                         first_host=records[0].host, first_rows=rows.made.get(0) if records[0].host == me else None)
