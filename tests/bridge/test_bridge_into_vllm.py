@@ -94,7 +94,7 @@ def _engine_worker(old_dir, new_dir, precision, work):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp8", "fp32"])
+@pytest.mark.parametrize("precision", ["fp8"])  # fp32 engine = trainer across bridge updates: tests/rollout/test_engine.py
 def test_bridge_into_real_vllm_engine(model_root, tmp_path, precision):
     shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=512)

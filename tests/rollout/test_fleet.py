@@ -3,7 +3,6 @@ engines' hosts exactly the rows its DP rank trains on (what cutting the whole ba
 included, for contiguous and token-balanced shares, one or two engines, and when one engine is retired mid-step and
 the other makes its prompts), and fewer bytes than the whole batch; below --rollout-min-engines every rank stops;
 an error on one engine's host is raised on every rank naming that engine."""
-import pytest
 import torch
 
 from distributed import spawn
@@ -35,7 +34,8 @@ def _worker(engines: int, balanced: bool, retiring: bool):
     from megatron_ais.initialize import initialize_distributed
     from megatron_ais.rollout.fleet import FleetLayout, exchange_rows, from_every_engine, make_rows
 
-    initialize_distributed()
+    if not dist.is_initialized():
+        initialize_distributed()
     rank, group_size, prompts = dist.get_rank(), 4, 6
     layout = FleetLayout.first_ranks(engines, rank)
     whole = with_advantages(_whole_batch(prompts * group_size, group_size, 12, seed=5), AdvantageConfig())
@@ -72,10 +72,20 @@ def _worker(engines: int, balanced: bool, retiring: bool):
             made.retired, stopped, errors)
 
 
-@pytest.mark.parametrize("engines,balanced,retiring", [(2, False, False), (2, True, False), (1, True, False),
-                                                      (2, False, True)])
-def test_each_rank_receives_only_its_rows(engines, balanced, retiring):
-    results = spawn(2, _worker, engines, balanced, retiring)
+CASES = [(2, False, False), (2, True, False), (1, True, False), (2, False, True)]  # engines, balanced, retiring
+
+
+def _every_case():
+    return [_worker(*case) for case in CASES]
+
+
+def test_each_rank_receives_only_its_rows():
+    per_rank = spawn(2, _every_case)
+    for case, results in enumerate(zip(*per_rank)):
+        _check_case(*CASES[case], results)
+
+
+def _check_case(engines, balanced, retiring, results):
     for rank, (same, rewards, tokens, failures, received, held, whole, hosts, retired, stopped, errors) in \
             enumerate(results):
         assert same and rewards and tokens, rank

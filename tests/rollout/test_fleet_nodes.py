@@ -1,8 +1,9 @@
 """Two engines on two simulated nodes (two gloo ranks with different node names, DP2 trainer): the bridge writes and
 verifies the arena on node 0, node 1's engine host receives one copy and verifies it, and after every sync both
 engines (FP8, separate processes) hold the same weights: their probe log-probs agree bit for bit and follow the
-trainer. A copy with one flipped byte on node 1 refuses the sync on every rank, naming the node, and both engines
-keep the weights they had."""
+trainer; seeded rollouts made by the two engines (each its share of the prompts) equal one engine's. A copy with
+one flipped byte on node 1 refuses the sync on every rank, naming the node, and both engines keep the weights they
+had."""
 import pytest
 
 from conftest import make_model_dir
@@ -25,7 +26,7 @@ def _worker(hf_dir, work):
     from megatron_ais.bridge.sync import WeightBridge
     from megatron_ais.distributed import node_name
     from megatron_ais.errors import SyncError
-    from megatron_ais.rollout.engine import EngineConfig, RolloutEngine
+    from megatron_ais.rollout.engine import EngineConfig, RolloutEngine, SamplingConfig
     from megatron_ais.rollout.fleet import FleetLayout, apply_on_every_engine
     from megatron_ais.rollout.verify import probe_tokens
     from megatron_ais.training import load_policy_chunks
@@ -54,6 +55,12 @@ def _worker(hf_dir, work):
         return parts
 
     first = gathered(sync(1))
+    # seeded rollouts do not depend on the engine count: each engine's share equals engine 0 making them all
+    prompts, sampling = [[5 + i, 17, 42 + i, 99] for i in range(6)], SamplingConfig(n=2, max_new_tokens=8, seed=7)
+    share = fleet.share(range(len(prompts)), rank)
+    shares = gathered([(r.token_ids, r.logprobs) for r in engine.generate(prompts[share.start:share.stop],
+                                                                         sampling, first_index=share.start)])
+    alone = [(r.token_ids, r.logprobs) for r in engine.generate(prompts, sampling)] if rank == 0 else None
     with torch.no_grad():
         for param in chunks[0].parameters():
             param.mul_(1.05)
@@ -81,7 +88,7 @@ def _worker(hf_dir, work):
     copies.close()
     if receiver is not None:
         receiver.close()
-    return first, second, refused, kept, copies.leaders
+    return first, second, refused, kept, copies.leaders, (shares[0] + shares[1], alone)
 
 
 @pytest.mark.slow
@@ -89,7 +96,11 @@ def test_a_second_node_gets_one_verified_copy_and_a_flipped_byte_is_refused_ever
     hf_dir = make_model_dir(model_root, "qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=4,
                             num_key_value_heads=2, vocab_size=512)
     results = spawn(2, _worker, hf_dir, str(tmp_path))
-    (first, second, refused, kept, leaders), (_, _, refused_1, _, _) = results
+    (first, second, refused, kept, leaders, (fleet_rows, alone)), (_, _, refused_1, _, _, _) = results
+    # the same samples; their log-probs up to the CPU FP8 kernel's dependence on the batch (up to 0.1 on a token)
+    assert [tokens for tokens, _ in fleet_rows] == [tokens for tokens, _ in alone]
+    differences = [abs(a - b) for (_, x), (_, y) in zip(fleet_rows, alone) for a, b in zip(x, y)]
+    assert sum(differences) / len(differences) < 1e-2, differences
     assert leaders == (1,)
     assert first[0].equal(first[1]) and second[0].equal(second[1])  # both engines, the same weights
     assert (second[0] - first[0]).abs().max() > 1e-3  # and the second sync changed them
