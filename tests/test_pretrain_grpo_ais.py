@@ -278,9 +278,10 @@ def test_launcher_sigkilled_mid_step_takes_the_run_with_it_then_resume_equals_un
     got = _comparable(json.load(open(cut_out / "summary.json"))["history"])
     assert sorted(got) == [1, 2, 3, 4]
     for step in (3, 4):
-        # equal up to float noise of the vLLM CPU engine's log-probs (once seen at 1e-6 relative on a loaded
-        # machine); the trainer state itself is restored bit for bit (tests/checkpointing/test_resume_training.py)
-        assert got[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-9), \
+        # equal up to float noise of the vLLM CPU engines' log-probs (seen up to 5e-5 relative in λ with the
+        # uninterrupted run's second engine restarted mid-run); the trainer state itself is restored bit for bit
+        # (tests/checkpointing/test_resume_training.py)
+        assert got[step] == pytest.approx(expected[step], rel=2e-4, abs=1e-9), \
             f"step {step} after the resume differs from the uninterrupted run"
 
     # the trained policy exports to a HF directory that transformers loads
