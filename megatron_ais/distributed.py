@@ -14,6 +14,13 @@ import torch.distributed as dist
 from megatron_ais.errors import SHARED_ERRORS
 
 
+def shared_failure(err: Exception) -> tuple[type, str]:
+    """How every rank re-raises `err`: its type and message when one of errors.SHARED_ERRORS, else RuntimeError
+    naming the type."""
+    kind = type(err) if isinstance(err, SHARED_ERRORS) else RuntimeError
+    return kind, f"{type(err).__name__}: {err}" if kind is RuntimeError else str(err)
+
+
 def share(compute: Callable[[], Any] | None, src: int, group=None) -> Any:
     """Run `compute` on global rank `src` and return its value on every rank of `group` (the world by default);
     other ranks pass None or anything (it is not called there). If it raised, `src` re-raises its error and every
@@ -24,9 +31,7 @@ def share(compute: Callable[[], Any] | None, src: int, group=None) -> Any:
         try:
             value = compute()
         except Exception as err:  # every rank must learn of any failure, whatever raised it
-            failure = err
-            kind = type(err) if isinstance(err, SHARED_ERRORS) else RuntimeError
-            message = (kind, f"{type(err).__name__}: {err}" if kind is RuntimeError else str(err))
+            failure, message = err, shared_failure(err)
     status = torch.tensor([int(failure is not None), int(value is not None)])
     dist.broadcast(status, src=src, group=group)
     if int(status.sum()):

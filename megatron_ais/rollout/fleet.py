@@ -12,6 +12,7 @@ tensors by point-to-point sends: no rank gathers or broadcasts the whole batch.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from typing import Any, Callable
@@ -19,8 +20,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_ais.distributed import node_name
-from megatron_ais.errors import SHARED_ERRORS, ArgumentValidationError, EngineRetiredError, SyncError
+from megatron_ais.distributed import node_name, shared_failure
+from megatron_ais.errors import ArgumentValidationError, EngineRetiredError, SyncError
 from megatron_ais.flags import FlagConfig, flag
 
 ROW_TENSORS = ("tokens", "labels", "mask", "rollout_logprobs", "rewards", "advantages", "routed_experts")
@@ -116,8 +117,8 @@ def from_every_engine(compute: Callable[[], Any] | None, layout: FleetLayout) ->
         except EngineRetiredError as err:
             value = Retired(f"{name}: {err}")
         except Exception as err:  # every rank must learn of any engine's failure, whatever raised it
-            kind = type(err) if isinstance(err, SHARED_ERRORS) else RuntimeError
-            failure = (kind, f"{name}: " + (f"{type(err).__name__}: {err}" if kind is RuntimeError else str(err)))
+            kind, message = shared_failure(err)
+            failure = (kind, f"{name}: {message}")
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, (value, failure))
     for host in layout.hosts:
@@ -185,14 +186,7 @@ class RowsRecord:
         return {name: torch.empty((rows,) + shape, dtype=dtype) for name, dtype, shape in self.columns}
 
     def nbytes(self, rows: int) -> int:
-        return rows * sum(dtype.itemsize * _numel(shape) for _, dtype, shape in self.columns)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
+        return rows * sum(dtype.itemsize * math.prod(shape) for _, dtype, shape in self.columns)
 
 
 def row_tensors(batch) -> list[tuple[str, torch.Tensor]]:
