@@ -6,6 +6,7 @@ uninterrupted run's second engine is killed and restarts alone); two engines kil
 killed again past their restart budget stop every rank with the checkpoint intact."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -254,7 +255,9 @@ def test_launcher_sigkilled_mid_step_takes_the_run_with_it_then_resume_equals_un
     stdout, stderr = full.communicate(timeout=600)
     assert full.returncode == 0, stderr[-4000:]
     assert killed, "engine 1's process was not found"
-    assert "engine 1: step 2: the rollout engine died" in stderr or "engine 1: the rollout engine died" in stderr
+    # whichever of step 2's phases meets the dead engine first (its rollout, or the weight sync when its share of
+    # the rollouts was already made) restarts it
+    assert re.search(r"engine 1: (step 2|weight sync): the rollout engine died", stderr), stderr[-4000:]
     assert "engine 0: " not in stderr, stderr[-4000:]
     _check_end_to_end(stdout, full_out, tmp_path / "wb", steps=4)
     history = json.load(open(full_out / "summary.json"))["history"]
