@@ -40,6 +40,8 @@ class GRPOLoopConfig(FlagConfig):
                                 "beside it.")
     verify_refit_interval: int = flag(1, "Score the probe sequence and compare with the trainer every this many "
                                          "syncs (0 = never).")
+    verify_refit_engines: int = flag(0, "Engines each refit check scores (0 = every serving engine); fewer take "
+                                        "turns over the fleet, so each is checked every ceil(engines / this) checks.")
     moe_routing_replay: str | None = flag(
         None, "MoE routing replay (R3). rollout: the engine returns the experts it routes every rollout token to and "
               "the trainer's forwards (old, reference and training log-probs) use them, so the importance ratio "
@@ -52,6 +54,9 @@ class GRPOLoopConfig(FlagConfig):
             value = getattr(self, name.replace("-", "_"))
             if value < 1:
                 raise ArgumentValidationError(f"--{name} {value} must be at least 1")
+        if self.verify_refit_engines < 0:
+            raise ArgumentValidationError(f"--verify-refit-engines {self.verify_refit_engines} must be >= 0 "
+                                          "(0 checks every engine)")
         if self.temperature <= 0:
             raise ArgumentValidationError(f"--temperature {self.temperature} must be > 0 (the trainer's log-probs are "
                                           "log_softmax(logits / temperature))")
@@ -304,7 +309,8 @@ class GRPORun:
 
     def sync(self, step: int) -> dict:
         """Bridge the updated policy into every engine, re-measure the FP8 KV-cache scales on this step's first
-        rollouts (the first engine's), check every engine's refit; return what the step logs of it."""
+        rollouts (the first engine's), check the refit of every engine (or of this turn's few, --verify-refit-engines);
+        return what the step logs of it."""
         from megatron_ais.distributed import share
         from megatron_ais.rollout.kv_scales import rollout_sequences
         from megatron_ais.rollout.verify import refit_precision, verify_refit_on_all_ranks
@@ -319,7 +325,8 @@ class GRPORun:
             metrics.update(verify_refit_on_all_ranks(
                 self.manager.engine if self.manager else None, self.model.ddp_chunks, self.probe, self.groups,
                 self.build.shape.vocab_size, refit_precision(self.config.engine, self.build.precision),
-                self.fleet, self.build.shape.is_moe))
+                self.fleet.rotating(self.loop.verify_refit_engines, step // self.loop.verify_refit_interval - 1),
+                self.build.shape.is_moe))
         scales = self.state.kv_cache_scales
         if scales is not None:
             metrics.update({"rollout/kv_cache_k_scale_max": max(k for _, k, _ in scales.scales),

@@ -90,6 +90,21 @@ class FleetLayout:
     def without(self, retired: list[int]) -> "FleetLayout":
         return dataclasses.replace(self, hosts=tuple(h for h in self.hosts if h not in retired))
 
+    def rotating(self, count: int, turn: int) -> "FleetLayout":
+        """`count` of the serving engines (every one when 0 or at least as many as serve): the `turn`-th run of
+        `count` consecutive engines, cycling over the fleet, so that every engine comes round every
+        ceil(size / count) turns."""
+        if not count or count >= self.size:
+            return self
+        start = turn * count % self.size
+        chosen = {self.hosts[(start + i) % self.size] for i in range(count)}
+        return dataclasses.replace(self, hosts=tuple(h for h in self.hosts if h in chosen))
+
+
+def engine_name(rank: int) -> str:
+    """How messages name the engine driven by global rank `rank`, on the node of the calling process."""
+    return f"engine {rank} (rank {rank} on {node_name()})"
+
 
 def cpu_core_of(engine: int) -> str:
     """The CPU core a CPU engine's worker is bound to when a node runs several (one each, round robin over the
@@ -110,7 +125,7 @@ def from_every_engine(compute: Callable[[], Any] | None, layout: FleetLayout) ->
     order, on every rank (a Retired for an engine retired meanwhile); if it raised on any host, every rank raises
     the first engine's error (its type when one of errors.SHARED_ERRORS, RuntimeError otherwise) naming the
     engine, its rank and its host. Values are pickled to every rank: small records only."""
-    value, failure, name = None, None, f"engine {layout.rank} (rank {layout.rank} on {node_name()})"
+    value, failure, name = None, None, engine_name(layout.rank)
     if layout.engine_here is not None:
         try:
             value = compute()

@@ -23,7 +23,7 @@ import dataclasses
 
 import torch
 
-from megatron_ais.distributed import from_last_stage, gather_on, node_name, share
+from megatron_ais.distributed import from_last_stage, gather_on, share
 from megatron_ais.errors import RefitVerificationError
 
 # (statistic, bound): fp32 is checked on the max, the low-precision engines on the trimmed mean
@@ -182,14 +182,15 @@ def _merged(parts: list[dict]) -> list:
 
 def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups, vocab_size: int, precision: str,
                               fleet, moe: bool = False) -> dict[str, float]:
-    """Collective refit check of every engine of the fleet (`rollout.fleet.FleetLayout`): every stage scores the
+    """Collective refit check of the engines of `fleet` (`rollout.fleet.FleetLayout`: every serving engine, or
+    the turn's few of them, `FleetLayout.rotating`): every stage scores the
     probe (the last stage's log-probs go to the first), each engine's host (`engine` there, None elsewhere) compares
     them with its engine's. A failed check names the engine, its host and the first decoder layer whose output
     differs, and raises on every rank. Return (on every rank) how far the engines' probe log-probs are apart
     (`rollout/engine_probe_spread`: 0 when every engine holds the same weights), and for MoE models (on the first
     engine's host) the fraction of probe (token, layer) pairs whose top-k experts differ between its engine and the
     trainer (`rollout/routing_mismatch`)."""
-    from megatron_ais.rollout.fleet import from_every_engine
+    from megatron_ais.rollout.fleet import engine_name, from_every_engine
 
     trainer = from_last_stage(trainer_probe_logprobs(ddp_chunks, probe, groups, vocab_size))
 
@@ -206,7 +207,7 @@ def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups
     if failed is not None:  # where does the engine's forward leave the trainer's? that engine's host compares
         host = fleet.hosts[failed]
         parts = gather_on(trainer_layer_states(ddp_chunks, probe, groups, vocab_size), dst=host)
-        error = share(lambda: f"engine {failed} (rank {host} on {node_name()}): {results[failed][0]}"
+        error = share(lambda: f"{engine_name(host)}: {results[failed][0]}"
                       + layer_diagnosis(layer_errors(engine.probe_layer_states(probe), _merged(parts)), precision),
                       src=host)
         raise RefitVerificationError(error + "; stopping")

@@ -116,3 +116,16 @@ def test_prompt_shares_cover_the_step_in_order():
             assert max(map(len, shares)) - min(map(len, shares)) <= 1
     assert FleetLayout.first_ranks(2, 1).engine_here == 1 and FleetLayout.first_ranks(2, 3).engine_here is None
     assert FleetLayout.first_ranks(3, 0).without([1]).share(range(4, 10), 2) == range(7, 10)
+
+
+def test_refit_checks_rotate_over_the_serving_engines():
+    from megatron_ais.rollout.fleet import FleetLayout
+
+    layout = FleetLayout((0, 1, 8, 9, 16), rank=0)
+    assert layout.rotating(0, 3) == layout and layout.rotating(5, 3) == layout  # 0 or all: every engine
+    turns = [layout.rotating(2, turn).hosts for turn in range(5)]
+    assert turns == [(0, 1), (8, 9), (0, 16), (1, 8), (9, 16)]
+    # every engine is checked within ceil(5 / 2) = 3 consecutive checks
+    for first in range(3):
+        assert set().union(*turns[first:first + 3]) == set(layout.hosts)
+    assert layout.rotating(2, 0).rank == 0 and layout.without([1]).rotating(1, 1).hosts == (8,)

@@ -3,7 +3,8 @@ verifies the arena on node 0, node 1's engine host receives one copy and verifie
 engines (FP8, separate processes) hold the same weights: their probe log-probs agree bit for bit and follow the
 trainer; seeded rollouts made by the two engines (each its share of the prompts) equal one engine's. A copy with
 one flipped byte on node 1 refuses the sync on every rank, naming the node, and both engines keep the weights they
-had."""
+had. An engine that leaves the trainer is named with its node by the refit check, whether every engine is checked
+or one per sync in turn."""
 import pytest
 
 from conftest import make_model_dir
@@ -24,11 +25,14 @@ def _worker(hf_dir, work):
     from megatron_ais.bridge.node_copies import NodeCopies, node_leaders
     from megatron_ais.bridge.receiver import SyncReceiver
     from megatron_ais.bridge.sync import WeightBridge
+    from megatron_ais.bridge.quantization import QuantizationPolicy, quantize_for_engine
     from megatron_ais.distributed import node_name
-    from megatron_ais.errors import SyncError
+    from megatron_ais.errors import RefitVerificationError, SyncError
+    from megatron_ais.grpo.step import ParallelGroups
+    from megatron_ais.mapping.hf_io import HFCheckpointReader
     from megatron_ais.rollout.engine import EngineConfig, RolloutEngine, SamplingConfig
     from megatron_ais.rollout.fleet import FleetLayout, apply_on_every_engine
-    from megatron_ais.rollout.verify import probe_tokens
+    from megatron_ais.rollout.verify import probe_tokens, verify_refit_on_all_ranks
     from megatron_ais.training import load_policy_chunks
 
     trainer, _, build = start_trainer("--hf-dir", hf_dir, "--seq-length", "64")
@@ -83,12 +87,29 @@ def _worker(hf_dir, work):
     except SyncError as err:
         refused = str(err)
     kept = gathered(engine.prompt_logprobs(probe))
+
+    node_copies.receive_bytes = received
+    sync(4)  # both engines follow the trainer again
+    if rank == 1:  # engine 1 leaves the trainer behind the bridge's back: its final norm 30 times larger
+        reader = HFCheckpointReader(hf_dir)
+        scaled = ((n, reader.get(n).float() * (30 if n == "model.norm.weight" else 1)) for n in reader.names())
+        engine.update_weights(list(quantize_for_engine(scaled, QuantizationPolicy(precision="fp8"))))
+    groups = ParallelGroups.from_parallel_state()
+
+    def refit(layout):
+        try:
+            verify_refit_on_all_ranks(engine, chunks, probe, groups, build.shape.vocab_size, "fp8", layout)
+        except RefitVerificationError as err:
+            return str(err)
+        return None
+
+    refits = [refit(fleet), refit(fleet.rotating(1, 0)), refit(fleet.rotating(1, 1))]
     engine.shutdown()
     bridge.close()
     copies.close()
     if receiver is not None:
         receiver.close()
-    return first, second, refused, kept, copies.leaders, (shares[0] + shares[1], alone)
+    return first, second, refused, kept, copies.leaders, (shares[0] + shares[1], alone), refits
 
 
 @pytest.mark.slow
@@ -96,7 +117,8 @@ def test_a_second_node_gets_one_verified_copy_and_a_flipped_byte_is_refused_ever
     hf_dir = make_model_dir(model_root, "qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=4,
                             num_key_value_heads=2, vocab_size=512)
     results = spawn(2, _worker, hf_dir, str(tmp_path))
-    (first, second, refused, kept, leaders, (fleet_rows, alone)), (_, _, refused_1, _, _, _) = results
+    (first, second, refused, kept, leaders, (fleet_rows, alone), refits), rank_1 = results
+    refused_1, refits_1 = rank_1[2], rank_1[6]
     # the same samples; their log-probs up to the CPU FP8 kernel's dependence on the batch (up to 0.1 on a token)
     assert [tokens for tokens, _ in fleet_rows] == [tokens for tokens, _ in alone]
     differences = [abs(a - b) for (_, x), (_, y) in zip(fleet_rows, alone) for a, b in zip(x, y)]
@@ -107,3 +129,9 @@ def test_a_second_node_gets_one_verified_copy_and_a_flipped_byte_is_refused_ever
     assert refused == refused_1 and refused is not None, (refused, refused_1)
     assert "node node1 (rank 1)" in refused and "checksum" in refused and "every engine keeps" in refused
     assert kept[0].equal(second[0]) and kept[1].equal(second[1])  # neither engine applied sync 3
+    # the refit check of every engine names the corrupted one and its node, on every rank; checking one engine per
+    # sync (--verify-refit-engines 1) passes on engine 0's turn and names engine 1 on its turn
+    every, turn_0, turn_1 = refits
+    assert refits == refits_1
+    assert every is not None and every.startswith("engine 1 (rank 1 on node1): refit verification failed"), every
+    assert turn_0 is None and turn_1 == every
