@@ -12,6 +12,8 @@ import dataclasses
 import os
 from typing import Any, Iterable
 
+import torch
+
 from megatron_ais.ais import AISConfig
 from megatron_ais.bridge.config import BridgeConfig
 from megatron_ais.bridge.quantization import QuantizationPolicy
@@ -27,7 +29,7 @@ from megatron_ais.model import ModelConfig
 from megatron_ais.parallel import ParallelLayout
 from megatron_ais.rollout.engine import EngineConfig
 from megatron_ais.rollout.kv_scales import KVCacheCalibrationConfig
-from megatron_ais.rollout.fleet import FleetConfig
+from megatron_ais.rollout.fleet import FleetConfig, check_engine_gpus
 from megatron_ais.rollout.placement import ClusterConfig
 from megatron_ais.rollout.rewards import RewardConfig
 from megatron_ais.sft import SFTConfig
@@ -171,7 +173,11 @@ class GRPORunConfig:
         # with a token budget micro-batches take what fits: --micro-batch-size does not apply
         check_rollout_batch(loop, 1 if training.max_tokens_per_microbatch else training.micro_batch_size,
                             self.trainer.data_parallel(world_size))
-        engines = self.cluster.engines_per_node
+        self._check_fleet(world_size)
+
+    def _check_fleet(self, world_size: int) -> None:
+        """Refuse engines the run cannot drive or place, naming the flags."""
+        loop, engines = self.loop, self.cluster.engines_per_node
         if self.fleet.min_engines > engines:
             raise ArgumentValidationError(f"--rollout-min-engines {self.fleet.min_engines} exceeds the run's "
                                           f"{engines} engine(s) (--rollout-engines-per-node)")
@@ -189,6 +195,9 @@ class GRPORunConfig:
                 raise ArgumentValidationError(
                     f"--rollout-engines-per-node {engines} exceeds --prompts-per-step {loop.prompts_per_step}: every "
                     "engine serves at least one prompt group; lower it or raise --prompts-per-step")
+        if self.engine.placement == "separate" and torch.cuda.is_available() and not self.cluster.print_placement:
+            check_engine_gpus(engines, self.engine.tensor_parallel_size,
+                              int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), torch.cuda.device_count())
         if self.engine.placement == "colocated" and world_size > 1:
             raise ArgumentValidationError("--rollout-placement colocated needs a single-rank trainer (an in-process "
                                           "vLLM engine owns torch.distributed); use --rollout-placement separate")

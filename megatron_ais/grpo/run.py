@@ -8,6 +8,7 @@ import os
 import sys
 import time
 
+import torch
 import torch.distributed as dist
 
 from megatron_ais.errors import ArgumentValidationError
@@ -199,7 +200,6 @@ class GRPORun:
         from megatron_ais.logging import RunLogger
         from megatron_ais.mapping.distributed import save_hf_checkpoint
         from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
-        from megatron_ais.rollout.fleet import cpu_core_of
         from megatron_ais.rollout.manager import RolloutManager, RolloutPlan, ServingPolicy, check_prompt_lengths
         from megatron_ais.rollout.rewards import RewardScorer
 
@@ -224,15 +224,29 @@ class GRPORun:
                                       max_new_tokens=loop.max_new_tokens, stop_token_ids=(self.tokenizer.eos_token_id,))
             plan = RolloutPlan(loop.prompts_per_step, sampling, loop.eval_samples, trainer.training.seed,
                                trainer.model.seq_length, self.config.advantages, self.routing_replay)
-            local_rank = int(os.environ.get("LOCAL_RANK", index))  # a node's engines are driven by its first ranks
-            engine = RolloutEngine(dataclasses.replace(self.config.engine, model_dir=init_dir,
-                                                       cpu_core=cpu_core_of(local_rank) if several else None),
+            engine = RolloutEngine(self._engine_config(init_dir, several),
                                    os.path.join(out, f"engine-{index}" if several else "engine"))
             fleet = self.config.fleet
             self.manager = RolloutManager(engine, self.tokenizer, self.task, plan, state.data_seed, state.rollout_seed,
                                           self._engine_log(index), RewardScorer(self.task.reward, self.config.rewards),
                                           ServingPolicy(fleet.max_engine_restarts, fleet.generation_timeout_s))
         dist.barrier()
+
+    def _engine_config(self, model_dir: str, several: bool):
+        """This host's engine: a node's engines are driven by its first ranks, the k-th on its k-th CPU core when
+        there are several, or on GPUs of its own beyond the trainer's (else from its host rank's GPU on:
+        `fleet.engine_gpus`); the staging arena counts against its memory when on its GPU."""
+        from megatron_ais.rollout.fleet import cpu_core_of, engine_gpus
+
+        engine, local_rank = self.config.engine, int(os.environ.get("LOCAL_RANK", self.fleet.engine_here))
+        if not torch.cuda.is_available():
+            return dataclasses.replace(engine, model_dir=model_dir,
+                                       cpu_core=cpu_core_of(local_rank) if several else None)
+        gpus = engine_gpus(local_rank, engine.tensor_parallel_size,
+                           int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())), torch.cuda.device_count())
+        arena_here = dist.get_rank() == self.arena_rank and gpus[0] == torch.cuda.current_device()
+        return dataclasses.replace(engine, model_dir=model_dir, gpus=gpus,
+                                   gpu_staging_arena=engine.gpu_staging_arena and arena_here)
 
     def _engine_log(self, index: int):
         """Where engine `index`'s manager tells the user what happened to it: the run's log on the logging rank,

@@ -100,7 +100,9 @@ class EngineConfig(FlagConfig):
     seed: int = 0
     block_size: int = 128
     cpu_core: str | None = None  # CPU: the core its worker is bound to (several engines on a node); None: vLLM's
-    gpu_staging_arena: bool = False  # the bridge's staging arena will be allocated on this GPU too
+    gpus: tuple[int, ...] | None = None  # GPU: its workers' GPUs (vLLM's device_ids, among the visible ones);
+    # None: vLLM's default, from GPU 0
+    gpu_staging_arena: bool = False  # the bridge's staging arena will be allocated on its first GPU too
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -193,15 +195,19 @@ def cpu_scheduling(max_model_len: int) -> dict:
 
 
 def engine_gpu_memory_utilization(config: EngineConfig, engine_dir: str, arena_allocated: bool) -> float:
-    """`--rollout-gpu-memory-utilization`, or the engine's own budget, refused here with the flags to change when
-    this GPU (the one the engine's first worker shares with this trainer rank) has not that much free. The bridge's
-    staging arena holds the engine's tensors once more, unless it is already allocated (`arena_allocated`: a
-    crashed engine restarted)."""
+    """`--rollout-gpu-memory-utilization`, or the engine's own budget. An engine whose first worker shares this
+    trainer rank's GPU is refused here, with the flags to change, when that GPU has not that much free; the
+    bridge's staging arena holds the engine's tensors once more, unless it is already allocated (`arena_allocated`:
+    a crashed engine restarted). On GPUs of its own vLLM checks their free memory itself."""
     if config.gpu_memory_utilization is not None:
         return config.gpu_memory_utilization
-    free, total = torch.cuda.mem_get_info()
+    gpu = config.gpus[0] if config.gpus else 0
+    total = torch.cuda.get_device_properties(gpu).total_memory
     weights = os.path.getsize(os.path.join(engine_dir, "model.safetensors"))
     fraction = engine_memory_fraction(int(config.kv_cache_gb * (1 << 30)), weights, config.tensor_parallel_size, total)
+    if gpu != torch.cuda.current_device():
+        return fraction
+    free, _ = torch.cuda.mem_get_info()
     arena = weights if config.gpu_staging_arena and not arena_allocated else 0
     if fraction * total + arena > free:
         raise RuntimeError(f"the rollout engine needs about {fraction * total / 2**30:.1f} GiB of GPU "
@@ -308,6 +314,8 @@ class RolloutEngine:
             kwargs["kv_cache_dtype"] = config.kv_cache_dtype
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = engine_gpu_memory_utilization(config, self.engine_dir, self.starts > 0)
+            if config.gpus is not None:
+                kwargs["device_ids"] = list(config.gpus)
         else:
             kwargs.update(cpu_scheduling(config.max_model_len))
         self.llm = LLM(model=self.engine_dir, dtype="float32" if config.precision == "fp32" else "bfloat16",

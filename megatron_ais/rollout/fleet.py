@@ -1,9 +1,9 @@
 """The run's rollout engines as one fleet: which trainer rank drives which engine, which prompts each engine serves,
 and how the rows they make reach the data-parallel ranks that train on them.
 
-Engine e is driven by global rank e, so every engine runs on the node of the bridge's staging arena (the first
-node) and applies each verified sync from that one arena (`feeds.shared_memory` maps it; nothing is copied per
-engine). A step's prompts (and an evaluation's) are shared out in contiguous runs, whole groups each, and every
+Each node's engines are driven by its first ranks and named by the global rank that drives them; they take GPUs of
+their own after the trainer's when the node has them (`engine_gpus`), and apply each verified sync from their
+node's copy of the staging arena (`bridge.node_copies`; nothing is copied per engine). A step's prompts (and an evaluation's) are shared out in contiguous runs, whole groups each, and every
 prompt is sampled with the seed of its index in the whole list (`engine.request_seed`), so the rows equal what one
 engine would make. Every engine host computes its groups' advantages; then every rank learns only a small record
 per engine (row lengths, rewards, counts) and receives from each host just the rows its DP rank trains on, as
@@ -111,6 +111,28 @@ def cpu_core_of(engine: int) -> str:
     cores this process may use)."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
     return str(cores[engine % len(cores)])
+
+
+def engine_gpus(engine: int, tensor_parallel: int, trainer_gpus: int, node_gpus: int) -> tuple[int, ...]:
+    """The GPUs (indices among the node's visible ones) of a node's `engine`-th engine of `tensor_parallel` GPUs:
+    after the trainer's `trainer_gpus` when the node has more (`node_gpus`; dedicated, as `rollout.placement`
+    plans separate engines), else from its host rank's GPU on (beside trainer ranks, as one engine always ran
+    beside rank 0). `check_engine_gpus` refuses what does not fit."""
+    first = trainer_gpus if node_gpus > trainer_gpus else 0
+    start = first + engine * tensor_parallel
+    return tuple(range(start, start + tensor_parallel))
+
+
+def check_engine_gpus(engines: int, tensor_parallel: int, trainer_gpus: int, node_gpus: int) -> None:
+    """Refuse a node's engines whose GPUs (`engine_gpus`) would overlap or lie beyond the node's, naming the flags."""
+    need, spare = engines * tensor_parallel, node_gpus - trainer_gpus
+    if (spare > 0 and need > spare) or need > node_gpus:
+        where = (f"its {spare} GPU(s) beyond the {trainer_gpus} trainer ranks (--nproc-per-node)" if spare > 0 else
+                 f"its {node_gpus} GPUs")
+        raise ArgumentValidationError(
+            f"--rollout-engines-per-node {engines} x --rollout-tensor-parallel-size {tensor_parallel} = {need} "
+            f"GPUs do not fit the node's engines into {where}; run fewer or smaller engines, or start as many "
+            "trainer ranks as the node has GPUs (engines then share their host ranks' GPUs)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ import dataclasses
 
 from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import FlagConfig, flag
+from megatron_ais.rollout.fleet import engine_gpus
 
 GIB = 1024 ** 3
 ENGINE_WORKSPACE_GIB = 2.0
@@ -42,10 +43,10 @@ class ClusterConfig(FlagConfig):
     gpu_memory_gb: float = flag(80.0, "Memory of one GPU (GiB; H100 SXM: 80).", name="--cluster-gpu-memory-gb")
     link_gb_per_s: float = flag(50.0, "Network bandwidth into or out of one node (GB/s; 400 Gb/s InfiniBand: 50), "
                                       "for the sync-time estimate.", name="--cluster-link-gb-per-s")
-    engines_per_node: int = flag(1, "Rollout engines per node (separate placement); each takes "
-                                    "--rollout-tensor-parallel-size GPUs (on CPU: one core each). A run drives its "
-                                    "engines from the first node's first ranks, all fed from that node's staging "
-                                    "arena; --print-placement plans them on every node.",
+    engines_per_node: int = flag(1, "Rollout engines per node (separate placement), each driven by one of the "
+                                    "node's first ranks and taking --rollout-tensor-parallel-size GPUs: GPUs of its "
+                                    "own after the trainer's when the node has more GPUs than trainer ranks (what "
+                                    "--print-placement plans), else its host ranks' GPUs; on CPU one core each.",
                                  name="--rollout-engines-per-node")
 
     def __post_init__(self):
@@ -176,8 +177,8 @@ def _engine_slots(cluster: ClusterConfig, mode: str, rollout_tp: int, trainer_pe
         first_rank = node * trainer_per_node
         if mode == "separate":
             for k in range(cluster.engines_per_node):
-                start = trainer_per_node + k * rollout_tp
-                engines.append(EngineSlot(len(engines), node, tuple(range(start, start + rollout_tp)),
+                engines.append(EngineSlot(len(engines), node,
+                                          engine_gpus(k, rollout_tp, trainer_per_node, cluster.gpus_per_node),
                                           first_rank + k % trainer_per_node))
         else:
             for start in range(0, cluster.gpus_per_node, rollout_tp):

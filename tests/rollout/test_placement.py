@@ -139,3 +139,42 @@ def test_a_fleet_the_run_cannot_drive_is_refused(monkeypatch, capsys, tmp_path, 
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_engines_take_gpus_of_their_own_when_the_node_has_them_else_their_host_ranks():
+    from megatron_ais.rollout.fleet import check_engine_gpus, engine_gpus
+
+    # 4 trainer ranks on 8 GPUs: the engines on GPUs 4-7, as the planner places them
+    assert [engine_gpus(k, 1, 4, 8) for k in range(4)] == [(4,), (5,), (6,), (7,)]
+    assert [engine_gpus(k, 2, 4, 8) for k in range(2)] == [(4, 5), (6, 7)]
+    plan = plan_placement(ClusterConfig(nodes=1, gpus_per_node=8, engines_per_node=2), ParallelLayout(tensor=2),
+                          QWEN3_8B, mode="separate", rollout_tp=2, precision="fp8", kv_cache_gb=8)
+    assert [e.gpus for e in plan.engines] == [engine_gpus(k, 2, 4, 8) for k in range(2)]
+    # as many trainer ranks as GPUs: engine k from its host rank k's GPU on (one engine: GPU 0, as always)
+    assert engine_gpus(0, 1, 8, 8) == (0,) and engine_gpus(3, 2, 8, 8) == (6, 7)
+    for fits in ((4, 1, 4, 8), (2, 2, 4, 8), (1, 1, 1, 1), (8, 1, 8, 8), (4, 2, 8, 8)):
+        check_engine_gpus(*fits)
+    for engines, tp, trainer, gpus, where in ((3, 2, 4, 8, "its 4 GPU(s) beyond the 4 trainer ranks"),
+                                              (5, 2, 8, 8, "its 8 GPUs"), (1, 2, 1, 1, "its 1 GPUs")):
+        with pytest.raises(ArgumentValidationError) as refused:
+            check_engine_gpus(engines, tp, trainer, gpus)
+        assert f"= {engines * tp} GPUs do not fit the node's engines into {where}" in str(refused.value)
+
+
+def test_engines_beyond_the_nodes_gpus_are_refused_before_anything_starts(monkeypatch, capsys, tmp_path):
+    import torch
+
+    import pretrain_grpo_ais
+
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "6"), ("LOCAL_WORLD_SIZE", "6")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_grpo_ais.main(["--hf-dir", os.path.join(ROOT, "examples", "models", "qwen3-8b"),
+                                "--rollout-engines-per-node", "2", "--rollout-tensor-parallel-size", "2",
+                                "--prompts-per-step", "6", "--output-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert ("--rollout-engines-per-node 2 x --rollout-tensor-parallel-size 2 = 4 GPUs do not fit the node's engines "
+            "into its 2 GPU(s) beyond the 6 trainer ranks (--nproc-per-node)") in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
