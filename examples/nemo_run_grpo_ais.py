@@ -12,8 +12,8 @@ the job itself runs with the training environment.
         --nodes 4 --gpus-per-node 8 --container-image registry/megatron-ais:latest \\
         --container-mounts /lustre/models:/models /lustre/data:/data /lustre/ckpt:/checkpoints --dryrun
 
-    # the MoE recipe (examples/qwen3_30b_a3b_grpo_ais.sh: TP4, EP8, 2-4 nodes)
-    .venv-launch/bin/python examples/nemo_run_grpo_ais.py --executor slurm --recipe qwen3_30b_a3b --nodes 2 ...
+    # the MoE recipe (examples/qwen3_30b_a3b_grpo_ais.sh: TP2, EP8 on 6 GPUs and 2 engines per node, 4 or 8 nodes)
+    .venv-launch/bin/python examples/nemo_run_grpo_ais.py --executor slurm --recipe qwen3_30b_a3b --nodes 4 ...
 """
 from __future__ import annotations
 
@@ -48,9 +48,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     slurm.add_argument("--account", default=None, help="Slurm account (required with --executor slurm).")
     slurm.add_argument("--partition", default=None, help="Slurm partition.")
     slurm.add_argument("--recipe", choices=sorted(RECIPES), default="qwen3_8b",
-                       help="Production script to submit: dense Qwen3-8B (1-4 nodes) or MoE Qwen3-30B-A3B (2-4 nodes).")
-    slurm.add_argument("--nodes", type=int, default=1, help="Nodes (1-4 for Qwen3-8B, 2-4 for Qwen3-30B-A3B).")
+                       help="Production script to submit: dense Qwen3-8B (1-4 nodes, 4 engines each) or MoE "
+                            "Qwen3-30B-A3B (4 or 8 nodes, 2 engines each).")
+    slurm.add_argument("--nodes", type=int, default=1, help="Nodes (1-4 for Qwen3-8B, 4 or 8 for Qwen3-30B-A3B).")
     slurm.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node.")
+    slurm.add_argument("--engines-per-node", type=int, default=None,
+                       help="Rollout engines per node, each on GPUs of its own after the trainer's (the script's "
+                            "ENGINES_PER_NODE; default: the recipe's fleet).")
     slurm.add_argument("--time", default="04:00:00", help="Wall-clock limit.")
     slurm.add_argument("--container-image", default="megatron-ais:latest", help="Image built from our Dockerfile.")
     slurm.add_argument("--container-mounts", nargs="*", default=[], help="host:container mounts (models, data, ckpt).")
@@ -92,7 +96,8 @@ def slurm_environment(args) -> dict[str, str]:
             # nemo-run's sbatch script resolves the head node before these exports; scontrol may be absent in
             # the container, so the rendezvous address is passed in
             "MASTER_ADDR": "$head_node_ip", "MASTER_PORT": "6000",
-            "TORCH_NCCL_AVOID_RECORD_STREAMS": "1", "NCCL_NVLS_ENABLE": "0"}
+            "TORCH_NCCL_AVOID_RECORD_STREAMS": "1", "NCCL_NVLS_ENABLE": "0",
+            **({"ENGINES_PER_NODE": str(args.engines_per_node)} if args.engines_per_node else {})}
 
 
 def build_experiment(args):
@@ -104,7 +109,7 @@ def build_experiment(args):
     task = run.Script(inline=f"cd {shlex.quote(args.code_dir)} && bash {RECIPES[args.recipe][0]}")
     executor = run.SlurmExecutor(
         account=args.account, partition=args.partition, nodes=args.nodes,
-        ntasks_per_node=1,  # one torchrun per node, which starts --gpus-per-node ranks
+        ntasks_per_node=1,  # one torchrun per node, which starts the trainer's ranks; the engines take the rest
         gpus_per_node=args.gpus_per_node, time=args.time, exclusive=True,
         container_image=args.container_image, container_mounts=list(args.container_mounts),
         env_vars=slurm_environment(args),

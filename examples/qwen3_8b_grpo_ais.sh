@@ -6,6 +6,8 @@
 #   Slurm:        srun --nodes 4 --ntasks-per-node 1 --gpus-per-node 8 bash examples/qwen3_8b_grpo_ais.sh
 #                 (or examples/nemo_run_grpo_ais.py --executor slurm, which submits exactly this script)
 #   print only:   PRINT_ARGS=1 bash examples/qwen3_8b_grpo_ais.sh   (one pretrain_grpo_ais.py flag per line)
+#   plan only:    PRINT_PLACEMENT=1 NNODES=4 bash examples/qwen3_8b_grpo_ais.sh   (GPUs, memory and sync bytes per
+#                 node and link for these flags, from examples/models/qwen3-8b unless HF_MODEL exists; starts nothing)
 #
 # Inputs (environment): HF_MODEL (Qwen3-8B HF directory), PROMPT_FILE (GSM8K-style JSONL, docs/data.md),
 # CHECKPOINT_PATH (resumes automatically when it holds a checkpoint), OUTPUT_DIR.
@@ -22,24 +24,26 @@ if [[ -z "${MASTER_ADDR:-}" ]]; then
     fi
 fi
 MASTER_PORT=${MASTER_PORT:-6000}
-WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
 
 HF_MODEL=${HF_MODEL:-/models/Qwen3-8B}
 PROMPT_FILE=${PROMPT_FILE:-/data/gsm8k/train.jsonl}
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-/checkpoints/qwen3-8b-grpo-ais}
 OUTPUT_DIR=${OUTPUT_DIR:-/results/qwen3-8b-grpo-ais}
 
-# 8B dense, 36 layers, 32 query / 8 KV heads: TP4 keeps 2 KV heads per rank (no KV replication) and one
-# node holds two model replicas; PP stays 1 up to 4 nodes (the whole model fits at TP4 with the distributed
-# optimizer), so DP = WORLD_SIZE / 4 = 2, 4, 6 or 8 replicas.
+# The fleet: every node gives GPUs 4-7 to four FP8 vLLM engines (one GPU each, driven by the node's trainer ranks
+# 0-3) and GPUs 0-3 to the trainer. FP8 Qwen3-8B is 9.4 GB of weights, so an engine is TP1 with a large KV cache;
+# rollouts (3072-token responses) dominate the step, so half of every node generates: 16 engines on 4 nodes.
+ENGINES_PER_NODE=${ENGINES_PER_NODE:-4}
+ROLLOUT_TP=${ROLLOUT_TP:-1}
+TRAINER_GPUS_PER_NODE=$((GPUS_PER_NODE - ENGINES_PER_NODE * ROLLOUT_TP))
+WORLD_SIZE=$((TRAINER_GPUS_PER_NODE * NNODES))
+# 8B dense, 36 layers, 32 query / 8 KV heads: TP4 keeps 2 KV heads per rank (no KV replication) and a node's four
+# trainer GPUs hold one replica; PP1, so DP = number of nodes (1-4).
 TP=${TP:-4}
 PP=${PP:-1}
-# Rollouts: one engine (on the first node, its worker on GPU 0 beside trainer rank 0). FP8 Qwen3-8B (about 9 GB of
-# weights) fits one H100 with room for a large KV cache, so the engine is TP1.
-ROLLOUT_TP=${ROLLOUT_TP:-1}
 
 DISTRIBUTED_ARGS=(
-    --nproc-per-node "$GPUS_PER_NODE"
+    --nproc-per-node "$TRAINER_GPUS_PER_NODE"  # the engines' GPUs come after these (vLLM device_ids)
     --nnodes "$NNODES"
     --node-rank "$NODE_RANK"
     --master-addr "$MASTER_ADDR"
@@ -65,7 +69,8 @@ TRAINING_ARGS=(
     --adam-beta2 0.98
     --clip-grad 1.0
     --grpo-steps 500
-    --prompts-per-step 192        # x 8 samples = 1536 sequences: 4 whole mini-batches at DP 2, 4, 6 or 8
+    --prompts-per-step 192        # x 8 samples = 1536 sequences: 4 whole mini-batches at DP 1-4; 12-48 prompts
+                                  # per engine
     --group-size 8
     --num-minibatches 4           # 4 optimizer steps per rollout batch (off-policy within the batch)
     --ppo-epochs 1
@@ -86,9 +91,14 @@ ROLLOUT_ARGS=(
     --rollout-precision fp8               # blockwise FP8 (128x128, weight_scale_inv) from the bridge
     --rollout-kv-cache-dtype auto
     --rollout-placement separate
+    --rollout-engines-per-node "$ENGINES_PER_NODE"
     --rollout-tensor-parallel-size "$ROLLOUT_TP"
-    --rollout-kv-cache-gb 20              # on GPU 0 next to trainer rank 0 (~28 GB): 20 + 9 GB of weights + 2 GB,
-                                          # and the bridge's 9 GB staging arena (--bridge-arena auto: GPU 0)
+    --rollout-kv-cache-gb 60              # an engine's GPU: 9.4 GB of FP8 weights + 60 GB of KV cache (about 400k
+                                          # tokens at 147 kB each) + 2 GB workspace = 71 GiB of 80
+    --bridge-arena auto                   # the 9.4 GB staging arena on trainer GPU 0, beside rank 0's 34 GiB (DP1)
+                                          # to 17 GiB (DP4) of weights, grads and Adam state before activations;
+                                          # each other node gets one verified copy in host memory
+    --rollout-min-engines 2               # an engine past its restarts is retired; fewer than this stops the run
     --rollout-max-num-seqs 256
     --rollout-max-model-len 4096
     --max-new-tokens 3072
@@ -112,7 +122,7 @@ AIS_ARGS=(
 DATA_ARGS=(
     --task jsonl
     --prompt-file "$PROMPT_FILE"
-    --reward-workers 8                    # math-verify in 8 processes on the engine's host (it breaks in threads)
+    --reward-workers 4                    # math-verify in 4 processes on each engine's host (it breaks in threads)
     --reward-timeout-s 30                 # a sample past it scores 0 and is counted (rollout/reward_timeouts)
     --eval-prompts 256
     --eval-samples 4
@@ -141,8 +151,14 @@ if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
     printf '%s\n' "${ALL_ARGS[@]}"
     exit 0
 fi
-
-echo "Qwen3-8B GRPO+AIS: ${NNODES} node(s) x ${GPUS_PER_NODE} GPUs, TP${TP} PP${PP} DP$((WORLD_SIZE / (TP * PP)))," \
-     "rollout TP${ROLLOUT_TP}, node rank ${NODE_RANK}, master ${MASTER_ADDR}:${MASTER_PORT}"
 cd "$(dirname "$0")/.."
+if [[ "${PRINT_PLACEMENT:-0}" == 1 ]]; then
+    [[ -d "$HF_MODEL" ]] || HF_MODEL=examples/models/qwen3-8b
+    ALL_ARGS+=(--hf-dir "$HF_MODEL" --print-placement --cluster-nodes "$NNODES" --cluster-gpus-per-node "$GPUS_PER_NODE")
+    exec python pretrain_grpo_ais.py "${ALL_ARGS[@]}"
+fi
+
+echo "Qwen3-8B GRPO+AIS: ${NNODES} node(s) x ${GPUS_PER_NODE} GPUs, trainer TP${TP} PP${PP}" \
+     "DP$((WORLD_SIZE / (TP * PP))) on ${TRAINER_GPUS_PER_NODE} GPUs per node, ${ENGINES_PER_NODE} engine(s) of TP${ROLLOUT_TP}" \
+     "per node, node rank ${NODE_RANK}, master ${MASTER_ADDR}:${MASTER_PORT}"
 exec torchrun "${DISTRIBUTED_ARGS[@]}" pretrain_grpo_ais.py "${ALL_ARGS[@]}"

@@ -178,11 +178,13 @@ class GRPORunConfig:
     def _check_fleet(self, world_size: int) -> None:
         """Refuse engines the run cannot drive or place, naming the flags."""
         loop, engines = self.loop, self.cluster.engines_per_node
-        if self.fleet.min_engines > engines:
+        ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        nodes = self.cluster.nodes if self.cluster.print_placement else max(1, world_size // ranks_on_node)
+        if self.fleet.min_engines > engines * nodes:
             raise ArgumentValidationError(f"--rollout-min-engines {self.fleet.min_engines} exceeds the run's "
-                                          f"{engines} engine(s) (--rollout-engines-per-node)")
+                                          f"{engines * nodes} engine(s) ({engines} per node, "
+                                          f"--rollout-engines-per-node, on {nodes} node(s))")
         if engines > 1 and not self.cluster.print_placement:
-            ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             if self.engine.placement == "colocated":
                 raise ArgumentValidationError(
                     f"--rollout-engines-per-node {engines} with --rollout-placement colocated: a colocated engine "
@@ -196,8 +198,7 @@ class GRPORunConfig:
                     f"--rollout-engines-per-node {engines} exceeds --prompts-per-step {loop.prompts_per_step}: every "
                     "engine serves at least one prompt group; lower it or raise --prompts-per-step")
         if self.engine.placement == "separate" and torch.cuda.is_available() and not self.cluster.print_placement:
-            check_engine_gpus(engines, self.engine.tensor_parallel_size,
-                              int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), torch.cuda.device_count())
+            check_engine_gpus(engines, self.engine.tensor_parallel_size, ranks_on_node, torch.cuda.device_count())
         if self.engine.placement == "colocated" and world_size > 1:
             raise ArgumentValidationError("--rollout-placement colocated needs a single-rank trainer (an in-process "
                                           "vLLM engine owns torch.distributed); use --rollout-placement separate")

@@ -1,6 +1,7 @@
 """Production launchers: every examples/*.sh is valid bash whose pretrain_grpo_ais.py flags parse with our parser;
 the nemo-run launcher (in .venv-launch) dry-runs a Slurm job with the requested nodes and GPUs and really runs
 a tiny 2-step job with the local executor."""
+import dataclasses
 import glob
 import json
 import os
@@ -10,7 +11,6 @@ import sys
 import pytest
 
 from megatron_ais.arguments import GRPORunConfig
-from megatron_ais.rollout.engine import engine_memory_fraction
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCH_PYTHON = os.path.join(ROOT, ".venv-launch", "bin", "python")
@@ -30,34 +30,64 @@ def test_there_are_example_scripts():
     assert any(path.endswith("qwen3_30b_a3b_grpo_ais.sh") for path in SCRIPTS)
 
 
+def _plan(args, script: str, nodes: int, monkeypatch):
+    """The run's configs checked for `nodes` nodes of 8 GPUs, and the placement planner's plan of them."""
+    from megatron_ais.model import ModelShape
+    from megatron_ais.rollout.placement import plan_placement
+
+    trainer_gpus = 8 - args.rollout_engines_per_node * args.rollout_tensor_parallel_size
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(trainer_gpus))  # torchrun's --nproc-per-node
+    config = GRPORunConfig.from_args(args, trainer_gpus * nodes)
+    model = "qwen3-30b-a3b" if "30b_a3b" in script else "qwen3-8b"
+    with open(os.path.join(ROOT, "examples", "models", model, "config.json")) as f:
+        shape = ModelShape.from_hf_config(json.load(f))
+    engine = config.engine
+    plan = plan_placement(dataclasses.replace(config.cluster, nodes=nodes), config.trainer.layout, shape,
+                          mode=engine.placement, rollout_tp=engine.tensor_parallel_size, precision=engine.precision,
+                          kv_cache_gb=engine.kv_cache_gb,
+                          distributed_optimizer=config.trainer.training.use_distributed_optimizer)
+    assert plan.trainer_world == trainer_gpus * nodes
+    return config, plan
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)
-def test_example_script_is_valid_bash_and_its_flags_parse(script):
+def test_example_script_is_valid_bash_and_its_flags_parse(script, monkeypatch):
     subprocess.run(["bash", "-n", script], check=True)
+    moe, parsed = "30b_a3b" in script, []
     for env in ({}, {"SLURM_NNODES": "4", "SLURM_NODEID": "3", "TP": "8"}):
         printed = subprocess.run(["bash", script], env={**os.environ, **env, "PRINT_ARGS": "1"}, check=True,
                                  capture_output=True, text=True).stdout.splitlines()
         args = _grpo_parser().parse_args(printed)
         assert args.rollout_precision == "fp8" and args.is_correction == "ais"
-        assert args.tensor_model_parallel_size == int(env.get("TP", "4"))
+        assert args.tensor_model_parallel_size == int(env.get("TP", "2" if moe else "4"))
         # 32 query / 8 (Qwen3-8B) or 4 (Qwen3-30B-A3B) KV heads must split over TP or share evenly
         assert 32 % args.tensor_model_parallel_size == 0
-        # the engine shares its GPUs with trainer ranks: its budget (KV cache + FP8 weights of about 9 GB for 8B,
-        # 31 GB for 30B-A3B, split over the engine's TP) and, unless it is in host memory, the staging arena (the
-        # weights once more) leave at least half of an 80 GB H100's GPU 0 to the trainer
-        fp8_weights = (31 if "30b_a3b" in script else 9) << 30
-        gpu0 = engine_memory_fraction(int(args.rollout_kv_cache_gb * (1 << 30)), fp8_weights,
-                                      args.rollout_tensor_parallel_size, 80 << 30) * (80 << 30)
-        gpu0 += fp8_weights if args.bridge_arena != "host" else 0
-        assert gpu0 <= 40 << 30
-        # the rollout batch splits into whole DP shares, mini-batches and micro-batches at every documented size
-        for nodes in ((2, 3, 4) if "30b_a3b" in script else (1, 2, 3, 4)):
-            GRPORunConfig.from_args(args, 8 * nodes)
-        if "30b_a3b" in script:
-            world = 8 * int(env.get("SLURM_NNODES", "2"))
-            assert args.expert_model_parallel_size == 8 and args.sequence_parallel
-            # megatron's expert groups: EP x expert-TP x PP must divide the world (as our validator checks)
-            assert world % (args.expert_model_parallel_size * args.expert_tensor_parallel_size) == 0
-            assert args.save == "/checkpoints/qwen3-30b-a3b-grpo-ais"
+        assert args.rollout_placement == "separate" and args.rollout_engines_per_node > 1
+        parsed.append(args)
+    args = parsed[0]
+    # at every documented size: the rollout batch splits into whole DP shares, mini-batches and micro-batches, the
+    # engines (on GPUs of their own) fit an 80 GB H100 with their KV cache, and a trainer GPU keeps at least 20 GiB
+    # for activations beside its weights, grads, Adam state and (when on the GPU) the staging arena
+    for nodes in ((4, 8) if moe else (1, 2, 3, 4)):
+        config, plan = _plan(args, script, nodes, monkeypatch)
+        assert plan.engine_gpu_gib <= 72
+        arena_gib = plan.model.sync / 2 ** 30 if args.bridge_arena != "host" else 0  # auto: GPU 0 on CUDA
+        assert plan.trainer_gpu_gib + arena_gib <= 60, (nodes, plan.trainer_gpu_gib, arena_gib)
+        assert config.fleet.min_engines <= len(plan.engines) <= args.prompts_per_step
+    if moe:
+        assert args.expert_model_parallel_size == 8 and args.sequence_parallel
+        assert args.save == "/checkpoints/qwen3-30b-a3b-grpo-ais"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)
+def test_example_script_prints_its_placement_and_starts_nothing(script, tmp_path):
+    proc = subprocess.run(["bash", script], env={**os.environ, "PRINT_PLACEMENT": "1", "NNODES": "4",
+                                                 "PATH": os.path.dirname(sys.executable) + ":" + os.environ["PATH"],
+                                                 "OUTPUT_DIR": str(tmp_path / "out")},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "placement for examples/models/qwen3-" in proc.stdout and "4 node(s) x 8 GPUs" in proc.stdout
+    assert "e0 (GPU " in proc.stdout and not (tmp_path / "out").exists()
 
 
 def test_nemo_run_slurm_dryrun_has_nodes_and_gpus(tmp_path):
@@ -78,12 +108,13 @@ def test_nemo_run_slurm_dryrun_has_nodes_and_gpus(tmp_path):
 
 def test_nemo_run_slurm_moe_recipe_submits_the_moe_script(tmp_path):
     proc = subprocess.run([LAUNCH_PYTHON, NEMO_RUN, "--executor", "slurm", "--account", "acct", "--recipe",
-                           "qwen3_30b_a3b", "--nodes", "2", "--job-dir", str(tmp_path / "jobs"), "--dryrun"],
+                           "qwen3_30b_a3b", "--nodes", "4", "--engines-per-node", "1", "--job-dir",
+                           str(tmp_path / "jobs"), "--dryrun"],
                           capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
                           env={**os.environ, "COLUMNS": "400"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
-    for expected in ("#SBATCH --nodes=2", "bash examples/qwen3_30b_a3b_grpo_ais.sh",
+    for expected in ("#SBATCH --nodes=4", "bash examples/qwen3_30b_a3b_grpo_ais.sh", "export ENGINES_PER_NODE=1",
                      "export HF_MODEL=/models/Qwen3-30B-A3B", "export CHECKPOINT_PATH=/checkpoints/qwen3-30b-a3b"):
         assert expected in out, expected
 
