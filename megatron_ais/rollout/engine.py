@@ -398,7 +398,8 @@ class RolloutEngine:
 
         params = [SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                                  max_tokens=sampling.max_new_tokens, stop_token_ids=list(sampling.stop_token_ids),
-                                 logprobs=0, seed=request_seed(sampling.seed, first_index + index))
+                                 logprobs=0, seed=request_seed(sampling.seed, first_index + index),
+                                 detokenize=False)  # rewards decode the token ids; vLLM's per-step text is unused
                   for index in range(len(prompts))]
         outputs = self._generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                  use_tqdm=self.config.log_level in ("info", "debug") if progress is None else progress,
