@@ -187,8 +187,8 @@ class GRPORunConfig:
         if engines > 1 and not self.cluster.print_placement:
             if self.engine.placement == "colocated":
                 raise ArgumentValidationError(
-                    f"--rollout-engines-per-node {engines} with --rollout-placement colocated: a colocated engine "
-                    "runs inside a single-rank trainer; use --rollout-placement separate")
+                    f"--rollout-engines-per-node {engines} with --rollout-placement colocated: colocated engines are "
+                    "one inside every trainer rank; drop the flag or use --rollout-placement separate")
             if engines > ranks_on_node:
                 raise ArgumentValidationError(
                     f"--rollout-engines-per-node {engines} exceeds the {ranks_on_node} trainer ranks of the node, one "
@@ -199,9 +199,6 @@ class GRPORunConfig:
                     "engine serves at least one prompt group; lower it or raise --prompts-per-step")
         if self.engine.placement == "separate" and torch.cuda.is_available() and not self.cluster.print_placement:
             check_engine_gpus(engines, self.engine.tensor_parallel_size, ranks_on_node, torch.cuda.device_count())
-        if self.engine.placement == "colocated" and world_size > 1:
-            raise ArgumentValidationError("--rollout-placement colocated needs a single-rank trainer (an in-process "
-                                          "vLLM engine owns torch.distributed); use --rollout-placement separate")
 
 
 def check_rollout_batch(loop: GRPOLoopConfig, micro_batch_size: int, dp: int) -> None:

@@ -272,7 +272,10 @@ def test_launcher_sigkilled_mid_step_takes_the_run_with_it_then_resume_equals_un
     assert "step     3 |" not in printed, "the kill came after step 3 finished"
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "2"
 
-    resumed = subprocess.run(_command(save, cut_out, 4, "--save", save, "--save-interval", "2", *bigger),
+    # the resumed run's engines are colocated: one inside each trainer rank (vLLM's external_launcher), each
+    # making the same share of the prompts as the separate engine of its rank did
+    colocated = bigger[:-2] + ("--rollout-placement", "colocated")  # in place of --rollout-engines-per-node 2
+    resumed = subprocess.run(_command(save, cut_out, 4, "--save", save, "--save-interval", "2", *colocated),
                              capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resuming GRPO at step 3" in resumed.stderr

@@ -173,7 +173,9 @@ class GRPORun:
         dist.all_gather_object(places, (node_name(), self.groups.data_parallel_rank))
         self.node_of = [node for node, _ in places]
         self.data_parallel_rank_of = [dp_rank for _, dp_rank in places]
-        self.fleet = FleetLayout.per_node(self.config.cluster.engines_per_node, dist.get_rank(), self.node_of)
+        colocated = config.engine.placement == "colocated"  # then every rank holds an engine
+        self.fleet = FleetLayout.per_node(dist.get_world_size() if colocated else config.cluster.engines_per_node,
+                                          dist.get_rank(), self.node_of)
         self.checkpoint_ranks = CheckpointRanks.from_parallel_state()
         self.bridge_layout = BridgeLayout.from_parallel_state(self.arena_rank)
         self.reference = None
@@ -200,7 +202,7 @@ class GRPORun:
         from megatron_ais.logging import RunLogger
         from megatron_ais.mapping.distributed import save_hf_checkpoint
         from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
-        from megatron_ais.rollout.manager import RolloutManager, RolloutPlan, ServingPolicy, check_prompt_lengths
+        from megatron_ais.rollout.manager import RolloutManager, RolloutPlan, check_prompt_lengths
         from megatron_ais.rollout.rewards import RewardScorer
 
         trainer, state, out = self.trainer, self.state, self.trainer.logging.output_dir
@@ -226,27 +228,39 @@ class GRPORun:
                                trainer.model.seq_length, self.config.advantages, self.routing_replay)
             engine = RolloutEngine(self._engine_config(init_dir, several),
                                    os.path.join(out, f"engine-{index}" if several else "engine"))
-            fleet = self.config.fleet
             self.manager = RolloutManager(engine, self.tokenizer, self.task, plan, state.data_seed, state.rollout_seed,
                                           self._engine_log(index), RewardScorer(self.task.reward, self.config.rewards),
-                                          ServingPolicy(fleet.max_engine_restarts, fleet.generation_timeout_s))
+                                          self._serving_policy())
         dist.barrier()
 
     def _engine_config(self, model_dir: str, several: bool):
         """This host's engine: a node's engines are driven by its first ranks, the k-th on its k-th CPU core when
-        there are several, or on GPUs of its own beyond the trainer's (else from its host rank's GPU on:
-        `fleet.engine_gpus`); the staging arena counts against its memory when on its GPU."""
+        there are several; on GPUs a separate one takes GPUs of its own beyond the trainer's (else from its host
+        rank's GPU on: `fleet.engine_gpus`), a colocated one its rank's GPU. The staging arena counts against the
+        engine's memory when it is on the engine's first GPU."""
         from megatron_ais.rollout.fleet import cpu_core_of, engine_gpus
 
         engine, local_rank = self.config.engine, int(os.environ.get("LOCAL_RANK", self.fleet.engine_here))
         if not torch.cuda.is_available():
             return dataclasses.replace(engine, model_dir=model_dir,
                                        cpu_core=cpu_core_of(local_rank) if several else None)
-        gpus = engine_gpus(local_rank, engine.tensor_parallel_size,
-                           int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())), torch.cuda.device_count())
-        arena_here = dist.get_rank() == self.arena_rank and gpus[0] == torch.cuda.current_device()
+        gpus = None
+        if engine.placement == "separate":
+            gpus = engine_gpus(local_rank, engine.tensor_parallel_size,
+                               int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
+                               torch.cuda.device_count())
+        arena_here = dist.get_rank() == self.arena_rank and (gpus or (local_rank,))[0] == torch.cuda.current_device()
         return dataclasses.replace(engine, model_dir=model_dir, gpus=gpus,
                                    gpu_staging_arena=engine.gpu_staging_arena and arena_here)
+
+    def _serving_policy(self):
+        """Separate engines restart alone; a colocated one lives in its trainer rank, whose vLLM groups span every
+        rank: it is not restarted (its failure is the rank's)."""
+        from megatron_ais.rollout.manager import ServingPolicy
+
+        fleet, separate = self.config.fleet, self.config.engine.placement == "separate"
+        return ServingPolicy(fleet.max_engine_restarts if separate else 0,
+                             fleet.generation_timeout_s if separate else None)
 
     def _engine_log(self, index: int):
         """Where engine `index`'s manager tells the user what happened to it: the run's log on the logging rank,

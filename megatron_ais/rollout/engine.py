@@ -10,6 +10,7 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 
 from megatron_ais.bridge.arena import remove_stale_shared_files
 from megatron_ais.errors import GenerationTimeoutError, RolloutError
@@ -70,9 +71,11 @@ class EngineConfig(FlagConfig):
     kv_cache_dtype: str = flag("auto", "KV-cache dtype of the engine (fp8 = e4m3, with per-layer K/V scales "
                                        "recalibrated by the trainer at every weight sync).",
                                name="--rollout-kv-cache-dtype", choices=("auto", "fp8"))
-    placement: str = flag("separate", "colocated: engine inside the trainer process (single-rank trainers only, vLLM "
-                                      "then owns torch.distributed); separate: engine processes fed through shared "
-                                      "memory.", name="--rollout-placement", choices=PLACEMENTS)
+    placement: str = flag("separate", "colocated: an engine inside every trainer process (vLLM's external_launcher "
+                                      "on the trainer's world; rollout TP 1; an engine failure is the rank's); "
+                                      "separate: engine processes fed through shared memory, driven by the first "
+                                      "--rollout-engines-per-node ranks of every node.", name="--rollout-placement",
+                          choices=PLACEMENTS)
     tensor_parallel_size: int = flag(1, "vLLM tensor-parallel size of the engine (its own ranks, independent of the "
                                         "trainer's TP; separate placement). Blockwise FP8 needs q/k/MLP sizes per rank "
                                         "divisible by 128.", name="--rollout-tensor-parallel-size")
@@ -201,7 +204,7 @@ def engine_gpu_memory_utilization(config: EngineConfig, engine_dir: str, arena_a
     a crashed engine restarted). On GPUs of its own vLLM checks their free memory itself."""
     if config.gpu_memory_utilization is not None:
         return config.gpu_memory_utilization
-    gpu = config.gpus[0] if config.gpus else 0
+    gpu = config.gpus[0] if config.gpus else torch.cuda.current_device() if config.placement == "colocated" else 0
     total = torch.cuda.get_device_properties(gpu).total_memory
     weights = os.path.getsize(os.path.join(engine_dir, "model.safetensors"))
     fraction = engine_memory_fraction(int(config.kv_cache_gb * (1 << 30)), weights, config.tensor_parallel_size, total)
@@ -273,8 +276,8 @@ def generate_watching_engine(llm, *args, timeout_s: float | None = None, **kwarg
 
 
 class RolloutEngine:
-    """A vLLM engine: `colocated` runs it inside this process (single-rank trainers: vLLM initialises
-    torch.distributed itself); `separate` runs vLLM's engine core and workers in their own processes. Weights arrive
+    """A vLLM engine: `colocated` runs it inside this process (with several trainer ranks, one per rank through
+    vLLM's `external_launcher`); `separate` runs vLLM's engine core and workers in their own processes. Weights arrive
     through the feed its placement and --rollout-weight-feed choose (`rollout.feeds`); a restarted engine gets back
     the last weights and KV-cache scales it was given."""
 
@@ -312,6 +315,11 @@ class RolloutEngine:
         kwargs = {}
         if config.kv_cache_dtype != "auto":
             kwargs["kv_cache_dtype"] = config.kv_cache_dtype
+        if self.placement == "colocated" and dist.is_initialized() and dist.get_world_size() > 1:
+            # one engine in every trainer rank, each its own vLLM data-parallel replica of size 1: vLLM builds its
+            # groups on the trainer's torch.distributed world (every rank starts its engine together) and never
+            # synchronises the replicas, so each generates its own share
+            kwargs["distributed_executor_backend"] = "external_launcher"
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = engine_gpu_memory_utilization(config, self.engine_dir, self.starts > 0)
             if config.gpus is not None:
