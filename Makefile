@@ -46,7 +46,7 @@ run: $(STAMP)
 	    --load $(RUN_DIR)/sft/checkpoint --task digit_sort --seq-length 64 --grpo-steps 50 --eval-interval 10 \
 	    --eval-prompts 128 --micro-batch-size 16 --max-tokens-per-microbatch 1024 --lr 3e-4 --prompts-per-step 32 \
 	    --group-size 8 --rollout-precision fp8 --is-correction ais --rollout-kv-cache-gb 0.5 \
-	    --save $(RUN_DIR)/checkpoint --save-interval 25 --output-dir $(RUN_DIR)
+	    --rollout-placement colocated --save $(RUN_DIR)/checkpoint --save-interval 25 --output-dir $(RUN_DIR)
 
 test: $(STAMP) $(LAUNCH_STAMP)
 	$(PY) -m pytest -q --durations=15 tests

@@ -2,7 +2,8 @@
 vLLM engines -> rewards -> GRPO + AIS update -> bridge sync -> refit verification -> logs, checkpoints, the last
 line; the same for a Qwen3-MoE model; a launcher SIGKILLed in the middle of a step takes its ranks and engine
 processes with it, and the run resumes to exactly the metrics of an uninterrupted run (two engines each; the
-uninterrupted run's second engine is killed and restarts alone); two engines killed mid-run restart and re-sync,
+uninterrupted run's second engine is killed and restarts alone; the resumed run's engines are colocated, one
+inside each trainer rank); two engines killed mid-run restart and re-sync,
 killed again past their restart budget stop every rank with the checkpoint intact."""
 import json
 import os

@@ -5,8 +5,10 @@ drives it, which node's staging arena feeds it, and what one weight sync moves i
 
 Modes. `separate`: each node gives `--rollout-engines-per-node` x `--rollout-tensor-parallel-size` GPUs to engines
 (after the trainer's GPUs, as slime places them) and the rest to the trainer; each engine is driven by a trainer
-rank on its node. `colocated`: every trainer GPU also hosts an engine shard (vLLM's `external_launcher`, sleep mode
-during training, as verl's hybrid engine), one engine per `--rollout-tensor-parallel-size` consecutive ranks.
+rank on its node. `colocated`: every trainer GPU also hosts an engine shard (vLLM's `external_launcher`, as verl's
+hybrid engine), one engine per `--rollout-tensor-parallel-size` consecutive ranks; the run builds rollout TP 1 (one
+engine inside every rank) and holds the engine's memory through training (no sleep mode), as the memory check here
+counts it.
 
 Feeding. One staging arena per node with engines: the bridge's writers on that node write their shards into it,
 the rest arrives over the network once per node (not once per engine), forwarded node to node as a pipelined ring
