@@ -294,6 +294,7 @@ class GRPORun:
         first_prompts = step_prompt_ids(self.tokenizer, self.task, self.loop.prompts_per_step, state.data_seed,
                                         state.step + 1)
         if state.saved is None:
+            self.share_refit_reference()  # the engines hold the initial export
             self.calibrate_kv_cache(first_prompts)
             state.eval_before = self._evaluate_on_engines(lambda prompts: self.manager.evaluate(prompts))
             return
@@ -303,6 +304,7 @@ class GRPORun:
         if changed:
             self.log.info("flags that differ from the saved run: " + ", ".join(changed))
         self.sync_weights(state.step)
+        self.share_refit_reference()
         if self.config.engine.kv_cache_dtype != "fp8":
             state.kv_cache_scales = None
         elif state.kv_cache_scales is None:
@@ -341,9 +343,10 @@ class GRPORun:
         return what the step logs of it."""
         from megatron_ais.distributed import share
         from megatron_ais.rollout.kv_scales import rollout_sequences
-        from megatron_ais.rollout.verify import refit_precision, verify_refit_on_all_ranks
+        from megatron_ais.rollout.verify import verify_refit_on_all_ranks
 
         self.sync_weights(step)
+        reference = self.share_refit_reference()
         if self.config.engine.kv_cache_dtype == "fp8":
             first, count = self.rollouts.first_rows, self.config.kv_calibration.sequences
             self.calibrate_kv_cache(share(lambda: rollout_sequences(first.tokens, first.mask, count),
@@ -352,14 +355,27 @@ class GRPORun:
         if self.loop.verifies_at(step):
             metrics.update(verify_refit_on_all_ranks(
                 self.manager.engine if self.manager else None, self.model.ddp_chunks, self.probe, self.groups,
-                self.build.shape.vocab_size, refit_precision(self.config.engine, self.build.precision),
+                self.build.shape.vocab_size, reference.precision,
                 self.fleet.rotating(self.loop.verify_refit_engines, step // self.loop.verify_refit_interval - 1),
-                self.build.shape.is_moe))
+                self.build.shape.is_moe, reference.trainer_logprobs))
         scales = self.state.kv_cache_scales
         if scales is not None:
             metrics.update({"rollout/kv_cache_k_scale_max": max(k for _, k, _ in scales.scales),
                             "rollout/kv_cache_v_scale_max": max(v for _, _, v in scales.scales)})
         return metrics
+
+    def share_refit_reference(self):
+        """The trainer's probe log-probs for the weights every engine now holds (collective), kept by every engine's
+        manager: an engine restarted later serves again only once its own agree with them."""
+        from megatron_ais.rollout.verify import RefitReference, refit_precision, trainer_probe_reference
+
+        reference = RefitReference(
+            self.probe, trainer_probe_reference(self.model.ddp_chunks, self.probe, self.groups,
+                                                self.build.shape.vocab_size),
+            refit_precision(self.config.engine, self.build.precision))
+        if self.manager is not None:
+            self.manager.refit_reference = reference
+        return reference
 
     def evaluate(self, step: int) -> dict:
         """Held-out accuracy at evaluation steps (each engine evaluates its share; every rank knows the means)."""

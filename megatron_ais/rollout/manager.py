@@ -69,14 +69,15 @@ class ServingPolicy:
 class RolloutManager:
     """Lives on an engine's host rank: generates and scores the prompts of each step it is given (a range of the
     step's prompt indices), evaluates its share of the held-out prompts and applies weight syncs. An engine that dies
-    (or runs past the generation timeout) is restarted and asked again while `policy.max_restarts` lasts; after that
-    it is shut down and EngineRetiredError raised (`log` tells the user)."""
+    (or runs past the generation timeout) is restarted and, once its refit check passes, asked again while
+    `policy.max_restarts` lasts; after that it is shut down and EngineRetiredError raised (`log` tells the user)."""
 
     def __init__(self, engine: RolloutEngine, tokenizer, task, plan: RolloutPlan, data_seed: int, rollout_seed: int,
                  log: Callable[[str], None], scorer: RewardScorer, policy: ServingPolicy = ServingPolicy()):
         self.engine, self.tokenizer, self.task, self.plan = engine, tokenizer, task, plan
         self.data_seed, self.rollout_seed, self.log, self.scorer = data_seed, rollout_seed, log, scorer
         self.policy, self.restarts = policy, 0
+        self.refit_reference = None  # verify.RefitReference of the weights the engine holds, set after each sync
 
     def _score(self, examples: list, rollouts: list, what: str) -> Scores:
         scores = self.scorer.score([(self.tokenizer.decode(r.token_ids, skip_special_tokens=True),
@@ -111,24 +112,39 @@ class RolloutManager:
                                                    reward_timeouts=scores.timed_out), self.plan.advantages)
 
     def _serving(self, action: Callable[[], Any], what: str) -> Any:
-        """`action()`, restarting the engine (with its last weights) and asking again each time it died or ran past
-        the generation timeout, while the restart budget lasts; an error of a live engine is a RolloutError."""
+        """`action()`, restarting the engine and asking again each time it died or ran past the generation timeout
+        (`_restart`); an error of a live engine is a RolloutError."""
         while True:
             try:
                 return action()
             except Exception as err:  # vLLM raises many kinds of errors when its engine core dies
                 if not isinstance(err, GenerationTimeoutError) and self.engine.health_check():
                     raise RolloutError(f"{what} failed: {type(err).__name__}: {err}") from err
-                if self.restarts >= self.policy.max_restarts:
-                    self.engine.shutdown()
-                    raise EngineRetiredError(
-                        f"{what}: the rollout engine died again ({type(err).__name__}: {err}) after "
-                        f"{self.restarts} restart(s) (--rollout-max-engine-restarts {self.policy.max_restarts}); it "
-                        "serves no more") from err
-                self.log(f"{what}: the rollout engine died ({type(err).__name__}: {err}); restarting it and "
-                         "re-syncing the current weights")
-                self.restarts += 1
-                self.engine.restart()
+                self._restart(what, f"the rollout engine died ({type(err).__name__}: {err})", err)
+
+    def _restart(self, what: str, reason: str, cause: Exception) -> None:
+        """Restart the engine with its last weights and KV-cache scales until it passes its refit check against
+        `refit_reference` (when set), while the restart budget lasts; past it, shut the engine down and raise
+        EngineRetiredError."""
+        while True:
+            if self.restarts >= self.policy.max_restarts:
+                self.engine.shutdown()
+                raise EngineRetiredError(
+                    f"{what}: {reason} after {self.restarts} restart(s) (--rollout-max-engine-restarts "
+                    f"{self.policy.max_restarts}); it serves no more") from cause
+            self.log(f"{what}: {reason}; restarting it and re-syncing the current weights")
+            self.restarts += 1
+            self.engine.restart()
+            if self.refit_reference is None:
+                return
+            try:
+                failure = self.refit_reference.failure(self.engine)
+            except Exception as err:  # it died again while scoring the probe
+                failure = f"{type(err).__name__}: {err}"
+            if failure is None:
+                self.log(f"{what}: the restarted engine passed its refit check; it serves again")
+                return
+            reason = f"the restarted engine failed its refit check ({failure})"
 
     def rollout_rows(self, step: int, prompts: range):
         """Generate the group of responses to each of the step's prompts at indices `prompts` and score them; return

@@ -63,6 +63,24 @@ def verify_refit(engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, 
     return report
 
 
+@dataclasses.dataclass(frozen=True)
+class RefitReference:
+    """The trainer's probe log-probs for the weights the engines hold now: what a restarted engine's must match
+    before it serves again (`RolloutManager`)."""
+
+    probe: list[int]
+    trainer_logprobs: torch.Tensor
+    precision: str  # the tolerance row (`refit_precision`)
+
+    def failure(self, engine) -> str | None:
+        """Why `engine` fails the refit check against this reference, or None when it passes."""
+        try:
+            verify_refit(engine.prompt_logprobs(self.probe), self.trainer_logprobs, self.precision)
+        except RefitVerificationError as err:
+            return str(err)
+        return None
+
+
 # relative error of a layer's output beyond which the engine is said to have left the trainer at that layer;
 # measured on the default run's trained model against the BF16 trainer (random-token probe), layers 0-3:
 # bf16 engine 0.006-0.018, fp8 engine 0.029-0.075; fp32 engine vs fp32 trainer 6e-7
@@ -180,8 +198,13 @@ def _merged(parts: list[dict]) -> list:
     return [merged[i] for i in sorted(merged)]
 
 
+def trainer_probe_reference(ddp_chunks: list, probe: list[int], groups, vocab_size: int) -> torch.Tensor:
+    """The trainer's probe log-probs on every rank (collective over the pipeline)."""
+    return from_last_stage(trainer_probe_logprobs(ddp_chunks, probe, groups, vocab_size))
+
+
 def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups, vocab_size: int, precision: str,
-                              fleet, moe: bool = False) -> dict[str, float]:
+                              fleet, moe: bool = False, trainer: torch.Tensor | None = None) -> dict[str, float]:
     """Collective refit check of the engines of `fleet` (`rollout.fleet.FleetLayout`: every serving engine, or
     the turn's few of them, `FleetLayout.rotating`): every stage scores the
     probe (the last stage's log-probs go to the first), each engine's host (`engine` there, None elsewhere) compares
@@ -189,10 +212,12 @@ def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups
     differs, and raises on every rank. Return (on every rank) how far the engines' probe log-probs are apart
     (`rollout/engine_probe_spread`: 0 when every engine holds the same weights), and for MoE models (on the first
     engine's host) the fraction of probe (token, layer) pairs whose top-k experts differ between its engine and the
-    trainer (`rollout/routing_mismatch`)."""
+    trainer (`rollout/routing_mismatch`). `trainer`: the trainer's probe log-probs when already computed
+    (`trainer_probe_reference`)."""
     from megatron_ais.rollout.fleet import engine_name, from_every_engine
 
-    trainer = from_last_stage(trainer_probe_logprobs(ddp_chunks, probe, groups, vocab_size))
+    if trainer is None:
+        trainer = trainer_probe_reference(ddp_chunks, probe, groups, vocab_size)
 
     def compare() -> tuple[str | None, torch.Tensor]:
         logprobs = engine.prompt_logprobs(probe)

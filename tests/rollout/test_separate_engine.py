@@ -3,7 +3,8 @@ log-probs equal to the trainer's, a killed engine detected and restarted with th
 broadcast feed group it is restarted with), then re-synced over that group (every worker verifies what it
 receives; a corrupted feed is refused and the weights stay), the refit diagnosis's per-layer outputs read back
 over its RPC, a generate call past its timeout raised (the engine is then killed and restarted), and no orphan
-processes after shutdown."""
+processes after shutdown; a restarted engine serves again only once its refit check passes (one that keeps failing it
+is retired when its restart budget is spent)."""
 import dataclasses
 import time
 
@@ -26,6 +27,35 @@ def _max_diff(engine, chunks, build, groups):
     trainer = compute_logprobs(chunks, split_micro_batches({"tokens": batch.tokens, "labels": batch.labels}, 2), 32, 2,
                                groups, build.shape.vocab_size)
     return ((trainer - batch.rollout_logprobs).abs() * batch.mask).max().item()
+
+
+def _restarted_until_its_refit_check_passes(engine, weights, engine_processes, chunks, groups, build, probe):
+    """Kill the engine under a manager applying `weights`: against the trainer's probe log-probs the restarted
+    engine passes its refit check and applies them; against other log-probs it fails, is restarted again, and is
+    retired when the budget (3 restarts) is spent. Return (the version applied, the manager's log, the retirement)."""
+    from megatron_ais.errors import EngineRetiredError
+    from megatron_ais.rollout.manager import RolloutManager, ServingPolicy
+    from megatron_ais.rollout.verify import RefitReference, trainer_probe_reference
+
+    messages = []
+    manager = RolloutManager(engine, None, None, None, 0, 0, messages.append, None, ServingPolicy(max_restarts=3))
+    trainer = trainer_probe_reference(chunks, probe, groups, build.shape.vocab_size)
+
+    def killed_then_applied(reference):
+        manager.refit_reference = reference
+        for child in engine_processes():
+            child.kill()
+        time.sleep(1)
+        return manager.apply_weights(weights)
+
+    version = killed_then_applied(RefitReference(probe, trainer, "fp32"))
+    passed = list(messages)
+    try:
+        killed_then_applied(RefitReference(probe, trainer + 1.0, "fp32"))
+        retired = None
+    except EngineRetiredError as err:
+        retired = str(err)
+    return version, passed, messages[len(passed):], retired
 
 
 def _worker(old_dir, new_dir, work):
@@ -114,6 +144,7 @@ def _worker(old_dir, new_dir, work):
     probe = probe_tokens(build.shape.vocab_size)
     trainer_states = trainer_layer_states(chunks, probe, groups, build.shape.vocab_size)
     layer_diffs = layer_errors(engine.probe_layer_states(probe), [trainer_states[i] for i in sorted(trainer_states)])
+    restarts = _restarted_until_its_refit_check_passes(engine, fed[-1], engine_processes, chunks, groups, build, probe)
     engine.shutdown()
     bridge.close()
     receiver.close()
@@ -121,7 +152,7 @@ def _worker(old_dir, new_dir, work):
     orphans = [p.name() for p in engine_processes()]
     assert started, "the separate engine must run in its own processes"
     return (before_sync, after_sync, alive_after_kill, alive_after_restart, after_restart, after_resync, refused,
-            after_refused, orphans, layer_diffs, timed_out)
+            after_refused, orphans, layer_diffs, timed_out, restarts)
 
 
 @pytest.mark.slow
@@ -130,7 +161,7 @@ def test_separate_engine_sync_kill_restart_resync(model_root, tmp_path):
     old_dir = make_model_dir(model_root, "qwen3", seed=1, **shape)
     new_dir = make_model_dir(model_root, "qwen3", seed=2, **shape)
     ((before, after, alive_killed, alive_restarted, restarted, resynced, refused, after_refused, orphans,
-      layer_diffs, timed_out),) = spawn(1, _worker, old_dir, new_dir, str(tmp_path))
+      layer_diffs, timed_out, restarts),) = spawn(1, _worker, old_dir, new_dir, str(tmp_path))
     assert len(layer_diffs) == 2 and max(layer_diffs) <= 1e-3  # fp32 engine: every layer's output as the trainer's
     assert before > 0.1 and after <= 1e-4
     assert not alive_killed and alive_restarted
@@ -141,3 +172,13 @@ def test_separate_engine_sync_kill_restart_resync(model_root, tmp_path):
     assert orphans == []
     assert timed_out is not None and "ran past --rollout-generation-timeout-s 0.01" in timed_out[0]
     assert timed_out[1] < 5
+    # a restarted engine serves again only once its refit check passes; one that keeps failing it is retired
+    version, passed, failed, retired = restarts
+    assert version == 2, "the restarted engine gets its last weights back (1), then applies the sync asked (2)"
+    assert passed[0].startswith("weight sync: the rollout engine died (") and \
+        passed[1] == "weight sync: the restarted engine passed its refit check; it serves again", passed
+    refit_failed = "weight sync: the restarted engine failed its refit check (refit verification failed"
+    assert len(failed) == 2 and failed[0].startswith("weight sync: the rollout engine died (") and \
+        failed[1].startswith(refit_failed), failed  # restarted once more, failing again: retired
+    assert retired.startswith(refit_failed)
+    assert retired.endswith("after 3 restart(s) (--rollout-max-engine-restarts 3); it serves no more"), retired
