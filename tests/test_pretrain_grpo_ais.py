@@ -54,7 +54,7 @@ def _kill_engines(launcher_pid) -> int:
 
 @pytest.mark.slow
 def test_pp2_two_engines_restart_then_retire_and_stop_with_the_checkpoint_intact(model_root, tmp_path):
-    """GRPO at PP2 (DP1: each stage is sent the other engine's rows) with two engines and an FP8 KV cache (each
+    """GRPO at PP2 (DP1: each stage is sent the other engine's rows) with two BF16 engines and an FP8 KV cache (each
     stage measures its own layers' K/V scales at every sync). Both engines are killed after step 1: each restarts
     alone, is re-fed by both stages, and step 2 completes with both refit checks passing. Killed again after step 2,
     with one restart each allowed, both are retired: fewer than --rollout-min-engines serve, every rank stops
@@ -64,8 +64,9 @@ def test_pp2_two_engines_restart_then_retire_and_stop_with_the_checkpoint_intact
 
     checkpoint = _converted_checkpoint(model_root, tmp_path, pp=2)
     out, save = tmp_path / "run", tmp_path / "run" / "ckpt"
-    run = _LiveRun(_command(checkpoint, out, 4, "--pipeline-model-parallel-size", "2", "--rollout-kv-cache-dtype",
-                            "fp8", "--rollout-engines-per-node", "2", "--rollout-max-engine-restarts", "1",
+    run = _LiveRun(_command(checkpoint, out, 4, "--pipeline-model-parallel-size", "2", "--rollout-precision", "bf16",
+                            "--rollout-kv-cache-dtype", "fp8", "--rollout-engines-per-node", "2",
+                            "--rollout-max-engine-restarts", "1",
                             "--save", str(save), "--save-interval", "1"), str(tmp_path))
     run.wait_for(lambda line: line.startswith("step     1 |"))
     assert _kill_engines(run.proc.pid) == 2, run.output()[-4000:]
@@ -77,6 +78,8 @@ def test_pp2_two_engines_restart_then_retire_and_stop_with_the_checkpoint_intact
         assert f"engine {engine}: step 2: the rollout engine died" in printed or \
             f"engine {engine}: weight sync: the rollout engine died" in printed, printed[-4000:]
         assert f"engine {engine} (rank {engine} on " in printed
+        assert re.search(f"engine {engine}: (step 2|weight sync): the restarted engine passed its refit check; it "
+                         "serves again", printed), printed[-4000:]
     assert "after 1 restart(s) (--rollout-max-engine-restarts 1); it serves no more" in printed
     assert "fewer than --rollout-min-engines 1: stopping" in printed
     history = [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -84,7 +87,8 @@ def test_pp2_two_engines_restart_then_retire_and_stop_with_the_checkpoint_intact
     first = history[0]
     assert 0.0 <= first["ais/lambda"] <= 1.0 and first["ais/num_units"] > 0
     assert 0.0 < first["rollout/kv_cache_v_scale_max"] < 1.0 and 0.0 < first["rollout/kv_cache_k_scale_max"]
-    assert first["rollout/engines"] == 2 and first["rollout/engine_probe_spread"] == 0.0
+    # both BF16 engines apply every sync from the one arena: their probe log-probs agree bit for bit
+    assert all(h["rollout/engines"] == 2 and h["rollout/engine_probe_spread"] == 0.0 for h in history[:2])
     assert "eval/accuracy" in history[1] and "eval/greedy_accuracy" in history[1]
     steps = [line for line in printed.splitlines() if line.startswith("step ") and " | " in line]
     assert "λ" in steps[0] and "rollout" in steps[0]
