@@ -85,7 +85,8 @@ def local_command(args) -> str:
               "pretrain_grpo_ais.py", "--hf-dir", args.hf_dir, "--seq-length", "64", "--grpo-steps",
               str(args.grpo_steps), "--eval-interval", str(args.grpo_steps), "--eval-prompts", "8",
               "--eval-samples", "2", "--prompts-per-step", "4", "--group-size", "4", "--micro-batch-size", "4",
-              "--rollout-kv-cache-gb", "0.25", "--output-dir", args.output_dir]
+              "--rollout-kv-cache-gb", "0.25", "--rollout-placement", "colocated",  # an engine in each rank
+              "--output-dir", args.output_dir]
     return f"cd {shlex.quote(REPO)} && {make_model} && {shlex.join(recipe)}"
 
 

@@ -1,10 +1,10 @@
 """A separate-process vLLM engine: bridge sync with the workers mapping the shared staging arena, generation with
-log-probs equal to the trainer's, a killed engine detected and restarted with the weights it had (re-fed over the
-broadcast feed group it is restarted with), then re-synced over that group (every worker verifies what it
-receives; a corrupted feed is refused and the weights stay), the refit diagnosis's per-layer outputs read back
-over its RPC, a generate call past its timeout raised (the engine is then killed and restarted), and no orphan
-processes after shutdown; a restarted engine serves again only once its refit check passes (one that keeps failing it
-is retired when its restart budget is spent)."""
+log-probs equal to the trainer's, a killed engine detected and restarted by its manager with the weights it had
+(re-fed over the broadcast feed group it is restarted with; its refit check passes before it serves), then
+re-synced over that group (every worker verifies what it receives; a corrupted feed is refused and the weights
+stay), the refit diagnosis's per-layer outputs read back over its RPC, a generate call past its timeout raised
+(the engine is then killed and restarted), an engine that keeps failing its refit check after restarts retired
+when its restart budget is spent, and no orphan processes after shutdown."""
 import dataclasses
 import time
 
@@ -29,33 +29,16 @@ def _max_diff(engine, chunks, build, groups):
     return ((trainer - batch.rollout_logprobs).abs() * batch.mask).max().item()
 
 
-def _restarted_until_its_refit_check_passes(engine, weights, engine_processes, chunks, groups, build, probe):
-    """Kill the engine under a manager applying `weights`: against the trainer's probe log-probs the restarted
-    engine passes its refit check and applies them; against other log-probs it fails, is restarted again, and is
-    retired when the budget (3 restarts) is spent. Return (the version applied, the manager's log, the retirement)."""
-    from megatron_ais.errors import EngineRetiredError
+def _manager(engine, chunks, groups, build, probe):
+    """A rollout manager of `engine` with a budget of 3 restarts, whose refit reference is the trainer's probe
+    log-probs (`refit_reference(shift)`: shifted by `shift`, which no engine matches)."""
     from megatron_ais.rollout.manager import RolloutManager, ServingPolicy
     from megatron_ais.rollout.verify import RefitReference, trainer_probe_reference
 
     messages = []
     manager = RolloutManager(engine, None, None, None, 0, 0, messages.append, None, ServingPolicy(max_restarts=3))
     trainer = trainer_probe_reference(chunks, probe, groups, build.shape.vocab_size)
-
-    def killed_then_applied(reference):
-        manager.refit_reference = reference
-        for child in engine_processes():
-            child.kill()
-        time.sleep(1)
-        return manager.apply_weights(weights)
-
-    version = killed_then_applied(RefitReference(probe, trainer, "fp32"))
-    passed = list(messages)
-    try:
-        killed_then_applied(RefitReference(probe, trainer + 1.0, "fp32"))
-        retired = None
-    except EngineRetiredError as err:
-        retired = str(err)
-    return version, passed, messages[len(passed):], retired
+    return manager, messages, lambda shift=0.0: RefitReference(probe, trainer + shift, "fp32")
 
 
 def _worker(old_dir, new_dir, work):
@@ -121,7 +104,13 @@ def _worker(old_dir, new_dir, work):
     time.sleep(1)
     alive_after_kill = engine.health_check()
     engine.config = dataclasses.replace(engine.config, weight_feed="broadcast")
-    engine.restart()
+    # its manager restarts it (its last weights back), checks its refit against the trainer, then applies the sync
+    from megatron_ais.rollout.verify import probe_tokens
+
+    probe = probe_tokens(build.shape.vocab_size)
+    manager, messages, refit_reference = _manager(engine, chunks, groups, build, probe)
+    manager.refit_reference = refit_reference()
+    restarted = (manager.apply_weights(fed[-1]), list(messages))
     alive_after_restart = engine.health_check()
     after_restart = _max_diff(engine, chunks, build, groups)
     with torch.no_grad():  # new weights, so that the re-sync has something to change
@@ -139,12 +128,24 @@ def _worker(old_dir, new_dir, work):
         refused = str(err)
     after_refused = _max_diff(engine, chunks, build, groups)
     # the refit diagnosis reads every decoder layer's output back through the separate engine's RPC
-    from megatron_ais.rollout.verify import layer_errors, probe_tokens, trainer_layer_states
+    from megatron_ais.rollout.verify import layer_errors, trainer_layer_states
 
-    probe = probe_tokens(build.shape.vocab_size)
     trainer_states = trainer_layer_states(chunks, probe, groups, build.shape.vocab_size)
     layer_diffs = layer_errors(engine.probe_layer_states(probe), [trainer_states[i] for i in sorted(trainer_states)])
-    restarts = _restarted_until_its_refit_check_passes(engine, fed[-1], engine_processes, chunks, groups, build, probe)
+    # killed again, against a reference no engine matches: restarted, failing the check, restarted again, failing
+    # again: retired with its budget of 3 spent
+    from megatron_ais.errors import EngineRetiredError
+
+    manager.refit_reference = refit_reference(shift=1.0)
+    for child in engine_processes():
+        child.kill()
+    time.sleep(1)
+    try:
+        manager.apply_weights(fed[-1])
+        retired = None
+    except EngineRetiredError as err:
+        retired = str(err)
+    restarts = (*restarted, messages[len(restarted[1]):], retired)
     engine.shutdown()
     bridge.close()
     receiver.close()
