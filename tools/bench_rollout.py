@@ -9,7 +9,8 @@ Prints a table and, as its last line, `fp8_over_bf16_tokens_per_s=<ratio> weight
 `--fleet`: the run's fleet on 2 gloo ranks (DP2), FP8 engines in separate processes, each bound to one CPU core:
 total tokens/s of 2 engines (one per rank, each generating its share of the prompts with the prompts' own seeds)
 against 1 engine (rank 0's, all the prompts), and the bytes of rollout rows each rank is sent and holds against the
-whole batch (`rollout.fleet.exchange_rows`). Last line: `engines_2_over_1_tokens_per_s=<ratio>
+whole batch (`rollout.fleet.exchange_rows`); a third row runs 2 colocated engines (one inside each rank, vLLM's
+external_launcher). Last line: `engines_2_over_1_tokens_per_s=<ratio> colocated_2_over_1_tokens_per_s=<ratio>
 rank_bytes_fraction=<largest share of the batch a rank holds> ...`.
 """
 from __future__ import annotations
@@ -93,7 +94,8 @@ def _engine_worker(hf_dir: str, precision: str, work: str, prompts: int, n: int,
             "tokens": sum(r.length for r in rollouts), "threads": torch.get_num_threads()}
 
 
-def _fleet_worker(hf_dir: str, work: str, engines: int, prompts: int, n: int, max_new: int, repeats: int) -> dict:
+def _fleet_worker(hf_dir: str, work: str, engines: int, placement: str, prompts: int, n: int, max_new: int,
+                  repeats: int) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -112,7 +114,7 @@ def _fleet_worker(hf_dir: str, work: str, engines: int, prompts: int, n: int, ma
     engine = share = None
     if layout.engine_here is not None:
         engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision="fp8", kv_cache_gb=0.5, max_num_seqs=prompts * n,
-                                            placement="separate", cpu_core=cpu_core_of(layout.engine_here)),
+                                            placement=placement, cpu_core=cpu_core_of(layout.engine_here)),
                                os.path.join(work, f"engine-{layout.engine_here}"))
         share = layout.share(range(prompts), layout.engine_here)
         engine.generate(batch[share.start:share.stop], sampling, progress=False, first_index=share.start)  # warm up
@@ -141,17 +143,19 @@ def _fleet_worker(hf_dir: str, work: str, engines: int, prompts: int, n: int, ma
 def _fleet(hf_dir: str, tmp: str, args) -> None:
     from megatron_ais.launch import spawn
 
-    results = {engines: spawn(2, _fleet_worker, hf_dir, os.path.join(tmp, f"fleet{engines}"), engines, args.prompts,
-                              args.n, args.max_new_tokens, args.repeats)
-               for engines in (1, 2)}
+    fleets = {"1 engine": (1, "separate"), "2 engines": (2, "separate"), "2 colocated engines": (2, "colocated")}
+    results = {name: spawn(2, _fleet_worker, hf_dir, os.path.join(tmp, f"fleet{engines}{placement}"), engines,
+                           placement, args.prompts, args.n, args.max_new_tokens, args.repeats)
+               for name, (engines, placement) in fleets.items()}
     print(f"| fleet (DP2, FP8 engines, one core each, {args.prompts} prompts x {args.n}) | tokens/s | rank 0 received "
           "/ holds (bytes) | rank 1 received / holds (bytes) | whole batch (bytes) |")
     print("|---|---|---|---|---|")
-    for engines, ranks in results.items():
-        print(f"| {engines} engine(s) | {ranks[0]['tokens_per_s']:.0f} | "
+    for name, ranks in results.items():
+        print(f"| {name} | {ranks[0]['tokens_per_s']:.0f} | "
               + " | ".join(f"{r['received']} / {r['held']}" for r in ranks) + f" | {ranks[0]['batch']} |")
-    two = results[2]
-    print(f"engines_2_over_1_tokens_per_s={two[0]['tokens_per_s'] / results[1][0]['tokens_per_s']:.3f} "
+    one, two = results["1 engine"][0]["tokens_per_s"], results["2 engines"]
+    print(f"engines_2_over_1_tokens_per_s={two[0]['tokens_per_s'] / one:.3f} "
+          f"colocated_2_over_1_tokens_per_s={results['2 colocated engines'][0]['tokens_per_s'] / one:.3f} "
           f"rank_bytes_fraction={max(r['held'] for r in two) / two[0]['batch']:.3f} "
           f"rank_received_fraction={max(r['received'] for r in two) / two[0]['batch']:.3f}")
 
