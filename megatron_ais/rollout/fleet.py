@@ -1,9 +1,10 @@
 """The run's rollout engines as one fleet: which trainer rank drives which engine, which prompts each engine serves,
 and how the rows they make reach the data-parallel ranks that train on them.
 
-Each node's engines are driven by its first ranks and named by the global rank that drives them; they take GPUs of
-their own after the trainer's when the node has them (`engine_gpus`), and apply each verified sync from their
-node's copy of the staging arena (`bridge.node_copies`; nothing is copied per engine). A step's prompts (and an evaluation's) are shared out in contiguous runs, whole groups each, and every
+Each node's separate engines are driven by its first ranks (colocated ones: every rank) and named by the global
+rank that drives them; they take GPUs of their own after the trainer's when the node has them (`engine_gpus`), and
+apply each verified sync from their node's copy of the staging arena (`bridge.node_copies`; nothing is copied per
+engine). A step's prompts (and an evaluation's) are shared out in contiguous runs, whole groups each, and every
 prompt is sampled with the seed of its index in the whole list (`engine.request_seed`), so the rows equal what one
 engine would make. Every engine host computes its groups' advantages; then every rank learns only a small record
 per engine (row lengths, rewards, counts) and receives from each host just the rows its DP rank trains on, as
