@@ -1,11 +1,10 @@
 """pretrain_grpo_ais.py end to end on 2 gloo ranks (DP2 and PP2): Megatron checkpoint -> FP8 rollouts in separate
 vLLM engines -> rewards -> GRPO + AIS update -> bridge sync -> refit verification -> logs, checkpoints, the last
 line; the same for a Qwen3-MoE model; a launcher SIGKILLed in the middle of a step takes its ranks and engine
-processes with it, and the run resumes to the metrics of an uninterrupted run (which has two engines, the second
-killed after step 1 and restarted alone; the killed run has one engine, whose rollouts and evaluation equal the two
-engines' shares; the resumed run's engines are colocated, one inside each trainer rank); two engines killed mid-run
-restart, pass their refit checks and re-sync, killed again past their restart budget stop every rank with the
-checkpoint intact."""
+processes with it, and the run resumes to the metrics of an uninterrupted run (two engines each, the uninterrupted
+run's second killed after step 1 and restarted alone; the resumed run's engines are colocated, one inside each
+trainer rank); two engines killed mid-run restart, pass their refit checks and re-sync, killed again past their
+restart budget stop every rank with the checkpoint intact."""
 import json
 import os
 import re
@@ -272,14 +271,12 @@ def test_launcher_sigkilled_mid_step_takes_the_run_with_it_then_resume_equals_un
     # each rank trains on half the batch, which its own engine made: nothing crosses ranks
     assert all(h["rollout/received_bytes"] == 0 and h["rollout/rank_bytes_fraction"] == 0.5 for h in history)
 
-    # the run that is killed has one engine (rank 0's, making every prompt and every evaluation); the resumed run's
-    # engines are colocated: one inside each trainer rank (vLLM's external_launcher), each making the same share of
-    # the prompts as the separate engine of its rank did
-    one_engine = bigger[:-2]  # without --rollout-engines-per-node 2
-    colocated = one_engine + ("--rollout-placement", "colocated")
+    # the resumed run's engines are colocated: one inside each trainer rank (vLLM's external_launcher), each making
+    # the same share of the prompts as the separate engine of its rank did
+    colocated = bigger[:-2] + ("--rollout-placement", "colocated")  # in place of --rollout-engines-per-node 2
     save = str(cut_out / "ckpt")
     printed = _run_until_launcher_killed(_command(checkpoint, cut_out, 4, "--save", save, "--save-interval", "2",
-                                                  *one_engine), str(tmp_path))
+                                                  *bigger), str(tmp_path))
     assert "step     3 |" not in printed, "the kill came after step 3 finished"
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "2"
 
@@ -291,13 +288,12 @@ def test_launcher_sigkilled_mid_step_takes_the_run_with_it_then_resume_equals_un
     expected = _comparable(json.load(open(full_out / "summary.json"))["history"])
     got = _comparable(json.load(open(cut_out / "summary.json"))["history"])
     assert sorted(got) == [1, 2, 3, 4]
-    for step in (1, 2, 3, 4):
-        # steps 1-2: one engine's rollouts and evaluation (step 2) equal two engines' shares of them; steps 3-4:
-        # the resumed colocated run equals the uninterrupted one. Equal up to float noise of the vLLM CPU engines'
-        # log-probs (seen up to 5e-5 relative in λ with the uninterrupted run's second engine restarted mid-run);
-        # the trainer state itself is restored bit for bit (tests/checkpointing/test_resume_training.py)
+    for step in (3, 4):
+        # equal up to float noise of the vLLM CPU engines' log-probs (seen up to 5e-5 relative in λ with the
+        # uninterrupted run's second engine restarted mid-run); the trainer state itself is restored bit for bit
+        # (tests/checkpointing/test_resume_training.py)
         assert got[step] == pytest.approx(expected[step], rel=2e-4, abs=1e-9), \
-            f"step {step} differs from the uninterrupted two-engine run"
+            f"step {step} after the resume differs from the uninterrupted run"
 
     # the trained policy exports to a HF directory that transformers loads
     import convert_checkpoint

@@ -3,6 +3,7 @@ engines' hosts exactly the rows its DP rank trains on (what cutting the whole ba
 included, for contiguous and token-balanced shares, one or two engines, and when one engine is retired mid-step and
 the other makes its prompts), and fewer bytes than the whole batch; below --rollout-min-engines every rank stops;
 an error on one engine's host is raised on every rank naming that engine."""
+import pytest
 import torch
 
 from distributed import spawn
@@ -129,3 +130,19 @@ def test_refit_checks_rotate_over_the_serving_engines():
     for first in range(3):
         assert set().union(*turns[first:first + 3]) == set(layout.hosts)
     assert layout.rotating(2, 0).rank == 0 and layout.without([1]).rotating(1, 1).hosts == (8,)
+
+
+def test_sharded_evaluation_means_are_the_whole_evaluations():
+    """Each engine evaluates its share of the held-out prompts (the samples equal one engine's: per-prompt seeds,
+    tests/rollout/test_fleet_nodes.py) and returns sums and counts; their means are the whole evaluation's."""
+    from megatron_ais.rollout.fleet import FleetLayout
+    from megatron_ais.rollout.manager import mean_rewards
+
+    rewards = [[1.0, 0.0], [0.5, 0.5], [0.0, 0.0], [1.0, 1.0], [0.25, 1.0], [0.0, 1.0], [1.0, 0.75]]  # per prompt
+    whole = sum(map(sum, rewards)) / sum(map(len, rewards))
+    for engines in (1, 2, 3, 7):
+        layout = FleetLayout.first_ranks(engines, 0)
+        parts = [{"eval/accuracy": (sum(sum(rewards[i]) for i in share), sum(len(rewards[i]) for i in share))}
+                 for share in (layout.share(range(len(rewards)), e) for e in layout.hosts)]
+        assert mean_rewards(parts)["eval/accuracy"] == pytest.approx(whole, rel=1e-12)
+    assert mean_rewards([{"eval/accuracy": (1.0, 2)}, {}]) == {}  # an engine that skipped: no evaluation

