@@ -3,8 +3,8 @@ verifies the arena on node 0, node 1's engine host receives one copy and verifie
 engines (FP8, separate processes) hold the same weights: their probe log-probs agree bit for bit and follow the
 trainer; seeded rollouts made by the two engines (each its share of the prompts) equal one engine's (up to a
 near tie tipped by the CPU kernel's dependence on the batch). A copy with one flipped byte on node 1 refuses
-the sync on every rank, naming the node, and both engines keep the weights they had. An engine that leaves the trainer is named with its node by the refit check, whether every engine is checked
-or one per sync in turn."""
+the sync on every rank, naming the node, and both engines keep the weights they had. An engine that leaves the
+trainer is named with its node by the refit check, whether every engine is checked or one per sync in turn."""
 import pytest
 
 from conftest import make_model_dir
