@@ -72,13 +72,18 @@ class RefitReference:
     trainer_logprobs: torch.Tensor
     precision: str  # the tolerance row (`refit_precision`)
 
+    def check(self, engine) -> tuple[str | None, torch.Tensor]:
+        """`engine`'s probe log-probs, and why it fails the refit check against this reference (None: it passes)."""
+        logprobs = engine.prompt_logprobs(self.probe)
+        try:
+            verify_refit(logprobs, self.trainer_logprobs, self.precision)
+        except RefitVerificationError as err:
+            return str(err), logprobs
+        return None, logprobs
+
     def failure(self, engine) -> str | None:
         """Why `engine` fails the refit check against this reference, or None when it passes."""
-        try:
-            verify_refit(engine.prompt_logprobs(self.probe), self.trainer_logprobs, self.precision)
-        except RefitVerificationError as err:
-            return str(err)
-        return None
+        return self.check(engine)[0]
 
 
 # relative error of a layer's output beyond which the engine is said to have left the trainer at that layer;
@@ -218,16 +223,8 @@ def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups
 
     if trainer is None:
         trainer = trainer_probe_reference(ddp_chunks, probe, groups, vocab_size)
-
-    def compare() -> tuple[str | None, torch.Tensor]:
-        logprobs = engine.prompt_logprobs(probe)
-        try:
-            verify_refit(logprobs, trainer, precision)
-        except RefitVerificationError as err:
-            return str(err), logprobs
-        return None, logprobs
-
-    results = from_every_engine(compare, fleet)
+    reference = RefitReference(probe, trainer, precision)
+    results = from_every_engine(lambda: reference.check(engine), fleet)
     failed = next((index for index, (error, _) in enumerate(results) if error is not None), None)
     if failed is not None:  # where does the engine's forward leave the trainer's? that engine's host compares
         host = fleet.hosts[failed]
