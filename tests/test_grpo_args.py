@@ -62,6 +62,7 @@ def test_configs_take_the_flags_and_keep_one_default():
      "--rollout-engines-per-node 2 with --rollout-placement colocated: colocated engines are one inside every"),
     (["--rollout-weight-feed", "broadcast", "--rollout-placement", "colocated"], 1,
      "--rollout-weight-feed broadcast feeds a separate engine's workers"),
+    (["--verify-refit-engines", "-1"], 1, "--verify-refit-engines -1 must be >= 0 (0 checks every engine)"),
     (["--temperature", "0"], 1, "--temperature 0.0 must be > 0"),
     (["--top-p", "0.9"], 1, "--top-p 0.9 with --is-correction ais: the engine's log-probs are renormalised"),
     (["--is-cap", "0.5"], 1, "--is-cap"),
