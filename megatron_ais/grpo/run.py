@@ -309,8 +309,8 @@ class GRPORun:
             state.kv_cache_scales = None
         elif state.kv_cache_scales is None:
             self.calibrate_kv_cache(first_prompts)
-        elif self.fleet.engine_here is not None:
-            self.manager.engine.set_kv_cache_scales(state.kv_cache_scales)
+        else:
+            self.install_kv_cache_scales(state.kv_cache_scales)
 
     def rollout(self, step: int):
         """This step's rollouts: every serving engine makes its share (an engine retired meanwhile leaves its share
@@ -470,8 +470,15 @@ class GRPORun:
             self.model.ddp_chunks, sequences[:calibration.sequences], self.build.seq_length,
             self.trainer.training.micro_batch_size, self.groups, self.build.shape.vocab_size,
             self.build.shape.num_layers, calibration.scale_margin)
-        if self.fleet.engine_here is not None:  # every serving engine
-            self.manager.engine.set_kv_cache_scales(self.state.kv_cache_scales)
+        self.install_kv_cache_scales(self.state.kv_cache_scales)
+
+    def install_kv_cache_scales(self, scales) -> None:
+        """Every serving engine takes the FP8 KV-cache scales (collective); one that died meanwhile is restarted, or
+        retired past its restart budget, as in a weight sync."""
+        from megatron_ais.rollout.fleet import from_every_engine, retire
+
+        results = from_every_engine(lambda: self.manager.set_kv_cache_scales(scales), self.fleet)
+        self._retire(*retire(results, self.fleet, self.config.fleet.min_engines))
 
     def finish(self) -> dict:
         """Write the summary (and the run's figure) and release the engine, the bridge and the logs."""

@@ -3,11 +3,12 @@ the distribution it sampled from, and takes in-place weight updates from the bri
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
 import os
-import time
+import threading
 
 import torch
 import torch.distributed as dist
@@ -243,36 +244,56 @@ def request_seed(seed: int | None, index: int) -> int | None:
     return int.from_bytes(hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=6).digest(), "little")
 
 
-def generate_watching_engine(llm, *args, timeout_s: float | None = None, **kwargs):
-    """llm.generate, made to raise when a separate engine core dies mid-request (vLLM's sync client marks the
-    engine dead and stops its output thread without waking the caller waiting on the output queue, so a watchdog
-    puts the error there itself), or GenerationTimeoutError once it has run `timeout_s` seconds (the engine's
-    requests are then still in flight: the caller restarts it)."""
-    client = getattr(llm.llm_engine, "engine_core", None)
-    resources, outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
-    if resources is None or outputs is None:
+class EngineCoreWatch:
+    """Wakes whatever waits on a separate engine core once vLLM marks it dead. vLLM's sync client then stops its
+    output thread without waking a generate call blocked on its output queue, or a utility call (collective_rpc,
+    reset_prefix_cache: a weight sync, KV-cache scales, a probe) blocked on its future: both would wait forever.
+    Later calls raise at once (vLLM checks the flag before sending)."""
+
+    POLL_S = 0.2
+
+    def __init__(self, llm):
+        client = getattr(llm.llm_engine, "engine_core", None)
+        self.resources, self.outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
+        self.pending = getattr(client, "utility_results", None)
+        self.stopped = threading.Event()
+        if self.resources is not None and self.outputs is not None and self.pending is not None:
+            threading.Thread(target=self._watch, daemon=True, name="megatron-ais-engine-watch").start()
+
+    def _watch(self) -> None:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        while not self.stopped.wait(self.POLL_S):
+            if self.resources.engine_dead:
+                error = EngineDeadError()
+                self.outputs.put_nowait(error)
+                while self.pending:
+                    try:
+                        _, waiting = self.pending.popitem()
+                        waiting.set_exception(error)
+                    except (KeyError, concurrent.futures.InvalidStateError):  # answered or taken meanwhile
+                        pass
+                return
+
+    def stop(self) -> None:
+        """Before a deliberate shutdown (which marks the engine dead too)."""
+        self.stopped.set()
+
+
+def generate_within(llm, *args, timeout_s: float | None = None, **kwargs):
+    """llm.generate of a separate engine, raising GenerationTimeoutError once it has run `timeout_s` seconds (the
+    engine's requests are then still in flight: the caller restarts it)."""
+    outputs = getattr(getattr(llm.llm_engine, "engine_core", None), "outputs_queue", None)
+    if timeout_s is None or outputs is None:
         return llm.generate(*args, **kwargs)
-    import threading
-
-    from vllm.v1.engine.exceptions import EngineDeadError
-
-    done, deadline = threading.Event(), None if timeout_s is None else time.monotonic() + timeout_s
-
-    def watch():
-        while not done.wait(min(0.5, timeout_s or 0.5)):
-            if getattr(resources, "engine_dead", False):
-                outputs.put_nowait(EngineDeadError())
-                return
-            if deadline is not None and time.monotonic() > deadline:
-                outputs.put_nowait(GenerationTimeoutError(f"generation ran past --rollout-generation-timeout-s "
-                                                          f"{timeout_s:g}"))
-                return
-
-    threading.Thread(target=watch, daemon=True, name="megatron-ais-engine-watch").start()
+    timer = threading.Timer(timeout_s, lambda: outputs.put_nowait(
+        GenerationTimeoutError(f"generation ran past --rollout-generation-timeout-s {timeout_s:g}")))
+    timer.daemon = True
+    timer.start()
     try:
         return llm.generate(*args, **kwargs)
     finally:
-        done.set()
+        timer.cancel()
 
 
 class RolloutEngine:
@@ -289,6 +310,7 @@ class RolloutEngine:
         self.version = 0
         self.starts = 0  # engines started so far (a restart replaces a crashed one)
         self.llm = None
+        self.watch: EngineCoreWatch | None = None
         self.feed = None
         self.weights: EngineWeights | None = None  # the last weights applied (re-applied after a restart)
         self.kv_cache_scales = None  # the last calibrated FP8 KV-cache scales (re-installed after a restart)
@@ -333,6 +355,7 @@ class RolloutEngine:
                        kv_cache_memory_bytes=int(config.kv_cache_gb * (1 << 30)),
                        logprobs_mode="processed_logprobs", use_tqdm_on_load=config.log_level in ("info", "debug"),
                        worker_extension_cls="megatron_ais.rollout.worker_extension.WeightSyncExtension", **kwargs)
+        self.watch = EngineCoreWatch(self.llm)
         self.feed = build_feed(config.placement, config.weight_feed, config.tensor_parallel_size)
         self.starts += 1
 
@@ -368,7 +391,7 @@ class RolloutEngine:
     def _generate(self, *args, timeout_s: float | None = None, **kwargs):
         if self.placement == "colocated":
             return self.llm.generate(*args, **kwargs)
-        return generate_watching_engine(self.llm, *args, timeout_s=timeout_s, **kwargs)
+        return generate_within(self.llm, *args, timeout_s=timeout_s, **kwargs)
 
     def restart(self, weights: EngineWeights | None = None) -> int:
         """Replace a crashed engine by a fresh one (a feed of its own) with the last KV-cache scales and `weights`
@@ -502,6 +525,7 @@ class RolloutEngine:
         llm, self.llm = self.llm, None
         if llm is None:
             return
+        self.watch.stop()
         self.feed.close()
         engine_core = getattr(llm.llm_engine, "engine_core", None)
         try:

@@ -183,6 +183,11 @@ class RolloutManager:
         it; return the engine's weight version."""
         return self._serving(lambda: self.engine.update_weights(weights), "weight sync")
 
+    def set_kv_cache_scales(self, scales) -> int:
+        """Install FP8 KV-cache scales; an engine that died meanwhile is restarted (while the budget lasts) and given
+        them; return the number of attention layers."""
+        return self._serving(lambda: self.engine.set_kv_cache_scales(scales), "KV-cache scales")
+
 
 def mean_rewards(parts: list[dict[str, tuple[float, int]]]) -> dict[str, float]:
     """Every engine's evaluation (`RolloutManager.evaluate`) as mean rewards; none if an engine skipped it."""

@@ -85,6 +85,16 @@ class RefitReference:
         """Why `engine` fails the refit check against this reference, or None when it passes."""
         return self.check(engine)[0]
 
+    def check_unless_dead(self, engine) -> tuple[str | None, torch.Tensor] | None:
+        """`check`, or None when the engine died meanwhile: it is restarted at its next use, and a restarted engine
+        serves only once it passes this same check (`RolloutManager`)."""
+        try:
+            return self.check(engine)
+        except Exception:
+            if engine.health_check():
+                raise
+            return None
+
 
 # relative error of a layer's output beyond which the engine is said to have left the trainer at that layer;
 # measured on the default run's trained model against the BF16 trainer (random-token probe), layers 0-3:
@@ -214,7 +224,8 @@ def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups
     the turn's few of them, `FleetLayout.rotating`): every stage scores the
     probe (the last stage's log-probs go to the first), each engine's host (`engine` there, None elsewhere) compares
     them with its engine's. A failed check names the engine, its host and the first decoder layer whose output
-    differs, and raises on every rank. Return (on every rank) how far the engines' probe log-probs are apart
+    differs, and raises on every rank; an engine that died meanwhile is left out (its restart, at its next use, runs
+    the same check). Return (on every rank) how far the engines' probe log-probs are apart
     (`rollout/engine_probe_spread`: 0 when every engine holds the same weights), and for MoE models (on the first
     engine's host) the fraction of probe (token, layer) pairs whose top-k experts differ between its engine and the
     trainer (`rollout/routing_mismatch`). `trainer`: the trainer's probe log-probs when already computed
@@ -224,18 +235,20 @@ def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups
     if trainer is None:
         trainer = trainer_probe_reference(ddp_chunks, probe, groups, vocab_size)
     reference = RefitReference(probe, trainer, precision)
-    results = from_every_engine(lambda: reference.check(engine), fleet)
-    failed = next((index for index, (error, _) in enumerate(results) if error is not None), None)
+    checked = {host: result for host, result in zip(fleet.hosts, from_every_engine(
+        lambda: reference.check_unless_dead(engine), fleet)) if result is not None}
+    failed = next((host for host, (error, _) in checked.items() if error is not None), None)
     if failed is not None:  # where does the engine's forward leave the trainer's? that engine's host compares
-        host = fleet.hosts[failed]
-        parts = gather_on(trainer_layer_states(ddp_chunks, probe, groups, vocab_size), dst=host)
-        error = share(lambda: f"{engine_name(host)}: {results[failed][0]}"
+        parts = gather_on(trainer_layer_states(ddp_chunks, probe, groups, vocab_size), dst=failed)
+        error = share(lambda: f"{engine_name(failed)}: {checked[failed][0]}"
                       + layer_diagnosis(layer_errors(engine.probe_layer_states(probe), _merged(parts)), precision),
-                      src=host)
+                      src=failed)
         raise RefitVerificationError(error + "; stopping")
-    first = results[0][1]
-    metrics = {"rollout/engine_probe_spread": max(float((lp - first).abs().max()) for _, lp in results)}
-    if not moe:
+    if not checked:
+        return {}
+    first = next(iter(checked.values()))[1]
+    metrics = {"rollout/engine_probe_spread": max(float((lp - first).abs().max()) for _, lp in checked.values())}
+    if not moe or fleet.hosts[0] not in checked:
         return metrics
     parts = gather_on(trainer_routing(ddp_chunks, probe, groups, vocab_size), dst=fleet.hosts[0])
     if fleet.rank == fleet.hosts[0]:

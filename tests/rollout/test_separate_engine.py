@@ -3,9 +3,11 @@ log-probs equal to the trainer's, a killed engine detected and restarted by its 
 (re-fed over the broadcast feed group it is restarted with; its refit check passes before it serves), then
 re-synced over that group (every worker verifies what it receives; a corrupted feed is refused and the weights
 stay), the refit diagnosis's per-layer outputs read back over its RPC, a generate call past its timeout raised
-(the engine is then killed and restarted), an engine that keeps failing its refit check after restarts retired
-when its restart budget is spent, and no orphan processes after shutdown."""
+(the engine is then killed: an RPC sent as it dies raises instead of waiting for ever; it is restarted), an engine
+that keeps failing its refit check after restarts retired when its restart budget is spent, and no orphan
+processes after shutdown."""
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -27,6 +29,15 @@ def _max_diff(engine, chunks, build, groups):
     trainer = compute_logprobs(chunks, split_micro_batches({"tokens": batch.tokens, "labels": batch.labels}, 2), 32, 2,
                                groups, build.shape.vocab_size)
     return ((trainer - batch.rollout_logprobs).abs() * batch.mask).max().item()
+
+
+def _outcome(call) -> str:
+    """What `call()` did: "returned", or the name of what it raised."""
+    try:
+        call()
+    except Exception as err:
+        return type(err).__name__
+    return "returned"
 
 
 def _manager(engine, chunks, groups, build, probe):
@@ -101,7 +112,12 @@ def _worker(old_dir, new_dir, work):
         timed_out = (str(err), time.monotonic() - start)
     for child in engine_processes():
         child.kill()
-    time.sleep(1)
+    # a call sent as its engine dies (here: queued behind the timed-out requests) raises, not waits for ever
+    answers = []
+    caller = threading.Thread(target=lambda: answers.append(_outcome(engine.get_kv_cache_scales)), daemon=True)
+    caller.start()
+    caller.join(60)
+    call_to_dying = answers[0] if answers else "no answer in 60 s"
     alive_after_kill = engine.health_check()
     engine.config = dataclasses.replace(engine.config, weight_feed="broadcast")
     # its manager restarts it (its last weights back), checks its refit against the trainer, then applies the sync
@@ -110,8 +126,11 @@ def _worker(old_dir, new_dir, work):
     probe = probe_tokens(build.shape.vocab_size)
     manager, messages, refit_reference = _manager(engine, chunks, groups, build, probe)
     manager.refit_reference = refit_reference()
+    # a refit check meeting a dead engine leaves it out (its restart runs the same check); a live one is checked
+    refit_checks = [manager.refit_reference.check_unless_dead(engine)]
     restarted = (manager.apply_weights(fed[-1]), list(messages))
     alive_after_restart = engine.health_check()
+    refit_checks.append(manager.refit_reference.check_unless_dead(engine)[0])
     after_restart = _max_diff(engine, chunks, build, groups)
     with torch.no_grad():  # new weights, so that the re-sync has something to change
         for param in chunks[0].parameters():
@@ -153,7 +172,7 @@ def _worker(old_dir, new_dir, work):
     orphans = [p.name() for p in engine_processes()]
     assert started, "the separate engine must run in its own processes"
     return (before_sync, after_sync, alive_after_kill, alive_after_restart, after_restart, after_resync, refused,
-            after_refused, orphans, layer_diffs, timed_out, restarts)
+            after_refused, orphans, layer_diffs, timed_out, call_to_dying, refit_checks, restarts)
 
 
 @pytest.mark.slow
@@ -162,7 +181,7 @@ def test_separate_engine_sync_kill_restart_resync(model_root, tmp_path):
     old_dir = make_model_dir(model_root, "qwen3", seed=1, **shape)
     new_dir = make_model_dir(model_root, "qwen3", seed=2, **shape)
     ((before, after, alive_killed, alive_restarted, restarted, resynced, refused, after_refused, orphans,
-      layer_diffs, timed_out, restarts),) = spawn(1, _worker, old_dir, new_dir, str(tmp_path))
+      layer_diffs, timed_out, call_to_dying, refit_checks, restarts),) = spawn(1, _worker, old_dir, new_dir, str(tmp_path))
     assert len(layer_diffs) == 2 and max(layer_diffs) <= 1e-3  # fp32 engine: every layer's output as the trainer's
     assert before > 0.1 and after <= 1e-4
     assert not alive_killed and alive_restarted
@@ -173,6 +192,8 @@ def test_separate_engine_sync_kill_restart_resync(model_root, tmp_path):
     assert orphans == []
     assert timed_out is not None and "ran past --rollout-generation-timeout-s 0.01" in timed_out[0]
     assert timed_out[1] < 5
+    assert call_to_dying == "EngineDeadError"
+    assert refit_checks == [None, None]  # the dead engine left out; the restarted one passes
     # a restarted engine serves again only once its refit check passes; one that keeps failing it is retired
     version, passed, failed, retired = restarts
     assert version == 2, "the restarted engine gets its last weights back (1), then applies the sync asked (2)"
