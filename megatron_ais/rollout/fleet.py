@@ -166,14 +166,17 @@ def from_every_engine(compute: Callable[[], Any] | None, layout: FleetLayout) ->
     return [parts[host][0] for host in layout.hosts]
 
 
-def retire(results: list, layout: FleetLayout, min_engines: int) -> tuple[FleetLayout, list[str]]:
+def retire(results: list, layout: FleetLayout, min_engines: int, earlier: list[str] = ()
+           ) -> tuple[FleetLayout, list[str]]:
     """The layout without the engines `from_every_engine` found retired, and their messages; with fewer than
-    `min_engines` left, EngineRetiredError on every rank (every rank has the same results)."""
+    `min_engines` left, EngineRetiredError on every rank (every rank has the same results) naming them and those
+    retired `earlier` in the same phase (not yet told)."""
     retired = [(host, r.message) for host, r in zip(layout.hosts, results) if isinstance(r, Retired)]
     left = layout.without([host for host, _ in retired])
     if retired and left.size < min_engines:
-        raise EngineRetiredError("; ".join(message for _, message in retired) + f"; {left.size} engine(s) left, "
-                                 f"fewer than --rollout-min-engines {min_engines}: stopping")
+        raise EngineRetiredError("; ".join([*earlier, *(message for _, message in retired)])
+                                 + f"; {left.size} engine(s) left, fewer than --rollout-min-engines {min_engines}: "
+                                 "stopping")
     return left, [message for _, message in retired]
 
 
@@ -262,7 +265,7 @@ def make_rows(make: Callable[[range], Any] | None, layout: FleetLayout, count: i
         results = from_every_engine(make_assigned, layout)
         pending = [p for host, r in zip(layout.hosts, results) if isinstance(r, Retired) for p in assigned[host]]
         records += [record for r in results if not isinstance(r, Retired) for record in r]
-        layout, messages = retire(results, layout, min_engines)
+        layout, messages = retire(results, layout, min_engines, retired)
         retired += messages
     return MadeRows(sorted(records, key=lambda r: r.first_prompt), layout, made, retired)
 

@@ -1,8 +1,8 @@
 """The rollout fleet's data path on real gloo ranks: engines' shares of the prompts; each rank receives from the
 engines' hosts exactly the rows its DP rank trains on (what cutting the whole batch would give it, advantages
 included, for contiguous and token-balanced shares, one or two engines, and when one engine is retired mid-step and
-the other makes its prompts), and fewer bytes than the whole batch; below --rollout-min-engines every rank stops;
-an error on one engine's host is raised on every rank naming that engine."""
+the other makes its prompts), and fewer bytes than the whole batch; below --rollout-min-engines every rank stops,
+naming every engine retired in the step; an error on one engine's host is raised on every rank naming that engine."""
 import pytest
 import torch
 
@@ -130,6 +130,19 @@ def test_refit_checks_rotate_over_the_serving_engines():
     for first in range(3):
         assert set().union(*turns[first:first + 3]) == set(layout.hosts)
     assert layout.rotating(2, 0).rank == 0 and layout.without([1]).rotating(1, 1).hosts == (8,)
+
+
+def test_stopping_names_every_engine_retired_in_the_step():
+    """Engine 1 retired in a step's first round, engine 0 in the round that made engine 1's share: the stop names
+    both (the first had not yet been told)."""
+    from megatron_ais.errors import EngineRetiredError
+    from megatron_ais.rollout.fleet import FleetLayout, Retired, retire
+
+    left, told = retire([("rows",), Retired("engine 1: died")], FleetLayout((0, 1), rank=0), min_engines=1)
+    assert left.hosts == (0,) and told == ["engine 1: died"]
+    with pytest.raises(EngineRetiredError, match=r"^engine 1: died; engine 0: died; 0 engine\(s\) left, fewer than "
+                                                 r"--rollout-min-engines 1: stopping$"):
+        retire([Retired("engine 0: died")], left, 1, told)
 
 
 def test_sharded_evaluation_means_are_the_whole_evaluations():
