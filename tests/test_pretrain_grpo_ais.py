@@ -41,59 +41,66 @@ def _command(load, out, steps, *extra):
             "--rollout-kv-cache-gb", "0.25", "--output-dir", str(out), *extra]
 
 
-def _kill_engines(launcher_pid) -> int:
-    """SIGKILL every vLLM engine core of a run; return how many."""
+def _kill_engines(launcher_pid, spare=()) -> list[int]:
+    """SIGKILL every vLLM engine core of a run but those in `spare` (killed before: they may still be exiting);
+    return their pids."""
     import psutil
 
     engines = [p for p in psutil.Process(launcher_pid).children(recursive=True)
-               if any("EngineCore" in part for part in [p.name()] + p.cmdline())]
+               if p.pid not in spare and any("EngineCore" in part for part in [p.name()] + p.cmdline())]
     for engine in engines:
         engine.kill()
-    return len(engines)
+    return [engine.pid for engine in engines]
 
 
 @pytest.mark.slow
 def test_pp2_two_engines_restart_then_retire_and_stop_with_the_checkpoint_intact(model_root, tmp_path):
     """GRPO at PP2 (DP1: each stage is sent the other engine's rows) with two BF16 engines and an FP8 KV cache (each
     stage measures its own layers' K/V scales at every sync). Both engines are killed after step 1: each restarts
-    alone, is re-fed by both stages, and step 2 completes with both refit checks passing. Killed again after step 2,
-    with one restart each allowed, both are retired: fewer than --rollout-min-engines serve, every rank stops
-    naming both engines, and the last checkpoint is intact. (The DP2 end-to-end run, with W&B and a summary: the
+    alone at its next use, is re-fed by both stages and serves again once its refit check passes. Once both serve
+    again and step 2 is logged, they are killed again: with one restart each allowed, both are retired, fewer than
+    --rollout-min-engines serve, every rank stops naming both engines, and the last checkpoint is intact. Where the
+    first kill lands (step 2's rollout, its sync or its evaluation, which an engine that died skips) depends on the
+    machine's speed (a step takes about a second); the test waits for what follows it, and the run has steps to
+    spare for the second kill to be met. (The DP2 end-to-end run, with W&B and a summary: the
     launcher-kill test below.)"""
     from megatron_ais.checkpointing import checkpoint_problem, read_tracker
 
     checkpoint = _converted_checkpoint(model_root, tmp_path, pp=2)
     out, save = tmp_path / "run", tmp_path / "run" / "ckpt"
-    run = _LiveRun(_command(checkpoint, out, 4, "--pipeline-model-parallel-size", "2", "--rollout-precision", "bf16",
+    run = _LiveRun(_command(checkpoint, out, 8, "--pipeline-model-parallel-size", "2", "--rollout-precision", "bf16",
                             "--rollout-kv-cache-dtype", "fp8", "--rollout-engines-per-node", "2",
                             "--rollout-max-engine-restarts", "1",
                             "--save", str(save), "--save-interval", "1"), str(tmp_path))
     run.wait_for(lambda line: line.startswith("step     1 |"))
-    assert _kill_engines(run.proc.pid) == 2, run.output()[-4000:]
+    first = _kill_engines(run.proc.pid)
+    assert len(first) == 2, run.output()[-4000:]
+    for engine in (0, 1):
+        run.wait_for(lambda line: f"engine {engine}: " in line and
+                     "the restarted engine passed its refit check; it serves again" in line)
     run.wait_for(lambda line: line.startswith("step     2 |"))
-    assert _kill_engines(run.proc.pid) == 2, run.output()[-4000:]
+    assert len(_kill_engines(run.proc.pid, spare=first)) == 2, run.output()[-4000:]
     assert run.finish(timeout=600) != 0
     printed = run.output()
-    for engine in (0, 1):  # the first kill lands in step 2's rollout or its weight sync: either restarts and re-syncs
-        assert f"engine {engine}: step 2: the rollout engine died" in printed or \
-            f"engine {engine}: weight sync: the rollout engine died" in printed, printed[-4000:]
+    for engine in (0, 1):
+        assert re.search(f"engine {engine}: [^\\n]*: the rollout engine died \\(", printed), printed[-4000:]
         assert f"engine {engine} (rank {engine} on " in printed
-        assert re.search(f"engine {engine}: (step 2|weight sync): the restarted engine passed its refit check; it "
-                         "serves again", printed), printed[-4000:]
     assert "after 1 restart(s) (--rollout-max-engine-restarts 1); it serves no more" in printed
     assert "fewer than --rollout-min-engines 1: stopping" in printed
     history = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [h["step"] for h in history][:2] == [1, 2]  # the refit checks passed after the re-sync
-    first = history[0]
-    assert 0.0 <= first["ais/lambda"] <= 1.0 and first["ais/num_units"] > 0
-    assert 0.0 < first["rollout/kv_cache_v_scale_max"] < 1.0 and 0.0 < first["rollout/kv_cache_k_scale_max"]
+    first_step = history[0]
+    assert 0.0 <= first_step["ais/lambda"] <= 1.0 and first_step["ais/num_units"] > 0
+    assert 0.0 < first_step["rollout/kv_cache_v_scale_max"] < 1.0 and 0.0 < first_step["rollout/kv_cache_k_scale_max"]
     # both BF16 engines apply every sync from the one arena: their probe log-probs agree bit for bit
-    assert all(h["rollout/engines"] == 2 and h["rollout/engine_probe_spread"] == 0.0 for h in history[:2])
-    assert "eval/accuracy" in history[1] and "eval/greedy_accuracy" in history[1]
+    assert first_step["rollout/engines"] == 2 and first_step["rollout/engine_probe_spread"] == 0.0
+    assert history[1]["rollout/engines"] == 2
+    assert "eval/accuracy" in history[1] and "eval/greedy_accuracy" in history[1] or \
+        "the rollout engine died during evaluation" in printed
     steps = [line for line in printed.splitlines() if line.startswith("step ") and " | " in line]
     assert "λ" in steps[0] and "rollout" in steps[0]
-    last = read_tracker(str(save))
-    assert last in (2, 3) and checkpoint_problem(str(save), last) is None
+    last = read_tracker(str(save))  # the steps before the second kill was met (2 unless the kills landed late)
+    assert 2 <= last < 8 and checkpoint_problem(str(save), last) is None
 
 
 @pytest.mark.slow
