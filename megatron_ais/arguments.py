@@ -19,6 +19,7 @@ from megatron_ais.bridge.config import BridgeConfig
 from megatron_ais.bridge.quantization import QuantizationPolicy
 from megatron_ais.checkpointing import CheckpointConfig
 from megatron_ais.data.tasks import TaskConfig
+from megatron_ais.distributed import ranks_on_this_node
 from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import add_flag_group, plain_flag_values
 from megatron_ais.grpo.advantages import AdvantageConfig
@@ -178,7 +179,7 @@ class GRPORunConfig:
     def _check_fleet(self, world_size: int) -> None:
         """Refuse engines the run cannot drive or place, naming the flags."""
         loop, engines = self.loop, self.cluster.engines_per_node
-        ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        ranks_on_node = ranks_on_this_node(world_size)
         nodes = self.cluster.nodes if self.cluster.print_placement else max(1, world_size // ranks_on_node)
         if self.fleet.min_engines > engines * nodes:
             raise ArgumentValidationError(f"--rollout-min-engines {self.fleet.min_engines} exceeds the run's "

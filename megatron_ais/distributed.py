@@ -14,6 +14,11 @@ import torch.distributed as dist
 from megatron_ais.errors import SHARED_ERRORS
 
 
+def ranks_on_this_node(world_size: int) -> int:
+    """How many ranks torchrun started on this node (LOCAL_WORLD_SIZE; without it, every rank of `world_size`)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
 def shared_failure(err: Exception) -> tuple[type, str]:
     """How every rank re-raises `err`: its type and message when one of errors.SHARED_ERRORS, else RuntimeError
     naming the type."""

@@ -238,6 +238,7 @@ class GRPORun:
         there are several; on GPUs a separate one takes GPUs of its own beyond the trainer's (else from its host
         rank's GPU on: `fleet.engine_gpus`), a colocated one its rank's GPU. The staging arena counts against the
         engine's memory when it is on the engine's first GPU."""
+        from megatron_ais.distributed import ranks_on_this_node
         from megatron_ais.rollout.fleet import cpu_core_of, engine_gpus
 
         engine, local_rank = self.config.engine, int(os.environ.get("LOCAL_RANK", self.fleet.engine_here))
@@ -247,7 +248,7 @@ class GRPORun:
         gpus = None
         if engine.placement == "separate":
             gpus = engine_gpus(local_rank, engine.tensor_parallel_size,
-                               int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
+                               ranks_on_this_node(dist.get_world_size()),
                                torch.cuda.device_count())
         arena_here = dist.get_rank() == self.arena_rank and (gpus or (local_rank,))[0] == torch.cuda.current_device()
         return dataclasses.replace(engine, model_dir=model_dir, gpus=gpus,

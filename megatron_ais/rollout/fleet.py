@@ -16,7 +16,7 @@ import dataclasses
 import math
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -166,7 +166,7 @@ def from_every_engine(compute: Callable[[], Any] | None, layout: FleetLayout) ->
     return [parts[host][0] for host in layout.hosts]
 
 
-def retire(results: list, layout: FleetLayout, min_engines: int, earlier: list[str] = ()
+def retire(results: list, layout: FleetLayout, min_engines: int, earlier: Sequence[str] = ()
            ) -> tuple[FleetLayout, list[str]]:
     """The layout without the engines `from_every_engine` found retired, and their messages; with fewer than
     `min_engines` left, EngineRetiredError on every rank (every rank has the same results) naming them and those
