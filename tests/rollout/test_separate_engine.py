@@ -4,8 +4,8 @@ log-probs equal to the trainer's, a killed engine detected and restarted by its 
 re-synced over that group (every worker verifies what it receives; a corrupted feed is refused and the weights
 stay), the refit diagnosis's per-layer outputs read back over its RPC, a generate call past its timeout raised
 (the engine is then killed: an RPC sent as it dies raises instead of waiting for ever; it is restarted), an engine
-that keeps failing its refit check after restarts retired when its restart budget is spent, and no orphan
-processes after shutdown."""
+whose worker alone is killed next and that keeps failing its refit check after restarts retired when its restart
+budget is spent, and no orphan processes after shutdown."""
 import dataclasses
 import threading
 import time
@@ -151,13 +151,14 @@ def _worker(old_dir, new_dir, work):
 
     trainer_states = trainer_layer_states(chunks, probe, groups, build.shape.vocab_size)
     layer_diffs = layer_errors(engine.probe_layer_states(probe), [trainer_states[i] for i in sorted(trainer_states)])
-    # killed again, against a reference no engine matches: restarted, failing the check, restarted again, failing
+    # its worker killed, against a reference no engine matches: restarted, failing the check, restarted again, failing
     # again: retired with its budget of 3 spent
     from megatron_ais.errors import EngineRetiredError
 
     manager.refit_reference = refit_reference(shift=1.0)
-    for child in engine_processes():
-        child.kill()
+    workers = [child for child in engine_processes() if "Worker" in " ".join([child.name()] + child.cmdline())]
+    for worker in workers:  # only its worker dies this time: the engine core reports itself dead
+        worker.kill()
     time.sleep(1)
     try:
         manager.apply_weights(fed[-1])
@@ -172,7 +173,7 @@ def _worker(old_dir, new_dir, work):
     orphans = [p.name() for p in engine_processes()]
     assert started, "the separate engine must run in its own processes"
     return (before_sync, after_sync, alive_after_kill, alive_after_restart, after_restart, after_resync, refused,
-            after_refused, orphans, layer_diffs, timed_out, call_to_dying, refit_checks, restarts)
+            after_refused, orphans, layer_diffs, timed_out, call_to_dying, refit_checks, len(workers), restarts)
 
 
 @pytest.mark.slow
@@ -181,7 +182,7 @@ def test_separate_engine_sync_kill_restart_resync(model_root, tmp_path):
     old_dir = make_model_dir(model_root, "qwen3", seed=1, **shape)
     new_dir = make_model_dir(model_root, "qwen3", seed=2, **shape)
     ((before, after, alive_killed, alive_restarted, restarted, resynced, refused, after_refused, orphans,
-      layer_diffs, timed_out, call_to_dying, refit_checks, restarts),) = spawn(1, _worker, old_dir, new_dir, str(tmp_path))
+      layer_diffs, timed_out, call_to_dying, refit_checks, workers_killed, restarts),) = spawn(1, _worker, old_dir, new_dir, str(tmp_path))
     assert len(layer_diffs) == 2 and max(layer_diffs) <= 1e-3  # fp32 engine: every layer's output as the trainer's
     assert before > 0.1 and after <= 1e-4
     assert not alive_killed and alive_restarted
@@ -194,6 +195,7 @@ def test_separate_engine_sync_kill_restart_resync(model_root, tmp_path):
     assert timed_out[1] < 5
     assert call_to_dying == "EngineDeadError"
     assert refit_checks == [None, None]  # the dead engine left out; the restarted one passes
+    assert workers_killed == 1
     # a restarted engine serves again only once its refit check passes; one that keeps failing it is retired
     version, passed, failed, retired = restarts
     assert version == 2, "the restarted engine gets its last weights back (1), then applies the sync asked (2)"
