@@ -33,8 +33,10 @@ def _wall(cuda: bool) -> float:
 def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, parallel: list[str]) -> dict:
     import torch.distributed as dist
 
-    from kernels.cpu_bridge import fp8_blockwise_quantize_cpu, library
-    from kernels.fp8_blockwise import blockwise_fp8_quantize_reference, blockwise_fp8_quantize_triton
+    from kernels.cpu_library import library
+    from kernels.fp8.cpu import fp8_blockwise_quantize_cpu
+    from kernels.fp8.reference import blockwise_fp8_quantize_reference
+    from kernels.fp8.triton import blockwise_fp8_quantize_triton
     from megatron_ais.arguments import TrainerConfig, build_parser
     from megatron_ais.bridge.config import BridgeConfig
     from megatron_ais.bridge.layout import BridgeLayout

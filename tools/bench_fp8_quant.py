@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cols", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
-    from kernels.fp8_blockwise import blockwise_fp8_quantize, scale_shape
+    from kernels.fp8.dispatch import blockwise_fp8_quantize
+    from kernels.fp8.format import scale_shape
 
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
     q, s = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=device), torch.empty(blocks, device=device)
     rows = []  # (label, seconds)
     if cuda:
-        from kernels.fp8_blockwise import TRITON_NUM_WARPS, blockwise_fp8_quantize_triton_into
+        from kernels.fp8.triton import TRITON_NUM_WARPS, blockwise_fp8_quantize_triton_into
 
         for warps in sorted({4, 8, 16, TRITON_NUM_WARPS}):
             seconds = _seconds(lambda: blockwise_fp8_quantize_triton_into(w, q, s, num_warps=warps), args.repeats,
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
         api_s = _seconds(lambda: blockwise_fp8_quantize(w), args.repeats, cuda)
         rows.append(("blockwise_fp8_quantize (allocation, kernel, scale check)", api_s))
     else:  # as the bridge does on CPU: straight into preallocated outputs (the arena), NaN/Inf check included
-        from kernels.cpu_bridge import fp8_quantize_into
+        from kernels.fp8.cpu import fp8_quantize_into
 
         kernel_s = api_s = _seconds(lambda: fp8_quantize_into(w, q, s), args.repeats, cuda)
         rows.append(("C kernel into preallocated outputs, with the NaN/Inf check", kernel_s))

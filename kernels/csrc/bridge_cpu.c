@@ -1,8 +1,9 @@
 /* CPU kernels of the resharding bridge: blockwise FP8 quantization and a copy that checks finiteness, both
  * adding up the checksum sums of what they write (sums that add up over any pieces of a tensor, so TP ranks
  * checksum their own pieces in the same pass). Each does in one pass over memory what takes the torch reference
- * several; each has a torch/NumPy reference beside it (kernels/cpu_bridge.py) and is tested against it bit
- * for bit. Loaded with ctypes (no torch headers), so building takes well under a second. */
+ * several; each has a torch/NumPy reference (kernels/fp8/reference.py, kernels/integrity.py) and is tested
+ * against it bit for bit. Loaded with ctypes (kernels/cpu_library.py; no torch headers), so building takes well
+ * under a second. */
 #include <stdint.h>
 #include <string.h>
 #if defined(__x86_64__)

@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from megatron_ais.ais import diagnostics
+from megatron_ais.ais import diagnostics, registry
 from megatron_ais.ais.config import AISConfig
 from megatron_ais.ais.guards import check_finite_statistics
 from megatron_ais.ais.statistics import STAT_NAMES, unit_log_ratios
@@ -93,10 +93,10 @@ def ais_coefficient(stats: torch.Tensor, config: AISConfig, state: AISState | No
     if config.severity == "anchored" and state.anchor_count < config.anchor_steps:
         state.anchor_sum += d
         state.anchor_count += 1
-    severity = diagnostics.SEVERITY[config.severity](s, config, state)
-    reliability = diagnostics.RELIABILITY[config.reliability](s, config, state)
-    variance = diagnostics.VARIANCE[config.variance](s, config, state)
-    lam_raw = diagnostics.COMBINERS[config.combiner](severity, reliability, variance, config)
+    severity = registry.SEVERITY[config.severity](s, config, state)
+    reliability = registry.RELIABILITY[config.reliability](s, config, state)
+    variance = registry.VARIANCE[config.variance](s, config, state)
+    lam_raw = registry.COMBINERS[config.combiner](severity, reliability, variance, config)
     lam = min(max(lam_raw, config.lambda_min), config.lambda_max)
     if config.ema > 0:
         lam = lam if state.lam_ema is None else config.ema * state.lam_ema + (1.0 - config.ema) * lam

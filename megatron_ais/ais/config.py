@@ -2,18 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
-from megatron_ais.ais import diagnostics
+from megatron_ais.ais import registry
 from megatron_ais.flags import FlagConfig, flag
 
 LEVELS = ("token", "sequence", "geometric")
-
-
-def correction_names() -> tuple[str, ...]:
-    """The registered corrections (`corrections.CORRECTIONS`, which imports this module)."""
-    from megatron_ais.ais.corrections import CORRECTIONS
-
-    return tuple(CORRECTIONS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +23,8 @@ class AISConfig(FlagConfig):
         "ais", "none: plain GRPO; tis: truncated IS weights min(w, C); mis: reject tokens/sequences whose ratio leaves "
                "[low, high] (dropped from the loss and its normaliser), IS weight otherwise; icepop: weight w inside "
                "[low, high], zero outside (kept in the normaliser); ais: adaptive interpolation (1 - lambda) + lambda "
-               "* min(w, C) with one lambda per rollout batch.", name="--is-correction", choices=correction_names)
+               "* min(w, C) with one lambda per rollout batch.", name="--is-correction",
+        choices=functools.partial(tuple, registry.CORRECTIONS))
     level: str = flag("token", "Ratio per token, per sequence (product of token ratios) or geometric (per-token "
                                "mean).", name="--is-level", choices=LEVELS)
     cap: float = flag(2.0, "Truncation C of TIS and AIS (reliability band [1/C, C]).", name="--is-cap")
@@ -50,20 +45,24 @@ class AISConfig(FlagConfig):
     ema: float = flag(0.0, "EMA factor beta for lambda across batches (0 = off).", name="--ais-ema")
     severity: str = flag("mean_abs_logratio", "Divergence-severity diagnostic (anchored: relative to the first "
                                               "--ais-anchor-steps batches).", name="--ais-severity",
-                         choices=sorted(diagnostics.SEVERITY))
+                         choices=functools.partial(sorted, registry.SEVERITY))
     reliability: str = flag("band_ess", "Weight-reliability diagnostic.", name="--ais-reliability",
-                            choices=sorted(diagnostics.RELIABILITY))
+                            choices=functools.partial(sorted, registry.RELIABILITY))
     variance: str = flag("advantage_weighted", "Variance-amplification diagnostic.", name="--ais-variance",
-                         choices=sorted(diagnostics.VARIANCE))
+                         choices=functools.partial(sorted, registry.VARIANCE))
     combiner: str = flag("product", "How the three diagnostics become lambda.", name="--ais-combiner",
-                         choices=sorted(diagnostics.COMBINERS))
+                         choices=functools.partial(sorted, registry.COMBINERS))
     anchor_steps: int = flag(10, "Batches that define the anchored severity D0.", name="--ais-anchor-steps")
     anchor_kappa: float = flag(1.0, "Anchored severity scale kappa.", name="--ais-anchor-kappa")
     logratio_clamp: float = 20.0
 
     def __post_init__(self):
-        if self.correction not in correction_names():
-            raise ValueError(f"--is-correction {self.correction!r} must be one of {correction_names()}")
+        # looked up now, not frozen at import: the implementations register when `megatron_ais.ais` loads
+        for value, table in ((self.correction, registry.CORRECTIONS), (self.severity, registry.SEVERITY),
+                             (self.reliability, registry.RELIABILITY), (self.variance, registry.VARIANCE),
+                             (self.combiner, registry.COMBINERS)):
+            if value not in table:
+                raise ValueError(f"{table.title} {value!r} must be one of {tuple(table)}")  # title: the flag
         if self.level not in LEVELS:
             raise ValueError(f"--is-level {self.level!r} must be one of {LEVELS}")
         if self.cap <= 1.0:

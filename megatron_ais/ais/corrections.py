@@ -1,17 +1,18 @@
 """`--is-correction {none,tis,mis,icepop,ais}`: per-token loss coefficients and acceptance masks.
 
 Each correction returns a detached coefficient c (multiplies the token's PPO-clip term) and a keep mask
-(tokens it rejects leave both the loss and its normaliser). Registered by name; adding one is one entry.
+(tokens it rejects leave both the loss and its normaliser). Registered by name (`ais/registry.py`); adding one is
+one entry.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import torch
 
 from megatron_ais.ais.coefficient import AISResult, correction_weights, unit_weights
 from megatron_ais.ais.config import AISConfig
+from megatron_ais.ais.registry import CORRECTIONS
 from megatron_ais.registry import register
 
 
@@ -21,10 +22,6 @@ class Correction:
 
     coefficient: torch.Tensor
     keep: torch.Tensor
-
-
-CorrectionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AISConfig, AISResult], Correction]
-CORRECTIONS: dict[str, CorrectionFn] = {}
 
 
 @register(CORRECTIONS, "none")

@@ -1,25 +1,17 @@
 """The three AIS diagnostics and the combiner, each registered by name (docs/ais-method.md §2.3-§2.4).
 
-The paper's exact formulas are not public; replacing one of ours is registering a function here and selecting
-it by flag (`--ais-severity`, `--ais-reliability`, `--ais-variance`, `--ais-combiner`). A diagnostic maps the
-global statistics (a dict of STAT_NAMES -> float), the config and the running state to a float.
+The paper's exact formulas are not public; replacing one of ours is registering a function here (into the
+registries of `ais/registry.py`) and selecting it by flag (`--ais-severity`, `--ais-reliability`, `--ais-variance`,
+`--ais-combiner`). A diagnostic maps the global statistics (a dict of STAT_NAMES -> float), the config and the
+running state to a float.
 """
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable
 
+from megatron_ais.ais.config import AISConfig
+from megatron_ais.ais.registry import COMBINERS, RELIABILITY, SEVERITY, VARIANCE
 from megatron_ais.registry import register
-
-if TYPE_CHECKING:
-    from megatron_ais.ais.coefficient import AISState
-    from megatron_ais.ais.config import AISConfig
-
-Diagnostic = Callable[[dict, "AISConfig", "AISState"], float]
-SEVERITY: dict[str, Diagnostic] = {}
-RELIABILITY: dict[str, Diagnostic] = {}
-VARIANCE: dict[str, Diagnostic] = {}
-COMBINERS: dict[str, Callable[[float, float, float, "AISConfig"], float]] = {}
 
 
 def mean_abs_logratio(s: dict) -> float:
@@ -79,7 +71,7 @@ def variance_none(s, config, state):
 
 
 @register(COMBINERS, "product")
-def combine_product(severity: float, reliability: float, variance: float, config: "AISConfig") -> float:
+def combine_product(severity: float, reliability: float, variance: float, config: AISConfig) -> float:
     """λ_raw = s_D^a_s · ρ^a_r · Γ^(-a_v)."""
     return (severity ** config.severity_exponent) * (reliability ** config.reliability_exponent) \
         * (variance ** -config.variance_exponent)

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from kernels.cpu_bridge import checksum, checksums, fold_checksum
+from kernels.integrity import checksum, checksums, fold_checksum
 
 
 @dataclasses.dataclass(frozen=True)

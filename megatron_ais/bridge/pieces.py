@@ -10,12 +10,13 @@ from typing import Callable
 
 import torch
 
-from kernels import fp8_blockwise
-from kernels.cpu_bridge import (Position, checksum_sums, checksum_sums_device, copy_check_finite,
-                                copy_check_finite_deferred, fp8_quantize_into, read_back, supports_quantize,
-                                unsigned_sums)
-from kernels.fp8_blockwise import (all_finite, blockwise_fp8_quantize, blockwise_fp8_quantize_deferred,
-                                   blockwise_fp8_quantize_reference_deferred, refuse_non_finite)
+from kernels.fp8.cpu import fp8_quantize_into, supports_quantize
+from kernels.fp8.dispatch import blockwise_fp8_quantize
+from kernels.fp8.format import refuse_non_finite
+from kernels.fp8.reference import blockwise_fp8_quantize_reference_deferred
+from kernels.fp8.triton import blockwise_fp8_quantize_deferred, triton_available
+from kernels.integrity import (Position, all_finite, checksum_sums, checksum_sums_device, copy_check_finite,
+                               copy_check_finite_deferred, read_back, unsigned_sums)
 from megatron_ais.bridge.plan import Bucket, HFTarget, StagePlan
 from megatron_ais.bridge.quantization import SCALE_SUFFIX, QuantizationPolicy
 
@@ -98,7 +99,7 @@ def quantize_into(src: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, q
         q_out.copy_(q)
         s_out.copy_(s)
         return
-    quantize = blockwise_fp8_quantize_deferred if src.is_cuda and fp8_blockwise.triton is not None \
+    quantize = blockwise_fp8_quantize_deferred if src.is_cuda and triton_available() \
         else blockwise_fp8_quantize_reference_deferred
     q, s, corrupt = quantize(src, policy.block_size, policy.pow2_scale, name)
     # checksummed where the quantizer ran, as for copies

@@ -11,7 +11,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-from kernels.fp8_blockwise import all_finite, blockwise_fp8_quantize
+from kernels.fp8.dispatch import blockwise_fp8_quantize
+from kernels.integrity import all_finite
 from megatron_ais.flags import FlagConfig, flag
 
 LINEAR_WEIGHT = re.compile(r"^(?P<prefix>model\.layers\.\d+)\.(?P<module>self_attn\.[qkvo]_proj|"

@@ -23,6 +23,7 @@ from typing import Callable
 
 from megatron_ais.errors import ArgumentValidationError, PromptFileError, TaskError
 from megatron_ais.flags import FlagConfig, flag
+from megatron_ais.registry import Registry
 
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -97,7 +98,7 @@ def countdown_reward(response: str, answer: str) -> float:
 
 def math_verify_reward(response: str, answer: str) -> float:
     """1.0 when math-verify finds the <answer> (or, without one, the response) equal to the gold answer."""
-    from math_verify import parse, verify
+    from math_verify import parse, verify  # only the math task scores with it
 
     text = answer_text(response)
     gold = parse(f"${answer}$")
@@ -245,14 +246,14 @@ def _jsonl(config: "TaskConfig", seed: int) -> Task:
 
 
 # --task name -> builder from the task flags and a seed
-TASKS: dict[str, Callable[["TaskConfig", int], Task]] = {
+TASKS: Registry = Registry("--task", {
     "digit_sort": lambda c, seed: digit_sort_task(seed, c.sort_length, c.num_examples, c.eval_prompts),
     "arithmetic": lambda c, seed: arithmetic_task(seed, c.max_operand, c.num_examples, c.eval_prompts),
     "countdown": lambda c, seed: countdown_task(seed, c.countdown_numbers, c.countdown_max, c.num_examples,
                                                 c.eval_prompts),
     "running_sum": lambda c, seed: running_sum_task(seed, c.sum_terms, c.num_examples, c.eval_prompts),
     "jsonl": _jsonl,
-}
+})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ import dataclasses
 import re
 
 from megatron_ais.mapping import layouts as L
+from megatron_ais.registry import Registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,12 +70,12 @@ _MOE_RULES = (
 )
 _DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
 
-ARCHITECTURES: dict[str, tuple[MappingRule, ...]] = {
+ARCHITECTURES: Registry = Registry("architecture", {
     "llama": _DENSE_RULES,
     "qwen2": _DENSE_RULES + _QKV_BIAS_RULES,
     "qwen3": _DENSE_RULES + _QK_NORM_RULES,
     "qwen3_moe": tuple(r for r in _DENSE_RULES if not r.megatron.endswith(_DENSE_MLP)) + _QK_NORM_RULES + _MOE_RULES,
-}
+})
 
 # Transformer Engine's spec fuses the pre-attention / pre-MLP norms into the following linear layer.
 TE_ALIASES = {

@@ -3,8 +3,7 @@ import argparse
 
 import pytest
 
-from megatron_ais.ais import CORRECTIONS, AISConfig
-from megatron_ais.ais import diagnostics
+from megatron_ais.ais import AISConfig, registry
 from megatron_ais.grpo.loss import PolicyLossConfig
 
 
@@ -27,11 +26,28 @@ def test_defaults_follow_ais_method_section_2_4():
 
 
 def test_every_choice_is_registered():
-    assert set(CORRECTIONS) == {"none", "tis", "mis", "icepop", "ais"}
-    for flag, registry in (("--ais-severity", diagnostics.SEVERITY), ("--ais-reliability", diagnostics.RELIABILITY),
-                           ("--ais-variance", diagnostics.VARIANCE), ("--ais-combiner", diagnostics.COMBINERS)):
-        for name in registry:
-            AISConfig.from_args(_parse(flag, name))
+    assert set(registry.CORRECTIONS) == {"none", "tis", "mis", "icepop", "ais"}
+    for table in (registry.SEVERITY, registry.RELIABILITY, registry.VARIANCE, registry.COMBINERS):
+        for name in table:
+            AISConfig.from_args(_parse(table.title, name))
+
+
+@pytest.mark.parametrize("field,flag", [("correction", "--is-correction"), ("severity", "--ais-severity"),
+                                        ("reliability", "--ais-reliability"), ("variance", "--ais-variance"),
+                                        ("combiner", "--ais-combiner")])
+def test_unregistered_names_are_refused_at_construction(field, flag):
+    """Names are checked against the registries when the config is built, not only by argparse's choices."""
+    with pytest.raises(ValueError, match=f"{flag} 'bogus' must be one of"):
+        AISConfig(**{field: "bogus"})
+
+
+def test_help_lists_the_registered_names():
+    parser = argparse.ArgumentParser()
+    AISConfig.add_flags(parser)
+    text = parser.format_help()
+    assert "--is-correction {none,tis,mis,icepop,ais}" in text
+    for table in (registry.SEVERITY, registry.RELIABILITY, registry.VARIANCE, registry.COMBINERS):
+        assert f"{table.title} {{{','.join(sorted(table))}}}" in text
 
 
 @pytest.mark.parametrize("argv,message", [

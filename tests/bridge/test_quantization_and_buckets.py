@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import make_model_dir
-from kernels.fp8_blockwise import blockwise_fp8_dequantize
+from kernels.fp8.format import blockwise_fp8_dequantize
 from megatron_ais.bridge.buckets import manifest_entry, verify_bucket
 from megatron_ais.bridge.quantization import (QuantizationPolicy, engine_quantization_config,
                                               quantize_for_engine)
@@ -80,7 +80,7 @@ def test_stage_plan_buckets_bounded_ordered_and_aligned(model_root):
 
 
 def test_manifest_refuses_altered_swapped_or_truncated_bytes(model_root):
-    from kernels.cpu_bridge import checksum_sums, checksum_sums_reference
+    from kernels.integrity import checksum_sums, checksum_sums_reference
 
     bucket = [(n, t) for n, t in quantize_for_engine(_hf(model_root).items(), QuantizationPolicy())][:6]
     manifest = [manifest_entry(n, t) for n, t in bucket]

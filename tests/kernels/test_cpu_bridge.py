@@ -11,10 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import cpu_bridge
-from kernels.fp8_blockwise import blockwise_fp8_quantize_reference
+from kernels import cpu_library, integrity
+from kernels.fp8 import cpu as fp8_cpu
+from kernels.fp8.reference import blockwise_fp8_quantize_reference
 
-pytestmark = pytest.mark.skipif(cpu_bridge.library() is None, reason="no C compiler for the CPU kernels")
+pytestmark = pytest.mark.skipif(cpu_library.library() is None, reason="no C compiler for the CPU kernels")
 
 
 @settings(max_examples=40, deadline=None)
@@ -27,7 +28,7 @@ def test_fp8_quantize_bit_exact_against_reference(m, n, block, dtype, pow2, seed
     w = (torch.randn(m, n, generator=g) * torch.rand(m, 1, generator=g) * spread).to(dtype)
     w[torch.rand(m, n, generator=g) < 0.05] = 0
     q_ref, s_ref = blockwise_fp8_quantize_reference(w, block, pow2)
-    q, s = cpu_bridge.fp8_blockwise_quantize_cpu(w, block, pow2)
+    q, s = fp8_cpu.fp8_blockwise_quantize_cpu(w, block, pow2)
     assert torch.equal(s, s_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
@@ -45,11 +46,11 @@ def test_fp8_quantize_into_strided_views_of_a_larger_tensor():
     s = torch.zeros(2, 4)
     total = (0, 0)
     for c in (0, 256):
-        sums = cpu_bridge.fp8_quantize_into(full[:, c:c + 256], q[:, c:c + 256], s[:, c // 128:c // 128 + 2],
-                                            q_position=cpu_bridge.Position(0, 512, c))
+        sums = fp8_cpu.fp8_quantize_into(full[:, c:c + 256], q[:, c:c + 256], s[:, c // 128:c // 128 + 2],
+                                            q_position=integrity.Position(0, 512, c))
         total = _add(total, sums)
     assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-    assert total == cpu_bridge.checksum_sums_reference(q_ref)
+    assert total == integrity.checksum_sums_reference(q_ref)
 
 
 def test_large_outputs_stream_past_the_caches_bit_exact():
@@ -60,13 +61,13 @@ def test_large_outputs_stream_past_the_caches_bit_exact():
     full = torch.zeros(1536, 2048 + 1, dtype=torch.uint8)
     q = full[:, 1:1025].view(torch.float8_e4m3fn)  # rows 2049 bytes apart, misaligned for 16-byte stores
     s = torch.zeros(12, 8)
-    sums = cpu_bridge.fp8_quantize_into(w, q, s, q_position=cpu_bridge.Position(0, 1024, 0))
+    sums = fp8_cpu.fp8_quantize_into(w, q, s, q_position=integrity.Position(0, 1024, 0))
     assert torch.equal(s, s_ref) and torch.equal(q.contiguous().view(torch.uint8), q_ref.view(torch.uint8))
-    assert sums == cpu_bridge.checksum_sums_reference(q_ref)
+    assert sums == integrity.checksum_sums_reference(q_ref)
     src = torch.randn(3, 1 << 20).bfloat16()
     dst = torch.zeros(3 * (1 << 21) + 2, dtype=torch.uint8)[2:].view(torch.bfloat16).view(3, 1 << 20)
-    bad, sums = cpu_bridge.copy_check_finite(src, dst)
-    assert bad == 0 and torch.equal(dst, src) and sums == cpu_bridge.checksum_sums_reference(src)
+    bad, sums = integrity.copy_check_finite(src, dst)
+    assert bad == 0 and torch.equal(dst, src) and sums == integrity.checksum_sums_reference(src)
 
 
 @pytest.mark.parametrize("fill", ["random", "max"])
@@ -76,9 +77,9 @@ def test_long_byte_runs_sum_exactly(fill):
     n = 5 * (1 << 21) + 13
     data = (torch.full((n,), 255, dtype=torch.uint8) if fill == "max" else
             torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)))
-    assert cpu_bridge.checksum_sums(data) == cpu_bridge.checksum_sums_reference(data)
-    position = cpu_bridge.Position(7, 1 << 40, 3)  # large flat indices wrap mod 2^64 in both
-    assert cpu_bridge.checksum_sums(data.view(1, -1), position) == cpu_bridge.checksum_sums_reference(
+    assert integrity.checksum_sums(data) == integrity.checksum_sums_reference(data)
+    position = integrity.Position(7, 1 << 40, 3)  # large flat indices wrap mod 2^64 in both
+    assert integrity.checksum_sums(data.view(1, -1), position) == integrity.checksum_sums_reference(
         data.view(1, -1), position)
 
 
@@ -86,7 +87,7 @@ def test_fp8_quantize_names_a_nonfinite_tensor():
     w = torch.ones(130, 130, dtype=torch.bfloat16)
     w[129, 3] = float("inf")
     with pytest.raises(ValueError, match="layers.3.mlp.up_proj.weight: 1 NaN/Inf"):
-        cpu_bridge.fp8_blockwise_quantize_cpu(w, name="layers.3.mlp.up_proj.weight")
+        fp8_cpu.fp8_blockwise_quantize_cpu(w, name="layers.3.mlp.up_proj.weight")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int32])
@@ -96,12 +97,12 @@ def test_copy_check_finite_counts_like_isfinite_and_sums_its_piece(dtype):
         src[3, 5], src[39, 2999], src[20, 0] = float("nan"), float("inf"), -float("inf")
     full = torch.zeros(40, 6000, dtype=dtype)
     dst = full[:, 1000:4000]  # strided rows: a row-parallel piece of a wider tensor
-    bad, sums = cpu_bridge.copy_check_finite(src, dst, cpu_bridge.Position(0, 6000, 1000))
+    bad, sums = integrity.copy_check_finite(src, dst, integrity.Position(0, 6000, 1000))
     assert torch.equal(dst.contiguous().view(torch.uint8), src.view(torch.uint8))  # NaN != NaN: compare bits
     assert bad == (int((~torch.isfinite(src)).sum()) if dtype.is_floating_point else 0)
-    assert sums == cpu_bridge.checksum_sums_reference(dst, cpu_bridge.Position(0, 6000, 1000))
+    assert sums == integrity.checksum_sums_reference(dst, integrity.Position(0, 6000, 1000))
     # the rest of the tensor is zero, so this piece's sums are the whole tensor's
-    assert sums == cpu_bridge.checksum_sums_reference(full)
+    assert sums == integrity.checksum_sums_reference(full)
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.int64])
@@ -110,21 +111,21 @@ def test_checksum_matches_its_definition_and_pieces_add_up(dtype, numel):
     g = torch.Generator().manual_seed(numel)
     data = torch.randint(0, 256, (numel * torch.empty(0, dtype=dtype).element_size(),), dtype=torch.uint8,
                          generator=g).view(dtype)
-    assert cpu_bridge.checksum_sums(data) == cpu_bridge.checksum_sums_reference(data)
+    assert integrity.checksum_sums(data) == integrity.checksum_sums_reference(data)
     if numel >= 8:
         moved = data.view(torch.uint8).clone()
         moved[1:] = data.view(torch.uint8)[:-1].clone()  # shifted by one byte
-        assert cpu_bridge.checksum(moved.view(dtype)) != cpu_bridge.checksum(data)
+        assert integrity.checksum(moved.view(dtype)) != integrity.checksum(data)
         swapped = data.clone().view(torch.uint8).view(-1, data.element_size())
         a, b = 0, numel - 1
         if not torch.equal(swapped[a], swapped[b]):  # two elements trade places: an additive sum would not see it
             swapped[[a, b]] = swapped[[b, a]]
-            assert cpu_bridge.checksum(swapped.view(-1).view(dtype)) != cpu_bridge.checksum(data)
+            assert integrity.checksum(swapped.view(-1).view(dtype)) != integrity.checksum(data)
     matrix = torch.randn(37, 300).to(torch.bfloat16)
-    rows = [cpu_bridge.checksum_sums(matrix[r0:r0 + 10], cpu_bridge.Position(r0, 300, 0)) for r0 in range(0, 37, 10)]
-    cols = [cpu_bridge.checksum_sums(matrix[:, c0:c0 + 128], cpu_bridge.Position(0, 300, c0))
+    rows = [integrity.checksum_sums(matrix[r0:r0 + 10], integrity.Position(r0, 300, 0)) for r0 in range(0, 37, 10)]
+    cols = [integrity.checksum_sums(matrix[:, c0:c0 + 128], integrity.Position(0, 300, c0))
             for c0 in range(0, 300, 128)]
-    whole = cpu_bridge.checksum_sums(matrix.view(-1))
+    whole = integrity.checksum_sums(matrix.view(-1))
     for parts in (rows, cols):
         total = (0, 0)
         for part in parts:
@@ -133,11 +134,12 @@ def test_checksum_matches_its_definition_and_pieces_add_up(dtype, numel):
 
 
 def test_without_the_kernels_the_references_are_used():
-    code = ("import torch\nfrom kernels import cpu_bridge\nfrom kernels.fp8_blockwise import blockwise_fp8_quantize\n"
-            "assert cpu_bridge.library() is None\nd = torch.arange(100, dtype=torch.uint8)\n"
-            "assert cpu_bridge.checksum_sums(d) == cpu_bridge.checksum_sums_reference(d)\n"
+    code = ("import torch\nfrom kernels import cpu_library, integrity\n"
+            "from kernels.fp8.dispatch import blockwise_fp8_quantize\nassert cpu_library.library() is None\n"
+            "d = torch.arange(100, dtype=torch.uint8)\n"
+            "assert integrity.checksum_sums(d) == integrity.checksum_sums_reference(d)\n"
             "x = torch.randn(4, 4)\nx[0, 0] = float('nan')\ny = torch.empty_like(x)\n"
-            "assert cpu_bridge.copy_check_finite(x, y)[0] == 1\n"
+            "assert integrity.copy_check_finite(x, y)[0] == 1\n"
             "q, s = blockwise_fp8_quantize(torch.randn(130, 200))\nprint('ok')\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
@@ -150,14 +152,14 @@ def test_device_checksum_in_torch_ops_equals_the_definition(dtype, monkeypatch):
     """The checksum of device tensors (GPU arenas) is computed with torch int64 ops where the tensor lives; on CPU
     it must equal the definition: strided views, positions whose products wrap mod 2^64, several row chunks, and a
     row longer than a chunk (a flat tensor) taken in pieces."""
-    monkeypatch.setattr(cpu_bridge, "_TORCH_CHUNK", 1000)
+    monkeypatch.setattr(integrity, "_TORCH_CHUNK", 1000)
     g = torch.Generator().manual_seed(3)
     size = torch.empty(0, dtype=dtype).element_size()
     data = torch.randint(0, 256, (37 * 301 * size,), dtype=torch.uint8, generator=g).view(dtype).view(37, 301)
-    for view, position in ((data, cpu_bridge.Position(0, 301, 0)), (data[:, 3:200], cpu_bridge.Position(5, 1 << 40, 7)),
-                           (data.view(-1)[:1234], cpu_bridge.Position(0, 1234, 0))):
-        assert cpu_bridge.checksum_sums_torch(view, position) == cpu_bridge.checksum_sums_reference(view, position)
-    assert cpu_bridge.checksum_sums_torch(data[:0]) == (0, 0)
+    for view, position in ((data, integrity.Position(0, 301, 0)), (data[:, 3:200], integrity.Position(5, 1 << 40, 7)),
+                           (data.view(-1)[:1234], integrity.Position(0, 1234, 0))):
+        assert integrity.checksum_sums_torch(view, position) == integrity.checksum_sums_reference(view, position)
+    assert integrity.checksum_sums_torch(data[:0]) == (0, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
@@ -168,17 +170,17 @@ def test_torch_copy_check_equals_the_c_kernel(dtype):
     src = (torch.randn(53, 300, generator=g) * 100).to(dtype)
     if dtype.is_floating_point:
         src[7, 9], src[40, 299] = float("nan"), float("-inf")
-    position = cpu_bridge.Position(3, 1 << 33, 17)
+    position = integrity.Position(3, 1 << 33, 17)
     c_dst, torch_dst = torch.zeros_like(src), torch.zeros_like(src)
-    expected = cpu_bridge.copy_check_finite(src, c_dst, position)
-    assert cpu_bridge.copy_check_finite_torch(src, torch_dst, position) == expected
+    expected = integrity.copy_check_finite(src, c_dst, position)
+    assert integrity.copy_check_finite_torch(src, torch_dst, position) == expected
     assert expected[0] == (2 if dtype.is_floating_point else 0)
     assert torch.equal(torch_dst.view(torch.uint8), c_dst.view(torch.uint8))
 
 
 def test_read_back_and_batched_checksums():
-    from kernels.cpu_bridge import (checksum_sums_device, checksum_sums_reference, checksums, fold_checksum,
-                                    read_back, unsigned_sums)
+    from kernels.integrity import (checksum_sums_device, checksum_sums_reference, checksums, fold_checksum,
+                                   read_back, unsigned_sums)
 
     figures = [torch.tensor([3]), torch.arange(5), torch.tensor([-1, 2**62])]
     assert read_back(figures) == [[3], [0, 1, 2, 3, 4], [-1, 2**62]]

@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.fp8_blockwise import (FP8_E4M3_MAX, blockwise_fp8_dequantize, blockwise_fp8_quantize,
-                                   blockwise_fp8_quantize_reference, scale_shape)
+from kernels.fp8.dispatch import blockwise_fp8_quantize
+from kernels.fp8.format import FP8_E4M3_MAX, blockwise_fp8_dequantize, scale_shape
+from kernels.fp8.reference import blockwise_fp8_quantize_reference
 
 E4M3_SUBNORMAL_STEP = 2.0 ** -9
 
@@ -58,7 +59,8 @@ def test_edges_zero_block_and_errors():
 
 INTERPRETER_CHECK = """
 import torch
-from kernels.fp8_blockwise import blockwise_fp8_quantize_reference, blockwise_fp8_quantize_triton
+from kernels.fp8.reference import blockwise_fp8_quantize_reference
+from kernels.fp8.triton import blockwise_fp8_quantize_triton
 results = []
 for m, n, block, pow2 in [(300, 200, 128, False), (77, 129, 64, True), (128, 128, 128, False), (5, 3, 32, False)]:
     w = torch.randn(m, n, generator=torch.Generator().manual_seed(m * n)) * 4
@@ -80,7 +82,7 @@ for bad in (float("nan"), float("inf"), float("-inf")):
     except ValueError as err:
         refused.append("layers.1.mlp.up_proj.weight: 1 NaN/Inf" in str(err))
 results.append(refused == [True, True, True])
-from kernels.fp8_blockwise import blockwise_fp8_quantize_deferred
+from kernels.fp8.triton import blockwise_fp8_quantize_deferred
 w = torch.randn(300, 260)
 clean = int(blockwise_fp8_quantize_deferred(w)[2])
 w[299, 259], w[0, 0] = float("nan"), float("inf")
@@ -108,7 +110,7 @@ def test_triton_kernel_under_interpreter_matches_reference():
 
 @pytest.mark.gpu
 def test_triton_kernel_bit_exact_on_gpu():
-    from kernels.fp8_blockwise import blockwise_fp8_quantize_triton
+    from kernels.fp8.triton import blockwise_fp8_quantize_triton
 
     for m, n, pow2 in [(4096, 1024, False), (1000, 333, True)]:
         w = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -123,7 +125,7 @@ def test_triton_kernel_bit_exact_on_gpu():
 
 
 def test_all_finite_fast_path_is_exact():
-    from kernels.fp8_blockwise import all_finite
+    from kernels.integrity import all_finite
 
     huge = torch.full((64,), 3.0e38)  # finite values whose sum overflows
     assert all_finite(huge) and all_finite(huge.to(torch.bfloat16))

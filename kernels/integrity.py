@@ -1,128 +1,27 @@
-"""CPU kernels of the resharding bridge (`csrc/bridge_cpu.c`), built on first use with the system C compiler
-and called through ctypes, beside their torch / NumPy references:
-
-    fp8_quantize_into            one pass per 128-row strip: amax, scale, multiply, round to e4m3
-                                 (reference: kernels.fp8_blockwise.blockwise_fp8_quantize_reference)
-    copy_check_finite            copy a 2-D view and count NaN/Inf on the way (reference: copy_ + isfinite)
-    checksum_sums / checksum     position-weighted checksum of a tensor's elements (reference: NumPy)
+"""What the resharding bridge checks a tensor by, on the host (the C kernels of `kernels.cpu_library`) or where a
+device tensor lives (torch ops): NaN/Inf, counted by a checked copy, and a position-weighted checksum.
 
 The checksum of a tensor of E elements (each read as an unsigned integer of its byte width) is the fold of
 A = sum v_i and B = sum (i + 1) v_i (mod 2^64, i the flat index): a changed element changes A, swapped or shifted
 elements change B, and both are sums, so the TP ranks that write the pieces of a tensor each add up their own
 pieces' sums while writing them (`Position` says where a piece sits) and one all-reduce gives the checksum.
-
-Without a compiler the references are used and one warning says so; `MEGATRON_AIS_CPU_KERNELS=0` forces that.
-The shared object is cached under `$MEGATRON_AIS_KERNEL_CACHE` (default ~/.cache/megatron_ais/kernels), keyed by
-the source, the flags and the CPU, so a cache shared between different machines never runs foreign code.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 
 import numpy as np
 import torch
 
-log = logging.getLogger(__name__)
-
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "bridge_cpu.c")
-CFLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11")
-DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_load_error: str | None = None
+from kernels.cpu_library import DTYPE_CODES, library, rows_view, sums_array
 
 
-def _cpu_signature() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "".join(line for line in f if line.startswith(("model name", "flags")))[:4096]
-    except OSError:
-        return os.uname().machine
-
-
-def _build(path: str) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    # build beside the target and rename: ranks that build at the same time never load a half-written file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *CFLAGS, "-o", tmp, SOURCE], check=True, capture_output=True, text=True)
-        os.replace(tmp, path)
-    except subprocess.CalledProcessError as err:
-        raise RuntimeError(f"{compiler} failed: {err.stderr.strip()[:2000]}") from err
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def library() -> ctypes.CDLL | None:
-    """Return the loaded kernels, building them if needed; None (after one warning) when they cannot be."""
-    global _library, _load_error
-    if _library is not None or _load_error is not None:
-        return _library
-    with _lock:
-        if _library is not None or _load_error is not None:
-            return _library
-        if os.environ.get("MEGATRON_AIS_CPU_KERNELS", "1") == "0":
-            _load_error = "disabled by MEGATRON_AIS_CPU_KERNELS=0"
-            return None
-        with open(SOURCE, "rb") as f:
-            key = hashlib.sha256(f.read() + " ".join(CFLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
-        cache = os.environ.get("MEGATRON_AIS_KERNEL_CACHE",
-                               os.path.join(os.path.expanduser("~"), ".cache", "megatron_ais", "kernels"))
-        path = os.path.join(cache, f"bridge_cpu-{key}.so")
-        try:
-            if not os.path.exists(path):
-                _build(path)
-            lib = ctypes.CDLL(path)
-        except (OSError, RuntimeError) as err:
-            _load_error = str(err)
-            log.warning("bridge CPU kernels unavailable (%s); using the torch references, which are slower", err)
-            return None
-        i64, vp, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        lib.bridge_fp8_blockwise_quantize.argtypes = [vp, c_int, i64, i64, i64, vp, i64, vp, i64, i64, c_int,
-                                                      i64, i64, i64, vp]
-        lib.bridge_fp8_blockwise_quantize.restype = c_int
-        lib.bridge_copy_rows_check_finite.argtypes = [vp, i64, vp, i64, i64, i64, c_int, c_int, i64, i64, i64, vp]
-        lib.bridge_copy_rows_check_finite.restype = i64
-        lib.bridge_block_sums.argtypes = [vp, i64, i64, i64, c_int, i64, i64, i64, vp]
-        lib.bridge_block_sums.restype = None
-        _library = lib
-        return lib
-
-
-def _rows_view(t: torch.Tensor) -> tuple[int, int, int]:
-    """Return (rows, row elements, row stride in elements) of a CPU tensor whose last dim is contiguous."""
-    if t.dim() == 0:
-        return 1, 1, 1
-    if t.dim() == 1:
-        if t.stride(0) != 1 and t.numel() > 1:
-            raise ValueError("1-D tensor must be contiguous")
-        return 1, t.numel(), t.numel()
-    if t.dim() > 2:
-        if not t.is_contiguous():
-            raise ValueError("tensors of more than 2 dims must be contiguous")
-        return t.numel() // t.shape[-1], t.shape[-1], t.shape[-1]
-    if t.stride(1) != 1 and t.shape[1] > 1:
-        raise ValueError("the last dim must be contiguous")
-    return t.shape[0], t.shape[1], t.stride(0)
-
-
-def supports_quantize(w: torch.Tensor) -> bool:
-    """True when the C quantizer handles `w` (CPU, 2-D, bf16/fp32, contiguous rows) and is available."""
-    return (w.device.type == "cpu" and w.dim() == 2 and w.dtype in (torch.bfloat16, torch.float32)
-            and (w.stride(1) == 1 or w.shape[1] <= 1) and library() is not None)
+def all_finite(t: torch.Tensor) -> bool:
+    """Return True when every element is finite (one min/max pass: both propagate NaN, Inf is an extreme)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,48 +45,6 @@ class Position:
         return cls(start, full_shape[1], 0) if dim == 0 else cls(0, full_shape[1], start)
 
 
-def _sums_array():
-    return (ctypes.c_uint64 * 2)()
-
-
-def fp8_quantize_into(w: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor, block_size: int = 128,
-                      pow2_scale: bool = False, name: str = "weight", q_position: Position | None = None
-                      ) -> tuple[int, int]:
-    """C kernel: quantize `w` into row-contiguous views `q_out` / `scale_out` (same bits as the torch reference)
-    and return the checksum sums of the codes written, `q_out` sitting at `q_position` in its tensor."""
-    from kernels.fp8_blockwise import scale_shape
-
-    lib = library()
-    if lib is None or not supports_quantize(w):
-        raise RuntimeError(f"{name}: the CPU FP8 kernel cannot take this tensor ({w.dtype}, {tuple(w.shape)})")
-    if q_out.device.type != "cpu" or scale_out.device.type != "cpu":
-        raise RuntimeError(f"{name}: the CPU FP8 kernel writes host memory only, not {q_out.device}")
-    m, n = w.shape
-    if tuple(q_out.shape) != (m, n) or tuple(scale_out.shape) != scale_shape((m, n), block_size):
-        raise ValueError(f"{name}: output shapes {tuple(q_out.shape)}, {tuple(scale_out.shape)} do not fit {(m, n)}")
-    position = q_position or Position.whole(q_out)
-    sums = _sums_array()
-    status = lib.bridge_fp8_blockwise_quantize(
-        w.data_ptr(), DTYPE_CODES[w.dtype], m, n, _rows_view(w)[2], q_out.data_ptr(), _rows_view(q_out)[2],
-        scale_out.data_ptr(), _rows_view(scale_out)[2], block_size, int(pow2_scale), position.row0,
-        position.ncols, position.col0, sums)
-    if status != 0:
-        bad = int((~torch.isfinite(w)).sum())
-        raise ValueError(f"{name}: {bad} NaN/Inf values; refusing to quantize a corrupt weight")
-    return sums[0], sums[1]
-
-
-def fp8_blockwise_quantize_cpu(w: torch.Tensor, block_size: int = 128, pow2_scale: bool = False,
-                               name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
-    """C kernel with the contract of the torch reference: return (q, scale_inv)."""
-    from kernels.fp8_blockwise import scale_shape
-
-    q = torch.empty(tuple(w.shape), dtype=torch.float8_e4m3fn)
-    s = torch.empty(scale_shape(tuple(w.shape), block_size), dtype=torch.float32)
-    fp8_quantize_into(w, q, s, block_size, pow2_scale, name)
-    return q, s
-
-
 def copy_check_finite(src: torch.Tensor, dst: torch.Tensor, position: Position | None = None
                       ) -> tuple[int, tuple[int, int]]:
     """Copy `src` into `dst` (same shape and dtype, contiguous last dims); return (how many copied elements are
@@ -203,10 +60,10 @@ def copy_check_finite(src: torch.Tensor, dst: torch.Tensor, position: Position |
         sums = checksum_sums(src, position)
         dst.copy_(src)
         return bad, sums
-    rows, cols, src_stride = _rows_view(src)
-    _, _, dst_stride = _rows_view(dst)
+    rows, cols, src_stride = rows_view(src)
+    _, _, dst_stride = rows_view(dst)
     size = src.element_size()
-    sums = _sums_array()
+    sums = sums_array()
     bad = lib.bridge_copy_rows_check_finite(src.data_ptr(), src_stride * size, dst.data_ptr(), dst_stride * size,
                                             rows, cols * size, DTYPE_CODES.get(src.dtype, -1), size,
                                             position.row0, position.ncols, position.col0, sums)
@@ -236,8 +93,8 @@ def checksum_sums(t: torch.Tensor, position: Position | None = None) -> tuple[in
         return checksum_sums_reference(t, position)
     if t.numel() == 0:
         return 0, 0
-    rows, cols, stride = _rows_view(t)
-    sums = _sums_array()
+    rows, cols, stride = rows_view(t)
+    sums = sums_array()
     lib.bridge_block_sums(t.data_ptr(), rows, cols, stride * t.element_size(), t.element_size(), position.row0,
                           position.ncols, position.col0, sums)
     return sums[0], sums[1]

@@ -1,0 +1,93 @@
+"""The Triton kernel of the blockwise FP8 quantizer (`format.py`): one program per block, one read of `w`, the
+NaN/Inf check on the same pass; the same bits as the torch reference on a GPU (under the interpreter on CPU the
+cast to e4m3 rounds differently, docs/install.md)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from kernels.fp8.format import BLOCK_SIZE, check_shape, refuse_non_finite, scale_shape
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # optional: CPU images ship a metadata-only triton stub or none
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _blockwise_fp8_quantize_kernel(w_ptr, q_ptr, s_ptr, m, n, stride_wm, stride_qm, n_blocks_n,
+                                       BLOCK: tl.constexpr, POW2: tl.constexpr):
+        # consecutive programs walk along a row of blocks: their reads share DRAM pages (+7-9 % on an H100)
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        rows = pid_m * BLOCK + tl.arange(0, BLOCK)
+        cols = pid_n * BLOCK + tl.arange(0, BLOCK)
+        inside = (rows[:, None] < m) & (cols[None, :] < n)
+        x = tl.load(w_ptr + rows[:, None] * stride_wm + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        magnitude = tl.abs(x)
+        finite = magnitude <= 3.4028234663852886e38  # false for NaN and Inf
+        amax = tl.maximum(tl.max(tl.where(finite, magnitude, 0.0)), 1e-10)
+        scale = tl.math.div_rn(amax, 448.0)  # IEEE division: the reference's bits (plain / is approximate)
+        factor = tl.math.div_rn(448.0, amax)
+        if POW2:  # round up to a power of two on the bits: clear the mantissa, bump the exponent if it was not 0
+            bits = scale.to(tl.int32, bitcast=True)
+            bits = tl.where((bits & 0x7FFFFF) != 0, (bits & 0x7F800000) + 0x800000, bits)
+            scale = bits.to(tl.float32, bitcast=True)
+            factor = tl.math.div_rn(1.0, scale)
+        q = tl.clamp(x * factor, -448.0, 448.0)
+        tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(tl.float8e4nv), mask=inside)
+        # the NaN/Inf check rides on this pass: a corrupt block gets scale -1 (valid scales are > 0), so the host
+        # reads the small scale tensor instead of the weight a second time
+        corrupt = tl.max(tl.where(finite, 0, 1))
+        tl.store(s_ptr + pid_m * n_blocks_n + pid_n, tl.where(corrupt > 0, -1.0, scale))
+
+
+def triton_available() -> bool:
+    """Whether Triton is installed (the kernel's launchers raise without it)."""
+    return triton is not None
+
+
+# a 128x128 block held in registers: 16 warps keep it at 32 fp32 values per thread, the fastest of 4/8/16 on an H100
+# (docs/benchmarks.md; tools/bench_fp8_quant.py sweeps it)
+TRITON_NUM_WARPS = 16
+
+
+def blockwise_fp8_quantize_triton_into(w: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor,
+                                       block_size: int = BLOCK_SIZE, pow2_scale: bool = False, *,
+                                       num_warps: int = TRITON_NUM_WARPS) -> None:
+    """Launch the kernel into preallocated outputs (contiguous `w` [M, N] on CUDA). A block holding NaN/Inf gets
+    scale -1: the caller checks the scales (`blockwise_fp8_quantize_triton` does)."""
+    m, n = w.shape
+    mb, nb = scale_shape((m, n), block_size)
+    # Triton launches on the current device: make it the tensor's (an arena view may live on another GPU)
+    with torch.cuda.device(w.device) if w.is_cuda else contextlib.nullcontext():
+        _blockwise_fp8_quantize_kernel[(nb, mb)](w, q_out, scale_out, m, n, w.stride(0), q_out.stride(0), nb,
+                                                 BLOCK=block_size, POW2=pow2_scale, num_warps=num_warps)
+
+
+def blockwise_fp8_quantize_deferred(w: torch.Tensor, block_size: int = BLOCK_SIZE, pow2_scale: bool = False,
+                                    name: str = "weight", *, num_warps: int = TRITON_NUM_WARPS
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton kernel without a host synchronisation: (q, scale_inv, corrupt), `corrupt` an int64 [1] count of
+    the blocks holding NaN/Inf (their codes are garbage), for the caller to read back with its other figures and
+    refuse the weight if non-zero (`refuse_non_finite`)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    check_shape(w, block_size, name)
+    w = w.contiguous()
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    scale_inv = torch.empty(scale_shape(tuple(w.shape), block_size), dtype=torch.float32, device=w.device)
+    blockwise_fp8_quantize_triton_into(w, q, scale_inv, block_size, pow2_scale, num_warps=num_warps)
+    return q, scale_inv, (~(scale_inv > 0)).sum().reshape(1).to(torch.int64)  # a NaN scale counts too
+
+
+def blockwise_fp8_quantize_triton(w: torch.Tensor, block_size: int = BLOCK_SIZE, pow2_scale: bool = False,
+                                  name: str = "weight", *, num_warps: int = TRITON_NUM_WARPS
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton kernel (one program per block, one read of `w`); same contract as the reference."""
+    q, scale_inv, corrupt = blockwise_fp8_quantize_deferred(w, block_size, pow2_scale, name, num_warps=num_warps)
+    if int(corrupt):
+        refuse_non_finite(w, name)
+    return q, scale_inv
