@@ -6,7 +6,8 @@ import os
 import pytest
 
 from conftest import make_model_dir
-from megatron_ais import checkpointing as ckpt
+from megatron_ais.checkpointing import preflight
+from megatron_ais.checkpointing.lock import RunLock
 from megatron_ais.errors import CheckpointError
 
 TORCHRUN_RANK0 = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}  # what torchrun gives a 1-rank run
@@ -57,7 +58,7 @@ def test_flag_errors_are_one_line_without_the_usage_block(grpo, model):
 
 def test_a_save_directory_a_live_run_holds_is_refused_writing_nothing(grpo, model, tmp_path):
     save, out = str(tmp_path / "ckpt"), tmp_path / "out"
-    lock = ckpt.RunLock(save)
+    lock = RunLock(save)
     lock.acquire()  # this test process plays the live run
     try:
         _refused(grpo("--hf-dir", model, "--save", save, "--output-dir", out),
@@ -106,13 +107,13 @@ def test_a_save_directory_without_room_for_a_checkpoint_is_refused(tmp_path, mon
                                        "vocab_size": 151936, "head_dim": 128})
     build = ModelBuildConfig(shape=shape)
     assert 8.1e9 < shape.num_parameters() < 8.3e9  # Qwen3-8B: 8.2 B parameters
-    assert ckpt.checkpoint_bytes(build) == shape.num_parameters(build.padded_vocab_size) * 14
+    assert preflight.checkpoint_bytes(build) == shape.num_parameters(build.padded_vocab_size) * 14
     usage = shutil.disk_usage(str(tmp_path))
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=50 * 10 ** 9))
     with pytest.raises(CheckpointError, match=f"--save {tmp_path}/ckpt: one checkpoint of this model takes about "
                                               "11[0-9].[0-9]+ GB and 50.00 GB are free there"):
-        ckpt.check_room(str(tmp_path / "ckpt"), ckpt.checkpoint_bytes(build), "--save")
-    ckpt.check_room(str(tmp_path / "ckpt"), 10 ** 9, "--save")
+        preflight.check_room(str(tmp_path / "ckpt"), preflight.checkpoint_bytes(build), "--save")
+    preflight.check_room(str(tmp_path / "ckpt"), 10 ** 9, "--save")
 
 
 @pytest.mark.parametrize("arch,overrides", [("qwen3", {}), ("qwen2", {}), ("llama", {"tie_word_embeddings": True}),

@@ -20,10 +20,11 @@ import time
 import torch
 
 from megatron_ais.arguments import FlagParser
-from megatron_ais.checkpointing import (CHECKPOINT_VERSION, HF_ASSETS, RANK_FILE, TRACKER, checkpoint_metadata,
-                                        commit_checkpoint, iteration_dir, load_rank_state, newest_verified_iteration,
-                                        prepare_staging, rank_dir_name, read_checkpoint_metadata, write_checksums,
-                                        write_metadata, write_rank_state)
+from megatron_ais.checkpointing.config import HF_ASSETS, checkpoint_metadata
+from megatron_ais.checkpointing.formats.torch import CHECKPOINT_VERSION, RANK_FILE, rank_dir_name, write_rank_state
+from megatron_ais.checkpointing.store import (TRACKER, commit_checkpoint, iteration_dir, load_rank_state,
+                                              newest_verified_iteration, prepare_staging, read_checkpoint_metadata,
+                                              write_checksums, write_metadata)
 from megatron_ais.errors import ArgumentValidationError, CheckpointError
 from megatron_ais.bridge.quantization import (QuantizationPolicy, check_engine_shapes, engine_quantization_config,
                                               quantize_for_engine)

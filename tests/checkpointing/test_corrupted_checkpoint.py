@@ -4,7 +4,10 @@ import os
 import pytest
 import torch
 
-from megatron_ais import checkpointing as ckpt
+from megatron_ais.checkpointing import optimizer_state, store
+from megatron_ais.checkpointing.formats import torch as torch_format
+from megatron_ais.checkpointing.ranks import CheckpointRanks
+from megatron_ais.errors import CheckpointError
 
 
 class _Tiny(torch.nn.Module):
@@ -19,22 +22,22 @@ def _save(root, iteration, value, keep=None, protect=()):
     model.weight.grad = torch.ones(4, 4)
     optimizer.step()
     meta = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "hf_config": {}}
-    ckpt.save_checkpoint(root, iteration, [model], meta, None, ckpt.CheckpointRanks(), optimizer=optimizer,
-                         run_state={"kind": "test", "step": iteration}, keep=keep, protect=protect)
+    store.save_checkpoint(root, iteration, [model], meta, None, CheckpointRanks(), optimizer=optimizer,
+                          run_state={"kind": "test", "step": iteration}, keep=keep, protect=protect)
     return model.weight.detach().clone()
 
 
 def _rank_file(root, iteration):
-    return os.path.join(ckpt.iteration_dir(root, iteration), "mp_rank_00", ckpt.RANK_FILE)
+    return os.path.join(store.iteration_dir(root, iteration), "mp_rank_00", torch_format.RANK_FILE)
 
 
 def test_checksums_written_and_clean_load(tmp_path):
     root = str(tmp_path)
     weight = _save(root, 1, 1.0)
-    loaded = ckpt.load_checkpoint(root, ckpt.CheckpointRanks())
+    loaded = store.load_checkpoint(root, CheckpointRanks())
     assert loaded.iteration == 1 and loaded.run_state == {"kind": "test", "step": 1}
     assert torch.equal(loaded.state["model"]["weight"], weight)
-    assert "mp_rank_00/model_optim_rng.pt" in open(os.path.join(ckpt.iteration_dir(root, 1), ckpt.CHECKSUMS)).read()
+    assert "mp_rank_00/model_optim_rng.pt" in open(os.path.join(store.iteration_dir(root, 1), store.CHECKSUMS)).read()
 
 
 def test_flipped_byte_falls_back_to_previous(tmp_path, capfd):
@@ -45,7 +48,7 @@ def test_flipped_byte_falls_back_to_previous(tmp_path, capfd):
     data = bytearray(open(path, "rb").read())
     data[len(data) // 2] ^= 0xFF
     open(path, "wb").write(bytes(data))
-    loaded = ckpt.load_checkpoint(root, ckpt.CheckpointRanks())
+    loaded = store.load_checkpoint(root, CheckpointRanks())
     assert loaded.iteration == 1 and torch.equal(loaded.state["model"]["weight"], first)
     assert "refusing checkpoint iteration 2" in capfd.readouterr().err
 
@@ -57,34 +60,34 @@ def test_truncated_file_and_broken_metadata_are_refused(tmp_path, capfd):
     _save(root, 3, 3.0)
     path = _rank_file(root, 3)
     os.truncate(path, os.path.getsize(path) // 3)
-    open(os.path.join(ckpt.iteration_dir(root, 2), ckpt.METADATA), "w").write("{not json")
-    assert ckpt.usable_iterations(root) == [1]
+    open(os.path.join(store.iteration_dir(root, 2), store.METADATA), "w").write("{not json")
+    assert store.usable_iterations(root) == [1]
     err = capfd.readouterr().err
     assert "truncated" in err and "unreadable" in err
-    assert ckpt.load_checkpoint(root, ckpt.CheckpointRanks()).iteration == 1
-    assert ckpt.read_checkpoint_metadata(root)["tensor_model_parallel_size"] == 1
+    assert store.load_checkpoint(root, CheckpointRanks()).iteration == 1
+    assert store.read_checkpoint_metadata(root)["tensor_model_parallel_size"] == 1
 
 
 def test_nothing_usable_is_a_clear_error(tmp_path):
     root = str(tmp_path)
     _save(root, 1, 1.0)
     os.truncate(_rank_file(root, 1), 10)
-    with pytest.raises(ckpt.CheckpointError, match="no usable checkpoint.*truncated"):
-        ckpt.load_checkpoint(root, ckpt.CheckpointRanks())
-    with pytest.raises(ckpt.CheckpointError, match="latest_checkpointed_iteration.txt"):
-        ckpt.load_checkpoint(str(tmp_path / "empty"), ckpt.CheckpointRanks())
+    with pytest.raises(CheckpointError, match="no usable checkpoint.*truncated"):
+        store.load_checkpoint(root, CheckpointRanks())
+    with pytest.raises(CheckpointError, match="latest_checkpointed_iteration.txt"):
+        store.load_checkpoint(str(tmp_path / "empty"), CheckpointRanks())
 
 
 def test_keep_prunes_old_iterations(tmp_path):
     root = str(tmp_path)
     for iteration in range(1, 5):
         _save(root, iteration, iteration, keep=2)
-    assert ckpt.committed_iterations(root) == [4, 3]
+    assert store.committed_iterations(root) == [4, 3]
     # a removal that a crash interrupted is finished by the next prune, never taken for a checkpoint
     os.makedirs(os.path.join(root, "iter_0000002.deleting", "mp_rank_00"))
     _save(root, 5, 5.0, keep=2)
-    assert ckpt.committed_iterations(root) == [5, 4] and sorted(os.listdir(root)) == [
-        "iter_0000004", "iter_0000005", ckpt.TRACKER]
+    assert store.committed_iterations(root) == [5, 4] and sorted(os.listdir(root)) == [
+        "iter_0000004", "iter_0000005", store.TRACKER]
 
 
 def test_a_kl_reference_iteration_is_kept_and_loaded_by_number(tmp_path):
@@ -97,44 +100,44 @@ def test_a_kl_reference_iteration_is_kept_and_loaded_by_number(tmp_path):
     source = {"load": root + "/", "iteration": 1}
     for iteration in range(2, 5):
         _save(root, iteration, iteration, keep=2, protect=protected_iterations(source, root))
-    assert ckpt.committed_iterations(root) == [4, 3, 1]
-    loaded = ckpt.load_checkpoint(root, ckpt.CheckpointRanks(), iteration=1)
+    assert store.committed_iterations(root) == [4, 3, 1]
+    loaded = store.load_checkpoint(root, CheckpointRanks(), iteration=1)
     assert loaded.iteration == 1 and torch.equal(loaded.state["model"]["weight"], reference)
-    assert ckpt.load_checkpoint(root, ckpt.CheckpointRanks()).iteration == 4
-    with pytest.raises(ckpt.CheckpointError, match="no longer holds a usable iteration 2"):
-        ckpt.load_checkpoint(root, ckpt.CheckpointRanks(), iteration=2)
+    assert store.load_checkpoint(root, CheckpointRanks()).iteration == 4
+    with pytest.raises(CheckpointError, match="no longer holds a usable iteration 2"):
+        store.load_checkpoint(root, CheckpointRanks(), iteration=2)
     assert protected_iterations(source, str(tmp_path / "elsewhere")) == ()
     assert protected_iterations({"hf_dir": "/m"}, root) == ()
 
 
 def test_restore_refuses_weights_only_checkpoint(tmp_path):
     root = str(tmp_path)
-    stage = ckpt.prepare_staging(root, 1)
-    ckpt.write_metadata(stage, {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}, None)
-    ckpt.write_rank_state(stage, 0, 0, 1, {"model": {"weight": torch.zeros(4, 4)}, "run_state": {"kind": "x"}})
-    ckpt.write_checksums(stage)
-    ckpt.commit_checkpoint(root, 1)
-    loaded = ckpt.load_checkpoint(root, ckpt.CheckpointRanks())
-    with pytest.raises(ckpt.CheckpointError, match="--finetune"):
-        ckpt.restore_training_state(loaded, torch.optim.Adam(_Tiny(0).parameters()), 0)
+    stage = store.prepare_staging(root, 1)
+    store.write_metadata(stage, {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}, None)
+    torch_format.write_rank_state(stage, 0, 0, 1, {"model": {"weight": torch.zeros(4, 4)}, "run_state": {"kind": "x"}})
+    store.write_checksums(stage)
+    store.commit_checkpoint(root, 1)
+    loaded = store.load_checkpoint(root, CheckpointRanks())
+    with pytest.raises(CheckpointError, match="--finetune"):
+        optimizer_state.restore_training_state(loaded, torch.optim.Adam(_Tiny(0).parameters()), 0)
 
 
 def _unverified(root, iteration=1):
     """A committed checkpoint with no checksums.json, as another tool might write one."""
-    stage = ckpt.prepare_staging(root, iteration)
-    ckpt.write_metadata(stage, {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}, None)
-    ckpt.write_rank_state(stage, 0, 0, 1, {"model": {"weight": torch.full((4, 4), 5.0)}})
-    ckpt.commit_checkpoint(root, iteration)
+    stage = store.prepare_staging(root, iteration)
+    store.write_metadata(stage, {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}, None)
+    torch_format.write_rank_state(stage, 0, 0, 1, {"model": {"weight": torch.full((4, 4), 5.0)}})
+    store.commit_checkpoint(root, iteration)
 
 
 def test_a_checkpoint_nothing_can_verify_is_refused_unless_asked(tmp_path, capfd):
     root = str(tmp_path)
     _unverified(root)
-    with pytest.raises(ckpt.CheckpointError, match="has no checksums.json, so nothing can verify its files .* "
-                                                   "--allow-unverified-checkpoint"):
-        ckpt.load_checkpoint(root, ckpt.CheckpointRanks())
+    with pytest.raises(CheckpointError, match="has no checksums.json, so nothing can verify its files .* "
+                                              "--allow-unverified-checkpoint"):
+        store.load_checkpoint(root, CheckpointRanks())
     capfd.readouterr()
-    loaded = ckpt.load_checkpoint(root, ckpt.CheckpointRanks(), allow_unverified=True)
+    loaded = store.load_checkpoint(root, CheckpointRanks(), allow_unverified=True)
     assert torch.equal(loaded.state["model"]["weight"], torch.full((4, 4), 5.0))
     assert "unverified (--allow-unverified-checkpoint): it has no checksums.json" in capfd.readouterr().err
 
@@ -142,22 +145,22 @@ def test_a_checkpoint_nothing_can_verify_is_refused_unless_asked(tmp_path, capfd
 def test_a_rank_file_checksums_json_does_not_list_is_refused(tmp_path):
     root = str(tmp_path)
     _save(root, 1, 1.0)
-    extra = os.path.join(ckpt.iteration_dir(root, 1), "mp_rank_01", ckpt.RANK_FILE)
+    extra = os.path.join(store.iteration_dir(root, 1), "mp_rank_01", torch_format.RANK_FILE)
     os.makedirs(os.path.dirname(extra))
     torch.save({"model": {}}, extra)
-    with pytest.raises(ckpt.CheckpointError, match="mp_rank_01/model_optim_rng.pt is not listed in checksums.json"):
-        ckpt.load_checkpoint(root, ckpt.CheckpointRanks())
+    with pytest.raises(CheckpointError, match="mp_rank_01/model_optim_rng.pt is not listed in checksums.json"):
+        store.load_checkpoint(root, CheckpointRanks())
 
 
 def test_a_corrupted_tracker_is_named_and_the_newest_verified_iteration_used(tmp_path, capfd):
     root = str(tmp_path)
     _save(root, 1, 1.0)
     newest = _save(root, 2, 2.0)
-    with open(os.path.join(root, ckpt.TRACKER), "w") as f:
+    with open(os.path.join(root, store.TRACKER), "w") as f:
         f.write("garbage")
-    loaded = ckpt.load_checkpoint(root, ckpt.CheckpointRanks())
+    loaded = store.load_checkpoint(root, CheckpointRanks())
     assert loaded.iteration == 2 and torch.equal(loaded.state["model"]["weight"], newest)
     err = capfd.readouterr().err
-    assert f"{os.path.join(root, ckpt.TRACKER)} holds 'garbage', not an iteration number (corrupted)" in err
+    assert f"{os.path.join(root, store.TRACKER)} holds 'garbage', not an iteration number (corrupted)" in err
     os.truncate(_rank_file(root, 2), 100)  # the newest is damaged too: the one before it
-    assert ckpt.load_checkpoint(root, ckpt.CheckpointRanks()).iteration == 1
+    assert store.load_checkpoint(root, CheckpointRanks()).iteration == 1

@@ -21,9 +21,11 @@ def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=()
     from megatron.core import parallel_state as ps
 
     from distributed import start_trainer
-    from megatron_ais.checkpointing import CheckpointRanks, checkpoint_metadata, save_checkpoint
+    from megatron_ais.checkpointing.config import checkpoint_metadata
+    from megatron_ais.checkpointing.ranks import CheckpointRanks
+    from megatron_ais.checkpointing.store import save_checkpoint
     from megatron_ais.data.tasks import arithmetic_task
-    from megatron_ais.sft import encode_sft_example, load_tokenizer, micro_batches
+    from megatron_ais.sft import encode_sft_example, load_tokenizer, example_micro_batches
     from megatron_ais.training import lm_forward_step, reduce_lm_loss, setup_model_and_optimizer, train_step
 
     argv = ["--hf-dir", hf_dir, f"--{precision}", "--seq-length", str(SEQ), "--lr", "3e-3",
@@ -49,7 +51,7 @@ def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=()
     for step in range(start, 4):
         rows = examples[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH][dp_rank * per_rank:(dp_rank + 1) * per_rank]
         encoded = [encode_sft_example(tokenizer, e, SEQ) for e in rows]
-        mbs = micro_batches(encoded, list(range(per_rank)), MICRO_BATCH)
+        mbs = example_micro_batches(encoded, list(range(per_rank)), MICRO_BATCH)
         result = train_step(setup.ddp_chunks, setup.optimizer, lm_forward_step, iter(mbs), len(mbs), SEQ, MICRO_BATCH)
         losses.append(reduce_lm_loss(result.losses, ps.get_data_parallel_group()))
         draws.append((random.random(), torch.rand(1).item()))  # RNG streams must continue across the resume

@@ -8,11 +8,13 @@ import time
 
 import pytest
 
-from megatron_ais import checkpointing as ckpt
+from megatron_ais.checkpointing.config import CheckpointConfig
+from megatron_ais.checkpointing.lock import RunLock, refuse_directories_in_use
+from megatron_ais.errors import CheckpointError
 
 HOLD = """
 import sys, time
-from megatron_ais.checkpointing import RunLock
+from megatron_ais.checkpointing.lock import RunLock
 RunLock(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(60)
@@ -32,35 +34,35 @@ def holder(tmp_path):
 
 def test_a_held_directory_is_refused_naming_the_holder(holder):
     directory, proc = holder
-    with pytest.raises(ckpt.CheckpointError, match=f"--save {directory} is in use by the run of pid {proc.pid} on "
-                                                   f"host .* started .*: one run per directory"):
-        ckpt.RunLock(directory).acquire()
-    checkpoint = ckpt.CheckpointConfig(load=directory)
-    with pytest.raises(ckpt.CheckpointError, match=f"--load {directory} is in use by the run of pid {proc.pid}"):
-        ckpt.refuse_directories_in_use(checkpoint)
+    with pytest.raises(CheckpointError, match=f"--save {directory} is in use by the run of pid {proc.pid} on "
+                                              f"host .* started .*: one run per directory"):
+        RunLock(directory).acquire()
+    checkpoint = CheckpointConfig(load=directory)
+    with pytest.raises(CheckpointError, match=f"--load {directory} is in use by the run of pid {proc.pid}"):
+        refuse_directories_in_use(checkpoint)
 
 
 def test_a_dead_runs_lock_is_taken_over_with_a_message(holder):
     directory, proc = holder
     proc.kill()
     proc.wait()  # the kernel drops a dead process's flock; its description stays in the file
-    ckpt.refuse_directories_in_use(ckpt.CheckpointConfig(save=directory, load=directory))
-    lock = ckpt.RunLock(directory)
+    refuse_directories_in_use(CheckpointConfig(save=directory, load=directory))
+    lock = RunLock(directory)
     message = lock.acquire()
     assert message.startswith(f"taking over the lock of {directory}: the run of pid {proc.pid} on host ")
     assert message.endswith(" is gone")
     assert json.load(open(lock.path))["pid"] == os.getpid()
-    with pytest.raises(ckpt.CheckpointError, match=f"in use by the run of pid {os.getpid()}"):
-        ckpt.RunLock(directory).acquire()  # held now by this process's lock
+    with pytest.raises(CheckpointError, match=f"in use by the run of pid {os.getpid()}"):
+        RunLock(directory).acquire()  # held now by this process's lock
     lock.release()
-    assert ckpt.RunLock(directory).acquire() is not None  # released: free again
+    assert RunLock(directory).acquire() is not None  # released: free again
 
 
 def test_the_lock_lives_as_long_as_its_holder(tmp_path):
     """No lock without a live holder: a fresh directory is taken without a message, and a lock is free again once
     its holder process ends, however it ends."""
     directory = str(tmp_path / "fresh")
-    lock = ckpt.RunLock(directory)
+    lock = RunLock(directory)
     assert lock.acquire() is None
     lock.release()
     proc = subprocess.Popen([sys.executable, "-c", HOLD, directory], stdout=subprocess.PIPE, text=True)
@@ -68,4 +70,4 @@ def test_the_lock_lives_as_long_as_its_holder(tmp_path):
     proc.terminate()
     proc.wait()
     time.sleep(0.1)
-    assert "is gone" in ckpt.RunLock(directory).acquire()
+    assert "is gone" in RunLock(directory).acquire()

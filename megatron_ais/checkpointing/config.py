@@ -1,0 +1,87 @@
+"""The checkpoint flags and the small types the checkpoint modules and their users share: what a load gives one
+rank, the metadata every checkpoint carries, where its HF files go, the warning line. Imports nothing of the
+checkpoint package."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any
+
+from megatron_ais.errors import ArgumentValidationError
+from megatron_ais.flags import FlagConfig, flag
+
+HF_ASSETS = "hf_assets"  # the directory of a checkpoint that holds the HF model's tokenizer and generation config
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig(FlagConfig):
+    """Where a run starts from and where it saves."""
+
+    load: str | None = flag(None, "Megatron checkpoint directory to start from (written by "
+                                  "tools/convert_checkpoint.py or a previous run). Overrides the weights of --hf-dir.",
+                            type=str)
+    save: str | None = flag(None, "Directory to write checkpoints to (model, optimizer, RNG states, run state; "
+                                  "atomic, with a checksum per file). Point --load at it to resume.", type=str)
+    save_interval: int | None = flag(None, "Save a checkpoint every this many steps.", type=int)
+    keep_checkpoints: int = flag(2, "Committed iterations kept under --save (older ones are removed); more than one "
+                                    "lets a corrupted newest checkpoint fall back to the previous one.")
+    finetune: bool = flag(False, "Take only the weights of --load: fresh optimizer, RNG and step counter (like "
+                                 "Megatron-LM). Implied for weights-only checkpoints (converted from HF or written by "
+                                 "SFT runs).")
+    allow_unverified_checkpoint: bool = flag(
+        False, "Load a --load (or --ref-load) checkpoint that has no checksums.json, i.e. one whose files nobody can "
+               "verify (written by another tool); the log says so. Without it such a checkpoint is refused.")
+
+    def __post_init__(self):
+        if self.save_interval is not None and not self.save:
+            raise ArgumentValidationError("--save-interval needs --save DIR")
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ArgumentValidationError(f"--save-interval {self.save_interval} must be a positive integer")
+        if self.keep_checkpoints < 1:
+            raise ArgumentValidationError(f"--keep-checkpoints {self.keep_checkpoints} must be at least 1")
+
+    def saves_at(self, step: int, last_step: int) -> bool:
+        """Whether the run saves after `step`: every --save-interval steps and after its last step."""
+        return bool(self.save) and (step == last_step or bool(self.save_interval and step % self.save_interval == 0))
+
+
+@dataclasses.dataclass
+class LoadedCheckpoint:
+    """What --load gives one rank: the iteration used (and its directory), its metadata, the shard state and
+    optimizer shard."""
+
+    root: str
+    iteration: int
+    directory: str
+    metadata: dict[str, Any]
+    state: dict
+    distrib_optim: list | None
+
+    @property
+    def assets_dir(self) -> str:
+        return os.path.join(self.directory, HF_ASSETS)
+
+    @property
+    def run_state(self) -> dict | None:
+        return self.state.get("run_state")
+
+
+def checkpoint_metadata(build, hf_config: dict, iteration: int, data_parallel_size: int | None = None,
+                        use_distributed_optimizer: bool | None = None, **extra) -> dict[str, Any]:
+    """Return the metadata every checkpoint carries: HF config, parallel layout (with the data-parallel size and
+    optimizer kind, which the distributed optimizer's shards depend on; None for weights-only checkpoints),
+    vocabulary padding, iteration, and `extra` (a converted checkpoint's source)."""
+    layout = build.layout
+    return {"hf_config": hf_config, "tensor_model_parallel_size": layout.tensor,
+            "data_parallel_size": data_parallel_size, "use_distributed_optimizer": use_distributed_optimizer,
+            "pipeline_model_parallel_size": layout.pipeline, "expert_model_parallel_size": layout.expert,
+            "expert_tensor_parallel_size": layout.expert_tensor_size,
+            "make_vocab_size_divisible_by": build.make_vocab_size_divisible_by,
+            "padded_vocab_size": build.padded_vocab_size, "iteration": iteration, **extra}
+
+
+def warn(message: str) -> None:
+    """Print a warning line on rank 0 (from the launcher's environment: also before torch.distributed starts)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"WARNING: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,16 @@
+"""Checkpoint formats: how the rank files of one iteration are laid out, the one replaceable part; the store
+(store.py: staging, checksums, atomic commit, verified fallback) and the run lock (lock.py) stay whatever the format.
+
+A format is a module with
+    rank_files(directory)                          the rank files of a checkpoint directory, relative to it
+    write_rank_files(stage, iteration, ranks, chunks, optimizer, run_state, dp_group)
+                                                   write this rank's files into a staging directory (collective);
+                                                   return their names, relative to it
+    files_to_read(directory, ranks, distributed_optimizer)
+                                                   the files this rank reads on load, relative to the directory
+    read_rank_files(directory, files)              (state, distributed-optimizer shard or None) from those files
+    read_rank_state(directory, tp_rank, pp_rank, pp_size, ep_rank, ep_size, mmap)
+                                                   one shard's saved state, for offline tools
+
+torch.py: today's format, Megatron-LM's legacy per-rank `torch.save` layout.
+"""

@@ -1,0 +1,140 @@
+"""Today's checkpoint format: Megatron-LM's legacy per-rank layout, one `torch.save` file per shard directory and,
+with the distributed optimizer, one optimizer file per DP rank; the only module that knows it.
+
+    iter_000000N/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt      model, optimizer, RNG of every DP rank, run state
+    iter_000000N/mp_rank_TT[_PPP][_EEE]/distrib_optim_dpDDD.pt  distributed-optimizer shard of DP rank DDD
+
+`_PPP` is appended under pipeline parallelism, `_EEE` under expert parallelism. Parameter names are stored with
+local-spec names and stage-local layer indices, as Megatron-LM stores them. The store (store.py) calls the format's
+functions listed in formats/__init__.py."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megatron_ais.checkpointing.optimizer_state import distributed_optimizer_shard, is_distributed, rng_state
+from megatron_ais.checkpointing.ranks import CheckpointRanks, gather
+from megatron_ais.errors import CheckpointError
+from megatron_ais.mapping.rules import canonical_name
+from megatron_ais.model import unwrap_model
+
+RANK_FILE = "model_optim_rng.pt"
+CHECKPOINT_VERSION = 3.0
+
+
+def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1) -> str:
+    """Return Megatron-LM's per-rank directory name: `mp_rank_TT`, `_PPP` appended under PP, `_EEE` under expert
+    parallelism (each expert-parallel rank's directory holds the dense weights and its own experts)."""
+    return (f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
+            + (f"_{ep_rank:03d}" if ep_size > 1 else ""))
+
+
+def shard_dir(ranks: CheckpointRanks) -> str:
+    """The shard directory of a rank's position."""
+    return rank_dir_name(ranks.tp_rank, ranks.pp_rank, ranks.pp_size, ranks.ep_rank, ranks.ep_size)
+
+
+def rank_file(ranks: CheckpointRanks) -> str:
+    """The shard file of a rank's position, relative to the iteration directory."""
+    return os.path.join(shard_dir(ranks), RANK_FILE)
+
+
+def distrib_optim_file(ranks: CheckpointRanks) -> str:
+    """A DP rank's distributed-optimizer file, relative to the iteration directory."""
+    return os.path.join(shard_dir(ranks), f"distrib_optim_dp{ranks.dp_rank:03d}.pt")
+
+
+def rank_files(directory: str) -> list[str]:
+    """The rank files of a checkpoint directory (model, optimizer shards), relative to it."""
+    return sorted(os.path.relpath(os.path.join(d, name), directory) for d, _, names in os.walk(directory)
+                  if os.path.basename(d).startswith("mp_rank_") for name in names if name.endswith(".pt"))
+
+
+def write_rank_state(stage: str, tp_rank: int, pp_rank: int, pp_size: int, state: dict, ep_rank: int = 0,
+                     ep_size: int = 1) -> None:
+    """Write one rank's state file into a staging directory."""
+    directory = os.path.join(stage, rank_dir_name(tp_rank, pp_rank, pp_size, ep_rank, ep_size))
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, RANK_FILE)
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def write_rank_files(stage: str, iteration: int, ranks: CheckpointRanks, chunks: list, optimizer,
+                     run_state: dict | None, dp_group) -> list[str]:
+    """Write this rank's files into a staging directory and return their names, relative to it; collective over all
+    ranks (every DP rank's RNG state is gathered). The lowest rank of each (TP, PP, EP) position writes the shard file
+    (model, optimizer, RNG states, run state); with the distributed optimizer every rank also writes its shard."""
+    rng_states = gather(rng_state(), dp_group)
+    names = []
+    if ranks.writes_shard:
+        state = {**model_state(chunks), "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
+                 "rng_state": rng_states, "run_state": run_state}
+        if optimizer is not None:
+            state["optimizer"] = optimizer.state_dict()
+        write_rank_state(stage, ranks.tp_rank, ranks.pp_rank, ranks.pp_size, state, ranks.ep_rank, ranks.ep_size)
+        names.append(rank_file(ranks))
+    if optimizer is not None and is_distributed(optimizer):
+        path = os.path.join(stage, distrib_optim_file(ranks))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(distributed_optimizer_shard(optimizer), path + ".tmp")
+        os.replace(path + ".tmp", path)
+        names.append(distrib_optim_file(ranks))
+    return names
+
+
+def files_to_read(directory: str, ranks: CheckpointRanks, distributed_optimizer: bool) -> list[str]:
+    """The files this rank reads from a checkpoint directory: its shard file, and its distributed-optimizer file when
+    the run uses the distributed optimizer and the checkpoint has one."""
+    files = [rank_file(ranks)]
+    if distributed_optimizer and os.path.isfile(os.path.join(directory, distrib_optim_file(ranks))):
+        files.append(distrib_optim_file(ranks))
+    return files
+
+
+def read_rank_files(directory: str, files: list[str]) -> tuple[dict, list | None]:
+    """Return (the shard state, the distributed-optimizer shard or None) from the files of `files_to_read`."""
+    state = torch.load(os.path.join(directory, files[0]), map_location="cpu", weights_only=False)
+    distrib = (torch.load(os.path.join(directory, files[1]), map_location="cpu", weights_only=False)
+               if len(files) > 1 else None)
+    return state, distrib
+
+
+def read_rank_state(directory: str, tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1,
+                    mmap: bool = False) -> dict:
+    """Return one shard's saved state from a checkpoint directory (`mmap`: tensors mapped from the file, read when
+    used)."""
+    path = os.path.join(directory, rank_dir_name(tp_rank, pp_rank, pp_size, ep_rank, ep_size), RANK_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} is missing")
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+
+
+def _model_keys(num_chunks: int) -> list[str]:
+    # Megatron-LM's convention: "model", or "model0", "model1", ... with virtual pipeline chunks
+    return ["model"] if num_chunks == 1 else [f"model{i}" for i in range(num_chunks)]
+
+
+def model_state(chunks: list) -> dict[str, dict[str, torch.Tensor]]:
+    """Return this rank's parameters keyed by local-spec name (TE names canonicalised), per model chunk."""
+    return {key: {canonical_name(n): p.detach().clone() for n, p in unwrap_model(chunk).named_parameters()}
+            for key, chunk in zip(_model_keys(len(chunks)), chunks)}
+
+
+@torch.no_grad()
+def load_model_state(chunks: list, state: dict) -> None:
+    """Copy saved parameters into this rank's chunks; every parameter must be present with the right shape."""
+    for key, chunk in zip(_model_keys(len(chunks)), chunks):
+        if key not in state:
+            raise CheckpointError(f"checkpoint has no {key!r} entry (saved with another virtual pipeline size?)")
+        saved = dict(state[key])
+        for name, param in unwrap_model(chunk).named_parameters():
+            tensor = saved.pop(canonical_name(name), None)
+            if tensor is None:
+                raise CheckpointError(f"checkpoint is missing parameter {canonical_name(name)!r}")
+            if tensor.shape != param.shape:
+                raise CheckpointError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+            param.copy_(tensor)
+        if saved:
+            raise CheckpointError(f"checkpoint has parameters the model lacks: {sorted(saved)[:5]}")

@@ -1,0 +1,18 @@
+"""The files of a Hugging Face model directory that are not weights (tokenizer, chat template, generation config):
+they travel with a checkpoint, an exported HF directory and an engine's model directory."""
+from __future__ import annotations
+
+import os
+import shutil
+
+HF_ASSET_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                  "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def copy_hf_assets(src_dir: str, dst_dir: str) -> None:
+    """Copy the non-weight files of a HF model directory (tokenizer, chat template, generation config)."""
+    os.makedirs(dst_dir, exist_ok=True)
+    for name in HF_ASSET_FILES:
+        src = os.path.join(src_dir, name)
+        if os.path.isfile(src):
+            shutil.copy2(src, os.path.join(dst_dir, name))
