@@ -33,8 +33,8 @@ $(LAUNCH_STAMP): requirements/launch.txt
 	touch $@
 
 # The default recipe on 2 gloo ranks (DP2): tiny Qwen3 model and tokenizer, a supervised warm-up on the digit-sort
-# task (Megatron checkpoint), then GRPO + AIS with FP8 rollouts in a separate vLLM engine, micro-batches by tokens,
-# checkpointed.
+# task (Megatron checkpoint), then GRPO + AIS with FP8 rollouts in two colocated vLLM engines (one inside each
+# trainer rank), micro-batches by tokens, checkpointed.
 RUN_DIR ?= runs/default
 run: $(STAMP)
 	rm -rf $(RUN_DIR)

@@ -7,12 +7,16 @@ over megatron): the flags become typed configs once, here; the run lives in mega
 import os
 import sys
 
-from megatron_ais.arguments import GRPO_FLAGS, GRPORunConfig, build_parser, launched_world_size
-from megatron_ais.errors import USAGE_ERRORS, ArgumentValidationError
-from megatron_ais.grpo.run import GRPORun
 from megatron_ais.logging import apply_vllm_log_level, quiet_libraries
 
-apply_vllm_log_level()  # at import: vLLM's engine processes import this module first (see the function)
+# at import, before megatron and vLLM are: vLLM's engine processes import this module first (see the function), and
+# megatron's import-time warnings are shown by rank 0 only, once, on one line
+apply_vllm_log_level()
+quiet_libraries(int(os.environ.get("RANK", "0")))
+
+from megatron_ais.arguments import GRPO_FLAGS, GRPORunConfig, build_parser, launched_world_size  # noqa: E402
+from megatron_ais.errors import USAGE_ERRORS, ArgumentValidationError  # noqa: E402
+from megatron_ais.grpo.run import GRPORun  # noqa: E402
 
 
 def build_grpo_parser():
@@ -23,9 +27,9 @@ def build_grpo_parser():
 def print_placement(parser, args) -> int:
     """--print-placement: the run's flags planned onto --cluster-nodes x --cluster-gpus-per-node GPUs; nothing
     starts (no torchrun needed)."""
-    from megatron_ais.checkpointing import read_checkpoint_metadata
+    from megatron_ais.checkpointing.store import read_checkpoint_metadata
     from megatron_ais.model import load_hf_config
-    from megatron_ais.rollout.engine import EngineConfig
+    from megatron_ais.rollout.engine_config import EngineConfig
     from megatron_ais.rollout.placement import ClusterConfig, describe_placement, trainer_gpus_per_node
 
     try:
@@ -53,7 +57,6 @@ def main(argv=None) -> int:
     if args.print_placement:
         return print_placement(parser, args)
     world_size = launched_world_size(parser)
-    quiet_libraries(int(os.environ["RANK"]))
     try:
         summary = GRPORun(GRPORunConfig.from_args(args, world_size)).run()
     except USAGE_ERRORS as err:

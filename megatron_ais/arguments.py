@@ -17,7 +17,7 @@ import torch
 from megatron_ais.ais import AISConfig
 from megatron_ais.bridge.config import BridgeConfig
 from megatron_ais.bridge.quantization import QuantizationPolicy
-from megatron_ais.checkpointing import CheckpointConfig
+from megatron_ais.checkpointing.config import CheckpointConfig
 from megatron_ais.data.tasks import TaskConfig
 from megatron_ais.distributed import ranks_on_this_node
 from megatron_ais.errors import ArgumentValidationError
@@ -28,9 +28,10 @@ from megatron_ais.grpo.run import GRPOLoopConfig
 from megatron_ais.logging import LoggingConfig
 from megatron_ais.model import ModelConfig
 from megatron_ais.parallel import ParallelLayout
-from megatron_ais.rollout.engine import EngineConfig
+from megatron_ais.rollout.engine_config import EngineConfig
+from megatron_ais.rollout.fleet import FleetConfig
+from megatron_ais.rollout.fleet_layout import check_engine_gpus
 from megatron_ais.rollout.kv_scales import KVCacheCalibrationConfig
-from megatron_ais.rollout.fleet import FleetConfig, check_engine_gpus
 from megatron_ais.rollout.placement import ClusterConfig
 from megatron_ais.rollout.rewards import RewardConfig
 from megatron_ais.sft import SFTConfig

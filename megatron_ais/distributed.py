@@ -1,7 +1,7 @@
 """Keeping ranks in step: what one rank computes (a rollout batch, a refit verdict, the last pipeline stage's
 metrics) reaches every rank of a group through `share`, and an error raised there is raised on every rank, so no
 rank is left waiting in a collective. Also the host and port helpers of process groups built outside
-torchrun's world."""
+torchrun's world, and bytes broadcast over such a group in chunks (weight feeds, node copies)."""
 from __future__ import annotations
 
 import os
@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ais.errors import SHARED_ERRORS
+
+CHUNK_BYTES = 64 << 20  # bytes broadcast at a time: one chunk in device memory at a time
 
 
 def ranks_on_this_node(world_size: int) -> int:
@@ -58,15 +60,12 @@ def gather_on(obj: Any, dst: int) -> list | None:
     return parts
 
 
-def from_last_stage(obj: Any) -> Any:
-    """The last pipeline stage's `obj` on every stage (log-probs, λ and losses exist only there; the logging rank
-    is on the first stage)."""
-    from megatron.core import parallel_state as ps
-
-    if ps.get_pipeline_model_parallel_world_size() == 1:
+def from_last_stage(obj: Any, pipeline_group) -> Any:
+    """The last pipeline stage's `obj` on every stage of `pipeline_group` (log-probs, λ and losses exist only
+    there; the logging rank is on the first stage). None: a pipeline of one stage."""
+    if pipeline_group is None or dist.get_world_size(pipeline_group) == 1:
         return obj
-    return share(lambda: obj, src=ps.get_pipeline_model_parallel_last_rank(),
-                 group=ps.get_pipeline_model_parallel_group())
+    return share(lambda: obj, src=dist.get_process_group_ranks(pipeline_group)[-1], group=pipeline_group)
 
 
 def node_name() -> str:
@@ -88,3 +87,23 @@ def host_address() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def _broadcast(group, tensor: torch.Tensor) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+def broadcast_bytes(group, data: torch.Tensor, chunk_bytes: int, device: str = "cpu") -> None:
+    """Root: send `data` (uint8, anywhere) in chunks of at most `chunk_bytes`, each moved to `device` first (one
+    chunk there at a time)."""
+    for start in range(0, data.numel(), chunk_bytes):
+        _broadcast(group, data[start: start + chunk_bytes].to(device))
+
+
+def receive_bytes(group, out: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
+    """Member: receive the root's bytes into `out` (uint8, on the group's device) chunk by chunk."""
+    for start in range(0, out.numel(), chunk_bytes):
+        _broadcast(group, out[start: start + chunk_bytes])
+    return out

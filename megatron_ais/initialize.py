@@ -8,6 +8,8 @@ import random
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_ais import platform
 from megatron_ais.lifetime import exit_with_parent
@@ -32,8 +34,6 @@ def initialize_distributed(timeout_minutes: int = 30) -> None:
 
 def initialize_model_parallel(layout: ParallelLayout) -> None:
     """Create megatron's TP / PP / VPP / CP / EP / DP groups for the current world."""
-    from megatron.core import parallel_state as ps
-
     ps.initialize_model_parallel(
         **layout.megatron_sizes(),
         # megatron's optimizer setup asks for the gloo copies of the DP groups (Megatron-LM's default as well)
@@ -43,9 +43,6 @@ def initialize_model_parallel(layout: ParallelLayout) -> None:
 
 def set_random_seed(seed: int) -> None:
     """Seed python, numpy and torch per pipeline stage, and megatron's TP/EP RNG tracker (Megatron-LM semantics)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(stage_seed)
     np.random.seed(stage_seed)
@@ -64,8 +61,6 @@ def initialize_megatron(layout: ParallelLayout, seed: int) -> None:
 
 def destroy_megatron() -> None:
     """Tear down parallel state and the default process group."""
-    from megatron.core import parallel_state as ps
-
     ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

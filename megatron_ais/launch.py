@@ -4,13 +4,15 @@ from __future__ import annotations
 import os
 import queue as queue_module
 import signal
+import sys
 import time
 import traceback
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_ais.distributed import free_port
-
 
 RESULT_WAIT_S = 120.0
 
@@ -18,7 +20,6 @@ RESULT_WAIT_S = 120.0
 def _worker(rank: int, world_size: int, port: int, target, target_args, queue, received) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
-    import torch
     torch.set_num_threads(1)
     try:
         queue.put((rank, "ok", target(*target_args)))
@@ -32,9 +33,6 @@ def _worker(rank: int, world_size: int, port: int, target, target_args, queue, r
 
 
 def _teardown_distributed() -> None:
-    import sys
-
-    import torch.distributed as dist
 
     if "vllm.distributed.parallel_state" in sys.modules:
         # a colocated vLLM engine owns the process group: let vLLM tear down its own groups first, or its exit

@@ -12,6 +12,10 @@ import sys
 import warnings
 from typing import Any
 
+import torch
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
 from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import FlagConfig, flag
 
@@ -44,6 +48,8 @@ class LoggingConfig(FlagConfig):
 
 # the libraries whose Python warnings a run shows once (rank 0), not once per rank
 LIBRARIES = r"(megatron|torch|transformers|vllm|tensorboard|triton|numba)(\.|$)"
+EXPECTED_WITHOUT_CUDA = (".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*",
+                         ".*CUDA_DEVICE_MAX_CONNECTIONS.*")
 
 
 def _one_line(message, category, filename, lineno, line=None) -> str:
@@ -64,10 +70,20 @@ def _once_per_subject(show):
     return showwarning
 
 
+def drop_expected_cpu_warnings() -> None:
+    """Without CUDA, megatron's notices that it falls back to torch implementations (TE and Apex are never installed
+    there) and that CUDA_DEVICE_MAX_CONNECTIONS is unset are expected: dropped."""
+    for message in EXPECTED_WITHOUT_CUDA:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+
+
 def quiet_libraries(rank: int) -> None:
     """The console stays ours: the libraries' Python warnings are shown by rank 0 only, once per subject, on one line;
-    the other ranks drop them. Megatron's rerun state machine announces its default mode (disabled) at warning
-    level; that announcement is dropped."""
+    the other ranks drop them; without CUDA megatron's expected fallback notices are dropped (an entry point calls
+    this before megatron is imported, which warns at import). Megatron's rerun state machine announces its default
+    mode (disabled) at warning level; that announcement is dropped."""
+    if not torch.cuda.is_available():
+        drop_expected_cpu_warnings()
     warnings.formatwarning = _one_line
     warnings.showwarning = _once_per_subject(warnings.showwarning)
     if rank != 0:
@@ -88,7 +104,7 @@ def apply_vllm_log_level() -> None:
 def start_wandb(config: LoggingConfig, run_config: dict[str, Any]):
     """A Weights & Biases run for the logging rank, with the run's flags as its config (quiet: the console stays
     ours)."""
-    import wandb
+    import wandb  # optional: only a run with --wandb-project needs it
 
     return wandb.init(project=config.wandb_project, name=config.wandb_exp_name,
                       dir=config.wandb_save_dir or config.output_dir, config=run_config,
@@ -108,8 +124,6 @@ class RunLogger:
         if not enabled:
             return
         os.makedirs(self.output_dir, exist_ok=True)
-        from torch.utils.tensorboard import SummaryWriter
-
         if resume_step is not None:
             drop_logged_steps_after(os.path.join(self.output_dir, "metrics.jsonl"), resume_step)
         self.writer = SummaryWriter(config.tensorboard_dir or os.path.join(self.output_dir, "tensorboard"),
@@ -117,8 +131,6 @@ class RunLogger:
         if config.wandb_project:
             self.wandb = start_wandb(config, run_config or {})
         if total_steps:
-            from tqdm import tqdm
-
             # on a terminal only (disable=None): in a log file a redrawn bar is noise between the step lines
             self.progress = tqdm(total=total_steps, initial=resume_step or 0, desc="steps", unit="step",
                                  file=sys.stderr, dynamic_ncols=True, disable=None)
@@ -184,29 +196,31 @@ def drop_logged_steps_after(path: str, step: int) -> int:
 
 
 def grpo_console_line(step: int, metrics: dict[str, float]) -> str:
-    """Return the one-line GRPO summary: λ and its diagnostics, mismatch and guard counters, loss."""
-    def get(name, fmt=".4f"):
-        value = metrics.get(name)
-        return "-" if value is None else format(value, fmt)
+    """Return the one-line GRPO summary: λ and its diagnostics, mismatch and guard counters, loss. A field the step
+    did not measure (a skipped update's λ and loss, a dense model's routes) is left out, not printed as a blank."""
+    def fields(*specs) -> str:
+        return " ".join(f"{label} {format(metrics[name], fmt)}" for label, name, fmt in specs if name in metrics)
 
+    parts = [f"step {step:5d}"]
+    if "ais/lambda" in metrics:
+        parts.append(f"λ {metrics['ais/lambda']:.4f} (" + fields(
+            ("sev", "ais/severity", ".3f"), ("rel", "ais/reliability", ".3f"), ("var", "ais/var_amp", ".3f")) + ")")
+    parts.append(fields(("|δ| mean", "ais/mean_abs_logratio", ".4f"), ("max", "ais/max_abs_logratio", ".3f")))
+    parts.append(fields(("k3", "ais/k3_kl", ".2e"), ("χ²", "ais/chi2", ".2e"), ("ess", "ais/ess_ratio_raw", ".3f"),
+                        ("seq", "ais/sequence_ess", ".3f"), ("trunc", "ais/frac_truncated", ".3f")))
+    parts.append(fields(("excluded", "guard/excluded_sequences", ".0f")))
+    parts.append(fields(("loss", "train/policy_loss", ".4f"), ("grad", "train/grad_norm", ".3f")))
     # MoE: the probe's share of routes the trainer would choose otherwise (what routing replay removes)
-    routing = f" | routes differ {get('rollout/routing_mismatch', '.3f')}" \
-        if "rollout/routing_mismatch" in metrics else ""
-    return (f"step {step:5d} | λ {get('ais/lambda')} (sev {get('ais/severity', '.3f')} rel {get('ais/reliability', '.3f')} "
-            f"var {get('ais/var_amp', '.3f')}) | |δ| mean {get('ais/mean_abs_logratio')} max "
-            f"{get('ais/max_abs_logratio', '.3f')} | k3 {get('ais/k3_kl', '.2e')} χ² {get('ais/chi2', '.2e')} "
-            f"ess {get('ais/ess_ratio_raw', '.3f')} seq {get('ais/sequence_ess', '.3f')} "
-            f"trunc {get('ais/frac_truncated', '.3f')} | excluded "
-            f"{get('guard/excluded_sequences', '.0f')} | loss {get('train/policy_loss')} "
-            f"grad {get('train/grad_norm', '.3f')}" + routing)
+    parts.append(fields(("routes differ", "rollout/routing_mismatch", ".3f")))
+    return " | ".join(part for part in parts if part)
 
 
 def step_figure(columns: int):
     """Return (pyplot, figure, axes) for `columns` per-step panels (headless backend)."""
-    import matplotlib
+    import matplotlib  # only the logging rank draws, at the end of a run
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): headless
 
     fig, axes = plt.subplots(1, columns, figsize=(5.3 * columns, 4.2))
     return plt, fig, axes

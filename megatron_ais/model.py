@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ais import platform
 from megatron_ais.errors import ArgumentValidationError
@@ -142,8 +148,6 @@ def check_supported_hf_config(cfg: dict[str, Any]) -> None:
 
 def te_available() -> bool:
     """Return True when Transformer Engine imports (its layer spec is then the default)."""
-    import importlib
-
     try:
         importlib.import_module("transformer_engine.pytorch")
     except (ImportError, RuntimeError):  # RuntimeError: the empty TE meta package
@@ -282,8 +286,6 @@ class ModelBuildConfig:
 
 def transformer_config(build: ModelBuildConfig):
     """Return the megatron-core TransformerConfig equivalent to the HF architecture."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     s = build.shape
     dtype = build.params_dtype
     return TransformerConfig(
@@ -345,8 +347,6 @@ def moe_config_kwargs(build: ModelBuildConfig) -> dict[str, Any]:
 
 def layer_spec(build: ModelBuildConfig):
     """Return the GPT layer spec: Transformer Engine's when selected, the local one otherwise."""
-    from megatron.core.models.gpt import gpt_layer_specs
-
     experts = build.shape.num_experts or None
     if build.use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
@@ -361,8 +361,6 @@ def layer_spec(build: ModelBuildConfig):
 def build_gpt_model(build: ModelBuildConfig, pre_process: bool, post_process: bool,
                     vp_stage: int | None = None):
     """Return one GPTModel chunk for the calling rank's pipeline stage (not wrapped)."""
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
     kwargs = {"vp_stage": vp_stage} if vp_stage is not None else {}
     return GPTModel(
         config=transformer_config(build),
@@ -380,9 +378,6 @@ def build_gpt_model(build: ModelBuildConfig, pre_process: bool, post_process: bo
 
 def build_model_chunks(build: ModelBuildConfig) -> list:
     """Return this rank's model chunks (one, or one per virtual stage), wrapped in Float16Module for BF16."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.transformer.module import Float16Module
-
     vpp = build.layout.virtual_pipeline
     chunks = []
     for vp_stage in range(vpp or 1):

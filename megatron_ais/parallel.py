@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from megatron_ais import platform
 from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import FlagConfig, flag
 
@@ -48,8 +49,6 @@ class ParallelLayout(FlagConfig):
         self._check_interleaving_over_gloo()
 
     def _check_interleaving_over_gloo(self) -> None:
-        from megatron_ais import platform
-
         if self.virtual_pipeline is not None and self.pipeline == 2 and not platform.is_cuda():
             # at PP2 a stage's previous and next stage are one rank, and the interleaved schedule exchanges
             # activations and gradients with it in both directions in one batch: gloo matches them by peer and tag

@@ -47,9 +47,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import warnings
 
+import megatron.core.optimizer.clip_grads as clip_grads
+import megatron.core.optimizer.optimizer as optimizer
 import torch
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+from megatron.core.tensor_parallel import mappings, random as mrandom
+from megatron.core.transformer import torch_norm
+from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+from megatron_ais.logging import drop_expected_cpu_warnings
 
 _applied = False
 
@@ -155,8 +163,6 @@ def _with_cuda_type_names(fn):
 
 
 def _patch_rng_tracker() -> None:  # P5
-    from megatron.core.tensor_parallel import random as mrandom
-
     def add(self, name, seed):
         self._is_initialized = True
         if seed in self.seeds_:
@@ -186,11 +192,6 @@ def _patch_rng_tracker() -> None:  # P5
 
 
 def _patch_type_checks() -> None:  # P6
-    import megatron.core.optimizer.clip_grads as clip_grads
-    import megatron.core.optimizer.optimizer as optimizer
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
-
     for cls in (Float16OptimizerWithFloat16Params, DistributedOptimizer):
         cls.__init__ = _with_cuda_type_names(cls.__init__)
     clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
@@ -199,8 +200,6 @@ def _patch_type_checks() -> None:  # P6
 
 
 def _patch_torch_norm_sequence_parallel() -> None:  # P7
-    from megatron.core.transformer import torch_norm
-
     original_new = torch_norm.WrappedTorchNorm.__new__
 
     def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
@@ -226,11 +225,7 @@ def apply_cpu_compat() -> bool:
     if _applied:
         return True
     _applied = True
-    # Without TE/apex (never installed on CPU) megatron warns at every import that it falls back to torch
-    # implementations, and that CUDA_DEVICE_MAX_CONNECTIONS is unset; both are expected here.
-    for message in (".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*",
-                    ".*CUDA_DEVICE_MAX_CONNECTIONS.*"):
-        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    drop_expected_cpu_warnings()
     # P1-P3, P8 are global: on a CPU-only build these calls could only raise.
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
@@ -249,16 +244,11 @@ def apply_cpu_compat() -> bool:
 def define_missing_te_general_gemm() -> None:
     """M3, on any device: megatron-core 0.16.1's router gating reads `te_general_gemm`, which exists only when
     Transformer Engine imported; without TE it is None (megatron's own fallback then runs)."""
-    from megatron.core.transformer.moe import moe_utils
-
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
 
 
 def _patch_moe() -> None:  # M1, M4 (M2 is in _CUDA_LITERAL_MODULES, M3 in define_missing_te_general_gemm)
-    from megatron.core.tensor_parallel import mappings
-    from megatron.core.transformer.moe import token_dispatcher
-
     torch.cuda.Stream = _NullStream
     torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
     all_to_all = mappings.all_to_all

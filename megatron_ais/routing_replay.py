@@ -13,6 +13,9 @@ own top-k on the trainer's scores. The recipe does not recompute activations, so
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from megatron_ais.errors import ArgumentValidationError, RoutingReplayError
 
@@ -49,16 +52,12 @@ def padding_routes(length: int, num_layers: int, topk: int) -> torch.Tensor:
 
 
 def _routers(model) -> list:
-    from megatron.core.transformer.moe.router import TopKRouter
-
     return [module for module in model.modules() if isinstance(module, TopKRouter)]
 
 
 def _router_view(ids: torch.Tensor, layer: int, config) -> torch.Tensor:
     """One MoE layer's ids [b, s, k] as its router's [tokens, k] (int64): tokens in [s, b] order, this rank's
     sequence shard under sequence parallelism."""
-    from megatron.core import parallel_state as ps
-
     routes = ids[:, :, layer].transpose(0, 1)
     if config.sequence_parallel:
         shard = routes.shape[0] // ps.get_tensor_model_parallel_world_size()
@@ -70,8 +69,6 @@ def _router_view(ids: torch.Tensor, layer: int, config) -> torch.Tensor:
 def set_replayed_routes(model, ids: torch.Tensor | None) -> None:
     """Make every router of `model` (one pipeline chunk) replay its layer's slice of ids [b, s, MoE layers, k]
     (global layer order) in the next forward; None: the routers route themselves."""
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
     for router in _routers(model):
         replay = router.router_replay
         replay.clear_indices()

@@ -5,11 +5,22 @@ import dataclasses
 import time
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from megatron_ais import platform
-from megatron_ais.data.tasks import Example
+from megatron_ais.batch import balanced_partition, row_lengths
+from megatron_ais.checkpointing.config import checkpoint_metadata
+from megatron_ais.checkpointing.ranks import CheckpointRanks
+from megatron_ais.checkpointing.store import save_checkpoint
+from megatron_ais.data.tasks import Example, build_task
 from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import FlagConfig, flag
+from megatron_ais.forward import micro_batches, token_budget_plan
+from megatron_ais.logging import RunLogger
+from megatron_ais.mapping.distributed import save_hf_checkpoint
+from megatron_ais.training import (lm_forward_step, prepare_trainer, reduce_lm_loss, setup_model_and_optimizer,
+                                   start_trainer, train_step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +40,7 @@ class SFTConfig(FlagConfig):
 
 def load_tokenizer(path: str):
     """Return the HF tokenizer stored in a model directory or a checkpoint's hf_assets."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy (seconds): imported where a tokenizer is loaded, not at --help
 
     return AutoTokenizer.from_pretrained(path)
 
@@ -53,7 +64,7 @@ def encode_sft_example(tokenizer, example: Example, seq_length: int) -> dict[str
     return {"tokens": tokens, "labels": labels, "loss_mask": mask}
 
 
-def micro_batches(encoded: list[dict], indices: list[int], micro_batch_size: int) -> list[dict]:
+def example_micro_batches(encoded: list[dict], indices: list[int], micro_batch_size: int) -> list[dict]:
     """Return the micro-batches (stacked dicts with position ids) for a list of example indices."""
     out = []
     for start in range(0, len(indices), micro_batch_size):
@@ -68,36 +79,26 @@ def micro_batches(encoded: list[dict], indices: list[int], micro_batch_size: int
 def step_micro_batches(encoded: list[dict], window: list[int], config) -> list[dict]:
     """This DP rank's micro-batches of a global batch (`window`: example indices): an equal share in rows of
     --micro-batch-size, or with a token budget a token-balanced share in token-budget micro-batches
-    (`grpo.batching`), as many on every DP rank."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from megatron_ais.grpo import batching
-
+    (`forward`), as many on every DP rank."""
     training = config.trainer.training
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     if training.max_tokens_per_microbatch is None:
         per_rank = len(window) // dp_size
-        return micro_batches(encoded, window[dp_rank * per_rank:(dp_rank + 1) * per_rank], training.micro_batch_size)
+        return example_micro_batches(encoded, window[dp_rank * per_rank:(dp_rank + 1) * per_rank], training.micro_batch_size)
     rows = {k: torch.stack([encoded[i][k] for i in window]) for k in encoded[0]}
-    mine = batching.balanced_partition(batching.row_lengths(rows["loss_mask"]), dp_size)[dp_rank]
+    mine = balanced_partition(row_lengths(rows["loss_mask"]), dp_size)[dp_rank]
     rows = {k: v[mine] for k, v in rows.items()}
     layout = config.trainer.layout
     multiple = layout.tensor if layout.sequence_parallel else 1
-    plan = batching.token_budget_plan(batching.row_lengths(rows["loss_mask"]), training.max_tokens_per_microbatch,
-                                      multiple)
+    plan = token_budget_plan(row_lengths(rows["loss_mask"]), training.max_tokens_per_microbatch, multiple)
     count = torch.tensor([len(plan)])
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
-    return batching.micro_batches(rows, plan.with_placeholders(int(count), multiple))
+    return micro_batches(rows, plan.with_placeholders(int(count), multiple))
 
 
 def _train(setup, encoded: list[dict], config, log) -> list[float]:
     """Run --train-iters optimizer steps over the encoded examples (each DP rank its share of every global batch);
     return the loss history (last stage)."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_ais.training import lm_forward_step, reduce_lm_loss, train_step
-
     training, iters = config.trainer.training, config.sft.train_iters
     dp_size = ps.get_data_parallel_world_size()
     global_batch = config.sft.global_batch_size or training.micro_batch_size * dp_size
@@ -126,11 +127,6 @@ def _train(setup, encoded: list[dict], config, log) -> list[float]:
 
 def _save_and_export(setup, hf_config: dict, config) -> None:
     """The trained model as a checkpoint (--save) and as a HF directory (--export-hf-dir)."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_ais.checkpointing import CheckpointRanks, checkpoint_metadata, save_checkpoint
-    from megatron_ais.mapping.distributed import save_hf_checkpoint
-
     checkpoint, iters = config.trainer.checkpoint, config.sft.train_iters
     if checkpoint.save:
         metadata = checkpoint_metadata(setup.build, hf_config, iters, ps.get_data_parallel_world_size(),
@@ -150,12 +146,6 @@ def _save_and_export(setup, hf_config: dict, config) -> None:
 def run_sft(config) -> dict:
     """Train with megatron-core on the task's reference responses (`config`: an arguments.SFTRunConfig); return
     the summary (also written on the logging rank)."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_ais.data.tasks import build_task
-    from megatron_ais.logging import RunLogger
-    from megatron_ais.training import prepare_trainer, setup_model_and_optimizer, start_trainer
-
     trainer = config.trainer
     examples = build_task(trainer.task, trainer.training.seed).train  # bad task flags fail before anything heavy
     hf_config, build = prepare_trainer(trainer)

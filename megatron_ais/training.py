@@ -6,11 +6,27 @@ import os
 from typing import Callable, Iterator
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_ais.checkpointing import (check_room, check_writable, checkpoint_bytes, hold_save_directory,
-                                        refuse_directories_in_use)
+from megatron_ais.checkpointing.config import HF_ASSETS
+from megatron_ais.checkpointing.formats.torch import load_model_state
+from megatron_ais.checkpointing.lock import hold_save_directory, refuse_directories_in_use
+from megatron_ais.checkpointing.optimizer_state import restore_training_state
+from megatron_ais.checkpointing.preflight import (check_layout, check_room, check_vocab_padding, check_writable,
+                                                  checkpoint_bytes)
+from megatron_ais.checkpointing.ranks import CheckpointRanks
+from megatron_ais.checkpointing.store import (iteration_dir, load_checkpoint, read_checkpoint_metadata,
+                                              restore_interrupted_resave, usable_iterations)
 from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import FlagConfig, flag
+from megatron_ais.initialize import initialize_megatron
+from megatron_ais.mapping.distributed import load_hf_weights
+from megatron_ais.model import (ModelBuildConfig, build_model_chunks, check_model_layout, check_supported_hf_config,
+                                load_hf_config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +58,6 @@ class TrainingConfig(FlagConfig):
 
 def wrap_ddp(chunks: list, use_distributed_optimizer: bool) -> list:
     """Wrap each model chunk in megatron's DistributedDataParallel and make DP replicas identical."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -62,9 +76,6 @@ def wrap_ddp(chunks: list, use_distributed_optimizer: bool) -> list:
 
 def build_optimizer(ddp_chunks: list, settings: TrainingConfig):
     """Return megatron's optimizer (Adam; fp32 main weights under BF16) wired into the model config."""
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
     config = ddp_chunks[0].config
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=settings.lr, min_lr=settings.lr, weight_decay=settings.weight_decay,
@@ -91,8 +102,6 @@ class StepResult:
 def train_step(ddp_chunks: list, optimizer, forward_step: Callable, data_iterator: Iterator,
                num_microbatches: int, seq_length: int, micro_batch_size: int) -> StepResult:
     """Run forward/backward over the micro-batches with megatron's schedule, then one optimizer step."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     for chunk in ddp_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -126,8 +135,6 @@ def lm_forward_step(data_iterator, model):
 
 def reduce_lm_loss(losses: list, dp_group) -> float | None:
     """Return the token-mean LM loss over micro-batches and DP ranks (None off the last stage)."""
-    import torch.distributed as dist
-
     if not losses:
         return None
     total = torch.stack([d["lm loss"] for d in losses]).sum(0)
@@ -150,10 +157,6 @@ def read_model_config(model, layout, load: str | None, allow_unverified: bool = 
     """Return the model's HF config, from the --load checkpoint's metadata or --hf-dir's config.json, once checked
     against the run: the checkpoint's layout and vocabulary padding (before any rank file is read: their directory
     names depend on the layout), the architecture's support, the layout's fit. The one place setup opens it."""
-    from megatron_ais.checkpointing import (check_layout, check_vocab_padding, read_checkpoint_metadata,
-                                            restore_interrupted_resave)
-    from megatron_ais.model import check_model_layout, check_supported_hf_config, load_hf_config
-
     if load is not None:
         restore_interrupted_resave(load)  # a re-save interrupted between its two renames is put back
         metadata = read_checkpoint_metadata(load, allow_unverified=allow_unverified)
@@ -173,8 +176,6 @@ def read_model_config(model, layout, load: str | None, allow_unverified: bool = 
 def tokenizer_dir(trainer) -> str:
     """Where the run's tokenizer is, read before anything starts: the --load checkpoint's newest usable iteration's HF
     assets, else --hf-dir."""
-    from megatron_ais.checkpointing import HF_ASSETS, iteration_dir, usable_iterations
-
     checkpoint = trainer.checkpoint
     if checkpoint.load is None:
         return trainer.model.hf_dir
@@ -194,8 +195,6 @@ def prepare_trainer(trainer) -> tuple[dict, object]:
     """Everything a trainer checks before it starts (`trainer`: an arguments.TrainerConfig), in an order that writes
     nothing: its output directories can be written, no live run holds --save or --load, the model's config is read and
     checked once, --save has room for a checkpoint. Return (the HF config, the ModelBuildConfig)."""
-    from megatron_ais.model import ModelBuildConfig
-
     check_output_directories(trainer)
     checkpoint = trainer.checkpoint
     if is_first_rank():
@@ -212,8 +211,6 @@ def prepare_trainer(trainer) -> tuple[dict, object]:
 def start_trainer(trainer):
     """The first rank holds --save's lock for the life of the run (returned; None elsewhere or without --save), then
     megatron starts at the trainer's layout."""
-    from megatron_ais.initialize import initialize_megatron
-
     lock = hold_save_directory(trainer.checkpoint) if is_first_rank() else None
     initialize_megatron(trainer.layout, trainer.training.seed)
     return lock
@@ -250,12 +247,6 @@ class TrainingSetup:
 def load_policy_chunks(build, source: WeightSource, distributed_optimizer: bool = False):
     """Return (this rank's model chunks with the weights of `source`, directory of the tokenizer, the
     LoadedCheckpoint or None)."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_ais.checkpointing import CheckpointRanks, check_layout, load_checkpoint, load_model_state
-    from megatron_ais.mapping.distributed import load_hf_weights
-    from megatron_ais.model import build_model_chunks
-
     chunks = build_model_chunks(build)
     if source.load:
         loaded = load_checkpoint(source.load, CheckpointRanks.from_parallel_state(), distributed_optimizer,
@@ -281,10 +272,6 @@ def setup_model_and_optimizer(build, source: WeightSource, training: TrainingCon
     """Build this rank's model chunks, load their weights from `source`, wrap in DDP and build the optimizer. A
     checkpoint whose run state was saved by a run of kind `run_kind` is resumed: optimizer, RNG and run state are
     restored, unless `finetune` asks for its weights only. Parallel state must be initialised."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_ais.checkpointing import restore_training_state
-
     chunks, assets, loaded = load_policy_chunks(build, source, training.use_distributed_optimizer)
     ddp_chunks = wrap_ddp(chunks, training.use_distributed_optimizer)
     optimizer = build_optimizer(ddp_chunks, training)

@@ -1,26 +1,43 @@
-"""The shape the code keeps: short functions, and the argparse namespace seen only by the entry points and the
-configs' `from_args` constructors (everything below takes typed configs)."""
+"""The shape the code keeps: short functions, the argparse namespace seen only by the entry points and the
+configs' `from_args` constructors (everything below takes typed configs), and imports that point one way: no
+import cycle between modules nor between units (a subpackage of `megatron_ais`, a top-level module, `kernels`),
+and no function-local import but of an optional heavy dependency."""
 import ast
 import os
+import subprocess
+import sys
 
 from conftest import ROOT
 
 PACKAGE = os.path.join(ROOT, "megatron_ais")
+OWN = ("megatron_ais", "kernels")
 MAX_FUNCTION_LINES = 60
 # the only functions of the package that may take a parsed namespace
 NAMESPACE_READERS = {"from_args", "flag_values", "plain_flag_values"}
+# what a function may import locally: optional or heavy dependencies that a path of the package does without
+# (vLLM in trainer-only paths, Triton without a GPU, wandb and matplotlib when not asked for, transformers at
+# --help, math-verify outside the math task), each import with a comment saying why
+LOCAL_IMPORT_ROOTS = {"vllm", "triton", "wandb", "matplotlib", "transformers", "math_verify"}
+MAX_LOCAL_IMPORTS = 28
+
+
+def _modules(roots=OWN):
+    """(dotted name, path, syntax tree) of every module under the packages `roots`."""
+    for root in roots:
+        for directory, _, files in os.walk(os.path.join(ROOT, root)):
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    path = os.path.join(directory, name)
+                    dotted = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+                    with open(path) as f:
+                        yield dotted, path, ast.parse(f.read(), path)
 
 
 def _functions():
-    for directory, _, files in os.walk(PACKAGE):
-        for name in files:
-            if name.endswith(".py"):
-                path = os.path.join(directory, name)
-                with open(path) as f:
-                    tree = ast.parse(f.read(), path)
-                for node in ast.walk(tree):
-                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                        yield os.path.relpath(path, ROOT), node
+    for _, path, tree in _modules(("megatron_ais",)):
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield os.path.relpath(path, ROOT), node
 
 
 def test_no_function_is_longer_than_60_lines():
@@ -45,3 +62,136 @@ def test_the_checks_see_what_they_should():
     tree = ast.parse("def f(args):\n" + "    x = 1\n" * 70)
     node = tree.body[0]
     assert node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES and _takes_namespace(node)
+
+
+def _imported(node, module: str, is_package: bool, known: set[str]) -> list[str]:
+    """The modules an import statement of `module` names (`from a import b` names a.b when that is a module)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:
+        parts = module.split(".")[:len(module.split(".")) - node.level + is_package]
+        base = ".".join(parts + ([node.module] if node.module else []))
+    return [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+
+
+def import_graph() -> tuple[dict[str, set[str]], list[tuple[str, int, str, bool]]]:
+    """Our modules' imports of our modules ({module: imported modules}, wherever the import sits), and every
+    function-local import as (module, line, imported module, whether a comment gives its reason)."""
+    modules = {dotted: (path, tree) for dotted, path, tree in _modules()}
+    graph, local = {name: set() for name in modules}, []
+    for name, (path, tree) in modules.items():
+        with open(path) as f:
+            lines = f.read().splitlines()
+        in_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                       for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            targets = _imported(node, name, path.endswith("__init__.py"), set(modules))
+            graph[name].update(t for t in targets if t in modules and t != name)
+            if id(node) in in_function:
+                reason = _commented(lines, node.lineno)
+                local += [(name, node.lineno, target, reason) for target in dict.fromkeys(targets)]
+    return graph, local
+
+
+def _commented(lines: list[str], lineno: int) -> bool:
+    """Whether a comment sits on the import's line or on the run of import and comment lines just above it."""
+    index = lineno - 1
+    while index >= 0:
+        text = lines[index].strip()
+        if index < lineno - 1 and not text.startswith(("import ", "from ", "#")):
+            return False
+        if "#" in text:
+            return True
+        index -= 1
+    return False
+
+
+def unit_of(module: str) -> str:
+    """A subpackage of megatron_ais, a top-level module of it, or kernels."""
+    parts = module.split(".")
+    return parts[0] if parts[0] != "megatron_ais" else ".".join(parts[:2])
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of `graph` as the list of its nodes (first repeated at the end), or None."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def unit_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    units: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        units.setdefault(unit_of(module), set()).update(unit_of(t) for t in targets if unit_of(t) != unit_of(module))
+    return units
+
+
+def test_no_import_cycle_between_modules():
+    graph, _ = import_graph()
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_no_import_cycle_between_units():
+    """Packages import each other one way: e.g. rollout/ may use bridge/, never the other way round."""
+    units = unit_graph(import_graph()[0])
+    assert find_cycle(units) is None, " -> ".join(find_cycle(units))
+
+
+def test_function_local_imports_only_of_optional_heavy_dependencies():
+    _, local = import_graph()
+    own = [f"{module}:{line} {target}" for module, line, target, _ in local if target.startswith(OWN)]
+    assert not own, f"function-local imports of our own modules (import at the top; break a cycle by moving " \
+                    f"the shared thing down): {own}"
+    other = [f"{module}:{line} {target}" for module, line, target, _ in local
+             if target.split(".")[0] not in LOCAL_IMPORT_ROOTS]
+    assert not other, f"function-local imports of dependencies every path needs: {other}"
+    unexplained = [f"{module}:{line} {target}" for module, line, target, reason in local if not reason]
+    assert not unexplained, f"function-local imports without a comment saying why: {unexplained}"
+    assert len(local) <= MAX_LOCAL_IMPORTS, f"{len(local)} function-local imports (cap {MAX_LOCAL_IMPORTS})"
+
+
+def test_the_engine_workers_load_no_megatron():
+    """vLLM's worker processes import our worker extension and plugin: they must not pull in megatron-core (seconds
+    per worker start and restart) through a shared module."""
+    code = ("import sys; import megatron_ais.rollout.worker_extension, megatron_ais.rollout.vllm_plugin; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'))")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]", out
+
+
+def test_the_import_checks_see_a_cycle():
+    """Negative control: a planted cycle between modules, and one between units through different modules."""
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    planted = {"megatron_ais.rollout.fleet": {"megatron_ais.bridge.sync"},
+               "megatron_ais.bridge.node_copies": {"megatron_ais.rollout.feeds.broadcast"}}
+    assert find_cycle(planted) is None
+    assert find_cycle(unit_graph(planted)) == ["megatron_ais.bridge", "megatron_ais.rollout", "megatron_ais.bridge"]
+    assert _commented(["def f():", "    # vLLM: workers only", "    import vllm", "    import vllm.utils"], 4)
+    assert not _commented(["def f():", "    x = 1  # one", "    import vllm"], 3)
+    tree = ast.parse("def f():\n    from megatron_ais.rollout import fleet\n")
+    assert _imported(tree.body[0].body[0], "megatron_ais.grpo.run", False, {"megatron_ais.rollout.fleet"}) == \
+        ["megatron_ais.rollout.fleet"]

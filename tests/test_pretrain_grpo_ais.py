@@ -64,7 +64,7 @@ def test_pp2_two_engines_restart_then_retire_and_stop_with_the_checkpoint_intact
     machine's speed (a step takes about a second); the test waits for what follows it, and the run has steps to
     spare for the second kill to be met. (The DP2 end-to-end run, with W&B and a summary: the
     launcher-kill test below.)"""
-    from megatron_ais.checkpointing import checkpoint_problem, read_tracker
+    from megatron_ais.checkpointing.store import checkpoint_problem, read_tracker
 
     checkpoint = _converted_checkpoint(model_root, tmp_path, pp=2)
     out, save = tmp_path / "run", tmp_path / "run" / "ckpt"

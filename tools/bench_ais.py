@@ -26,7 +26,9 @@ def _bench_worker(hf_dir: str, sequences: int, seq_length: int, repeats: int) ->
                                   mismatch_statistics, reduce_statistics)
     from megatron_ais.arguments import TrainerConfig, build_parser
     from megatron_ais.grpo.loss import PolicyLossConfig
-    from megatron_ais.grpo.step import GRPOConfig, ParallelGroups, RolloutBatch, grpo_train_step
+    from megatron_ais.batch import RolloutBatch
+    from megatron_ais.forward import ParallelGroups
+    from megatron_ais.grpo.step import GRPOConfig, grpo_train_step
     from megatron_ais.training import initialize_trainer, setup_model_and_optimizer
 
     args = build_parser("bench").parse_args(["--hf-dir", hf_dir, "--bf16", "--seq-length", str(seq_length)])

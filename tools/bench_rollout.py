@@ -9,7 +9,7 @@ Prints a table and, as its last line, `fp8_over_bf16_tokens_per_s=<ratio> weight
 `--fleet`: the run's fleet on 2 gloo ranks (DP2), FP8 engines in separate processes, each bound to one CPU core:
 total tokens/s of 2 engines (one per rank, each generating its share of the prompts with the prompts' own seeds)
 against 1 engine (rank 0's, all the prompts), and the bytes of rollout rows each rank is sent and holds against the
-whole batch (`rollout.fleet.exchange_rows`); a third row runs 2 colocated engines (one inside each rank, vLLM's
+whole batch (`rollout.rows.exchange_rows`); a third row runs 2 colocated engines (one inside each rank, vLLM's
 external_launcher). Last line: `engines_2_over_1_tokens_per_s=<ratio> colocated_2_over_1_tokens_per_s=<ratio>
 rank_bytes_fraction=<largest share of the batch a rank holds> ...`.
 """
@@ -65,7 +65,8 @@ def _engine_worker(hf_dir: str, precision: str, work: str, prompts: int, n: int,
 
     from megatron_ais.bridge.quantization import QuantizationPolicy, quantize_for_engine
     from megatron_ais.mapping.hf_io import HFCheckpointReader
-    from megatron_ais.rollout.engine import EngineConfig, RolloutEngine, SamplingConfig
+    from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
+    from megatron_ais.rollout.engine_config import EngineConfig
     from megatron_ais.rollout.kv_scales import KVCacheScales
 
     engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision=precision, kv_cache_gb=1.0,
@@ -100,11 +101,13 @@ def _fleet_worker(hf_dir: str, work: str, engines: int, placement: str, prompts:
     import torch.distributed as dist
 
     from megatron_ais.grpo.advantages import AdvantageConfig
-    from megatron_ais.grpo.step import with_advantages
+    from megatron_ais.grpo.advantages import with_advantages
     from megatron_ais.initialize import initialize_distributed
     from megatron_ais.rollout.batch import rollouts_to_batch
-    from megatron_ais.rollout.engine import EngineConfig, RolloutEngine, SamplingConfig
-    from megatron_ais.rollout.fleet import FleetLayout, cpu_core_of, exchange_rows, make_rows
+    from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
+    from megatron_ais.rollout.engine_config import EngineConfig
+    from megatron_ais.rollout.fleet_layout import FleetLayout, cpu_core_of
+    from megatron_ais.rollout.rows import exchange_rows, make_rows
 
     initialize_distributed()
     layout = FleetLayout.first_ranks(engines, dist.get_rank())

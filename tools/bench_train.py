@@ -34,7 +34,7 @@ def long_tailed_lengths(count: int, seq_length: int, seed: int = 0) -> list[int]
 def rollout_batch(lengths: list[int], seq_length: int, vocab: int, prompt_length: int = 16, group_size: int = 4):
     """A RolloutBatch of random tokens whose sequences have these lengths (a prompt of `prompt_length`, then the
     response), random rollout log-probs and rewards."""
-    from megatron_ais.grpo.step import RolloutBatch
+    from megatron_ais.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(0)
     count = len(lengths)
@@ -53,9 +53,11 @@ def _bench_worker(hf_dir: str, lengths: list[int], seq_length: int, repeats: int
 
     from megatron_ais.ais import AISConfig, AISState
     from megatron_ais.arguments import TrainerConfig, build_parser
-    from megatron_ais.grpo.batching import balanced_partition, fixed_plan, token_budget_plan
+    from megatron_ais.batch import balanced_partition
+    from megatron_ais.forward import fixed_plan, token_budget_plan
     from megatron_ais.grpo.loss import PolicyLossConfig
-    from megatron_ais.grpo.step import GRPOConfig, ParallelGroups, grpo_train_step
+    from megatron_ais.forward import ParallelGroups
+    from megatron_ais.grpo.step import GRPOConfig, grpo_train_step
     from megatron_ais.training import initialize_trainer, setup_model_and_optimizer
 
     budget, micro_batch_size = 4 * seq_length, 4

@@ -6,17 +6,20 @@
 import os
 import sys
 
-from megatron_ais.arguments import SFT_FLAGS, SFTRunConfig, build_parser, launched_world_size
-from megatron_ais.errors import USAGE_ERRORS
 from megatron_ais.logging import quiet_libraries
-from megatron_ais.sft import run_sft
+
+# at import, before megatron is: its import-time warnings are shown by rank 0 only, once, on one line
+quiet_libraries(int(os.environ.get("RANK", "0")))
+
+from megatron_ais.arguments import SFT_FLAGS, SFTRunConfig, build_parser, launched_world_size  # noqa: E402
+from megatron_ais.errors import USAGE_ERRORS  # noqa: E402
+from megatron_ais.sft import run_sft  # noqa: E402
 
 
 def main(argv=None) -> int:
     parser = build_parser(__doc__.split("\n\n")[0], SFT_FLAGS, prog="train_sft.py")
     args = parser.parse_args(argv)
     world_size = launched_world_size(parser)
-    quiet_libraries(int(os.environ["RANK"]))
     try:
         summary = run_sft(SFTRunConfig.from_args(args, world_size))
     except USAGE_ERRORS as err:

@@ -17,6 +17,7 @@ import re
 import tempfile
 
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
 
 _NAME = re.compile(r"megatron-ais-(\d+)-[\w.-]+")
 # the bytes of the buffers this process created, by encoded ref: a CUDA IPC handle cannot be opened by the process
@@ -97,8 +98,6 @@ class CudaBuffer:
 
     @classmethod
     def create(cls, nbytes: int) -> "CudaBuffer":
-        from torch.multiprocessing.reductions import reduce_tensor
-
         data = torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=torch.cuda.current_device())
         rebuild, args = reduce_tensor(data)
         buffer = cls(data, (rebuild, args, gpu_uuid(data.device.index)), owner=True)

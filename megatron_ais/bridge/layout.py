@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from megatron_ais.bridge.plan import WriterRole
 from megatron_ais.distributed import node_name
@@ -51,8 +52,6 @@ class BridgeLayout:
     @classmethod
     def from_parallel_state(cls, engine_rank: int = 0) -> "BridgeLayout":
         """Collective: every rank's position is gathered once."""
-        from megatron.core import parallel_state as ps
-
         cp0 = ps.get_context_parallel_rank() == 0
         me = RankPosition(dist.get_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(), cp0,
                           cp0 and ps.get_expert_data_parallel_rank() == 0, ps.get_tensor_model_parallel_rank(),

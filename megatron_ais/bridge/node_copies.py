@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from megatron_ais.bridge.arena import ArenaWeights, SharedBuffer, buffer_data, entry_views
 from megatron_ais.bridge.buckets import verify_tensors
-from megatron_ais.rollout.feeds.broadcast import CHUNK_BYTES, broadcast_bytes, receive_bytes
+from megatron_ais.distributed import CHUNK_BYTES, broadcast_bytes, receive_bytes
 
 
 def node_leaders(engine_hosts: tuple[int, ...], node_of: list[str], arena_rank: int) -> tuple[int, ...]:

@@ -14,11 +14,12 @@ import dataclasses
 
 import torch
 
-from kernels.fp8_blockwise import scale_shape
+from kernels.fp8.format import scale_shape
 from megatron_ais.bridge.quantization import SCALE_SUFFIX, QuantizationPolicy
 from megatron_ais.mapping.hf_io import global_parameters
 from megatron_ais.mapping.layouts import Piece, shard_placement
 from megatron_ais.mapping.rules import expert_index, rules_for, split_layer
+from megatron_ais.model import unwrap_model
 
 ALIGN = 64
 
@@ -146,8 +147,6 @@ def _stage_targets(chunks, build, ctx, policy, expert_ctx, role, rules, num_loca
                    ) -> tuple[list[HFTarget], list[int]]:
     """hf_targets before the dense tensors are shared out (every data-parallel replica holds its TP pieces of all
     of them); also return the dense targets' indices."""
-    from megatron_ais.model import unwrap_model
-
     targets, dense = [], []
     for chunk in chunks:
         for name, layer, param in global_parameters(unwrap_model(chunk)):

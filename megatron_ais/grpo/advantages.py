@@ -5,6 +5,8 @@ import dataclasses
 
 import torch
 
+from megatron_ais.ais import invalid_sequences
+from megatron_ais.batch import RolloutBatch
 from megatron_ais.flags import FlagConfig, flag
 
 
@@ -49,3 +51,11 @@ def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool
         std = (torch.where(keep > 0, r - mean, 0.0) ** 2).sum(dim=1, keepdim=True).div(count.clamp(min=1)).sqrt()
         adv = adv / (std + eps)
     return torch.where(keep > 0, adv, 0.0).flatten().float()
+
+
+def with_advantages(batch: RolloutBatch, config: AdvantageConfig) -> RolloutBatch:
+    """The batch (whole groups) with each row's group advantage. A sequence left out for a NaN rollout log-prob is
+    left out of its group's mean and std too."""
+    return dataclasses.replace(batch, advantages=group_advantages(
+        batch.rewards, batch.group_size, not config.no_std, config.leave_one_out,
+        valid=~invalid_sequences(batch.rollout_logprobs, batch.mask)))

@@ -4,15 +4,39 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
-import sys
 import time
 
-import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
-from megatron_ais.errors import ArgumentValidationError
+from megatron_ais.bridge.layout import BridgeLayout
+from megatron_ais.bridge.quantization import check_engine_shapes
+from megatron_ais.bridge.receiver import SyncReceiver
+from megatron_ais.bridge.sync import WeightBridge
+from megatron_ais.checkpointing.config import checkpoint_metadata
+from megatron_ais.checkpointing.ranks import CheckpointRanks
+from megatron_ais.checkpointing.store import save_checkpoint
+from megatron_ais.data.tasks import build_task
+from megatron_ais.distributed import from_last_stage, share
+from megatron_ais.errors import ArgumentValidationError, TaskError
 from megatron_ais.flags import FlagConfig, flag
+from megatron_ais.forward import ParallelGroups
+from megatron_ais.grpo.advantages import with_advantages
+from megatron_ais.grpo.state import GRPOState, changed_flags, protected_iterations, reference_source
+from megatron_ais.grpo.step import GRPOConfig, grpo_train_step
+from megatron_ais.logging import RunLogger, grpo_console_line, plot_run
+from megatron_ais.mapping.distributed import save_hf_checkpoint
+from megatron_ais.rollout.fleet import build_fleet
+from megatron_ais.rollout.kv_scales import calibrate_kv_cache_scales, rollout_sequences
+from megatron_ais.rollout.manager import check_prompt_lengths, step_prompt_ids
+from megatron_ais.rollout.rows import StepRollouts
+from megatron_ais.rollout.verify import RefitReference, probe_tokens, refit_precision, trainer_probe_reference
+from megatron_ais.routing_replay import routing_replay_enabled
+from megatron_ais.sft import load_tokenizer
+from megatron_ais.training import (WeightSource, build_reference_chunks, prepare_trainer, setup_model_and_optimizer,
+                                   start_trainer, tokenizer_dir)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +112,9 @@ class PhaseTimes:
 
 
 class GRPORun:
-    """One GRPO + AIS run (every rank builds one). `run()` is the whole loop. Engine e lives on global rank e
-    (`rollout.fleet`), whose `RolloutManager` generates, scores and evaluates its share; global rank 0 holds the
-    bridge's staging arena and the logger."""
+    """One GRPO + AIS run (every rank builds one). `run()` is the whole loop; the run holds the phases, its state
+    (`GRPOState`), the trainer's model, optimizer and bridge; the engines are the `RolloutFleet`'s. Global rank 0
+    holds the bridge's staging arena and the logger."""
 
     arena_rank = 0  # the bridge's receiver (the staging arena every engine applies from) and the logger
 
@@ -108,7 +132,7 @@ class GRPORun:
             with times.phase("train"):
                 result = self.train(rollouts.batch)
             with times.phase("sync"):
-                synced = self.sync(step)
+                synced = self.sync(step, rollouts)
             evaluated = self.evaluate(step)
             self.record(step, rollouts, result.metrics, synced, evaluated, times.seconds)
             self.save(step)
@@ -119,14 +143,6 @@ class GRPORun:
         any process group starts, and that no live run holds --save or --load; hold --save for the run; then build
         the trainer, the engine and the bridge. A fresh run evaluates the initial policy, a resumed one gives the
         engine the saved weights."""
-        from megatron_ais.bridge.quantization import check_engine_shapes
-        from megatron_ais.data.tasks import build_task
-        from megatron_ais.errors import ArgumentValidationError, TaskError
-        from megatron_ais.rollout.manager import check_prompt_lengths
-        from megatron_ais.routing_replay import routing_replay_enabled
-        from megatron_ais.sft import load_tokenizer
-        from megatron_ais.training import prepare_trainer, start_trainer, tokenizer_dir
-
         self.started = time.time()
         trainer = self.trainer
         self.task = build_task(trainer.task, trainer.training.seed)  # bad task flags or prompt files fail here
@@ -150,15 +166,6 @@ class GRPORun:
 
     def _setup_trainer(self) -> None:
         """The policy (resumed, or its weights loaded), its optimizer, the run's state, the KL reference."""
-        from megatron_ais.bridge.layout import BridgeLayout
-        from megatron_ais.checkpointing import CheckpointRanks
-        from megatron_ais.distributed import node_name
-        from megatron_ais.grpo.state import GRPOState, reference_source
-        from megatron_ais.grpo.step import GRPOConfig, ParallelGroups
-        from megatron_ais.rollout.fleet import FleetLayout
-        from megatron_ais.rollout.verify import probe_tokens
-        from megatron_ais.training import WeightSource, build_reference_chunks, setup_model_and_optimizer
-
         trainer, config = self.trainer, self.config
         self.model = setup_model_and_optimizer(self.build, trainer.weights, trainer.training,
                                                trainer.checkpoint.finetune, run_kind="grpo")
@@ -169,13 +176,6 @@ class GRPORun:
             unverified)
         self.state = GRPOState.begin(saved, trainer.training.seed, self.loop.rollout_seed, reference)
         self.groups = ParallelGroups.from_parallel_state()
-        places = [None] * dist.get_world_size()
-        dist.all_gather_object(places, (node_name(), self.groups.data_parallel_rank))
-        self.node_of = [node for node, _ in places]
-        self.data_parallel_rank_of = [dp_rank for _, dp_rank in places]
-        colocated = config.engine.placement == "colocated"  # then every rank holds an engine
-        self.fleet = FleetLayout.per_node(dist.get_world_size() if colocated else config.cluster.engines_per_node,
-                                          dist.get_rank(), self.node_of)
         self.checkpoint_ranks = CheckpointRanks.from_parallel_state()
         self.bridge_layout = BridgeLayout.from_parallel_state(self.arena_rank)
         self.reference = None
@@ -193,18 +193,8 @@ class GRPORun:
         self.probe = probe_tokens(self.build.shape.vocab_size)
 
     def _setup_engine(self) -> None:
-        """The logger, and on each engine's host rank the engine (started from an HF export of the initial policy,
-        one file per pipeline stage; on CPU bound to a core of its own when there are several) with its rollout
-        manager."""
-        from megatron.core import parallel_state as ps
-
-        from megatron_ais.data.tasks import build_task
-        from megatron_ais.logging import RunLogger
-        from megatron_ais.mapping.distributed import save_hf_checkpoint
-        from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
-        from megatron_ais.rollout.manager import RolloutManager, RolloutPlan, check_prompt_lengths
-        from megatron_ais.rollout.rewards import RewardScorer
-
+        """The logger, and the rollout fleet: on each engine's host rank an engine started from an HF export of the
+        initial policy (one file per pipeline stage) with its rollout manager."""
         trainer, state, out = self.trainer, self.state, self.trainer.logging.output_dir
         if state.data_seed != trainer.training.seed:
             self.task = build_task(trainer.task, state.data_seed)
@@ -219,68 +209,15 @@ class GRPORun:
                            ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
                            is_stage_writer=self.bridge_layout.is_sender, assets_from=self.model.assets_dir)
         dist.barrier()  # the export is complete before any engine reads it
-        self.manager, index, several = None, self.fleet.engine_here, self.fleet.size > 1
-        if index is not None:
-            loop = self.loop
-            sampling = SamplingConfig(n=loop.group_size, temperature=loop.temperature, top_p=loop.top_p,
-                                      max_new_tokens=loop.max_new_tokens, stop_token_ids=(self.tokenizer.eos_token_id,))
-            plan = RolloutPlan(loop.prompts_per_step, sampling, loop.eval_samples, trainer.training.seed,
-                               trainer.model.seq_length, self.config.advantages, self.routing_replay)
-            engine = RolloutEngine(self._engine_config(init_dir, several),
-                                   os.path.join(out, f"engine-{index}" if several else "engine"))
-            self.manager = RolloutManager(engine, self.tokenizer, self.task, plan, state.data_seed, state.rollout_seed,
-                                          self._engine_log(index), RewardScorer(self.task.reward, self.config.rewards),
-                                          self._serving_policy())
-        dist.barrier()
-
-    def _engine_config(self, model_dir: str, several: bool):
-        """This host's engine: a node's engines are driven by its first ranks, the k-th on its k-th CPU core when
-        there are several; on GPUs a separate one takes GPUs of its own beyond the trainer's (else from its host
-        rank's GPU on: `fleet.engine_gpus`), a colocated one its rank's GPU. The staging arena counts against the
-        engine's memory when it is on the engine's first GPU."""
-        from megatron_ais.distributed import ranks_on_this_node
-        from megatron_ais.rollout.fleet import cpu_core_of, engine_gpus
-
-        engine, local_rank = self.config.engine, int(os.environ.get("LOCAL_RANK", self.fleet.engine_here))
-        if not torch.cuda.is_available():
-            return dataclasses.replace(engine, model_dir=model_dir,
-                                       cpu_core=cpu_core_of(local_rank) if several else None)
-        gpus = None
-        if engine.placement == "separate":
-            gpus = engine_gpus(local_rank, engine.tensor_parallel_size,
-                               ranks_on_this_node(dist.get_world_size()),
-                               torch.cuda.device_count())
-        arena_here = dist.get_rank() == self.arena_rank and (gpus or (local_rank,))[0] == torch.cuda.current_device()
-        return dataclasses.replace(engine, model_dir=model_dir, gpus=gpus,
-                                   gpu_staging_arena=engine.gpu_staging_arena and arena_here)
-
-    def _serving_policy(self):
-        """Separate engines restart alone; a colocated one lives in its trainer rank, whose vLLM groups span every
-        rank: it is not restarted (its failure is the rank's)."""
-        from megatron_ais.rollout.manager import ServingPolicy
-
-        fleet, separate = self.config.fleet, self.config.engine.placement == "separate"
-        return ServingPolicy(fleet.max_engine_restarts if separate else 0,
-                             fleet.generation_timeout_s if separate else None)
-
-    def _engine_log(self, index: int):
-        """Where engine `index`'s manager tells the user what happened to it: the run's log on the logging rank,
-        stderr on other hosts; lines name the engine when there are several."""
-        prefix = f"engine {index}: " if self.fleet.size > 1 else ""
-        if self.log.enabled:
-            return lambda message: self.log.info(prefix + message)
-        return lambda message: print(prefix + message, file=sys.stderr, flush=True)
+        self.fleet = build_fleet(self.config, self.tokenizer, self.task, (state.data_seed, state.rollout_seed),
+                                 init_dir, self.log, self.routing_replay,
+                                 functools.partial(with_advantages, config=self.config.advantages),
+                                 self.groups.data_parallel_rank, self.arena_rank)
 
     def _setup_bridge(self) -> None:
         """Global rank 0 receives syncs into the staging arena and verifies them once; every rank writes its
-        shards; the other nodes with engines get a verified copy each; every engine applies each sync from its
-        node's arena (`sync_weights`)."""
-        from megatron_ais.bridge.node_copies import NodeCopies, node_leaders
-        from megatron_ais.bridge.receiver import SyncReceiver
-        from megatron_ais.bridge.sync import WeightBridge
-
-        self.node_copies = NodeCopies(self.arena_rank, node_leaders(self.fleet.hosts, self.node_of, self.arena_rank),
-                                      dist.get_rank())
+        shards; the fleet forwards each committed sync to the other nodes and every engine applies it
+        (`sync_weights`)."""
         self.receiver = SyncReceiver(apply=lambda weights: weights) if dist.get_rank() == self.arena_rank else None
         self.bridge = WeightBridge(self.model.chunks, self.build, self.config.bridge, self.bridge_layout, self.receiver)
 
@@ -288,16 +225,13 @@ class GRPORun:
         """A fresh run measures the KV-cache scales and evaluates the initial policy; a resumed one gives the engine
         what the bridge would have sent after the saved step, with the KV-cache scales the uninterrupted run measured
         then (on that step's rollouts, which the resumed run no longer has)."""
-        from megatron_ais.grpo.state import changed_flags
-        from megatron_ais.rollout.manager import step_prompt_ids
-
         state = self.state
         first_prompts = step_prompt_ids(self.tokenizer, self.task, self.loop.prompts_per_step, state.data_seed,
                                         state.step + 1)
         if state.saved is None:
             self.share_refit_reference()  # the engines hold the initial export
             self.calibrate_kv_cache(first_prompts)
-            state.eval_before = self._evaluate_on_engines(lambda prompts: self.manager.evaluate(prompts))
+            state.eval_before = self.fleet.evaluate()
             return
         self.log.info(f"resuming GRPO at step {state.step + 1} from {self.trainer.checkpoint.load} (iteration "
                       f"{self.model.loaded.iteration})")
@@ -311,54 +245,32 @@ class GRPORun:
         elif state.kv_cache_scales is None:
             self.calibrate_kv_cache(first_prompts)
         else:
-            self.install_kv_cache_scales(state.kv_cache_scales)
+            self.fleet.set_kv_cache_scales(state.kv_cache_scales)
 
-    def rollout(self, step: int):
-        """This step's rollouts: every serving engine makes its share (an engine retired meanwhile leaves its share
-        to the others), every rank receives the rows its DP rank trains on (`fleet.StepRollouts`)."""
-        from megatron_ais.rollout.fleet import exchange_rows, make_rows
-
-        made = make_rows(lambda prompts: self.manager.rollout_rows(step, prompts), self.fleet,
-                         self.loop.prompts_per_step, self.config.fleet.min_engines)
-        self._retire(made.layout, made.retired)
-        self.rollouts = exchange_rows(made, self.data_parallel_rank_of, self.groups.data_parallel_rank,
-                                      self.trainer.training.max_tokens_per_microbatch is not None)
-        return self.rollouts
-
-    def _retire(self, layout, messages: list[str]) -> None:
-        """Go on with the engines still serving (`layout`), telling the user which were retired."""
-        for message in messages:
-            self.log.info(f"{message}; {layout.size} engine(s) serve on")
-        self.fleet = layout
+    def rollout(self, step: int) -> StepRollouts:
+        """This step's rollouts: the rows this rank's DP rank trains on, with the batch-wide figures."""
+        return self.fleet.submit(step).wait()
 
     def train(self, batch):
         """One GRPO update on the batch (λ once for the batch)."""
-        from megatron_ais.grpo.step import grpo_train_step
-
         return grpo_train_step(self.model.ddp_chunks, self.model.optimizer, batch, self.grpo, self.state.ais,
                                self.groups, self.reference)
 
-    def sync(self, step: int) -> dict:
+    def sync(self, step: int, rollouts: StepRollouts) -> dict:
         """Bridge the updated policy into every engine, re-measure the FP8 KV-cache scales on this step's first
         rollouts (the first engine's), check the refit of every engine (or of this turn's few, --verify-refit-engines);
         return what the step logs of it."""
-        from megatron_ais.distributed import share
-        from megatron_ais.rollout.kv_scales import rollout_sequences
-        from megatron_ais.rollout.verify import verify_refit_on_all_ranks
-
         self.sync_weights(step)
         reference = self.share_refit_reference()
         if self.config.engine.kv_cache_dtype == "fp8":
-            first, count = self.rollouts.first_rows, self.config.kv_calibration.sequences
+            first, count = rollouts.first_rows, self.config.kv_calibration.sequences
             self.calibrate_kv_cache(share(lambda: rollout_sequences(first.tokens, first.mask, count),
-                                          src=self.rollouts.first_host))
-        metrics = {f"rollout/engine{host}_weight_version": version for host, version in self.engine_versions.items()}
+                                          src=rollouts.first_host))
+        metrics = {f"rollout/engine{host}_weight_version": v for host, v in self.fleet.engine_versions.items()}
         if self.loop.verifies_at(step):
-            metrics.update(verify_refit_on_all_ranks(
-                self.manager.engine if self.manager else None, self.model.ddp_chunks, self.probe, self.groups,
-                self.build.shape.vocab_size, reference.precision,
-                self.fleet.rotating(self.loop.verify_refit_engines, step // self.loop.verify_refit_interval - 1),
-                self.build.shape.is_moe, reference.trainer_logprobs))
+            metrics.update(self.fleet.verify_refit(
+                self.model.ddp_chunks, self.probe, self.groups, self.build.shape.vocab_size, reference,
+                self.loop.verify_refit_engines, step // self.loop.verify_refit_interval - 1, self.build.shape.is_moe))
         scales = self.state.kv_cache_scales
         if scales is not None:
             metrics.update({"rollout/kv_cache_k_scale_max": max(k for _, k, _ in scales.scales),
@@ -366,40 +278,25 @@ class GRPORun:
         return metrics
 
     def share_refit_reference(self):
-        """The trainer's probe log-probs for the weights every engine now holds (collective), kept by every engine's
-        manager: an engine restarted later serves again only once its own agree with them."""
-        from megatron_ais.rollout.verify import RefitReference, refit_precision, trainer_probe_reference
-
+        """The trainer's probe log-probs for the weights every engine now holds (collective), kept by the fleet: an
+        engine restarted later serves again only once its own agree with them."""
         reference = RefitReference(
             self.probe, trainer_probe_reference(self.model.ddp_chunks, self.probe, self.groups,
                                                 self.build.shape.vocab_size),
             refit_precision(self.config.engine, self.build.precision))
-        if self.manager is not None:
-            self.manager.refit_reference = reference
+        self.fleet.set_refit_reference(reference)
         return reference
 
     def evaluate(self, step: int) -> dict:
         """Held-out accuracy at evaluation steps (each engine evaluates its share; every rank knows the means)."""
         if not self.loop.evaluates_at(step):
             return {}
-        return self._evaluate_on_engines(lambda prompts: self.manager.evaluate_unless_dead(step, prompts))
+        return self.fleet.evaluate(step)
 
-    def _evaluate_on_engines(self, evaluate) -> dict:
-        """`evaluate(prompts)` on every serving engine's share of the held-out prompts, as mean rewards."""
-        from megatron_ais.rollout.fleet import from_every_engine
-        from megatron_ais.rollout.manager import mean_rewards
-
-        prompts = range(len(self.task.eval))
-        return mean_rewards(from_every_engine(lambda: evaluate(self.fleet.share(prompts, self.fleet.rank)),
-                                              self.fleet))
-
-    def record(self, step: int, rollouts, train_metrics: dict, synced: dict, evaluated: dict,
+    def record(self, step: int, rollouts: StepRollouts, train_metrics: dict, synced: dict, evaluated: dict,
                seconds: dict[str, float]) -> None:
         """Log the step: its metrics into the history, tensorboard and metrics.jsonl, and its console line."""
-        from megatron_ais.distributed import from_last_stage
-        from megatron_ais.logging import grpo_console_line
-
-        metrics = from_last_stage(dict(train_metrics))
+        metrics = from_last_stage(dict(train_metrics), self.groups.pipeline_group)
         metrics.update(synced)
         metrics.update({"rollout/reward": float(rollouts.rewards.mean()),
                         "rollout/reward_failures": rollouts.reward_failures,
@@ -416,17 +313,14 @@ class GRPORun:
         self.state.history.append({"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
         line = None
         if self.trainer.logging.prints(step, self.loop.grpo_steps):
-            line = (f"{grpo_console_line(step, metrics)} | reward {metrics['rollout/reward']:.3f} "
-                    f"acc {metrics.get('eval/accuracy', float('nan')):.3f} | "
+            accuracy = f" acc {metrics['eval/accuracy']:.3f}" if "eval/accuracy" in metrics else ""
+            line = (f"{grpo_console_line(step, metrics)} | reward {metrics['rollout/reward']:.3f}{accuracy} | "
                     f"{metrics['rollout/tokens_per_s']:.0f} tok/s | rollout {seconds['rollout']:.1f}s train "
                     f"{seconds['train']:.1f}s sync {seconds['sync']:.1f}s")
         self.log.step(step, metrics, line)
 
     def save(self, step: int) -> None:
         """A checkpoint every --save-interval steps and after the last one."""
-        from megatron_ais.checkpointing import checkpoint_metadata, save_checkpoint
-        from megatron_ais.grpo.state import protected_iterations
-
         checkpoint = self.trainer.checkpoint
         if not checkpoint.saves_at(step, self.loop.grpo_steps):
             return
@@ -443,18 +337,8 @@ class GRPORun:
         """Bridge the current policy into the arena, verified once, forward it to the other nodes' copies (each
         verified) and apply it to every engine (collective on every rank); a sync is complete when every engine
         has applied it."""
-        from megatron_ais.errors import EngineRetiredError, as_sync_error
-        from megatron_ais.rollout.fleet import Retired, apply_on_every_engine, retire
-
         stats = self.bridge.sync(sync_id)
-
-        def apply(weights) -> int:
-            with as_sync_error(f"sync {sync_id}: ", passing=(EngineRetiredError,)):
-                return self.manager.apply_weights(weights)
-
-        results = apply_on_every_engine(stats.committed, self.node_copies, self.fleet, self.node_of, apply, sync_id)
-        self.engine_versions = {host: v for host, v in zip(self.fleet.hosts, results) if not isinstance(v, Retired)}
-        self._retire(*retire(results, self.fleet, self.config.fleet.min_engines))
+        self.fleet.apply(stats.committed, sync_id)
         if self.bridge_layout.is_sender and self.bridge.completed == 1:
             self.log.info(f"bridge: {stats.tensors} tensors in {stats.buckets} buckets, {stats.bytes / 1e6:.1f} MB "
                           f"from this stage by {stats.transport}, {stats.seconds:.2f} s")
@@ -462,8 +346,6 @@ class GRPORun:
     def calibrate_kv_cache(self, sequences: list[list[int]]) -> None:
         """FP8 KV cache: measure the synced policy's K/V scales on `sequences` (split over DP ranks; collective on
         every rank) and install them in the engine."""
-        from megatron_ais.rollout.kv_scales import calibrate_kv_cache_scales
-
         if self.config.engine.kv_cache_dtype != "fp8":
             return
         calibration = self.config.kv_calibration
@@ -471,15 +353,7 @@ class GRPORun:
             self.model.ddp_chunks, sequences[:calibration.sequences], self.build.seq_length,
             self.trainer.training.micro_batch_size, self.groups, self.build.shape.vocab_size,
             self.build.shape.num_layers, calibration.scale_margin)
-        self.install_kv_cache_scales(self.state.kv_cache_scales)
-
-    def install_kv_cache_scales(self, scales) -> None:
-        """Every serving engine takes the FP8 KV-cache scales (collective); one that died meanwhile is restarted, or
-        retired past its restart budget, as in a weight sync."""
-        from megatron_ais.rollout.fleet import from_every_engine, retire
-
-        results = from_every_engine(lambda: self.manager.set_kv_cache_scales(scales), self.fleet)
-        self._retire(*retire(results, self.fleet, self.config.fleet.min_engines))
+        self.fleet.set_kv_cache_scales(self.state.kv_cache_scales)
 
     def finish(self) -> dict:
         """Write the summary (and the run's figure) and release the engine, the bridge and the logs."""
@@ -491,15 +365,10 @@ class GRPORun:
                    "steps": self.loop.grpo_steps, "wall_s": time.time() - self.started, "history": history}
         self.log.summary(summary)
         if self.log.enabled and history:
-            from megatron_ais.logging import plot_run
-
             plot_run(history, os.path.join(self.trainer.logging.output_dir, "run.png"), accuracy_before)
         self.log.close()
         self.bridge.close()
-        self.node_copies.close()
-        if self.manager is not None:
-            self.manager.engine.shutdown()
-            self.manager.scorer.close()
+        self.fleet.close()
         if self.receiver is not None:
             self.receiver.close()
         if self.lock is not None:

@@ -7,6 +7,7 @@ import dataclasses
 import os
 
 from megatron_ais.ais import AISState
+from megatron_ais.checkpointing.store import usable_iterations
 from megatron_ais.rollout.kv_scales import KVCacheScales
 
 # flags that may change between a run and its resumption without changing what it computes
@@ -29,8 +30,6 @@ def reference_source(ref_load: str | None, load: str | None, hf_dir: str | None,
                      allow_unverified: bool = False) -> dict:
     """Where the frozen KL reference comes from: --ref-load, else what this run started from; a checkpoint with the
     iteration it had then, so that a resumed run (whose --load has newer iterations, perhaps its own) keeps it."""
-    from megatron_ais.checkpointing import usable_iterations
-
     if ref_load:
         return {"load": ref_load, "iteration": usable_iterations(ref_load, allow_unverified)[0]}
     return {"load": load, "iteration": loaded_iteration} if load else {"hf_dir": hf_dir}

@@ -9,50 +9,17 @@ import torch
 import torch.distributed as dist
 
 from megatron_ais import platform
-from megatron_ais.ais import (AISConfig, AISResult, AISState, ais_coefficient, apply_correction,
-                              check_trainer_logprobs, exclude_invalid_sequences, invalid_sequences, max_abs_logratio,
-                              mismatch_statistics, reduce_statistics)
+from megatron_ais.ais import (AISConfig, AISResult, AISState, ais_coefficient, apply_correction, check_trainer_logprobs,
+                              exclude_invalid_sequences, max_abs_logratio, mismatch_statistics, reduce_statistics)
 from megatron_ais.ais.coefficient import EMPTY_RESULT
+from megatron_ais.batch import RolloutBatch, data_parallel_rows, row_lengths
 from megatron_ais.errors import RoutingReplayError
-from megatron_ais.grpo.advantages import AdvantageConfig, group_advantages
-from megatron_ais.grpo.batching import (MicroBatchPlan, balanced_partition, fixed_plan, micro_batches, row_lengths,
-                                        scatter_rows, token_budget_plan)
-from megatron_ais.grpo.logprobs import vocab_parallel_logprobs
+from megatron_ais.forward import (MicroBatchPlan, ParallelGroups, fixed_plan, micro_batches, score_rows,
+                                  token_budget_plan, vocab_parallel_logprobs)
+from megatron_ais.grpo.advantages import AdvantageConfig, with_advantages
 from megatron_ais.grpo.loss import PolicyLossConfig, aggregate, global_normalizer, megatron_loss_scale, token_losses
 from megatron_ais.routing_replay import check_routed_experts, forward_replaying
-
-
-@dataclasses.dataclass
-class RolloutBatch:
-    """A rollout batch, identical on every rank; per-token tensors are aligned with `labels` (next tokens).
-
-    tokens/labels [B, S] (right padded), mask [B, S] (1 on response tokens), rollout_logprobs [B, S] (the
-    engine's log-probs of the sampled tokens), rewards [B]; consecutive groups of `group_size` share a prompt.
-    """
-
-    tokens: torch.Tensor
-    labels: torch.Tensor
-    mask: torch.Tensor
-    rollout_logprobs: torch.Tensor
-    rewards: torch.Tensor
-    group_size: int
-    # MoE routing replay: the engine's top-k expert ids [B, S, MoE layers, k] (int16) at every input position
-    routed_experts: torch.Tensor | None = None
-    reward_failures: int = 0  # rewards that raised or were not a number in [0, 1] (scored 0)
-    reward_timeouts: int = 0  # rewards that ran past --reward-timeout-s (scored 0)
-    # [B] each row's group advantage, computed where its whole group is (the engine's host); None: the batch is
-    # whole and the same on every rank, which computes them and takes its share
-    advantages: torch.Tensor | None = None
-
-    def rows(self, indices: list[int]) -> "RolloutBatch":
-        """The batch of the rows `indices` (in that order)."""
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name)[indices] for f in dataclasses.fields(self)
-                                            if isinstance(getattr(self, f.name), torch.Tensor)})
-
-    def to(self, device: torch.device) -> "RolloutBatch":
-        """Return the batch with its tensors on `device`."""
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-                                            if isinstance(getattr(self, f.name), torch.Tensor)})
+from megatron_ais.training import train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +35,7 @@ class GRPOConfig:
     advantages: AdvantageConfig = AdvantageConfig()
     # the rollout's sampling temperature: trainer log-probs are those of the same tempered distribution
     temperature: float = 1.0
-    max_tokens_per_microbatch: int | None = None  # token-budget micro-batches (grpo/batching.py); None: fixed
+    max_tokens_per_microbatch: int | None = None  # token-budget micro-batches (forward.py); None: fixed
     sequence_multiple: int = 1  # micro-batch lengths are multiples of this (TP under sequence parallelism)
     moe_routing: tuple[int, int, int] | None = None  # (MoE layers, experts, top-k): what replayed routes must fit
 
@@ -79,27 +46,6 @@ class GRPOConfig:
         return token_budget_plan(lengths, self.max_tokens_per_microbatch, self.sequence_multiple)
 
 
-@dataclasses.dataclass(frozen=True)
-class ParallelGroups:
-    """Process groups and positions, taken from megatron's parallel state at the call site."""
-
-    data_parallel_group: object
-    tensor_parallel_group: object
-    data_parallel_rank: int
-    data_parallel_size: int
-    is_last_stage: bool
-
-    @classmethod
-    def from_parallel_state(cls) -> "ParallelGroups":
-        from megatron.core import parallel_state as ps
-
-        return cls(data_parallel_group=ps.get_data_parallel_group(with_context_parallel=True),
-                   tensor_parallel_group=ps.get_tensor_model_parallel_group(),
-                   data_parallel_rank=ps.get_data_parallel_rank(),
-                   data_parallel_size=ps.get_data_parallel_world_size(),
-                   is_last_stage=ps.is_pipeline_last_stage())
-
-
 @dataclasses.dataclass
 class GRPOStepResult:
     """What one rollout batch's update reports (λ and metrics are identical on every rank that logs)."""
@@ -107,60 +53,6 @@ class GRPOStepResult:
     skipped: bool
     ais: AISResult
     metrics: dict
-
-
-def split_micro_batches(rows: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
-    """Return micro-batches of `micro_batch_size` rows, each with its position ids, on the trainer's device."""
-    count = next(iter(rows.values())).shape[0]
-    out = []
-    for start in range(0, count, micro_batch_size):
-        mb = {k: v[start:start + micro_batch_size] for k, v in rows.items()}
-        seq = mb["tokens"].shape[1]
-        mb["position_ids"] = torch.arange(seq).unsqueeze(0).expand(mb["tokens"].shape[0], seq).contiguous()
-        out.append(platform.to_device(mb))
-    return out
-
-
-def forward_logprobs(ddp_chunks: list, micro_batches: list[dict], groups: ParallelGroups, vocab_size: int,
-                     temperature: float = 1.0) -> list[torch.Tensor] | None:
-    """Return the trainer's log-probs of each micro-batch's labels under log_softmax(logits / temperature), one
-    [rows, length] tensor per micro-batch (last pipeline stage; None elsewhere)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    def forward_step(data_iterator, model):
-        mb = next(data_iterator)
-        output = forward_replaying(model, mb)
-
-        def loss_func(logits):
-            logprobs, _ = vocab_parallel_logprobs(logits / temperature, mb["labels"], groups.tensor_parallel_group,
-                                                  vocab_size)
-            return logits.sum() * 0.0, {"logprobs": logprobs.detach()}
-
-        return output, loss_func
-
-    with torch.no_grad():
-        out = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro_batches) if len(ddp_chunks) == 1
-            else [iter(micro_batches) for _ in ddp_chunks], model=ddp_chunks if len(ddp_chunks) > 1 else ddp_chunks[0],
-            num_microbatches=len(micro_batches), seq_length=max(mb["tokens"].shape[1] for mb in micro_batches),
-            micro_batch_size=max(mb["tokens"].shape[0] for mb in micro_batches), forward_only=True)
-    return [o["logprobs"] for o in out] if groups.is_last_stage else None
-
-
-def compute_logprobs(ddp_chunks: list, micro_batches: list[dict], seq_length: int, micro_batch_size: int,
-                     groups: ParallelGroups, vocab_size: int, temperature: float = 1.0) -> torch.Tensor | None:
-    """Return the trainer's log-probs [B_local, S] of the labels of equally shaped micro-batches [micro_batch_size,
-    seq_length] under log_softmax(logits / temperature) (last pipeline stage; None elsewhere)."""
-    out = forward_logprobs(ddp_chunks, micro_batches, groups, vocab_size, temperature)
-    return None if out is None else torch.cat(out)
-
-
-def score_rows(ddp_chunks: list, rows: dict[str, torch.Tensor], plan: MicroBatchPlan, groups: ParallelGroups,
-               vocab_size: int, temperature: float = 1.0) -> torch.Tensor | None:
-    """Return the trainer's log-probs [rows, S] of `rows`' labels, computed in the plan's micro-batches (zero
-    beyond each micro-batch's length; last pipeline stage, None elsewhere)."""
-    out = forward_logprobs(ddp_chunks, micro_batches(rows, plan), groups, vocab_size, temperature)
-    return None if out is None else scatter_rows(out, plan, tuple(rows["tokens"].shape))
 
 
 def _policy_forward_step(config: GRPOConfig, groups: ParallelGroups, normalizer: float, scale: float,
@@ -183,25 +75,6 @@ def _policy_forward_step(config: GRPOConfig, groups: ParallelGroups, normalizer:
         return loss * scale, {"report": report}
 
     return output, loss_func
-
-
-def data_parallel_rows(lengths: list[int], ranks: int, balanced: bool) -> list[list[int]]:
-    """The rows (of a batch whose rows have these lengths) each DP rank trains on: equal contiguous shares, or with a
-    token budget, shares whose token counts balance (`batching.balanced_partition`); the same on every rank."""
-    if len(lengths) % ranks:
-        raise ValueError(f"rollout batch of {len(lengths)} sequences does not split over {ranks} DP ranks")
-    if balanced:
-        return balanced_partition(lengths, ranks)
-    per_rank = len(lengths) // ranks
-    return [list(range(rank * per_rank, (rank + 1) * per_rank)) for rank in range(ranks)]
-
-
-def with_advantages(batch: RolloutBatch, config: AdvantageConfig) -> RolloutBatch:
-    """The batch (whole groups) with each row's group advantage. A sequence left out for a NaN rollout log-prob is
-    left out of its group's mean and std too."""
-    return dataclasses.replace(batch, advantages=group_advantages(
-        batch.rewards, batch.group_size, not config.no_std, config.leave_one_out,
-        valid=~invalid_sequences(batch.rollout_logprobs, batch.mask)))
 
 
 def _local_rows(batch: RolloutBatch, config: GRPOConfig, groups: ParallelGroups
@@ -265,8 +138,6 @@ def _update(ddp_chunks: list, optimizer, local: dict, lengths: list[int], config
             groups: ParallelGroups) -> tuple[list, list]:
     """PPO-clip updates over --ppo-epochs passes of --num-minibatches mini-batches; return the micro-batches'
     loss reports and the grad norms."""
-    from megatron_ais.training import train_step
-
     reports, grad_norms = [], []
     per_rank = local["tokens"].shape[0]
     minibatch = per_rank // config.num_minibatches

@@ -7,10 +7,15 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from megatron_ais.hf_assets import copy_hf_assets
 from megatron_ais.mapping.hf_io import (HFCheckpointReader, global_parameters, hf_tensors_from_shards,
                                         megatron_shard_from_hf)
-from megatron_ais.mapping.layouts import ShardContext
+from megatron_ais.mapping.layouts import Replicated, ShardContext
+from megatron_ais.mapping.rules import ROUTED_EXPERT_HF, is_expert_parameter, rules_for, split_layer
 from megatron_ais.model import ModelBuildConfig, unwrap_model
 
 
@@ -26,8 +31,6 @@ def expert_tensor_parallel_rank(build: ModelBuildConfig) -> int:
     """This rank's expert-TP rank (0 for dense models)."""
     if not build.shape.is_moe:
         return 0
-    from megatron.core import parallel_state as ps
-
     return ps.get_expert_tensor_parallel_rank()
 
 
@@ -37,8 +40,6 @@ def load_hf_weights(chunks: list, hf_dir: str, build: ModelBuildConfig, tp_rank:
     """Copy HF safetensors into this rank's model chunks, reading only the tensors they hold; return the count.
 
     Routed experts are split by the expert-TP rank (from megatron's parallel state unless given)."""
-    from megatron_ais.mapping.rules import is_expert_parameter
-
     reader = HFCheckpointReader(hf_dir)
     if expert_tp_rank is None:
         expert_tp_rank = expert_tensor_parallel_rank(build)
@@ -82,9 +83,6 @@ def export_hf_weights(chunks: list, build: ModelBuildConfig, tp_group, to_first_
     experts are gathered over `expert_group` (the expert-TP group; the TP group when it is None) and each rank
     yields only the experts its expert-parallel rank holds.
     """
-    from megatron_ais.mapping.layouts import Replicated
-    from megatron_ais.mapping.rules import is_expert_parameter, rules_for, split_layer
-
     if expert_group is None:
         expert_group = tp_group
     groups = {False: tp_group, True: expert_group}
@@ -115,8 +113,6 @@ def _expert_export_role(build: ModelBuildConfig) -> tuple[object, bool, int]:
     """(expert-TP group, whether this rank writes its EP rank's experts, EP rank) from megatron's state."""
     if not build.shape.is_moe:
         return None, False, 0
-    from megatron.core import parallel_state as ps
-
     writes = (ps.get_expert_data_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0
               and ps.get_context_parallel_rank() == 0)
     return ps.get_expert_tensor_parallel_group(), writes, ps.get_expert_model_parallel_rank()
@@ -132,10 +128,6 @@ def save_hf_checkpoint(chunks: list, build: ModelBuildConfig, hf_config: dict, o
     writer also writes the index and config.json after the stage files exist, and copies the tokenizer files
     from `assets_from`. Every rank takes part.
     """
-    from safetensors.torch import save_file
-
-    from megatron_ais.mapping.rules import ROUTED_EXPERT_HF
-
     pp_rank = dist.get_rank(pp_group) if pp_group is not None else 0
     pp_size = dist.get_world_size(pp_group) if pp_group is not None else 1
     expert_group, writes_experts, ep_rank = _expert_export_role(build)
@@ -164,10 +156,6 @@ def write_hf_index_and_config(out_dir: str, weight_map: dict[str, str], hf_confi
                               assets_from: str | None = None, total_size: int | None = None) -> None:
     """Write model.safetensors.index.json and config.json for a set of safetensors files (and the tokenizer files
     of `assets_from`), completing a HF model directory; `total_size`: the weights' bytes (else read from the files)."""
-    from megatron_ais.checkpointing import copy_hf_assets
-
-    from safetensors import safe_open
-
     total = total_size or 0
     for file in sorted(set(weight_map.values())) if total_size is None else ():
         with safe_open(os.path.join(out_dir, file), framework="pt") as f:

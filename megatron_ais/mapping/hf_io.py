@@ -9,6 +9,8 @@ import os
 from typing import Callable, Iterator
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from megatron_ais.mapping.layouts import ShardContext
 from megatron_ais.mapping.rules import canonical_name, expert_index, hf_sources, rules_for, split_layer
@@ -21,8 +23,6 @@ class HFCheckpointReader:
     """Lazy reader of a HF safetensors checkpoint (single file or sharded with an index)."""
 
     def __init__(self, hf_dir: str):
-        from safetensors import safe_open
-
         self._safe_open = safe_open
         self.hf_dir = hf_dir
         index = os.path.join(hf_dir, SAFETENSORS_INDEX)
@@ -120,8 +120,6 @@ class ShardedSafetensorsWriter:
         return os.path.join(self.out_dir, f"model-part-{index + 1:05d}.safetensors.tmp")
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         save_file(self.pending, self._part(len(self.parts)), metadata={"format": "pt"})
         self.parts.append(list(self.pending))
         self.pending, self.pending_bytes = {}, 0

@@ -1,31 +1,35 @@
-"""The run's rollout engines as one fleet: which trainer rank drives which engine, which prompts each engine serves,
-and how the rows they make reach the data-parallel ranks that train on them.
+"""The run's rollout engines as one object: `RolloutFleet` owns the engines (separate or colocated), their
+placement (GPUs, CPU cores), each engine's committed weight version, restarts and retirements, the nodes' copies of
+the staging arena and the engine hosts' managers. The loop asks it for a step's rows (`submit(step).wait()`), hands
+it each committed sync (`apply`), the FP8 KV-cache scales and the refit reference, and asks for evaluations and
+refit checks; it never sees an engine.
 
-Each node's separate engines are driven by its first ranks (colocated ones: every rank) and named by the global
-rank that drives them; they take GPUs of their own after the trainer's when the node has them (`engine_gpus`), and
-apply each verified sync from their node's copy of the staging arena (`bridge.node_copies`; nothing is copied per
-engine). A step's prompts (and an evaluation's) are shared out in contiguous runs, whole groups each, and every
-prompt is sampled with the seed of its index in the whole list (`engine.request_seed`), so the rows equal what one
-engine would make. Every engine host computes its groups' advantages; then every rank learns only a small record
-per engine (row lengths, rewards, counts) and receives from each host just the rows its DP rank trains on, as
-tensors by point-to-point sends: no rank gathers or broadcasts the whole batch.
+Every rank builds one (`build_fleet`, collective); engine e lives on global rank e (`fleet_layout.FleetLayout`),
+whose `RolloutManager` generates, scores and evaluates its share.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import time
-from typing import Any, Callable, Sequence
+import sys
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from megatron_ais.distributed import node_name, shared_failure
-from megatron_ais.errors import ArgumentValidationError, EngineRetiredError, SyncError
+from megatron_ais.batch import RolloutBatch
+from megatron_ais.bridge.node_copies import NodeCopies, node_leaders
+from megatron_ais.distributed import node_name, ranks_on_this_node
+from megatron_ais.errors import ArgumentValidationError, EngineRetiredError, as_sync_error
 from megatron_ais.flags import FlagConfig, flag
-
-ROW_TENSORS = ("tokens", "labels", "mask", "rollout_logprobs", "rewards", "advantages", "routed_experts")
+from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
+from megatron_ais.rollout.engine_config import EngineConfig
+from megatron_ais.rollout.fleet_layout import (FleetLayout, Retired, apply_on_every_engine, cpu_core_of, engine_gpus,
+                                               from_every_engine, retire)
+from megatron_ais.rollout.manager import RolloutManager, RolloutPlan, ServingPolicy, mean_rewards
+from megatron_ais.rollout.rewards import RewardScorer
+from megatron_ais.rollout.rows import StepRollouts, exchange_rows, make_rows
+from megatron_ais.rollout.verify import RefitReference, verify_refit_on_all_ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,294 +58,162 @@ class FleetConfig(FlagConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class FleetLayout:
-    """The serving engines, each named by the global rank that drives it (`hosts`); `rank` is this process's."""
+class PendingRollouts:
+    """A submitted step's rollouts: `wait()` returns the rows this rank trains on. The synchronous fleet makes them
+    at submission; an asynchronous one makes them while the trainer trains and `wait` is where the loop meets them."""
 
-    hosts: tuple[int, ...]
-    rank: int
+    step: int
+    rollouts: StepRollouts
 
-    @classmethod
-    def first_ranks(cls, engines: int, rank: int) -> "FleetLayout":
-        """`engines` engines driven by global ranks 0 .. engines - 1."""
-        return cls(tuple(range(engines)), rank)
+    def wait(self) -> StepRollouts:
+        return self.rollouts
 
-    @classmethod
-    def per_node(cls, engines_per_node: int, rank: int, node_of: list[str]) -> "FleetLayout":
-        """`engines_per_node` engines on every node, driven by its first ranks (`node_of`: every global rank's
-        node; `arguments` checks that each node has the ranks)."""
-        hosts = []
-        for node in dict.fromkeys(node_of):
-            hosts += [r for r, n in enumerate(node_of) if n == node][:engines_per_node]
-        return cls(tuple(hosts), rank)
+
+class RolloutFleet:
+    """The run's serving engines, on every rank (collective methods: every rank calls them in the same order)."""
+
+    def __init__(self, layout: FleetLayout, node_of: list[str], data_parallel_rank_of: list[int],
+                 data_parallel_rank: int, manager: RolloutManager | None, node_copies: NodeCopies,
+                 config: FleetConfig, prompts_per_step: int, eval_prompts: int, balanced: bool,
+                 log: Callable[[str], None]):
+        self.layout, self.node_of, self.manager, self.node_copies = layout, node_of, manager, node_copies
+        self.data_parallel_rank_of, self.data_parallel_rank = data_parallel_rank_of, data_parallel_rank
+        self.config, self.prompts_per_step, self.eval_prompts = config, prompts_per_step, eval_prompts
+        self.balanced, self.log = balanced, log  # balanced: DP shares balance tokens (--max-tokens-per-microbatch)
+        self.engine_versions: dict[int, int] = {}  # each serving engine's committed weight version (its last sync)
 
     @property
     def size(self) -> int:
-        return len(self.hosts)
+        """Serving engines."""
+        return self.layout.size
 
-    @property
-    def engine_here(self) -> int | None:
-        """The serving engine this rank drives (None: it drives none)."""
-        return self.rank if self.rank in self.hosts else None
+    def submit(self, step: int) -> PendingRollouts:
+        """Step `step`'s rollouts: every serving engine makes its share (an engine retired meanwhile leaves its share
+        to the others), every rank receives the rows its DP rank trains on (`rows.StepRollouts`)."""
+        made = make_rows(lambda prompts: self.manager.rollout_rows(step, prompts), self.layout,
+                         self.prompts_per_step, self.config.min_engines)
+        self._retire(made.layout, made.retired)
+        return PendingRollouts(step, exchange_rows(made, self.data_parallel_rank_of, self.data_parallel_rank,
+                                                   self.balanced))
 
-    def share(self, prompts: range, engine: int) -> range:
-        """Engine `engine`'s share of `prompts`: a contiguous run, the shares differing by at most one."""
-        index, count = self.hosts.index(engine), len(prompts)
-        return prompts[count * index // self.size: count * (index + 1) // self.size]
+    def apply(self, weights, sync_id: int) -> None:
+        """Every serving engine applies a committed sync (`weights`: the verified arena) from its node's copy; one
+        that died is restarted, or retired past its budget."""
+        def apply_here(node_weights) -> int:
+            with as_sync_error(f"sync {sync_id}: ", passing=(EngineRetiredError,)):
+                return self.manager.apply_weights(node_weights)
 
-    def without(self, retired: list[int]) -> "FleetLayout":
-        return dataclasses.replace(self, hosts=tuple(h for h in self.hosts if h not in retired))
+        results = apply_on_every_engine(weights, self.node_copies, self.layout, self.node_of, apply_here, sync_id)
+        self.engine_versions = {host: v for host, v in zip(self.layout.hosts, results) if not isinstance(v, Retired)}
+        self._retire(*retire(results, self.layout, self.config.min_engines))
 
-    def rotating(self, count: int, turn: int) -> "FleetLayout":
-        """`count` of the serving engines (every one when 0 or at least as many as serve): the `turn`-th run of
-        `count` consecutive engines, cycling over the fleet, so that every engine comes round every
-        ceil(size / count) turns."""
-        if not count or count >= self.size:
-            return self
-        start = turn * count % self.size
-        chosen = {self.hosts[(start + i) % self.size] for i in range(count)}
-        return dataclasses.replace(self, hosts=tuple(h for h in self.hosts if h in chosen))
+    def set_kv_cache_scales(self, scales) -> None:
+        """Every serving engine takes the FP8 KV-cache scales; one that died meanwhile is restarted, or retired past
+        its restart budget, as in a weight sync."""
+        results = from_every_engine(lambda: self.manager.set_kv_cache_scales(scales), self.layout)
+        self._retire(*retire(results, self.layout, self.config.min_engines))
 
+    def set_refit_reference(self, reference: RefitReference) -> None:
+        """The trainer's probe log-probs for the weights every engine now holds: an engine restarted later serves
+        again only once its own agree with them."""
+        if self.manager is not None:
+            self.manager.refit_reference = reference
 
-def engine_name(rank: int) -> str:
-    """How messages name the engine driven by global rank `rank`, on the node of the calling process."""
-    return f"engine {rank} (rank {rank} on {node_name()})"
+    def evaluate(self, step: int | None = None) -> dict[str, float]:
+        """Held-out accuracy: each serving engine evaluates its share of the held-out prompts, every rank gets the
+        means. Before the first step (`step` None) an engine's failure stops the run; later a dead engine's share
+        is skipped for this evaluation."""
+        def evaluate_share(prompts: range):
+            if step is None:
+                return self.manager.evaluate(prompts)
+            return self.manager.evaluate_unless_dead(step, prompts)
 
+        prompts = range(self.eval_prompts)
+        return mean_rewards(from_every_engine(lambda: evaluate_share(self.layout.share(prompts, self.layout.rank)),
+                                              self.layout))
 
-def cpu_core_of(engine: int) -> str:
-    """The CPU core a CPU engine's worker is bound to when a node runs several (one each, round robin over the
-    cores this process may use)."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
-    return str(cores[engine % len(cores)])
+    def verify_refit(self, ddp_chunks: list, probe: list[int], groups, vocab_size: int, reference: RefitReference,
+                     engines: int, turn: int, moe: bool) -> dict[str, float]:
+        """The refit check of `engines` serving engines (0: every one), the `turn`-th run of them over the fleet."""
+        return verify_refit_on_all_ranks(self.manager.engine if self.manager else None, ddp_chunks, probe, groups,
+                                         vocab_size, reference.precision, self.layout.rotating(engines, turn), moe,
+                                         reference.trainer_logprobs)
 
+    def close(self) -> None:
+        """Release the node copies, the engine and its reward workers."""
+        self.node_copies.close()
+        if self.manager is not None:
+            self.manager.engine.shutdown()
+            self.manager.scorer.close()
 
-def engine_gpus(engine: int, tensor_parallel: int, trainer_gpus: int, node_gpus: int) -> tuple[int, ...]:
-    """The GPUs (indices among the node's visible ones) of a node's `engine`-th engine of `tensor_parallel` GPUs:
-    after the trainer's `trainer_gpus` when the node has more (`node_gpus`; dedicated, as `rollout.placement`
-    plans separate engines), else from its host rank's GPU on (beside trainer ranks, as one engine always ran
-    beside rank 0). `check_engine_gpus` refuses what does not fit."""
-    first = trainer_gpus if node_gpus > trainer_gpus else 0
-    start = first + engine * tensor_parallel
-    return tuple(range(start, start + tensor_parallel))
-
-
-def check_engine_gpus(engines: int, tensor_parallel: int, trainer_gpus: int, node_gpus: int) -> None:
-    """Refuse a node's engines whose GPUs (`engine_gpus`) would overlap or lie beyond the node's, naming the flags."""
-    need, spare = engines * tensor_parallel, node_gpus - trainer_gpus
-    if (spare > 0 and need > spare) or need > node_gpus:
-        where = (f"its {spare} GPU(s) beyond the {trainer_gpus} trainer ranks (--nproc-per-node)" if spare > 0 else
-                 f"its {node_gpus} GPUs")
-        raise ArgumentValidationError(
-            f"--rollout-engines-per-node {engines} x --rollout-tensor-parallel-size {tensor_parallel} = {need} "
-            f"GPUs do not fit the node's engines into {where}; run fewer or smaller engines, or start as many "
-            "trainer ranks as the node has GPUs (engines then share their host ranks' GPUs)")
-
-
-@dataclasses.dataclass(frozen=True)
-class Retired:
-    """What `from_every_engine` returns for an engine that was retired (EngineRetiredError) while computing."""
-
-    message: str  # names the engine and its host
-
-
-def from_every_engine(compute: Callable[[], Any] | None, layout: FleetLayout) -> list:
-    """Run `compute` on every serving engine's host (others pass None) and return the hosts' values, in `hosts`
-    order, on every rank (a Retired for an engine retired meanwhile); if it raised on any host, every rank raises
-    the first engine's error (its type when one of errors.SHARED_ERRORS, RuntimeError otherwise) naming the
-    engine, its rank and its host. Values are pickled to every rank: small records only."""
-    value, failure, name = None, None, engine_name(layout.rank)
-    if layout.engine_here is not None:
-        try:
-            value = compute()
-        except EngineRetiredError as err:
-            value = Retired(f"{name}: {err}")
-        except Exception as err:  # every rank must learn of any engine's failure, whatever raised it
-            kind, message = shared_failure(err)
-            failure = (kind, f"{name}: {message}")
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (value, failure))
-    for host in layout.hosts:
-        if parts[host][1] is not None:
-            kind, message = parts[host][1]
-            raise kind(message)
-    return [parts[host][0] for host in layout.hosts]
+    def _retire(self, layout: FleetLayout, messages: list[str]) -> None:
+        """Go on with the engines still serving (`layout`), telling the user which were retired."""
+        for message in messages:
+            self.log(f"{message}; {layout.size} engine(s) serve on")
+        self.layout = layout
 
 
-def retire(results: list, layout: FleetLayout, min_engines: int, earlier: Sequence[str] = ()
-           ) -> tuple[FleetLayout, list[str]]:
-    """The layout without the engines `from_every_engine` found retired, and their messages; with fewer than
-    `min_engines` left, EngineRetiredError on every rank (every rank has the same results) naming them and those
-    retired `earlier` in the same phase (not yet told)."""
-    retired = [(host, r.message) for host, r in zip(layout.hosts, results) if isinstance(r, Retired)]
-    left = layout.without([host for host, _ in retired])
-    if retired and left.size < min_engines:
-        raise EngineRetiredError("; ".join([*earlier, *(message for _, message in retired)])
-                                 + f"; {left.size} engine(s) left, fewer than --rollout-min-engines {min_engines}: "
-                                 "stopping")
-    return left, [message for _, message in retired]
+def build_fleet(config, tokenizer, task, seeds: tuple[int, int], model_dir: str, log, routing_replay: bool,
+                with_advantages: Callable[[RolloutBatch], RolloutBatch], data_parallel_rank: int,
+                arena_rank: int) -> RolloutFleet:
+    """Collective on every rank: place the fleet (every rank learns every rank's node and DP rank), start each
+    engine on its host rank from `model_dir` (an HF export of the initial policy) with its rollout manager, and
+    the node copies of the staging arena held by `arena_rank`. `config` is the run's `arguments.GRPORunConfig`,
+    `seeds` the run's (data, rollout) seeds, `log` its `logging.RunLogger`."""
+    places = [None] * dist.get_world_size()
+    dist.all_gather_object(places, (node_name(), data_parallel_rank))
+    node_of = [node for node, _ in places]
+    colocated = config.engine.placement == "colocated"  # then every rank holds an engine
+    layout = FleetLayout.per_node(dist.get_world_size() if colocated else config.cluster.engines_per_node,
+                                  dist.get_rank(), node_of)
+    loop, trainer, index = config.loop, config.trainer, layout.engine_here
+    manager = None
+    if index is not None:
+        sampling = SamplingConfig(n=loop.group_size, temperature=loop.temperature, top_p=loop.top_p,
+                                  max_new_tokens=loop.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
+        plan = RolloutPlan(loop.prompts_per_step, sampling, loop.eval_samples, trainer.training.seed,
+                           trainer.model.seq_length, with_advantages, routing_replay)
+        several, out = layout.size > 1, trainer.logging.output_dir
+        engine = RolloutEngine(engine_config(config.engine, model_dir, index, several, arena_rank),
+                               os.path.join(out, f"engine-{index}" if several else "engine"))
+        manager = RolloutManager(engine, tokenizer, task, plan, *seeds, engine_log(log, index, several),
+                                 RewardScorer(task.reward, config.rewards),
+                                 serving_policy(config.fleet, separate=not colocated))
+    dist.barrier()
+    copies = NodeCopies(arena_rank, node_leaders(layout.hosts, node_of, arena_rank), dist.get_rank())
+    return RolloutFleet(layout, node_of, [dp for _, dp in places], data_parallel_rank, manager, copies, config.fleet,
+                        loop.prompts_per_step, len(task.eval), trainer.training.max_tokens_per_microbatch is not None,
+                        lambda message: log.info(message))
 
 
-def apply_on_every_engine(weights, copies, layout: FleetLayout, node_of: list[str], apply: Callable[[Any], Any],
-                          sync_id: int) -> list:
-    """Collective on every rank, after the bridge committed a sync (`weights`: the verified arena, on every rank):
-    forward it to the other nodes' copies (`bridge.node_copies.NodeCopies`); if any copy differs, SyncError on every
-    rank before any engine applies anything; else every serving engine applies its node's copy (the arena itself on
-    the arena's node) with `apply`. Return `from_every_engine`'s results (what `apply` returned, or Retired)."""
-    copy, error = copies.forward(weights)
-    if error is not None:
-        error = f"node {node_name()} (rank {layout.rank}): {error}"
-    verdicts = from_every_engine(lambda: (copy, error), layout)
-    errors = [error for _, error in verdicts if error is not None]
-    if errors:
-        raise SyncError(f"sync {sync_id} refused, every engine keeps its weights: " + "; ".join(errors))
-    node_weights = {node_of[host]: copy for host, (copy, _) in zip(layout.hosts, verdicts) if copy is not None}
-    return from_every_engine(lambda: apply(node_weights.get(node_of[layout.rank], weights)), layout)
+def engine_config(engine: EngineConfig, model_dir: str, index: int, several: bool, arena_rank: int) -> EngineConfig:
+    """This host's engine: a node's engines are driven by its first ranks, the k-th on its k-th CPU core when
+    there are several; on GPUs a separate one takes GPUs of its own beyond the trainer's (else from its host
+    rank's GPU on: `fleet_layout.engine_gpus`), a colocated one its rank's GPU. The staging arena counts against the
+    engine's memory when it is on the engine's first GPU."""
+    local_rank = int(os.environ.get("LOCAL_RANK", index))
+    if not torch.cuda.is_available():
+        return dataclasses.replace(engine, model_dir=model_dir, cpu_core=cpu_core_of(local_rank) if several else None)
+    gpus = None
+    if engine.placement == "separate":
+        gpus = engine_gpus(local_rank, engine.tensor_parallel_size, ranks_on_this_node(dist.get_world_size()),
+                           torch.cuda.device_count())
+    arena_here = dist.get_rank() == arena_rank and (gpus or (local_rank,))[0] == torch.cuda.current_device()
+    return dataclasses.replace(engine, model_dir=model_dir, gpus=gpus,
+                               gpu_staging_arena=engine.gpu_staging_arena and arena_here)
 
 
-@dataclasses.dataclass(frozen=True)
-class RowsRecord:
-    """What an engine's host tells every rank about the rows of one run of prompts it made (small: a few numbers
-    per row)."""
-
-    host: int
-    first_prompt: int
-    lengths: tuple[int, ...]  # each row's length to its last response token (`batching.row_lengths`)
-    rewards: tuple[float, ...]
-    response_tokens: int
-    group_size: int
-    columns: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]  # each row tensor's name, dtype, shape past rows
-    reward_failures: int
-    reward_timeouts: int
-    seconds: float  # how long the engine's host took to make them
-
-    @classmethod
-    def of(cls, batch, host: int, first_prompt: int, seconds: float) -> "RowsRecord":
-        from megatron_ais.grpo.batching import row_lengths
-
-        return cls(host, first_prompt, tuple(row_lengths(batch.mask)), tuple(batch.rewards.tolist()),
-                   int(batch.mask.sum()), batch.group_size,
-                   tuple((name, t.dtype, tuple(t.shape[1:])) for name, t in row_tensors(batch)),
-                   batch.reward_failures, batch.reward_timeouts, seconds)
-
-    def empty(self, rows: int) -> dict[str, torch.Tensor]:
-        """Tensors for `rows` of these rows (what a receiver fills)."""
-        return {name: torch.empty((rows,) + shape, dtype=dtype) for name, dtype, shape in self.columns}
-
-    def nbytes(self, rows: int) -> int:
-        return rows * sum(dtype.itemsize * math.prod(shape) for _, dtype, shape in self.columns)
+def serving_policy(config: FleetConfig, separate: bool) -> ServingPolicy:
+    """Separate engines restart alone; a colocated one lives in its trainer rank, whose vLLM groups span every
+    rank: it is not restarted (its failure is the rank's)."""
+    return ServingPolicy(config.max_engine_restarts if separate else 0,
+                         config.generation_timeout_s if separate else None)
 
 
-def row_tensors(batch) -> list[tuple[str, torch.Tensor]]:
-    """The batch's per-row tensors (its advantages included), by name."""
-    return [(name, getattr(batch, name)) for name in ROW_TENSORS if getattr(batch, name) is not None]
-
-
-@dataclasses.dataclass
-class MadeRows:
-    """A step's rows as the engines made them: every rank's records (in prompt order), the serving engines after
-    any retirement, and on each host the RolloutBatch of each of its records (by first prompt)."""
-
-    records: list[RowsRecord]
-    layout: FleetLayout
-    made: dict[int, Any]
-    retired: list[str]
-
-
-def make_rows(make: Callable[[range], Any] | None, layout: FleetLayout, count: int, min_engines: int) -> MadeRows:
-    """Every serving engine makes the rows of its share of prompts 0 .. count - 1 (`make(prompts)` on its host: a
-    RolloutBatch with advantages); the share of an engine retired meanwhile goes to the others, until every prompt
-    is made or fewer than `min_engines` serve (EngineRetiredError on every rank)."""
-    pending, records, made, retired = [range(count)], [], {}, []
-    while pending:
-        assigned = {host: [layout.share(p, host) for p in pending if layout.share(p, host)] for host in layout.hosts}
-
-        def make_assigned() -> list[RowsRecord]:
-            out = []
-            for prompts in assigned[layout.rank]:
-                start = time.perf_counter()
-                made[prompts.start] = make(prompts)
-                out.append(RowsRecord.of(made[prompts.start], layout.rank, prompts.start, time.perf_counter() - start))
-            return out
-
-        results = from_every_engine(make_assigned, layout)
-        pending = [p for host, r in zip(layout.hosts, results) if isinstance(r, Retired) for p in assigned[host]]
-        records += [record for r in results if not isinstance(r, Retired) for record in r]
-        layout, messages = retire(results, layout, min_engines, retired)
-        retired += messages
-    return MadeRows(sorted(records, key=lambda r: r.first_prompt), layout, made, retired)
-
-
-def tokens_per_second(records: list[RowsRecord]) -> dict[int, float]:
-    """Each engine's response tokens per second of making its rows (all its runs of prompts together)."""
-    made: dict[int, list[float]] = {}
-    for record in records:
-        tokens_seconds = made.setdefault(record.host, [0.0, 0.0])
-        tokens_seconds[0] += record.response_tokens
-        tokens_seconds[1] += record.seconds
-    return {host: tokens / max(seconds, 1e-9) for host, (tokens, seconds) in made.items()}
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRollouts:
-    """One step's rollouts as a rank holds them: the rows its DP rank trains on (`batch`, advantages included) and
-    the batch-wide figures every rank knows."""
-
-    batch: object  # grpo.step.RolloutBatch of this rank's rows
-    rewards: torch.Tensor  # [B] every row's reward, in batch order
-    response_tokens: int
-    reward_failures: int
-    reward_timeouts: int
-    received_bytes: int  # row bytes this rank was sent by other ranks
-    held_bytes: int  # row bytes of the rows it trains on
-    batch_bytes: int  # row bytes of the whole batch
-    engine_tokens_per_s: dict[int, float]  # each engine's response tokens per second of making its rows
-    first_host: int  # the host that made the batch's first rows
-    first_rows: object = None  # their RolloutBatch, on that host (None elsewhere)
-
-
-def exchange_rows(rows: MadeRows, data_parallel_rank_of: list[int], data_parallel_rank: int,
-                  balanced: bool) -> StepRollouts:
-    """Every rank's rows from the engines' hosts, by point-to-point sends (each host sends each rank only rows of
-    its DP rank). `data_parallel_rank_of` is every global rank's DP rank, `balanced` whether DP shares balance
-    tokens (--max-tokens-per-microbatch) rather than being contiguous."""
-    from megatron_ais.grpo.step import RolloutBatch, data_parallel_rows
-
-    records, me = rows.records, rows.layout.rank
-    offsets = [0]
-    for record in records:
-        offsets.append(offsets[-1] + len(record.lengths))
-    shares = data_parallel_rows([n for record in records for n in record.lengths], max(data_parallel_rank_of) + 1,
-                                balanced)
-
-    def record_rows(index: int, dp_rank: int) -> list[int]:
-        return [row - offsets[index] for row in shares[dp_rank] if offsets[index] <= row < offsets[index + 1]]
-
-    requests, pieces, received = [], [], 0
-    for index, record in enumerate(records):  # every pair of ranks meets its messages in this order
-        if record.host == me:
-            tensors = row_tensors(rows.made[record.first_prompt])
-            for rank, dp_rank in enumerate(data_parallel_rank_of):
-                wanted = record_rows(index, dp_rank)
-                if rank != me and wanted:
-                    requests += [dist.isend(t[wanted].contiguous(), dst=rank) for _, t in tensors]
-            mine = record_rows(index, data_parallel_rank)
-            if mine:
-                pieces.append({name: t[mine] for name, t in tensors})
-            continue
-        mine = record_rows(index, data_parallel_rank)
-        if mine:
-            piece = record.empty(len(mine))
-            requests += [dist.irecv(t, src=record.host) for t in piece.values()]
-            received += record.nbytes(len(mine))
-            pieces.append(piece)
-    for request in requests:
-        request.wait()
-    batch = RolloutBatch(**{name: torch.cat([piece[name] for piece in pieces]) for name in pieces[0]},
-                         group_size=records[0].group_size)
-    return StepRollouts(batch, torch.tensor([r for record in records for r in record.rewards]),
-                        response_tokens=sum(r.response_tokens for r in records),
-                        reward_failures=sum(r.reward_failures for r in records),
-                        reward_timeouts=sum(r.reward_timeouts for r in records), received_bytes=received,
-                        held_bytes=records[0].nbytes(len(shares[data_parallel_rank])),
-                        batch_bytes=sum(r.nbytes(len(r.lengths)) for r in records),
-                        engine_tokens_per_s=tokens_per_second(records),
-                        first_host=records[0].host, first_rows=rows.made.get(0) if records[0].host == me else None)
+def engine_log(log, index: int, several: bool) -> Callable[[str], None]:
+    """Where engine `index`'s manager tells the user what happened to it: the run's log on the logging rank,
+    stderr on other hosts; lines name the engine when there are several."""
+    prefix = f"engine {index}: " if several else ""
+    if log.enabled:
+        return lambda message: log.info(prefix + message)
+    return lambda message: print(prefix + message, file=sys.stderr, flush=True)

@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import FlagConfig, flag
+from megatron_ais.forward import compute_logprobs, split_micro_batches
+from megatron_ais.model import unwrap_model
 
 FP8_E4M3_MAX = 448.0
 QKV = ("q", "k", "v")
@@ -79,8 +81,6 @@ class AttentionAmax:
     pipeline schedule runs them: each model chunk sees its micro-batches in order in a forward-only pass)."""
 
     def __init__(self, ddp_chunks: list, num_layers: int, valid: list[torch.Tensor]):
-        from megatron_ais.model import unwrap_model
-
         self.num_layers, self.valid = num_layers, valid
         self.calls: dict[int, int] = {}
         self.maxima: dict[int, torch.Tensor] = {}  # on the activations' device: no host sync per layer
@@ -120,8 +120,6 @@ def attention_amax(ddp_chunks: list, sequences: list[list[int]], seq_length: int
     """Run `sequences` (every rank of a model-parallel group passes the same ones), padded with token-less rows to
     `rows` (default: as many as there are sequences) and to whole micro-batches, through the policy's forward;
     return this rank's [num_layers, 3] max |q|, |k|, |v| over their tokens (zeros for layers it does not hold)."""
-    from megatron_ais.grpo.step import compute_logprobs, split_micro_batches
-
     count = max(len(sequences), rows or 0)
     count = -(-count // micro_batch_size) * micro_batch_size
     if count == 0:

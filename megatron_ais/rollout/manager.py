@@ -7,7 +7,9 @@ import dataclasses
 import random
 from typing import Any, Callable
 
+from megatron_ais.batch import RolloutBatch
 from megatron_ais.errors import ArgumentValidationError, EngineRetiredError, GenerationTimeoutError, RolloutError
+from megatron_ais.rollout.batch import rollouts_to_batch
 from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
 from megatron_ais.rollout.rewards import RewardScorer, Scores
 
@@ -53,7 +55,9 @@ class RolloutPlan:
     eval_samples: int
     eval_seed: int
     seq_length: int
-    advantages: object  # grpo.advantages.AdvantageConfig: the engine's host computes its groups' advantages
+    # the batch (whole groups) with its rows' group advantages: the engine's host computes them (the loop passes
+    # `grpo.advantages.with_advantages` with the run's options)
+    with_advantages: Callable[[RolloutBatch], RolloutBatch]
     routing_replay: bool = False  # MoE: the engine routes every rollout once more for the trainer to replay
 
 
@@ -96,9 +100,6 @@ class RolloutManager:
                                           timeout_s=self.policy.generation_timeout_s)
 
     def _collect(self, step: int, prompts: range):
-        from megatron_ais.grpo.step import with_advantages
-        from megatron_ais.rollout.batch import rollouts_to_batch
-
         sampling = dataclasses.replace(self.plan.sampling, seed=self.rollout_seed * 100003 + step)
         examples, rollouts = self._generate(step_examples(self.task, self.plan.prompts_per_step, self.data_seed, step),
                                             prompts, sampling)
@@ -108,8 +109,8 @@ class RolloutManager:
         scores = self._score(examples, rollouts, f"step {step}")
         batch = rollouts_to_batch(rollouts, scores.values, self.plan.sampling.n, self.plan.seq_length,
                                   self.tokenizer.pad_token_id, routes)
-        return with_advantages(dataclasses.replace(batch, reward_failures=scores.failed,
-                                                   reward_timeouts=scores.timed_out), self.plan.advantages)
+        return self.plan.with_advantages(dataclasses.replace(batch, reward_failures=scores.failed,
+                                                             reward_timeouts=scores.timed_out))
 
     def _serving(self, action: Callable[[], Any], what: str) -> Any:
         """`action()`, restarting the engine and asking again each time it died or ran past the generation timeout

@@ -27,7 +27,8 @@ import dataclasses
 
 from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import FlagConfig, flag
-from megatron_ais.rollout.fleet import engine_gpus
+from megatron_ais.model import ModelShape
+from megatron_ais.rollout.fleet_layout import engine_gpus
 
 GIB = 1024 ** 3
 ENGINE_WORKSPACE_GIB = 2.0
@@ -311,8 +312,6 @@ def format_placement(plan: Placement, layout, model_name: str) -> str:
 def describe_placement(config, hf_config: dict, model_name: str) -> str:
     """`--print-placement`: the plan of a run's configs (arguments.GRPORunConfig built for the planned trainer world)
     and its model's HF config."""
-    from megatron_ais.model import ModelShape
-
     engine, layout = config.engine, config.trainer.layout
     plan = plan_placement(config.cluster, layout, ModelShape.from_hf_config(hf_config), mode=engine.placement,
                           rollout_tp=engine.tensor_parallel_size, precision=engine.precision,

@@ -22,9 +22,14 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from megatron_ais.distributed import from_last_stage, gather_on, share
 from megatron_ais.errors import RefitVerificationError
+from megatron_ais.forward import compute_logprobs, split_micro_batches
+from megatron_ais.model import unwrap_model
+from megatron_ais.rollout.fleet_layout import engine_name, from_every_engine
 
 # (statistic, bound): fp32 is checked on the max, the low-precision engines on the trimmed mean
 TOLERANCES = {"fp32": ("max", 1e-4), "bf16": ("trimmed mean", 0.25), "fp8": ("trimmed mean", 0.5),
@@ -127,8 +132,6 @@ def layer_diagnosis(errors: list[float], precision: str) -> str:
 def trainer_probe_logprobs(ddp_chunks: list, probe: list[int], groups, vocab_size: int) -> torch.Tensor | None:
     """The trainer's teacher-forced log-probs of probe[1:] through the pipeline schedule (every stage calls it;
     the result is on the last stage, None elsewhere)."""
-    from megatron_ais.grpo.step import compute_logprobs, split_micro_batches
-
     row = {"tokens": torch.tensor([probe[:-1]]), "labels": torch.tensor([probe[1:]])}
     logprobs = compute_logprobs(ddp_chunks, split_micro_batches(row, 1), len(probe) - 1, 1, groups, vocab_size)
     return None if logprobs is None else logprobs[0].cpu()  # compared with the engine's on the host
@@ -139,11 +142,6 @@ def _probe_with_hooks(ddp_chunks: list, probe: list[int], groups, vocab_size: in
     """Run the probe through the trainer's pipeline schedule with a forward hook on `pick(layer)` of every decoder
     layer that has one; `capture(output)` turns the module's output into a [tokens, ...] tensor (sequence-parallel
     outputs are gathered over TP first). Return {global layer index: captured} on TP rank 0 and DP rank 0 only."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
-    from megatron_ais.model import unwrap_model
-
     captured: dict[int, torch.Tensor] = {}
 
     def hook(layer):
@@ -215,12 +213,12 @@ def _merged(parts: list[dict]) -> list:
 
 def trainer_probe_reference(ddp_chunks: list, probe: list[int], groups, vocab_size: int) -> torch.Tensor:
     """The trainer's probe log-probs on every rank (collective over the pipeline)."""
-    return from_last_stage(trainer_probe_logprobs(ddp_chunks, probe, groups, vocab_size))
+    return from_last_stage(trainer_probe_logprobs(ddp_chunks, probe, groups, vocab_size), groups.pipeline_group)
 
 
 def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups, vocab_size: int, precision: str,
                               fleet, moe: bool = False, trainer: torch.Tensor | None = None) -> dict[str, float]:
-    """Collective refit check of the engines of `fleet` (`rollout.fleet.FleetLayout`: every serving engine, or
+    """Collective refit check of the engines of `fleet` (`rollout.fleet_layout.FleetLayout`: every serving engine, or
     the turn's few of them, `FleetLayout.rotating`): every stage scores the
     probe (the last stage's log-probs go to the first), each engine's host (`engine` there, None elsewhere) compares
     them with its engine's. A failed check names the engine, its host and the first decoder layer whose output
@@ -230,8 +228,6 @@ def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups
     engine's host) the fraction of probe (token, layer) pairs whose top-k experts differ between its engine and the
     trainer (`rollout/routing_mismatch`). `trainer`: the trainer's probe log-probs when already computed
     (`trainer_probe_reference`)."""
-    from megatron_ais.rollout.fleet import engine_name, from_every_engine
-
     if trainer is None:
         trainer = trainer_probe_reference(ddp_chunks, probe, groups, vocab_size)
     reference = RefitReference(probe, trainer, precision)

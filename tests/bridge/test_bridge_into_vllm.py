@@ -23,7 +23,7 @@ def _hf_logprobs(state_dict, hf_dir):
 
 def _engine_worker(old_dir, new_dir, precision, work):
 
-    from kernels.fp8_blockwise import blockwise_fp8_dequantize
+    from kernels.fp8.format import blockwise_fp8_dequantize
     from distributed import start_trainer
     from megatron_ais.bridge.quantization import QuantizationPolicy
     from megatron_ais.bridge.config import BridgeConfig
@@ -32,8 +32,9 @@ def _engine_worker(old_dir, new_dir, precision, work):
     from megatron_ais.bridge.receiver import SyncReceiver
     from megatron_ais.errors import SyncError
     from megatron_ais.training import load_policy_chunks
-    from megatron_ais.rollout.engine import EngineConfig, RolloutEngine
-    from megatron_ais.rollout.feeds import named_tensors
+    from megatron_ais.rollout.engine import RolloutEngine
+    from megatron_ais.rollout.engine_config import EngineConfig
+    from megatron_ais.rollout.feeds.base import named_tensors
 
     engine = RolloutEngine(EngineConfig(model_dir=old_dir, precision=precision, kv_cache_gb=0.25,
                                         placement="colocated"), work)

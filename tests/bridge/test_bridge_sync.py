@@ -5,7 +5,7 @@ import torch
 
 from conftest import make_model_dir
 from distributed import spawn
-from kernels.fp8_blockwise import blockwise_fp8_dequantize
+from kernels.fp8.format import blockwise_fp8_dequantize
 from megatron_ais.mapping.hf_io import HFCheckpointReader
 
 BUCKET_MB = 0.05
@@ -20,7 +20,7 @@ def _bridge_worker(cases):
     from megatron_ais.bridge.quantization import QuantizationPolicy
     from megatron_ais.bridge.receiver import SyncReceiver
     from megatron_ais.bridge.sync import WeightBridge
-    from megatron_ais.rollout.feeds import named_tensors
+    from megatron_ais.rollout.feeds.base import named_tensors
     from megatron_ais.training import load_policy_chunks
 
     out = []
@@ -164,7 +164,7 @@ def _memory_worker(hf_dir, bucket_mb):
                           transport="distributed")
     bridge = WeightBridge(chunks, build, config, layout, receiver)
     stage_bytes = sum(p.numel() * p.element_size() for p in chunks[0].parameters())
-    from kernels.cpu_bridge import library
+    from kernels.cpu_library import library
 
     library()
 
@@ -252,7 +252,7 @@ def _written_by_worker(hf_dir, paths, tp=2):
     from megatron_ais.bridge.sync import WeightBridge
     from megatron_ais.bridge.receiver import SyncReceiver
     from megatron_ais.errors import SyncError
-    from megatron_ais.rollout.feeds import named_tensors
+    from megatron_ais.rollout.feeds.base import named_tensors
 
     chunks, build, layout = _bf16_model(hf_dir, "--tensor-model-parallel-size", tp)
     fc2 = next(p for n, p in chunks[0].named_parameters() if n.endswith("decoder.layers.1.mlp.linear_fc2.weight"))

@@ -14,7 +14,7 @@ def _rollout_batch(hf_dir):
     """A synthetic rollout batch: random responses, 'engine' log-probs = HF fp32 log-probs + FP8-like noise."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_ais.grpo.step import RolloutBatch
+    from megatron_ais.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(5)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -36,7 +36,8 @@ def _worker(hf_dir, tp, log_dir):
     from megatron_ais.ais import AISConfig, AISState
     from distributed import start_trainer
     from megatron_ais.grpo.loss import PolicyLossConfig
-    from megatron_ais.grpo.step import GRPOConfig, ParallelGroups, grpo_train_step
+    from megatron_ais.forward import ParallelGroups
+    from megatron_ais.grpo.step import GRPOConfig, grpo_train_step
     from megatron_ais.logging import LoggingConfig, RunLogger, grpo_console_line
     from megatron_ais.training import build_reference_chunks, setup_model_and_optimizer
 

@@ -5,7 +5,7 @@ import torch
 
 from distributed import spawn
 from megatron_ais.grpo.advantages import group_advantages
-from megatron_ais.grpo.logprobs import vocab_parallel_logprobs
+from megatron_ais.forward import vocab_parallel_logprobs
 
 VOCAB, PADDED = 300, 384  # 84 padded columns, all on the second TP rank
 

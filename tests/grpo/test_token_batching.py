@@ -10,8 +10,8 @@ import torch
 from bench_train import rollout_batch
 from conftest import make_model_dir
 from distributed import spawn
-from megatron_ais.grpo.batching import (balanced_partition, micro_batches, row_lengths, scatter_rows,
-                                        token_budget_plan)
+from megatron_ais.batch import balanced_partition, row_lengths
+from megatron_ais.forward import micro_batches, scatter_rows, token_budget_plan
 
 S, B, GROUP = 32, 8, 4
 LENGTHS = [31, 6, 9, 5, 22, 7, 5, 12]  # sequence lengths (prompt of 4 + response), long-tailed
@@ -24,9 +24,10 @@ def _worker(hf_dir, layouts):
 
     from distributed import start_trainer
     from megatron_ais.ais import AISConfig, AISState
-    from megatron_ais.grpo.batching import fixed_plan
+    from megatron_ais.forward import fixed_plan
     from megatron_ais.grpo.loss import PolicyLossConfig
-    from megatron_ais.grpo.step import GRPOConfig, ParallelGroups, grpo_train_step, score_rows
+    from megatron_ais.forward import ParallelGroups, score_rows
+    from megatron_ais.grpo.step import GRPOConfig, grpo_train_step
     from megatron_ais.training import build_reference_chunks, setup_model_and_optimizer
 
     out = {}

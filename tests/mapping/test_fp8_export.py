@@ -12,7 +12,7 @@ import torch
 import convert_checkpoint
 from conftest import make_model_dir
 from distributed import spawn
-from kernels.fp8_blockwise import blockwise_fp8_dequantize
+from kernels.fp8.format import blockwise_fp8_dequantize
 from megatron_ais.mapping.hf_io import HFCheckpointReader
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
@@ -31,7 +31,7 @@ def _bridged(load):
     from megatron_ais.bridge.quantization import QuantizationPolicy
     from megatron_ais.bridge.receiver import SyncReceiver
     from megatron_ais.bridge.sync import WeightBridge
-    from megatron_ais.rollout.feeds import named_tensors
+    from megatron_ais.rollout.feeds.base import named_tensors
     from megatron_ais.training import load_policy_chunks
 
     trainer, _, build = start_trainer("--load", load, "--tensor-model-parallel-size", 2, "--seq-length", 16)

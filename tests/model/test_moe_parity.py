@@ -101,7 +101,7 @@ def _replay_worker(hf_dir, tp, ep, pp):
     from transformers import AutoModelForCausalLM
 
     from distributed import start_trainer
-    from megatron_ais.grpo.step import ParallelGroups, forward_logprobs
+    from megatron_ais.forward import ParallelGroups, forward_logprobs
     from megatron_ais.mapping.distributed import load_hf_weights
     from megatron_ais.model import build_model_chunks
     from megatron_ais.platform import to_device

@@ -11,7 +11,7 @@ from distributed import spawn
 
 def _whole_batch(rows: int, group_size: int, seq_length: int, seed: int):
     """A batch of whole groups with varied response lengths and rewards (what engines would make)."""
-    from megatron_ais.grpo.step import RolloutBatch
+    from megatron_ais.batch import RolloutBatch
 
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 100, (rows, seq_length), generator=generator)
@@ -30,10 +30,12 @@ def _worker(engines: int, balanced: bool, retiring: bool):
 
     from megatron_ais.errors import EngineRetiredError, RolloutError
     from megatron_ais.grpo.advantages import AdvantageConfig
-    from megatron_ais.grpo.batching import row_lengths
-    from megatron_ais.grpo.step import data_parallel_rows, with_advantages
+    from megatron_ais.batch import row_lengths
+    from megatron_ais.batch import data_parallel_rows
+    from megatron_ais.grpo.advantages import with_advantages
     from megatron_ais.initialize import initialize_distributed
-    from megatron_ais.rollout.fleet import FleetLayout, exchange_rows, from_every_engine, make_rows
+    from megatron_ais.rollout.fleet_layout import FleetLayout, from_every_engine
+    from megatron_ais.rollout.rows import exchange_rows, make_rows
 
     if not dist.is_initialized():
         initialize_distributed()
@@ -107,7 +109,7 @@ def _check_case(engines, balanced, retiring, results):
 
 
 def test_prompt_shares_cover_the_step_in_order():
-    from megatron_ais.rollout.fleet import FleetLayout
+    from megatron_ais.rollout.fleet_layout import FleetLayout
 
     for engines in (1, 2, 3, 5):
         layout = FleetLayout.first_ranks(engines, 0)
@@ -120,7 +122,7 @@ def test_prompt_shares_cover_the_step_in_order():
 
 
 def test_refit_checks_rotate_over_the_serving_engines():
-    from megatron_ais.rollout.fleet import FleetLayout
+    from megatron_ais.rollout.fleet_layout import FleetLayout
 
     layout = FleetLayout((0, 1, 8, 9, 16), rank=0)
     assert layout.rotating(0, 3) == layout and layout.rotating(5, 3) == layout  # 0 or all: every engine
@@ -136,7 +138,7 @@ def test_stopping_names_every_engine_retired_in_the_step():
     """Engine 1 retired in a step's first round, engine 0 in the round that made engine 1's share: the stop names
     both (the first had not yet been told)."""
     from megatron_ais.errors import EngineRetiredError
-    from megatron_ais.rollout.fleet import FleetLayout, Retired, retire
+    from megatron_ais.rollout.fleet_layout import FleetLayout, Retired, retire
 
     left, told = retire([("rows",), Retired("engine 1: died")], FleetLayout((0, 1), rank=0), min_engines=1)
     assert left.hosts == (0,) and told == ["engine 1: died"]
@@ -148,7 +150,7 @@ def test_stopping_names_every_engine_retired_in_the_step():
 def test_sharded_evaluation_means_are_the_whole_evaluations():
     """Each engine evaluates its share of the held-out prompts (the samples equal one engine's: per-prompt seeds,
     tests/rollout/test_fleet_nodes.py) and returns sums and counts; their means are the whole evaluation's."""
-    from megatron_ais.rollout.fleet import FleetLayout
+    from megatron_ais.rollout.fleet_layout import FleetLayout
     from megatron_ais.rollout.manager import mean_rewards
 
     rewards = [[1.0, 0.0], [0.5, 0.5], [0.0, 0.0], [1.0, 1.0], [0.25, 1.0], [0.0, 1.0], [1.0, 0.75]]  # per prompt

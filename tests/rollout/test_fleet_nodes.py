@@ -28,10 +28,11 @@ def _worker(hf_dir, work):
     from megatron_ais.bridge.quantization import QuantizationPolicy, quantize_for_engine
     from megatron_ais.distributed import node_name
     from megatron_ais.errors import RefitVerificationError, SyncError
-    from megatron_ais.grpo.step import ParallelGroups
+    from megatron_ais.forward import ParallelGroups
     from megatron_ais.mapping.hf_io import HFCheckpointReader
-    from megatron_ais.rollout.engine import EngineConfig, RolloutEngine, SamplingConfig
-    from megatron_ais.rollout.fleet import FleetLayout, apply_on_every_engine
+    from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
+    from megatron_ais.rollout.engine_config import EngineConfig
+    from megatron_ais.rollout.fleet_layout import FleetLayout, apply_on_every_engine
     from megatron_ais.rollout.verify import probe_tokens, verify_refit_on_all_ranks
     from megatron_ais.training import load_policy_chunks
 

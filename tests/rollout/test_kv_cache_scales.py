@@ -50,7 +50,7 @@ def rescaled_model(root) -> str:
 
 def _calibrate(hf_dir, tp, sequences, micro_batch_size):
     from distributed import start_trainer
-    from megatron_ais.grpo.step import ParallelGroups
+    from megatron_ais.forward import ParallelGroups
     from megatron_ais.rollout.kv_scales import attention_amax, calibrate_kv_cache_scales
     from megatron_ais.training import load_policy_chunks
 
@@ -96,7 +96,8 @@ def test_calibration_equals_references_across_tp_dp_and_padding(model_root):
 
 
 def _engine_worker(hf_dir, original_dir, work):
-    from megatron_ais.rollout.engine import EngineConfig, RolloutEngine
+    from megatron_ais.rollout.engine import RolloutEngine
+    from megatron_ais.rollout.engine_config import EngineConfig
     from megatron_ais.rollout.kv_scales import KVCacheScales
 
     probe = SEQUENCES[2] + SEQUENCES[0]

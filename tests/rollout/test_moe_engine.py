@@ -28,9 +28,10 @@ def _moe_engine_worker(hf_dir, work, precision, activations="none"):
     from megatron_ais.bridge.layout import BridgeLayout
     from megatron_ais.bridge.sync import WeightBridge
     from megatron_ais.bridge.receiver import SyncReceiver
-    from megatron_ais.grpo.step import ParallelGroups, compute_logprobs, split_micro_batches
+    from megatron_ais.forward import ParallelGroups, compute_logprobs, split_micro_batches
     from megatron_ais.rollout.batch import rollouts_to_batch
-    from megatron_ais.rollout.engine import EngineConfig, RolloutEngine, SamplingConfig
+    from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
+    from megatron_ais.rollout.engine_config import EngineConfig
     from megatron_ais.rollout.verify import probe_tokens, routing_mismatch, trainer_routing
     from megatron_ais.training import load_policy_chunks
 

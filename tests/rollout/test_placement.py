@@ -142,7 +142,7 @@ def test_a_fleet_the_run_cannot_drive_is_refused(monkeypatch, capsys, tmp_path, 
 
 
 def test_engines_take_gpus_of_their_own_when_the_node_has_them_else_their_host_ranks():
-    from megatron_ais.rollout.fleet import check_engine_gpus, engine_gpus
+    from megatron_ais.rollout.fleet_layout import check_engine_gpus, engine_gpus
 
     # 4 trainer ranks on 8 GPUs: the engines on GPUs 4-7, as the planner places them
     assert [engine_gpus(k, 1, 4, 8) for k in range(4)] == [(4,), (5,), (6,), (7,)]

@@ -10,11 +10,12 @@ from distributed import spawn
 def _worker(hf_dir, work):
     from distributed import start_trainer
     from megatron_ais.bridge.quantization import QuantizationPolicy, quantize_for_engine
-    from megatron_ais.grpo.step import ParallelGroups
+    from megatron_ais.forward import ParallelGroups
     from megatron_ais.mapping.hf_io import HFCheckpointReader
     from megatron_ais.errors import RefitVerificationError
-    from megatron_ais.rollout.engine import EngineConfig, RolloutEngine
-    from megatron_ais.rollout.fleet import FleetLayout
+    from megatron_ais.rollout.engine import RolloutEngine
+    from megatron_ais.rollout.engine_config import EngineConfig
+    from megatron_ais.rollout.fleet_layout import FleetLayout
     from megatron_ais.rollout.verify import probe_tokens, verify_refit_on_all_ranks
     from megatron_ais.training import load_policy_chunks
 

@@ -14,19 +14,19 @@ GLOBAL_BATCH, MICRO_BATCH, SEQ = 8, 2, 48
 
 def _global_batch(hf_dir, step):
     from megatron_ais.data.tasks import arithmetic_task
-    from megatron_ais.sft import encode_sft_example, load_tokenizer, micro_batches
+    from megatron_ais.sft import encode_sft_example, load_tokenizer, example_micro_batches
 
     tokenizer = load_tokenizer(hf_dir)
     examples = arithmetic_task(11, 99, train_size=GLOBAL_BATCH * 3, eval_size=8).train[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]
     encoded = [encode_sft_example(tokenizer, e, SEQ) for e in examples]
-    return micro_batches(encoded, list(range(GLOBAL_BATCH)), GLOBAL_BATCH)[0]
+    return example_micro_batches(encoded, list(range(GLOBAL_BATCH)), GLOBAL_BATCH)[0]
 
 
 def _train_worker(hf_dir, precision, distributed_optimizer, extra=()):
     from megatron.core import parallel_state as ps
 
     from distributed import start_trainer
-    from megatron_ais.sft import micro_batches
+    from megatron_ais.sft import example_micro_batches
     from megatron_ais.training import lm_forward_step, reduce_lm_loss, setup_model_and_optimizer, train_step
 
     argv = ["--hf-dir", hf_dir, f"--{precision}", "--seq-length", str(SEQ), "--lr", "3e-3",
@@ -42,7 +42,7 @@ def _train_worker(hf_dir, precision, distributed_optimizer, extra=()):
         batch = _global_batch(hf_dir, step)
         rows = {k: v[dp_rank * per_rank:(dp_rank + 1) * per_rank] for k, v in batch.items()}
         encoded = [{k: v[i] for k, v in rows.items() if k != "position_ids"} for i in range(per_rank)]
-        mbs = micro_batches(encoded, list(range(per_rank)), MICRO_BATCH)
+        mbs = example_micro_batches(encoded, list(range(per_rank)), MICRO_BATCH)
         result = train_step(ddp, optimizer, lm_forward_step, iter(mbs), len(mbs), SEQ, MICRO_BATCH)
         assert result.update_successful
         losses.append(reduce_lm_loss(result.losses, ps.get_data_parallel_group()))

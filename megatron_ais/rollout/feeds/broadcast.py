@@ -11,13 +11,12 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from megatron_ais.bridge.arena import ArenaWeights, buffer_data
-from megatron_ais.distributed import free_port, host_address
-from megatron_ais.rollout.feeds import EngineWeights
+from megatron_ais.bridge.arena import ArenaWeights, buffer_data, gpu_uuid
+from megatron_ais.distributed import CHUNK_BYTES, broadcast_bytes, free_port, host_address
+from megatron_ais.rollout.feeds.base import EngineWeights
 from megatron_ais.rollout.feeds.shared_memory import SharedMemoryFeed, entries_json
 
 TIMEOUT = datetime.timedelta(seconds=300)
-CHUNK_BYTES = 64 << 20
 
 
 def device_uuid() -> str | None:
@@ -25,8 +24,6 @@ def device_uuid() -> str | None:
     with different CUDA_VISIBLE_DEVICES, UUIDs do not."""
     if not torch.cuda.is_available():
         return None
-    from megatron_ais.bridge.arena import gpu_uuid
-
     return gpu_uuid(torch.cuda.current_device())
 
 
@@ -49,26 +46,6 @@ def join_weight_group(host: str, port: int, rank: int, world: int, backend: str)
     if backend == "nccl":
         return dist.ProcessGroupNCCL(store, rank, world, dist.ProcessGroupNCCL.Options())
     return dist.ProcessGroupGloo(store, rank, world, TIMEOUT)
-
-
-def _broadcast(group, tensor: torch.Tensor) -> None:
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    group.broadcast([tensor], options).wait()
-
-
-def broadcast_bytes(group, data: torch.Tensor, chunk_bytes: int, device: str = "cpu") -> None:
-    """Root: send `data` (uint8, anywhere) in chunks of at most `chunk_bytes`, each moved to `device` first (one
-    chunk there at a time)."""
-    for start in range(0, data.numel(), chunk_bytes):
-        _broadcast(group, data[start: start + chunk_bytes].to(device))
-
-
-def receive_bytes(group, out: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
-    """Member: receive the root's bytes into `out` (uint8, on the group's device) chunk by chunk."""
-    for start in range(0, out.numel(), chunk_bytes):
-        _broadcast(group, out[start: start + chunk_bytes])
-    return out
 
 
 class BroadcastFeed(SharedMemoryFeed):

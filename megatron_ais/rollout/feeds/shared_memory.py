@@ -7,8 +7,11 @@ import dataclasses
 import json
 import os
 
+from safetensors.torch import save_file
+
 from megatron_ais.bridge.arena import ArenaWeights, encode_ref, shared_directory
-from megatron_ais.rollout.feeds import EngineWeights, WeightFeed
+from megatron_ais.bridge.buckets import manifest_entry
+from megatron_ais.rollout.feeds.base import EngineWeights, WeightFeed
 
 
 def entries_json(entries) -> str:
@@ -26,10 +29,6 @@ class SharedMemoryFeed(WeightFeed):
 
     @staticmethod
     def _apply_through_file(llm, named_tensors) -> None:
-        from safetensors.torch import save_file
-
-        from megatron_ais.bridge.buckets import manifest_entry
-
         path = os.path.join(shared_directory(), f"megatron-ais-{os.getpid()}-sync.safetensors")
         manifest = entries_json([manifest_entry(n, t) for n, t in named_tensors])
         try:

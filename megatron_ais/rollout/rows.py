@@ -1,0 +1,158 @@
+"""A step's rows from the engines to the data-parallel ranks that train on them: every engine host makes the rows
+of its share of the prompts (advantages included: it holds whole groups); then every rank learns only a small record
+per engine (row lengths, rewards, counts) and receives from each host just the rows its DP rank trains on, as
+tensors by point-to-point sends: no rank gathers or broadcasts the whole batch. An engine retired meanwhile leaves
+its share to the others."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_ais.batch import RolloutBatch, data_parallel_rows, row_lengths, row_tensors
+from megatron_ais.rollout.fleet_layout import FleetLayout, Retired, from_every_engine, retire
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsRecord:
+    """What an engine's host tells every rank about the rows of one run of prompts it made (small: a few numbers
+    per row)."""
+
+    host: int
+    first_prompt: int
+    lengths: tuple[int, ...]  # each row's length to its last response token (`batching.row_lengths`)
+    rewards: tuple[float, ...]
+    response_tokens: int
+    group_size: int
+    columns: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]  # each row tensor's name, dtype, shape past rows
+    reward_failures: int
+    reward_timeouts: int
+    seconds: float  # how long the engine's host took to make them
+
+    @classmethod
+    def of(cls, batch, host: int, first_prompt: int, seconds: float) -> "RowsRecord":
+        return cls(host, first_prompt, tuple(row_lengths(batch.mask)), tuple(batch.rewards.tolist()),
+                   int(batch.mask.sum()), batch.group_size,
+                   tuple((name, t.dtype, tuple(t.shape[1:])) for name, t in row_tensors(batch)),
+                   batch.reward_failures, batch.reward_timeouts, seconds)
+
+    def empty(self, rows: int) -> dict[str, torch.Tensor]:
+        """Tensors for `rows` of these rows (what a receiver fills)."""
+        return {name: torch.empty((rows,) + shape, dtype=dtype) for name, dtype, shape in self.columns}
+
+    def nbytes(self, rows: int) -> int:
+        return rows * sum(dtype.itemsize * math.prod(shape) for _, dtype, shape in self.columns)
+
+
+@dataclasses.dataclass
+class MadeRows:
+    """A step's rows as the engines made them: every rank's records (in prompt order), the serving engines after
+    any retirement, and on each host the RolloutBatch of each of its records (by first prompt)."""
+
+    records: list[RowsRecord]
+    layout: FleetLayout
+    made: dict[int, Any]
+    retired: list[str]
+
+
+def make_rows(make: Callable[[range], Any] | None, layout: FleetLayout, count: int, min_engines: int) -> MadeRows:
+    """Every serving engine makes the rows of its share of prompts 0 .. count - 1 (`make(prompts)` on its host: a
+    RolloutBatch with advantages); the share of an engine retired meanwhile goes to the others, until every prompt
+    is made or fewer than `min_engines` serve (EngineRetiredError on every rank)."""
+    pending, records, made, retired = [range(count)], [], {}, []
+    while pending:
+        assigned = {host: [layout.share(p, host) for p in pending if layout.share(p, host)] for host in layout.hosts}
+
+        def make_assigned() -> list[RowsRecord]:
+            out = []
+            for prompts in assigned[layout.rank]:
+                start = time.perf_counter()
+                made[prompts.start] = make(prompts)
+                out.append(RowsRecord.of(made[prompts.start], layout.rank, prompts.start, time.perf_counter() - start))
+            return out
+
+        results = from_every_engine(make_assigned, layout)
+        pending = [p for host, r in zip(layout.hosts, results) if isinstance(r, Retired) for p in assigned[host]]
+        records += [record for r in results if not isinstance(r, Retired) for record in r]
+        layout, messages = retire(results, layout, min_engines, retired)
+        retired += messages
+    return MadeRows(sorted(records, key=lambda r: r.first_prompt), layout, made, retired)
+
+
+def tokens_per_second(records: list[RowsRecord]) -> dict[int, float]:
+    """Each engine's response tokens per second of making its rows (all its runs of prompts together)."""
+    made: dict[int, list[float]] = {}
+    for record in records:
+        tokens_seconds = made.setdefault(record.host, [0.0, 0.0])
+        tokens_seconds[0] += record.response_tokens
+        tokens_seconds[1] += record.seconds
+    return {host: tokens / max(seconds, 1e-9) for host, (tokens, seconds) in made.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRollouts:
+    """One step's rollouts as a rank holds them: the rows its DP rank trains on (`batch`, advantages included) and
+    the batch-wide figures every rank knows."""
+
+    batch: RolloutBatch  # this rank's rows
+    rewards: torch.Tensor  # [B] every row's reward, in batch order
+    response_tokens: int
+    reward_failures: int
+    reward_timeouts: int
+    received_bytes: int  # row bytes this rank was sent by other ranks
+    held_bytes: int  # row bytes of the rows it trains on
+    batch_bytes: int  # row bytes of the whole batch
+    engine_tokens_per_s: dict[int, float]  # each engine's response tokens per second of making its rows
+    first_host: int  # the host that made the batch's first rows
+    first_rows: RolloutBatch | None = None  # their rows, on that host (None elsewhere)
+
+
+def exchange_rows(rows: MadeRows, data_parallel_rank_of: list[int], data_parallel_rank: int,
+                  balanced: bool) -> StepRollouts:
+    """Every rank's rows from the engines' hosts, by point-to-point sends (each host sends each rank only rows of
+    its DP rank). `data_parallel_rank_of` is every global rank's DP rank, `balanced` whether DP shares balance
+    tokens (--max-tokens-per-microbatch) rather than being contiguous."""
+    records, me = rows.records, rows.layout.rank
+    offsets = [0]
+    for record in records:
+        offsets.append(offsets[-1] + len(record.lengths))
+    shares = data_parallel_rows([n for record in records for n in record.lengths], max(data_parallel_rank_of) + 1,
+                                balanced)
+
+    def record_rows(index: int, dp_rank: int) -> list[int]:
+        return [row - offsets[index] for row in shares[dp_rank] if offsets[index] <= row < offsets[index + 1]]
+
+    requests, pieces, received = [], [], 0
+    for index, record in enumerate(records):  # every pair of ranks meets its messages in this order
+        if record.host == me:
+            tensors = row_tensors(rows.made[record.first_prompt])
+            for rank, dp_rank in enumerate(data_parallel_rank_of):
+                wanted = record_rows(index, dp_rank)
+                if rank != me and wanted:
+                    requests += [dist.isend(t[wanted].contiguous(), dst=rank) for _, t in tensors]
+            mine = record_rows(index, data_parallel_rank)
+            if mine:
+                pieces.append({name: t[mine] for name, t in tensors})
+            continue
+        mine = record_rows(index, data_parallel_rank)
+        if mine:
+            piece = record.empty(len(mine))
+            requests += [dist.irecv(t, src=record.host) for t in piece.values()]
+            received += record.nbytes(len(mine))
+            pieces.append(piece)
+    for request in requests:
+        request.wait()
+    batch = RolloutBatch(**{name: torch.cat([piece[name] for piece in pieces]) for name in pieces[0]},
+                         group_size=records[0].group_size)
+    return StepRollouts(batch, torch.tensor([r for record in records for r in record.rewards]),
+                        response_tokens=sum(r.response_tokens for r in records),
+                        reward_failures=sum(r.reward_failures for r in records),
+                        reward_timeouts=sum(r.reward_timeouts for r in records), received_bytes=received,
+                        held_bytes=records[0].nbytes(len(shares[data_parallel_rank])),
+                        batch_bytes=sum(r.nbytes(len(r.lengths)) for r in records),
+                        engine_tokens_per_s=tokens_per_second(records),
+                        first_host=records[0].host, first_rows=rows.made.get(0) if records[0].host == me else None)
