@@ -84,7 +84,8 @@ def step_micro_batches(encoded: list[dict], window: list[int], config) -> list[d
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     if training.max_tokens_per_microbatch is None:
         per_rank = len(window) // dp_size
-        return example_micro_batches(encoded, window[dp_rank * per_rank:(dp_rank + 1) * per_rank], training.micro_batch_size)
+        return example_micro_batches(encoded, window[dp_rank * per_rank:(dp_rank + 1) * per_rank],
+                                     training.micro_batch_size)
     rows = {k: torch.stack([encoded[i][k] for i in window]) for k in encoded[0]}
     mine = balanced_partition(row_lengths(rows["loss_mask"]), dp_size)[dp_rank]
     rows = {k: v[mine] for k, v in rows.items()}

@@ -1,8 +1,10 @@
 """What a run's console shows of the libraries: their Python warnings on rank 0 only, once per subject, on one line
-(ours on every rank); vLLM held to its log level from import; the rotary embedding's reload warning dropped, vLLM's
+(ours on every rank), and without CUDA not megatron's expected notice that TE and Apex are missing; vLLM held to its log level from import; the rotary embedding's reload warning dropped, vLLM's
 other reload warnings kept."""
 import logging
 import warnings
+
+import torch
 
 from megatron_ais.logging import apply_vllm_log_level, quiet_libraries
 from megatron_ais.rollout.vllm_plugin import derived_buffers_are_not_weights
@@ -13,7 +15,8 @@ def _warn(message: str, module: str) -> None:
 
 
 def _console(rank: int) -> list[str]:
-    """The lines a rank shows for three library warnings (two of one subject) and one of ours."""
+    """The lines a rank shows for four library warnings (two of one subject; one megatron's notice that it runs
+    without Transformer Engine) and one of ours."""
     shown = []
     with warnings.catch_warnings():
         warnings.simplefilter("default")
@@ -22,18 +25,17 @@ def _console(rank: int) -> list[str]:
         quiet_libraries(rank)
         _warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
               "megatron.core.optimizer")
-        _warn("Transformer Engine and Apex are not installed. Falling back to local multi_tensor_scale.",
-              "megatron.core.optimizer.clip_grads")
-        _warn("full scope is deprecated.", "megatron.core.transformer.transformer_config")
+        _warn("full scope is deprecated. Use selective.", "megatron.core.transformer.transformer_config")
+        _warn("full scope is deprecated. Use none.", "megatron.core.transformer.enums")
         _warn("a fallback of ours", "megatron_ais.bridge.sync")
     return shown
 
 
 def test_library_warnings_once_per_subject_on_rank_zero_only():
-    assert _console(0) == [
-        "UserWarning: Transformer Engine and Apex are not installed. Falling back to Torch optimizers. (optimizer.py:7)",
-        "UserWarning: full scope is deprecated. (transformer_config.py:7)",
-        "UserWarning: a fallback of ours (sync.py:7)"]
+    without_te = ["UserWarning: Transformer Engine and Apex are not installed. Falling back to Torch optimizers. "
+                  "(optimizer.py:7)"] if torch.cuda.is_available() else []
+    assert _console(0) == [*without_te, "UserWarning: full scope is deprecated. Use selective. (transformer_config.py:7)",
+                           "UserWarning: a fallback of ours (sync.py:7)"]
     assert _console(1) == ["UserWarning: a fallback of ours (sync.py:7)"]
     assert logging.getLogger("megatron.core.rerun_state_machine").getEffectiveLevel() == logging.ERROR
 

@@ -160,7 +160,7 @@ class GRPORun:
                              self.config.engine.max_model_len)
         self.lock = start_trainer(trainer)
         self._setup_trainer()
-        self._setup_engine()
+        self._setup_fleet()
         self._setup_bridge()
         self._start_or_resume()
 
@@ -192,7 +192,7 @@ class GRPORun:
                                             self.build.shape.moe_topk) if self.routing_replay else None)
         self.probe = probe_tokens(self.build.shape.vocab_size)
 
-    def _setup_engine(self) -> None:
+    def _setup_fleet(self) -> None:
         """The logger, and the rollout fleet: on each engine's host rank an engine started from an HF export of the
         initial policy (one file per pipeline stage) with its rollout manager."""
         trainer, state, out = self.trainer, self.state, self.trainer.logging.output_dir

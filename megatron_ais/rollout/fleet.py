@@ -183,7 +183,7 @@ def build_fleet(config, tokenizer, task, seeds: tuple[int, int], model_dir: str,
     copies = NodeCopies(arena_rank, node_leaders(layout.hosts, node_of, arena_rank), dist.get_rank())
     return RolloutFleet(layout, node_of, [dp for _, dp in places], data_parallel_rank, manager, copies, config.fleet,
                         loop.prompts_per_step, len(task.eval), trainer.training.max_tokens_per_microbatch is not None,
-                        lambda message: log.info(message))
+                        log.info)
 
 
 def engine_config(engine: EngineConfig, model_dir: str, index: int, several: bool, arena_rank: int) -> EngineConfig:
