@@ -7,26 +7,25 @@ over megatron): the flags become typed configs once, here; the run lives in mega
 import os
 import sys
 
+from megatron_ais.errors import USAGE_ERRORS, ArgumentValidationError
 from megatron_ais.logging import apply_vllm_log_level, quiet_libraries
 
-# at import, before megatron and vLLM are: vLLM's engine processes import this module first (see the function), and
-# megatron's import-time warnings are shown by rank 0 only, once, on one line
-apply_vllm_log_level()
-quiet_libraries(int(os.environ.get("RANK", "0")))
-
-from megatron_ais.arguments import GRPO_FLAGS, GRPORunConfig, build_parser, launched_world_size  # noqa: E402
-from megatron_ais.errors import USAGE_ERRORS, ArgumentValidationError  # noqa: E402
-from megatron_ais.grpo.run import GRPORun  # noqa: E402
+apply_vllm_log_level()  # at import: vLLM's engine processes import this module first (see the function)
 
 
 def build_grpo_parser():
     """Return the parser of every pretrain_grpo_ais.py flag, grouped by concern."""
+    # the trainer's modules (megatron-core: seconds) load when called, not at import: vLLM's spawned engine
+    # processes import this module first and need none of them
+    from megatron_ais.arguments import GRPO_FLAGS, build_parser
+
     return build_parser(__doc__.split("\n\n")[0], GRPO_FLAGS, prog="pretrain_grpo_ais.py")
 
 
 def print_placement(parser, args) -> int:
     """--print-placement: the run's flags planned onto --cluster-nodes x --cluster-gpus-per-node GPUs; nothing
     starts (no torchrun needed)."""
+    from megatron_ais.arguments import GRPORunConfig  # see build_grpo_parser
     from megatron_ais.checkpointing.store import read_checkpoint_metadata
     from megatron_ais.model import load_hf_config
     from megatron_ais.rollout.engine_config import EngineConfig
@@ -52,6 +51,11 @@ def print_placement(parser, args) -> int:
 
 
 def main(argv=None) -> int:
+    # before megatron is imported (it warns at import): library warnings on rank 0 only, once, on one line
+    quiet_libraries(int(os.environ.get("RANK", "0")))
+    from megatron_ais.arguments import GRPORunConfig, launched_world_size  # see build_grpo_parser
+    from megatron_ais.grpo.run import GRPORun
+
     parser = build_grpo_parser()
     args = parser.parse_args(argv)
     if args.print_placement:
