@@ -41,16 +41,22 @@ def test_checksums_written_and_clean_load(tmp_path):
 
 
 def test_flipped_byte_falls_back_to_previous(tmp_path, capfd):
+    """A byte flipped inside a tensor's data, which torch.load reads without noticing: only the sha256 finds it."""
     root = str(tmp_path)
     first = _save(root, 1, 1.0)
-    _save(root, 2, 2.0)
+    second = _save(root, 2, 2.0)
     path = _rank_file(root, 2)
     data = bytearray(open(path, "rb").read())
-    data[len(data) // 2] ^= 0xFF
+    weight_bytes = second.numpy().tobytes()
+    assert data.count(weight_bytes) == 1
+    data[data.find(weight_bytes) + 5] ^= 0xFF
     open(path, "wb").write(bytes(data))
+    unnoticed = torch.load(path, map_location="cpu", weights_only=False)["model"]["weight"]
+    assert not torch.equal(unnoticed, second)  # the damage is in the values, not in the file's structure
     loaded = store.load_checkpoint(root, CheckpointRanks())
     assert loaded.iteration == 1 and torch.equal(loaded.state["model"]["weight"], first)
-    assert "refusing checkpoint iteration 2" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert f"refusing checkpoint iteration 2: {path} does not match its sha256 in {store.CHECKSUMS} (corrupted)" in err
 
 
 def test_truncated_file_and_broken_metadata_are_refused(tmp_path, capfd):
