@@ -138,19 +138,32 @@ def test_sequence_level_statistics_count_sequences():
 
 
 def test_anchored_severity_and_ema_state_round_trip():
+    """s_D = clip((D − D0) / (κ D0), 0, 1) with D0 the mean D of the first --ais-anchor-steps batches: two anchor
+    batches of different D, κ = 2, and later batches whose severity lies strictly inside (0, 1)."""
     trainer, rollout, adv, mask = _batch(scale=0.05)
-    cfg = AISConfig(severity="anchored", anchor_steps=2, ema=0.5)
+    cfg = AISConfig(severity="anchored", anchor_steps=2, anchor_kappa=2.0, ema=0.5)
+
+    def scaled(k):
+        """The batch with its log-ratios k times the base ones, and their mean |δ| (D) in plain python."""
+        shifted = trainer + k * (rollout - trainer)
+        d = [abs(float(t - r)) for t, r, m in zip(trainer.flatten(), shifted.flatten(), mask.flatten()) if m > 0]
+        return mismatch_statistics(trainer, shifted, adv, mask, cfg), sum(d) / len(d)
+
+    (first, d1), (second, d2), (later, d3) = scaled(1.0), scaled(2.0), scaled(4.0)
+    d0 = (d1 + d2) / 2  # the mean over both anchor batches, neither one alone
     state = AISState()
-    small = mismatch_statistics(trainer, rollout, adv, mask, cfg)
-    large = mismatch_statistics(trainer, trainer + 3 * (rollout - trainer), adv, mask, cfg)
-    assert ais_coefficient(small, cfg, state).severity == 0.0
-    ais_coefficient(small, cfg, state)
+    assert ais_coefficient(first, cfg, state).severity == 0.0  # D0 = D1 so far
+    assert ais_coefficient(second, cfg, state).severity == pytest.approx((d2 - d0) / (2 * d0), rel=1e-5)
+    assert state.anchor_count == 2 and state.anchor_mean() == pytest.approx(d0, rel=1e-5)
     saved = state.state_dict()
-    later = ais_coefficient(large, cfg, state)
-    assert later.severity == 1.0  # D tripled relative to the anchor: (3D0 - D0) / D0 clipped to 1
+    result = ais_coefficient(later, cfg, state)
+    expected = (d3 - d0) / (2 * d0)  # (4 − 1.5) / (2 · 1.5) = 5/6 with D1 = 1: inside (0, 1), not clipped
+    assert 0.5 < expected < 0.9 and result.severity == pytest.approx(expected, rel=1e-5)
+    # the anchor stays fixed after its batches: a batch with D1 again scores below D0 (clipped to 0)
+    assert ais_coefficient(first, cfg, state).severity == 0.0 and state.anchor_mean() == pytest.approx(d0, rel=1e-5)
     restored = AISState()
     restored.load_state_dict(saved)
-    assert ais_coefficient(large, cfg, restored) == later
+    assert ais_coefficient(later, cfg, restored) == result
 
 
 def test_nan_rollout_sequences_are_excluded_and_counted():
