@@ -25,11 +25,35 @@ def test_defaults_follow_ais_method_section_2_4():
     assert (loss.clip_low, loss.clip_high, loss.loss_agg) == (0.2, 0.3, "seq-mean-token-mean")
 
 
-def test_every_choice_is_registered():
-    assert set(registry.CORRECTIONS) == {"none", "tis", "mis", "icepop", "ais"}
-    for table in (registry.SEVERITY, registry.RELIABILITY, registry.VARIANCE, registry.COMBINERS):
-        for name in table:
-            AISConfig.from_args(_parse(table.title, name))
+# every flag whose value names a registered choice, with the config field it sets and the names it offers
+CHOICES = [
+    ("--is-correction", "correction", registry.CORRECTIONS, ("none", "tis", "mis", "icepop", "ais")),
+    ("--is-level", "level", None, ("token", "sequence", "geometric")),
+    ("--ais-severity", "severity", registry.SEVERITY, ("mean_abs_logratio", "anchored")),
+    ("--ais-reliability", "reliability", registry.RELIABILITY, ("band_ess", "raw_ess", "none")),
+    ("--ais-variance", "variance", registry.VARIANCE, ("advantage_weighted", "cv", "none")),
+    ("--ais-combiner", "combiner", registry.COMBINERS, ("product",)),
+    ("--kl-type", "kl_type", None, ("k1", "k3")),
+    ("--loss-agg", "loss_agg", None, ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")),
+]
+
+
+@pytest.mark.parametrize("flag,field,table,names", CHOICES, ids=[c[0] for c in CHOICES])
+def test_every_choice_is_registered(flag, field, table, names, capsys):
+    parser = argparse.ArgumentParser()
+    AISConfig.add_flags(parser)
+    PolicyLossConfig.add_flags(parser)
+    (action,) = [a for a in parser._actions if flag in a.option_strings]
+    assert sorted(action.choices) == sorted(names)
+    if table is not None:
+        assert sorted(table) == sorted(names)
+    for name in names:
+        args = _parse(flag, name)
+        config = AISConfig.from_args(args) if hasattr(AISConfig(), field) else PolicyLossConfig.from_args(args)
+        assert getattr(config, field) == name, (flag, name)
+    with pytest.raises(SystemExit):
+        _parse(flag, "no-such-choice")
+    assert "invalid choice: 'no-such-choice'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("field,flag", [("correction", "--is-correction"), ("severity", "--ais-severity"),
