@@ -1,6 +1,8 @@
 """A GRPO + AIS update on megatron at DP2 and at TP2: λ and the first policy loss equal a single-process
-reference built on transformers' log-probs, the gradient does not depend on the split, and the metrics reach
-tensorboard."""
+reference in plain tensor arithmetic on transformers' log-probs, the gradient does not depend on the split, and the
+metrics reach tensorboard."""
+import math
+
 import pytest
 import torch
 
@@ -74,17 +76,27 @@ def _worker(hf_dir, tp, log_dir):
 
 
 def _reference(hf_dir):
-    from megatron_ais.ais import AISConfig, ais_coefficient, apply_correction, mismatch_statistics
-    from megatron_ais.grpo.advantages import group_advantages
-    from megatron_ais.grpo.loss import PolicyLossConfig, aggregate, token_losses
-
+    """λ and the first policy loss in plain tensor arithmetic (docs/ais-method.md §2.4, no module of the package):
+    group advantages (r − mean) / (population std + 1e-6); per token δ = log π_old − log π_rollout, w = e^δ; s_D =
+    1 − e^(−mean|δ| / τ); ρ = (Σw̃)² / (N Σw̃²) with w̃ = w held in [1/C, C]; Γ = max(1, Σ min(w, C)² A² / Σ A²);
+    λ = clip(s_D ρ / Γ, 0, 1); coefficient c = (1 − λ) + λ min(w, C). At the first update the policy is the old
+    one (ratio 1, inside the clip band), so the token-mean loss is −Σ c A / tokens."""
     batch, old = _rollout_batch(hf_dir)
-    adv = group_advantages(batch.rewards, GROUP).unsqueeze(-1) * batch.mask
-    cfg = AISConfig()
-    result = ais_coefficient(mismatch_statistics(old, batch.rollout_logprobs, adv, batch.mask, cfg), cfg)
-    coef = apply_correction(old, batch.rollout_logprobs, batch.mask, cfg, result).coefficient
-    per_token, _ = token_losses(old, old, adv, coef, PolicyLossConfig())
-    return result.lam, aggregate(per_token, batch.mask, "token-mean", float(batch.mask.sum())).item()
+    cap, tau = 2.0, 0.05
+    rewards = batch.rewards.double().view(-1, GROUP)
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    advantages = (centred / (centred.pow(2).mean(dim=1, keepdim=True).sqrt() + 1e-6)).flatten()
+    valid = batch.mask.flatten() > 0
+    adv = advantages.unsqueeze(-1).expand(B, S).flatten()[valid]
+    delta = (old.double() - batch.rollout_logprobs.double()).flatten()[valid]
+    w = delta.exp()
+    band = w.clamp(1 / cap, cap)
+    severity = 1 - math.exp(-delta.abs().mean().item() / tau)
+    reliability = (band.sum() ** 2 / (len(w) * band.pow(2).sum())).item()
+    variance = max(1.0, ((w.clamp(max=cap) * adv).pow(2).sum() / adv.pow(2).sum()).item())
+    lam = min(max(severity * reliability / variance, 0.0), 1.0)
+    coefficient = (1 - lam) + lam * w.clamp(max=cap)
+    return lam, (-(coefficient * adv).sum() / len(w)).item()
 
 
 @pytest.mark.slow
