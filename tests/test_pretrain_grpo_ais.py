@@ -5,6 +5,7 @@ processes with it, and the run resumes to the metrics of an uninterrupted run (t
 run's second killed after step 1 and restarted alone; the resumed run's engines are colocated, one inside each
 trainer rank); two engines killed mid-run restart, pass their refit checks and re-sync, killed again past their
 restart budget stop every rank with the checkpoint intact."""
+import itertools
 import json
 import os
 import re
@@ -33,9 +34,9 @@ def _converted_checkpoint(model_root, tmp_path, pp=1):
     return checkpoint
 
 
-def _command(load, out, steps, *extra):
+def _command(load, out, steps, *extra, script="pretrain_grpo_ais.py"):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            os.path.join(ROOT, "pretrain_grpo_ais.py"), "--load", load, "--seq-length", "64", "--task", "arithmetic",
+            os.path.join(ROOT, script), "--load", load, "--seq-length", "64", "--task", "arithmetic",
             "--max-operand", "9", "--grpo-steps", str(steps), "--eval-interval", "2", "--eval-prompts", "8",
             "--eval-samples", "2", "--prompts-per-step", "4", "--group-size", "4", "--micro-batch-size", "4",
             "--rollout-kv-cache-gb", "0.25", "--output-dir", str(out), *extra]
@@ -108,7 +109,9 @@ def test_moe_model_replays_the_engine_routing(model_root, tmp_path):
     """Qwen3-MoE (8 experts, top-2) converted to an EP2 Megatron checkpoint, trained at EP2 (each rank loads,
     trains, exports and syncs its own four experts) in micro-batches by tokens, FP8 rollouts with float8 experts and
     an FP8 KV cache (1 calibration sequence over 2 data-parallel ranks: the other runs a token-less padding row).
-    Routing replay is on by default (that it shrinks the trainer-engine mismatch: tests/rollout/test_moe_engine.py).
+    Routing replay is on by default: every rollout's expert ids, as the engine returned them, reach the trainer's
+    forwards that score it and that update on it, whose routers take them (recorded by tests/replay_recorder.py; that
+    replay shrinks the trainer-engine mismatch: tests/rollout/test_moe_engine.py).
     Resuming is the dense runs' code (the launcher-kill test below); the trainer's EP2 state resumes bit for bit
     (tests/checkpointing/test_resume_training.py); the CPU MoE engine does not reproduce its own samples run to run
     (its fused experts do not sum in a fixed order), so a resumed MoE run cannot be compared step for step."""
@@ -123,19 +126,47 @@ def test_moe_model_replays_the_engine_routing(model_root, tmp_path):
     flags = ("--expert-model-parallel-size", "2", "--rollout-kv-cache-dtype", "fp8",
              "--rollout-kv-cache-calibration-sequences", "1", "--max-tokens-per-microbatch", "64")
 
-    out = tmp_path / "replay"
-    proc = subprocess.run(_command(checkpoint, out, 2, *flags), capture_output=True, text=True, timeout=600,
-                          cwd=str(tmp_path))
+    out, records = tmp_path / "replay", tmp_path / "routing"
+    records.mkdir()
+    proc = subprocess.run(_command(checkpoint, out, 2, *flags, script=os.path.join("tests", "replay_recorder.py")),
+                          capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
+                          env={**os.environ, "REPLAY_RECORD_DIR": str(records)})
     assert proc.returncode == 0, proc.stderr[-4000:]
     history = json.load(open(out / "summary.json"))["history"]
     assert [h["step"] for h in history] == [1, 2]
     first = history[0]
     assert 0.0 <= first["ais/lambda"] <= 1.0 and first["ais/num_units"] > 0
     assert 0.0 <= first["rollout/routing_mismatch"] <= 1.0  # how often the trainer would route otherwise
+    engine, scored, updated = _replayed_routes(records)
+    assert len(engine) == 2 * 4 * 4  # both steps' rollouts: 4 prompts x 4 samples
+    assert scored == updated == set(range(len(engine)))
     assert 0.0 < first["rollout/kv_cache_k_scale_max"] and 0.0 < first["rollout/kv_cache_v_scale_max"]
     assert proc.stdout.strip().splitlines()[-1].startswith("accuracy_before=")
     files = sorted(os.listdir(tmp_path / "replay" / "engine_init"))
     assert "model-00001-of-00001-ep001.safetensors" in files  # EP rank 1 wrote its own experts
+
+
+def _replayed_routes(directory):
+    """The expert ids the run's engine returned (recorded by tests/replay_recorder.py), and the indices of those that
+    reached a replaying forward without gradients (scoring) and with them (the update); checks that the routers of
+    those forwards routed each such rollout's positions to the engine's experts."""
+    import torch
+
+    files = sorted(os.listdir(directory))
+    engine = [route for name in files if name.startswith("engine-") for route in torch.load(directory / name)["routes"]]
+    scored, updated = set(), set()
+    for name in (name for name in files if name.startswith("replay-")):
+        record = torch.load(directory / name)
+        rows, length, layers, _ = record["ids"].shape
+        assert sorted(record["maps"]) == list(range(layers)), name
+        for row, (index, route) in itertools.product(range(rows), enumerate(engine)):
+            if route.shape[0] > length or not torch.equal(record["ids"][row, :route.shape[0]], route):
+                continue
+            (updated if record["grad"] else scored).add(index)
+            for layer, routing_map in record["maps"].items():  # [positions x rows in [s, b] order, experts]
+                used = routing_map.view(length, rows, -1)[:route.shape[0], row]
+                assert torch.equal(used, torch.zeros_like(used).scatter_(-1, route[:, layer].long(), True)), name
+    return engine, scored, updated
 
 
 def _check_end_to_end(stdout, out, wandb_dir, steps):
