@@ -69,8 +69,11 @@ for m, n, block, pow2 in [(300, 200, 128, False), (77, 129, 64, True), (128, 128
     q, s = blockwise_fp8_quantize_triton(w, block, pow2)
     full_s = s.repeat_interleave(block, 0).repeat_interleave(block, 1)[:m, :n]
     err = (q.float() * full_s - w).abs()
-    results.append((torch.equal(s, s_ref), q.shape == w.shape,
-                    float((q.float() == q_ref.float()).float().mean()),
+    # every code that differs is the reference's one binade lower: the largest power of two below it, same sign
+    got, ref = q.float()[q.float() != q_ref.float()], q_ref.float()[q.float() != q_ref.float()]
+    mantissa, exponent = torch.frexp(ref.abs())
+    below = torch.ldexp(torch.ones_like(ref), exponent - 1 - (mantissa == 0.5).int()) * ref.sign()
+    results.append((torch.equal(s, s_ref), q.shape == w.shape, bool(torch.equal(got, below)),
                     int(torch.count_nonzero(q[:min(m, 32), :min(n, 32)].float())),
                     bool((err <= 0.5 * w.abs() + full_s * 2.0 ** -9).all())))
 refused = []
@@ -100,12 +103,12 @@ def test_triton_kernel_under_interpreter_matches_reference():
     *results, refused, deferred = eval(out.stdout.strip().splitlines()[-1])
     assert refused  # NaN, Inf and -Inf found by the kernel's own pass, reported with the tensor's name
     assert deferred  # the count of corrupt blocks, for callers that read it back with other figures
-    for scales_equal, shape_ok, code_match, zero_codes, within_factor_two in results:
+    for scales_equal, shape_ok, only_binade_slips, zero_codes, within_factor_two in results:
         # Scales, indexing and masks are exact. The interpreter's cast to float8e4nv is not torch's
-        # round-to-nearest-even: a few percent of codes land one binade low (docs/install.md), so codes are
-        # compared bit for bit only on GPU (test_triton_kernel_bit_exact_on_gpu).
+        # round-to-nearest-even: a few percent of codes land one binade low (docs/install.md), and no code differs
+        # otherwise; codes are compared bit for bit on GPU (test_triton_kernel_bit_exact_on_gpu).
         assert scales_equal and shape_ok and zero_codes == 0 and within_factor_two
-        assert code_match >= 0.9
+        assert only_binade_slips
 
 
 @pytest.mark.gpu
