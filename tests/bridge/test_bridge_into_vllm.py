@@ -1,6 +1,7 @@
 """The bridge's tensors load through the real vLLM loader: an FP8 engine keeps float8 linear weights and, after a
-sync of new weights, scores like transformers on the dequantized new weights; an fp32 engine matches exactly; a
-tampered sync is refused and the engine keeps its weights."""
+sync of new weights, scores like transformers on the dequantized new weights, several times closer than on the
+unquantized ones; a tampered sync is refused and the engine keeps its weights. (An fp32 engine fed by the bridge
+scores exactly like transformers and the trainer: tests/rollout/test_engine.py.)"""
 import pytest
 import torch
 
@@ -21,7 +22,7 @@ def _hf_logprobs(state_dict, hf_dir):
     return logp[:-1].gather(-1, torch.tensor(PROBE[1:])[:, None])[:, 0].float()
 
 
-def _engine_worker(old_dir, new_dir, precision, work):
+def _engine_worker(old_dir, new_dir, work):
 
     from kernels.fp8.format import blockwise_fp8_dequantize
     from distributed import start_trainer
@@ -36,7 +37,7 @@ def _engine_worker(old_dir, new_dir, precision, work):
     from megatron_ais.rollout.engine_config import EngineConfig
     from megatron_ais.rollout.feeds.base import named_tensors
 
-    engine = RolloutEngine(EngineConfig(model_dir=old_dir, precision=precision, kv_cache_gb=0.25,
+    engine = RolloutEngine(EngineConfig(model_dir=old_dir, precision="fp8", kv_cache_gb=0.25,
                                         placement="colocated"), work)
     float8_layers = sorted({n.rsplit(".", 1)[0] for n, p in engine.model.named_parameters()
                             if p.dtype == torch.float8_e4m3fn})
@@ -51,7 +52,7 @@ def _engine_worker(old_dir, new_dir, precision, work):
         engine.update_weights(weights)
 
     receiver = SyncReceiver(apply=apply)
-    config = BridgeConfig(bucket_size_mb=0.5, policy=QuantizationPolicy(precision=precision))
+    config = BridgeConfig(bucket_size_mb=0.5, policy=QuantizationPolicy(precision="fp8"))
     bridge = WeightBridge(chunks, build, config, layout, receiver)
     bridge.sync(1)
     after = engine.prompt_logprobs(PROBE)
@@ -95,28 +96,29 @@ def _engine_worker(old_dir, new_dir, precision, work):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp8"])  # fp32 engine = trainer across bridge updates: tests/rollout/test_engine.py
-def test_bridge_into_real_vllm_engine(model_root, tmp_path, precision):
+def test_bridge_into_real_vllm_engine(model_root, tmp_path):
+    from megatron_ais.mapping.hf_io import HFCheckpointReader
+    from megatron_ais.rollout.verify import RefitVerificationError, verify_refit
+
     shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=512)
     old_dir = make_model_dir(model_root, "qwen3", seed=1, **shape)
     new_dir = make_model_dir(model_root, "qwen3", seed=2, **shape)
     ((float8_layers, before, after, still, weights, refused, applied),) = spawn(
-        1, _engine_worker, old_dir, new_dir, precision, str(tmp_path))
+        1, _engine_worker, old_dir, new_dir, str(tmp_path))
     before, after, still = torch.from_numpy(before), torch.from_numpy(after), torch.from_numpy(still)
     reference = _hf_logprobs({n: torch.from_numpy(a) for n, a in weights.items()}, new_dir)
-    if precision == "fp8":
-        assert any("qkv_proj" in n for n in float8_layers) and any("down_proj" in n for n in float8_layers)
-        tolerance = 0.1  # bf16 activations on fp8 weights vs fp32 on the same dequantized weights (docs/rollout.md)
-        assert (after - reference).abs().mean() <= tolerance
-    else:
-        assert float8_layers == []
-        assert torch.allclose(after, reference, atol=1e-4)
-    assert (before - reference).abs().mean() > 10 * (after - reference).abs().mean(), "the sync was not applied"
+    source = HFCheckpointReader(new_dir)
+    unquantized = _hf_logprobs({n: source.get(n) for n in source.names()}, new_dir)
+    assert any("qkv_proj" in n for n in float8_layers) and any("down_proj" in n for n in float8_layers)
+    # bf16 activations on fp8 weights vs fp32 on the same dequantized weights (docs/rollout.md; 0.033 measured); the
+    # unquantized new weights explain the engine six times worse (0.207): the reference sees the sent codes and scales
+    diff, unquantized_diff = (after - reference).abs().mean().item(), (after - unquantized).abs().mean().item()
+    assert diff <= 0.1 and diff < unquantized_diff / 3, (diff, unquantized_diff)
+    assert (before - reference).abs().mean() > 10 * diff, "the sync was not applied"
     flipped, reshaped = refused
     assert "down_proj.weight: checksum" in flipped and "down_proj.weight: manifest says" in reshaped and applied == 1
-    from megatron_ais.rollout.verify import RefitVerificationError, verify_refit
-    assert verify_refit(after, reference, precision).passed
+    assert verify_refit(after, reference, "fp8").passed
     with pytest.raises(RefitVerificationError, match="stale or corrupt"):
-        verify_refit(before, reference, precision)
+        verify_refit(before, reference, "fp8")
     assert torch.equal(still, after), "a refused sync must leave the engine's weights untouched"
