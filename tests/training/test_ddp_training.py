@@ -73,7 +73,9 @@ def test_three_steps_dp2(model_root, precision, distributed_optimizer):
     assert digest0 == digest1, "DP replicas diverged"
     assert losses0[2] < losses0[0] - 0.1, losses0
     reference = _hf_token_mean_loss(hf_dir, _global_batch(hf_dir, 0))
-    tolerance = 1e-4 if precision == "fp32" else 5e-2
+    # BF16 activations (the weights are the HF BF16 ones): within one BF16 rounding step, 2^-8 of the loss (0.13 %
+    # measured against the fp32 transformers loss)
+    tolerance = 1e-4 if precision == "fp32" else 2 ** -8
     assert abs(losses0[0] - reference) <= tolerance * max(1.0, abs(reference)), (losses0[0], reference)
 
 
