@@ -105,12 +105,11 @@ def _worker(old_dir, new_dir, work):
     from megatron_ais.errors import GenerationTimeoutError
     from megatron_ais.rollout.engine import SamplingConfig
 
-    start = time.monotonic()
     try:
         engine.generate(PROMPTS * 16, SamplingConfig(n=8, max_new_tokens=200, seed=1), timeout_s=0.01)
         timed_out = None
-    except GenerationTimeoutError as err:
-        timed_out = (str(err), time.monotonic() - start)
+    except GenerationTimeoutError as err:  # with the requests it had not finished yet
+        timed_out = (str(err), engine.llm.llm_engine.get_num_unfinished_requests())
     for child in engine_processes():
         child.kill()
     # a call sent as its engine dies (here: queued behind the timed-out requests) raises, not waits for ever
@@ -193,7 +192,7 @@ def test_separate_engine_sync_kill_restart_resync(model_root, tmp_path):
     assert after_refused <= 1e-4
     assert orphans == []
     assert timed_out is not None and "ran past --rollout-generation-timeout-s 0.01" in timed_out[0]
-    assert timed_out[1] < 5
+    assert timed_out[1] > 0  # it raised while its generation went on, not once it was done
     assert call_to_dying == "EngineDeadError"
     assert refit_checks == [None, None]  # the dead engine left out; the restarted one passes
     assert workers_killed == 1
