@@ -257,15 +257,15 @@ def _alive(pids):
 
 
 def _run_until_launcher_killed(cmd, cwd):
-    """Start a run; SIGKILL torchrun alone in the middle of step 3 (after the step-2 checkpoint is committed): its
-    ranks (which torchrun starts in sessions of their own) and the vLLM engine processes must die with it within
-    seconds. Return the output it printed."""
+    """Start a run; SIGKILL torchrun alone in step 3, as soon as the step-2 checkpoint is logged committed (the last
+    thing step 2 does: the ranks go on into step 3's rollout, which takes about a second): its ranks (which torchrun
+    starts in sessions of their own) and the vLLM engine processes must die with it within seconds. Return the output
+    it printed."""
     run = _LiveRun(cmd, cwd)
     run.wait_for(lambda line: line.startswith("step     1 |"))
     ranks_and_engines = _descendants(run.proc.pid)  # the process tree is complete once step 1 ran
     assert len(ranks_and_engines) >= 3, ranks_and_engines
     run.wait_for(lambda line: "saved checkpoint" in line and "iteration 2" in line, poll=0.01)
-    time.sleep(0.1)  # step 3 (rollout, update, sync: about 1 s with 16 prompts) is under way
     os.kill(run.proc.pid, signal.SIGKILL)
     run.finish(timeout=60)
     deadline = time.time() + 10
