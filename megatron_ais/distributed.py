@@ -1,9 +1,11 @@
-"""Keeping ranks in step: what one rank computes (a rollout batch, a refit verdict, the last pipeline stage's
+"""Starting torch.distributed from torchrun's environment, and keeping ranks in step: what one rank computes (a rollout batch, a refit verdict, the last pipeline stage's
 metrics) reaches every rank of a group through `share`, and an error raised there is raised on every rank, so no
 rank is left waiting in a collective. Also the host and port helpers of process groups built outside
-torchrun's world, and bytes broadcast over such a group in chunks (weight feeds, node copies)."""
+torchrun's world, and bytes broadcast over such a group in chunks (weight feeds, node copies). Light on purpose
+(no megatron-core): every spawned rank and vLLM's workers import it."""
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from typing import Any, Callable
@@ -11,7 +13,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from megatron_ais import platform
 from megatron_ais.errors import SHARED_ERRORS
+from megatron_ais.lifetime import exit_with_parent
 
 CHUNK_BYTES = 64 << 20  # bytes broadcast at a time: one chunk in device memory at a time
 
@@ -107,3 +111,19 @@ def receive_bytes(group, out: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
     for start in range(0, out.numel(), chunk_bytes):
         _broadcast(group, out[start: start + chunk_bytes])
     return out
+
+
+def initialize_distributed(timeout_minutes: int = 30) -> None:
+    """Start torch.distributed from the launcher's env (torchrun): gloo on CPU; NCCL and gloo (host tensors) on CUDA.
+    The rank exits with its launcher (`lifetime.exit_with_parent`)."""
+    if dist.is_initialized():
+        return
+    exit_with_parent()
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            raise RuntimeError(f"environment variable {var} is not set; launch with torchrun "
+                               "(python -m torch.distributed.run --nproc-per-node N ...)")
+    if platform.is_cuda():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=platform.distributed_backend(),
+                            timeout=datetime.timedelta(minutes=timeout_minutes))

@@ -1,8 +1,6 @@
 """Process groups, megatron parallel state and seeds, in the order Megatron-LM's `initialize_megatron` uses."""
 from __future__ import annotations
 
-import datetime
-import os
 import random
 
 import numpy as np
@@ -12,24 +10,8 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_ais import platform
-from megatron_ais.lifetime import exit_with_parent
+from megatron_ais.distributed import initialize_distributed
 from megatron_ais.parallel import ParallelLayout
-
-
-def initialize_distributed(timeout_minutes: int = 30) -> None:
-    """Start torch.distributed from the launcher's env (torchrun): gloo on CPU; NCCL and gloo (host tensors) on CUDA.
-    The rank exits with its launcher (`lifetime.exit_with_parent`)."""
-    if dist.is_initialized():
-        return
-    exit_with_parent()
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        if var not in os.environ:
-            raise RuntimeError(f"environment variable {var} is not set; launch with torchrun "
-                               "(python -m torch.distributed.run --nproc-per-node N ...)")
-    if platform.is_cuda():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=platform.distributed_backend(),
-                            timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
 def initialize_model_parallel(layout: ParallelLayout) -> None:

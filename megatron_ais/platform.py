@@ -48,14 +48,7 @@ import contextlib
 import functools
 import importlib
 
-import megatron.core.optimizer.clip_grads as clip_grads
-import megatron.core.optimizer.optimizer as optimizer
 import torch
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
-from megatron.core.tensor_parallel import mappings, random as mrandom
-from megatron.core.transformer import torch_norm
-from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
 from megatron_ais.logging import drop_expected_cpu_warnings
 
@@ -163,6 +156,9 @@ def _with_cuda_type_names(fn):
 
 
 def _patch_rng_tracker() -> None:  # P5
+    # megatron: the shim imports what it patches when it patches (CPU only): importing it stays light
+    from megatron.core.tensor_parallel import random as mrandom
+
     def add(self, name, seed):
         self._is_initialized = True
         if seed in self.seeds_:
@@ -192,6 +188,11 @@ def _patch_rng_tracker() -> None:  # P5
 
 
 def _patch_type_checks() -> None:  # P6
+    import megatron.core.optimizer.clip_grads as clip_grads  # megatron: imported when patching (CPU only), as in _patch_rng_tracker
+    import megatron.core.optimizer.optimizer as optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
     for cls in (Float16OptimizerWithFloat16Params, DistributedOptimizer):
         cls.__init__ = _with_cuda_type_names(cls.__init__)
     clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
@@ -200,6 +201,8 @@ def _patch_type_checks() -> None:  # P6
 
 
 def _patch_torch_norm_sequence_parallel() -> None:  # P7
+    from megatron.core.transformer import torch_norm  # megatron: imported when patching (CPU only), as in _patch_rng_tracker
+
     original_new = torch_norm.WrappedTorchNorm.__new__
 
     def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
@@ -244,11 +247,16 @@ def apply_cpu_compat() -> bool:
 def define_missing_te_general_gemm() -> None:
     """M3, on any device: megatron-core 0.16.1's router gating reads `te_general_gemm`, which exists only when
     Transformer Engine imported; without TE it is None (megatron's own fallback then runs)."""
+    from megatron.core.transformer.moe import moe_utils  # megatron: imported when patching (CPU only), as in _patch_rng_tracker
+
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
 
 
 def _patch_moe() -> None:  # M1, M4 (M2 is in _CUDA_LITERAL_MODULES, M3 in define_missing_te_general_gemm)
+    from megatron.core.tensor_parallel import mappings  # megatron: imported when patching (CPU only), as in _patch_rng_tracker
+    from megatron.core.transformer.moe import token_dispatcher
+
     torch.cuda.Stream = _NullStream
     torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
     all_to_all = mappings.all_to_all

@@ -8,7 +8,7 @@ def _worker():
 
     from megatron_ais.distributed import share
     from megatron_ais.errors import SyncError
-    from megatron_ais.initialize import initialize_distributed
+    from megatron_ais.distributed import initialize_distributed
 
     initialize_distributed()
     rank = dist.get_rank()

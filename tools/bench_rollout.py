@@ -102,7 +102,7 @@ def _fleet_worker(hf_dir: str, work: str, engines: int, placement: str, prompts:
 
     from megatron_ais.grpo.advantages import AdvantageConfig
     from megatron_ais.grpo.advantages import with_advantages
-    from megatron_ais.initialize import initialize_distributed
+    from megatron_ais.distributed import initialize_distributed
     from megatron_ais.rollout.batch import rollouts_to_batch
     from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
     from megatron_ais.rollout.engine_config import EngineConfig

@@ -21,7 +21,7 @@ def _worker(level):
     import torch.distributed as dist
 
     from megatron_ais.ais import reduce_statistics
-    from megatron_ais.initialize import initialize_distributed
+    from megatron_ais.distributed import initialize_distributed
 
     initialize_distributed()
     cfg = AISConfig(level=level)

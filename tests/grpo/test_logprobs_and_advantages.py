@@ -30,7 +30,7 @@ def _worker():
     import torch.distributed as dist
 
     from megatron_ais.platform import apply_cpu_compat
-    from megatron_ais.initialize import initialize_distributed
+    from megatron_ais.distributed import initialize_distributed
 
     apply_cpu_compat()
     initialize_distributed()

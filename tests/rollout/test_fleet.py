@@ -33,7 +33,7 @@ def _worker(engines: int, balanced: bool, retiring: bool):
     from megatron_ais.batch import row_lengths
     from megatron_ais.batch import data_parallel_rows
     from megatron_ais.grpo.advantages import with_advantages
-    from megatron_ais.initialize import initialize_distributed
+    from megatron_ais.distributed import initialize_distributed
     from megatron_ais.rollout.fleet_layout import FleetLayout, from_every_engine
     from megatron_ais.rollout.rows import exchange_rows, make_rows
 
