@@ -12,10 +12,10 @@ import sys
 import warnings
 from typing import Any
 
-import torch
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
+from megatron_ais import platform
 from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import FlagConfig, flag
 
@@ -48,8 +48,6 @@ class LoggingConfig(FlagConfig):
 
 # the libraries whose Python warnings a run shows once (rank 0), not once per rank
 LIBRARIES = r"(megatron|torch|transformers|vllm|tensorboard|triton|numba)(\.|$)"
-EXPECTED_WITHOUT_CUDA = (".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*",
-                         ".*CUDA_DEVICE_MAX_CONNECTIONS.*")
 
 
 def _one_line(message, category, filename, lineno, line=None) -> str:
@@ -70,20 +68,13 @@ def _once_per_subject(show):
     return showwarning
 
 
-def drop_expected_cpu_warnings() -> None:
-    """Without CUDA, megatron's notices that it falls back to torch implementations (TE and Apex are never installed
-    there) and that CUDA_DEVICE_MAX_CONNECTIONS is unset are expected: dropped."""
-    for message in EXPECTED_WITHOUT_CUDA:
-        warnings.filterwarnings("ignore", message=message, category=UserWarning)
-
-
 def quiet_libraries(rank: int) -> None:
     """The console stays ours: the libraries' Python warnings are shown by rank 0 only, once per subject, on one line;
     the other ranks drop them; without CUDA megatron's expected fallback notices are dropped (an entry point calls
     this before megatron is imported, which warns at import). Megatron's rerun state machine announces its default
     mode (disabled) at warning level; that announcement is dropped."""
-    if not torch.cuda.is_available():
-        drop_expected_cpu_warnings()
+    if not platform.is_cuda():
+        platform.drop_expected_cpu_warnings()
     warnings.formatwarning = _one_line
     warnings.showwarning = _once_per_subject(warnings.showwarning)
     if rank != 0:

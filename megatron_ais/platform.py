@@ -47,12 +47,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import warnings
 
 import torch
 
-from megatron_ais.logging import drop_expected_cpu_warnings
-
 _applied = False
+# megatron's notices on a machine without CUDA: it falls back to torch implementations (TE and Apex are never
+# installed there) and CUDA_DEVICE_MAX_CONNECTIONS is unset; both expected
+EXPECTED_WITHOUT_CUDA = (".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*",
+                         ".*CUDA_DEVICE_MAX_CONNECTIONS.*")
 
 # megatron modules whose code holds device="cuda" literals on the GPT + TP/PP/DP + optimizer paths (P4).
 _CUDA_LITERAL_MODULES = (
@@ -67,6 +70,13 @@ _CUDA_LITERAL_MODULES = (
     "megatron.core.utils",
     "megatron.core.transformer.moe.moe_utils",
 )
+
+
+def drop_expected_cpu_warnings() -> None:
+    """Without CUDA, megatron's notices that it falls back to torch implementations (TE and Apex are never installed
+    there) and that CUDA_DEVICE_MAX_CONNECTIONS is unset are expected: dropped."""
+    for message in EXPECTED_WITHOUT_CUDA:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
 
 
 def is_cuda() -> bool:
