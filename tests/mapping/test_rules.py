@@ -1,6 +1,7 @@
 """The declarative mapping covers every parameter megatron builds, under either layer spec."""
 import pytest
 
+from distributed import spawn
 from megatron_ais.mapping.rules import ARCHITECTURES, canonical_name, megatron_param_names, rules_for, split_layer
 
 
@@ -24,28 +25,30 @@ def test_stage_names_have_rules_and_tied_output_only_off_the_first_stage(model_t
     assert any(".layers.3." in n for n in last) and not any(".layers.3." in n for n in first)
 
 
+def _model_names(model_type, use_te):
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_ais.distributed import initialize_distributed
+    from megatron_ais.model import ModelBuildConfig, ModelShape, build_gpt_model
+    from megatron_ais.platform import apply_cpu_compat
+
+    apply_cpu_compat()
+    initialize_distributed()
+    ps.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(0)
+    cfg = dict(model_type=model_type, num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=100, num_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=32)
+    model = build_gpt_model(ModelBuildConfig(shape=ModelShape.from_hf_config(cfg), precision="fp32", use_te=use_te),
+                            True, True)
+    return [name for name, _ in model.named_parameters()]
+
+
 def _built_model_names(model_type, use_te=False):
     """Parameter names of a real GPTModel (TP1) built in a fresh process."""
-    import subprocess
-    import sys
-    code = f"""
-import os
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29531", RANK="0", WORLD_SIZE="1")
-from megatron_ais.platform import apply_cpu_compat, distributed_backend; apply_cpu_compat()
-import torch.distributed as dist; dist.init_process_group(distributed_backend())
-from megatron.core import parallel_state as ps; ps.initialize_model_parallel()
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed; model_parallel_cuda_manual_seed(0)
-from megatron_ais.model import ModelBuildConfig, ModelShape, build_gpt_model
-cfg = dict(model_type="{model_type}", num_hidden_layers=2, hidden_size=32, intermediate_size=64,
-           num_attention_heads=4, num_key_value_heads=2, vocab_size=100, num_experts=4, num_experts_per_tok=2,
-           moe_intermediate_size=32)
-m = build_gpt_model(ModelBuildConfig(shape=ModelShape.from_hf_config(cfg), precision="fp32", use_te={use_te}),
-                    True, True)
-print("\\n".join(n for n, _ in m.named_parameters()))
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout.split()
+    (names,) = spawn(1, _model_names, model_type, use_te)
+    return names
 
 
 @pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
