@@ -379,6 +379,8 @@ def load_checkpoint(root: str, ranks: CheckpointRanks, distributed_optimizer: bo
         if problem is None:
             try:
                 state, distrib = fmt.read_rank_files(directory, files)
+            except CheckpointError as err:  # a file that would run code: refused unrun, it names itself
+                problem = str(err)
             except Exception as err:  # an unpicklable file is as corrupt as a bad checksum
                 problem = f"{files[0]} cannot be read ({type(err).__name__}: {err})"
         bad = [p for p in gather(problem) if p]

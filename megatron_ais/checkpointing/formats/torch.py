@@ -10,7 +10,9 @@ functions listed in formats/__init__.py."""
 from __future__ import annotations
 
 import os
+import pickle
 
+import numpy as np
 import torch
 
 from megatron_ais.checkpointing.optimizer_state import distributed_optimizer_shard, is_distributed, rng_state
@@ -21,6 +23,9 @@ from megatron_ais.model import unwrap_model
 
 RANK_FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
+# Beyond tensors and plain containers, a rank file holds only NumPy's random state (a uint32 array in a tuple);
+# torch.load admits nothing else, so a crafted file cannot run code at --load
+SAFE_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), np._core.multiarray._reconstruct]
 
 
 def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1) -> str:
@@ -95,9 +100,8 @@ def files_to_read(directory: str, ranks: CheckpointRanks, distributed_optimizer:
 
 def read_rank_files(directory: str, files: list[str]) -> tuple[dict, list | None]:
     """Return (the shard state, the distributed-optimizer shard or None) from the files of `files_to_read`."""
-    state = torch.load(os.path.join(directory, files[0]), map_location="cpu", weights_only=False)
-    distrib = (torch.load(os.path.join(directory, files[1]), map_location="cpu", weights_only=False)
-               if len(files) > 1 else None)
+    state = load_data(os.path.join(directory, files[0]))
+    distrib = load_data(os.path.join(directory, files[1])) if len(files) > 1 else None
     return state, distrib
 
 
@@ -108,7 +112,22 @@ def read_rank_state(directory: str, tp_rank: int, pp_rank: int, pp_size: int, ep
     path = os.path.join(directory, rank_dir_name(tp_rank, pp_rank, pp_size, ep_rank, ep_size), RANK_FILE)
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} is missing")
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    return load_data(path, mmap)
+
+
+def load_data(path: str, mmap: bool = False):
+    """torch.load a rank file as data only: a pickle that calls anything outside SAFE_GLOBALS is refused unrun, the
+    file and the global named."""
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError:
+        # name what the file would call, read from its pickle's opcodes (nothing is run to list them)
+        allowed = {f"{g.__module__}.{g.__qualname__}" for g in SAFE_GLOBALS}
+        called = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path) if g not in allowed]
+        raise CheckpointError(f"{path} is refused: its pickle calls {', '.join(called) or 'a type'} outside the "
+                              "checkpoint allowlist (a checkpoint is data, never code); nothing of it was run"
+                              ) from None
 
 
 def _model_keys(num_chunks: int) -> list[str]:
