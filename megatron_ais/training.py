@@ -16,8 +16,8 @@ from megatron_ais.checkpointing.config import HF_ASSETS
 from megatron_ais.checkpointing.formats.torch import load_model_state
 from megatron_ais.checkpointing.lock import hold_save_directory, refuse_directories_in_use
 from megatron_ais.checkpointing.optimizer_state import restore_training_state
-from megatron_ais.checkpointing.preflight import (check_layout, check_room, check_vocab_padding, check_writable,
-                                                  checkpoint_bytes)
+from megatron_ais.checkpointing.preflight import (check_layout, check_room, check_save_holds_no_other_run,
+                                                  check_vocab_padding, check_writable, checkpoint_bytes)
 from megatron_ais.checkpointing.ranks import CheckpointRanks
 from megatron_ais.checkpointing.store import (iteration_dir, load_checkpoint, read_checkpoint_metadata,
                                               restore_interrupted_resave, usable_iterations)
@@ -193,12 +193,14 @@ def check_output_directories(trainer) -> None:
 
 def prepare_trainer(trainer) -> tuple[dict, object]:
     """Everything a trainer checks before it starts (`trainer`: an arguments.TrainerConfig), in an order that writes
-    nothing: its output directories can be written, no live run holds --save or --load, the model's config is read and
-    checked once, --save has room for a checkpoint. Return (the HF config, the ModelBuildConfig)."""
+    nothing: its output directories can be written, no live run holds --save or --load, --save holds no other run's
+    checkpoints, the model's config is read and checked once, --save has room for a checkpoint. Return (the HF config, the ModelBuildConfig)."""
     check_output_directories(trainer)
     checkpoint = trainer.checkpoint
     if is_first_rank():
         refuse_directories_in_use(checkpoint)
+    if checkpoint.save:
+        check_save_holds_no_other_run(checkpoint.save, checkpoint.load, checkpoint.replace_checkpoints)
     hf_config = read_model_config(trainer.model, trainer.layout, checkpoint.load,
                                   checkpoint.allow_unverified_checkpoint)
     build = ModelBuildConfig.create(trainer.model, trainer.layout, hf_config,

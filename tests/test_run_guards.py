@@ -1,12 +1,12 @@
 """What a run refuses before it starts, in one line a person reads, writing nothing: a start without torchrun, bad
-flags (no usage block), a --save another live run holds, output directories that cannot be written or lack room
+flags (no usage block), a --save another live run holds or that holds another run's checkpoints, output directories that cannot be written or lack room
 for a checkpoint, FP8 shapes vLLM cannot load."""
 import os
 
 import pytest
 
 from conftest import make_model_dir
-from megatron_ais.checkpointing import preflight
+from megatron_ais.checkpointing import preflight, store
 from megatron_ais.checkpointing.lock import RunLock
 from megatron_ais.errors import CheckpointError
 
@@ -67,6 +67,35 @@ def test_a_save_directory_a_live_run_holds_is_refused_writing_nothing(grpo, mode
     finally:
         lock.release()
     assert not out.exists()
+
+
+def _snapshot(root):
+    """Every path under root with its mtime: what a refusal must leave as it was."""
+    return {os.path.join(d, n): os.stat(os.path.join(d, n)).st_mtime_ns
+            for d, dirs, files in os.walk(root) for n in dirs + files}
+
+
+def test_a_fresh_run_on_another_runs_checkpoints_is_refused_writing_nothing(grpo, model, tmp_path):
+    """A run killed at step 9 left iterations under --save; a new run from elsewhere must not save over them and
+    prune the rest unless told to, and a run that resumes from that directory is no fresh run."""
+    save, out = str(tmp_path / "ckpt"), tmp_path / "out"
+    for iteration in (2, 8):
+        stage = store.prepare_staging(save, iteration)
+        store.write_metadata(stage, {"hf_config": {}}, None)
+        store.commit_checkpoint(save, iteration)
+    before = _snapshot(save)
+    _refused(grpo("--hf-dir", model, "--save", save, "--output-dir", out),
+             f"--save {save} holds another run's checkpoints (newest: iteration 8) and this run does not resume from "
+             f"it (no --load); pass --load {save} to resume that run, or --replace-checkpoints")
+    assert _snapshot(save) == before and not out.exists()
+    # with the flag the run goes past that check, to the next refusal (the prompts do not fit --seq-length 32)
+    _refused(grpo("--hf-dir", model, "--save", save, "--output-dir", out, "--replace-checkpoints",
+                  "--seq-length", 32), "--seq-length 32 is too short")
+    assert _snapshot(save) == before and not out.exists()
+    with pytest.raises(CheckpointError, match=rf"\(--load {tmp_path}/sft\); pass --load {save} to resume"):
+        preflight.check_save_holds_no_other_run(save, str(tmp_path / "sft"), replace=False)
+    preflight.check_save_holds_no_other_run(save + "/", save, replace=False)  # resuming: the same directory
+    preflight.check_save_holds_no_other_run(str(tmp_path / "empty"), None, replace=False)
 
 
 def _unwritable(tmp_path):

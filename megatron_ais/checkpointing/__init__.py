@@ -2,8 +2,8 @@
 
     config.py           the --load / --save flags; what a load gives a rank; the metadata every checkpoint carries
     lock.py             one live run per --save directory (a flock held for the life of the run)
-    preflight.py        the checks made before any process group starts: writable, room for a checkpoint, the saved
-                        parallel layout and vocabulary padding
+    preflight.py        the checks made before any process group starts: writable, room for a checkpoint, no other
+                        run's checkpoints under --save, the saved parallel layout and vocabulary padding
     ranks.py            where a rank sits in a checkpoint (shard position, writer, committer) and the collectives of a
                         save and a load
     optimizer_state.py  optimizer (plain or distributed) and RNG state: what a save takes, what a resume restores

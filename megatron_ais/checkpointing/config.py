@@ -29,6 +29,9 @@ class CheckpointConfig(FlagConfig):
     finetune: bool = flag(False, "Take only the weights of --load: fresh optimizer, RNG and step counter (like "
                                  "Megatron-LM). Implied for weights-only checkpoints (converted from HF or written by "
                                  "SFT runs).")
+    replace_checkpoints: bool = flag(
+        False, "Let a run that does not resume from --save (its --load is elsewhere or absent) write over and prune the "
+               "checkpoints already there. Without it such a run is refused before it writes anything.")
     allow_unverified_checkpoint: bool = flag(
         False, "Load a --load (or --ref-load) checkpoint that has no checksums.json, i.e. one whose files nobody can "
                "verify (written by another tool); the log says so. Without it such a checkpoint is refused.")

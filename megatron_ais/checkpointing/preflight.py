@@ -1,5 +1,6 @@
 """The checks a run makes before any process group starts, each refusing with the flag to change: --save can be
-written and has room for a checkpoint; a checkpoint's parallel layout and vocabulary padding match the run's."""
+written, has room for a checkpoint and holds no other run's checkpoints; a checkpoint's parallel layout and vocabulary
+padding match the run's."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,7 @@ import shutil
 import tempfile
 from typing import Any
 
+from megatron_ais.checkpointing.store import committed_iterations
 from megatron_ais.errors import CheckpointError
 from megatron_ais.model import ModelShape
 
@@ -46,6 +48,17 @@ def check_room(path: str, nbytes: int, flag: str) -> None:
     if free < nbytes:
         raise CheckpointError(f"{flag} {path}: one checkpoint of this model takes about {nbytes / 1e9:.2f} GB and "
                               f"{free / 1e9:.2f} GB are free there; free some space or choose another {flag}")
+
+
+def check_save_holds_no_other_run(save: str, load: str | None, replace: bool) -> None:
+    """Refuse a --save that holds committed checkpoints when the run does not resume from it (--load elsewhere or
+    absent): the run would save its own iterations over them and prune the rest, unless `replace` says it may."""
+    committed = committed_iterations(save)
+    if not committed or replace or (load and os.path.realpath(load) == os.path.realpath(save)):
+        return
+    raise CheckpointError(f"--save {save} holds another run's checkpoints (newest: iteration {committed[0]}) and this "
+                          f"run does not resume from it ({'--load ' + load if load else 'no --load'}); pass --load "
+                          f"{save} to resume that run, or --replace-checkpoints to replace its checkpoints")
 
 
 def check_layout(metadata: dict[str, Any], layout, root: str) -> None:
