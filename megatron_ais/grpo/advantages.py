@@ -38,6 +38,10 @@ class AdvantageConfig(FlagConfig):
     leave_one_out: bool = flag(False, "Baseline each response with the mean reward of the other responses of its "
                                       "group (RLOO).", name="--advantage-leave-one-out")
 
+    @property
+    def estimator(self) -> str:
+        """The registered baseline these flags select."""
+        return "rloo" if self.leave_one_out else "grpo"
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = True,
