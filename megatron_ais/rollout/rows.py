@@ -2,7 +2,9 @@
 of its share of the prompts (advantages included: it holds whole groups); then every rank learns only a small record
 per engine (row lengths, rewards, counts) and receives from each host just the rows its DP rank trains on, as
 tensors by point-to-point sends: no rank gathers or broadcasts the whole batch. An engine retired meanwhile leaves
-its share to the others."""
+its share to the others. With dynamic sampling, every rank picks the step's groups from the records of several
+rounds (`pick_groups`: the same on every rank, from the records alone) and each host cuts its batches to them before
+the exchange."""
 from __future__ import annotations
 
 import dataclasses

@@ -153,3 +153,70 @@ def test_a_step_short_after_the_last_round_trains_on_its_informative_groups():
     assert len(set(tokens) - trained) == 2  # two blank groups, masked out of the loss
     assert rank0[0][4]["sampling/informative_groups"] == 4
     assert any("found 4 of 6 groups with reward variance in 2 round(s)" in line for line in said0)
+
+
+def _parity_or_all(response: str, answer: str) -> float:
+    """A reward a random tiny model earns: every response is right for an "all" prompt (an all-correct group),
+    otherwise a response is right when its text has an even length (its group usually mixed)."""
+    return 1.0 if answer == "all" else float(len(response) % 2 == 0)
+
+
+def _engine_fleet_worker(model_dir: str, work: str):
+    import torch.distributed as dist
+
+    from megatron_ais.data.tasks import Example, Task
+    from megatron_ais.distributed import initialize_distributed
+    from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
+    from megatron_ais.rollout.engine_config import EngineConfig
+    from megatron_ais.rollout.fleet import FleetConfig, RolloutFleet
+    from megatron_ais.rollout.fleet_layout import FleetLayout, cpu_core_of
+    from megatron_ais.rollout.manager import RolloutManager, RolloutPlan
+    from megatron_ais.rollout.rewards import RewardConfig, RewardScorer
+    from megatron_ais.sft import load_tokenizer
+
+    initialize_distributed()
+    rank, said = dist.get_rank(), []
+    tokenizer = load_tokenizer(model_dir)
+    examples = [Example(f"say {i}", "all" if i % 2 else "parity") for i in range(40)]
+    task = Task(train=examples, eval=examples[:2], reward=_parity_or_all)
+    sampling = SamplingConfig(n=GROUP, temperature=1.0, max_new_tokens=6, stop_token_ids=(tokenizer.eos_token_id,))
+    plan = RolloutPlan(4, sampling, 1, 0, 64, lambda batch: with_advantages(batch, AdvantageConfig()))
+    engine = RolloutEngine(EngineConfig(model_dir=model_dir, precision="fp32", kv_cache_gb=0.25,
+                                        placement="separate", cpu_core=cpu_core_of(rank)), f"{work}/engine-{rank}")
+    manager = RolloutManager(engine, tokenizer, task, plan, 11, 12, said.append, RewardScorer(task.reward,
+                                                                                              RewardConfig()))
+    fleet = RolloutFleet(FleetLayout.first_ranks(2, rank), ["node"] * 2, [0, 1], rank, manager, None, FleetConfig(),
+                         4, 0, False, said.append, DynamicSamplingConfig(enabled=True, max_rounds=12))
+    try:
+        got = [fleet.submit(step).wait() for step in (1, 2, 1)]
+    finally:
+        engine.shutdown()
+    return [(r.batch.tokens.tolist(), r.batch.rewards.tolist(), r.batch.mask.sum(dim=1).tolist(), r.sampling)
+            for r in got], said
+
+
+@pytest.mark.slow
+def test_two_real_engines_train_only_on_groups_with_reward_variance_and_a_step_samples_the_same_again(model_root,
+                                                                                                      tmp_path):
+    """Two vLLM engines (one per rank) and a task where half the prompts are all-correct: every step collects its
+    4 groups with reward variance over the rounds it needs, each DP rank holds a full half of them, and step 1
+    submitted again (what a resumed run does) makes the same rows."""
+    from conftest import make_model_dir
+
+    # the end-to-end tests' model (vLLM's CPU attention takes head dims of 32 and more)
+    model_dir = make_model_dir(model_root, "qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=512, initializer_range=0.02)
+    (rank0, said0), (rank1, said1) = spawn(2, _engine_fleet_worker, model_dir, str(tmp_path))
+    assert not any("dynamic sampling found" in line for line in said0 + said1), said0 + said1
+    for (tokens0, rewards0, in_loss0, sampling), (tokens1, rewards1, in_loss1, _) in zip(rank0, rank1):
+        assert len(tokens0) == len(tokens1) == 2 * GROUP  # full, equal DP shares: 4 groups of 4
+        rewards = rewards0 + rewards1
+        groups = [rewards[g * GROUP:(g + 1) * GROUP] for g in range(4)]
+        assert all(max(g) > min(g) for g in groups), groups  # no trained group has zero reward variance
+        assert all(n > 0 for n in in_loss0 + in_loss1)
+        assert sampling["sampling/informative_groups"] == 4
+        assert sampling["sampling/prompts_sampled"] == 4 * sampling["sampling/rounds"]
+    # half the prompts are all-correct: the steps dropped groups and sampled further rounds
+    assert sum(sampling["sampling/filtered_fraction"] for *_, sampling in rank0[:2]) > 0
+    assert max(sampling["sampling/rounds"] for *_, sampling in rank0[:2]) > 1
+    assert rank0[0][:3] == rank0[2][:3] and rank1[0][:3] == rank1[2][:3]  # step 1 again: the same stream
