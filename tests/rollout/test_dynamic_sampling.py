@@ -117,9 +117,22 @@ def _fleet_worker(max_rounds: int, balanced: bool):
     return out, said
 
 
-@pytest.mark.parametrize("balanced", [False, True])
-def test_two_engines_collect_full_batches_of_informative_groups(balanced):
-    (rank0, said0), (rank1, said1) = spawn(2, _fleet_worker, 3, balanced)
+FLEET_CASES = [(3, False), (3, True), (2, False)]  # --max-sampling-rounds, token-balanced DP shares
+
+
+def _every_fleet_case():
+    return [_fleet_worker(*case) for case in FLEET_CASES]
+
+
+def test_two_engines_collect_full_batches_of_informative_groups_or_mask_a_short_steps_fillers():
+    per_rank = spawn(2, _every_fleet_case)
+    for case, results in enumerate(zip(*per_rank)):
+        check = _check_full if FLEET_CASES[case][0] == 3 else _check_short
+        check(*results)
+
+
+def _check_full(rank0_result, rank1_result):
+    (rank0, said0), (rank1, said1) = rank0_result, rank1_result
     assert not said0 and not said1
     for step, (mine0, mine1) in zip((1, 2, 1), zip(rank0, rank1)):
         rows = len(mine0[0]) + len(mine1[0])
@@ -140,16 +153,18 @@ def test_two_engines_collect_full_batches_of_informative_groups(balanced):
     assert rank0[0] == rank0[2] and rank1[0] == rank1[2]  # step 1 again: the same stream
 
 
-def test_a_step_short_after_the_last_round_trains_on_its_informative_groups():
-    (rank0, said0), (rank1, _) = spawn(2, _fleet_worker, 2, False)
+def _check_short(rank0_result, rank1_result):
+    """A step short after the last round trains on its informative groups; the batch keeps its shape."""
+    (rank0, said0), (rank1, _) = rank0_result, rank1_result
     tokens = rank0[0][0] + rank1[0][0]
     in_loss = rank0[0][2] + rank1[0][2]
     rewards = rank0[0][1] + rank1[0][1]
-    assert len(tokens) == PROMPTS * GROUP  # the batch keeps its shape
+    assert len(tokens) == PROMPTS * GROUP
     trained = {t for t, n in zip(tokens, in_loss) if n > 0}
     assert len(trained) == 4  # two rounds of two informative groups
-    assert all(max(r for t2, r in zip(tokens, rewards) if t2 == t) > min(r for t2, r in zip(tokens, rewards) if t2 == t)
-               for t in trained)
+    for group in trained:
+        group_rewards = [r for t, r in zip(tokens, rewards) if t == group]
+        assert max(group_rewards) > min(group_rewards)
     assert len(set(tokens) - trained) == 2  # two blank groups, masked out of the loss
     assert rank0[0][4]["sampling/informative_groups"] == 4
     assert any("found 4 of 6 groups with reward variance in 2 round(s)" in line for line in said0)
