@@ -77,8 +77,9 @@ class GroupSelection:
 def select_groups(group_rewards: Sequence[Sequence[float]], target: int, rounds: int) -> GroupSelection:
     """The first `target` informative groups of the stream (each group's rewards, in stream order); short of them,
     the first zero-variance groups fill the batch as blanks."""
-    useful = [i for i, rewards in enumerate(group_rewards) if informative(rewards)]
-    useless = [i for i, rewards in enumerate(group_rewards) if not informative(rewards)]
-    chosen = useful[:target]
-    blank = useless[:target - len(chosen)]
-    return GroupSelection(tuple(sorted(chosen + blank)), frozenset(blank), len(group_rewards), len(useless), rounds)
+    varied = [i for i, rewards in enumerate(group_rewards) if informative(rewards)]
+    zero_variance = [i for i, rewards in enumerate(group_rewards) if not informative(rewards)]
+    chosen = varied[:target]
+    blank = zero_variance[:target - len(chosen)]
+    return GroupSelection(tuple(sorted(chosen + blank)), frozenset(blank), len(group_rewards), len(zero_variance),
+                          rounds)
