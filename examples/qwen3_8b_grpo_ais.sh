@@ -79,6 +79,13 @@ TRAINING_ARGS=(
     --loss-agg token-mean
     --kl-coef 0.0
 )
+# A DAPO-style recipe (verl's recipe/dapo, slime's --dynamic-sampling-filter-path): add to TRAINING_ARGS
+#     --dynamic-sampling --max-sampling-rounds 3   # only groups with reward variance; up to 3 rounds of 192 prompts
+#     --overlong soft-penalty --overlong-buffer-tokens 512 --overlong-penalty 1.0
+#                                                  # reward -(len - 2560) / 512 past 2560 of the 3072 response tokens
+# (clip-higher 0.2/0.28, token-mean and no KL are already set above). GSPO instead of PPO's token ratio:
+#     --policy-loss gspo --loss-agg seq-mean-token-mean --clip-low 3e-4 --clip-high 4e-4, and --is-level geometric
+# below; Dr. GRPO: --advantage-no-std --loss-agg seq-mean-token-sum-norm.
 
 MODEL_PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP"

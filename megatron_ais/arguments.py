@@ -28,10 +28,12 @@ from megatron_ais.grpo.run import GRPOLoopConfig
 from megatron_ais.logging import LoggingConfig
 from megatron_ais.model import ModelConfig
 from megatron_ais.parallel import ParallelLayout
+from megatron_ais.rollout.dynamic_sampling import DynamicSamplingConfig
 from megatron_ais.rollout.engine_config import EngineConfig
 from megatron_ais.rollout.fleet import FleetConfig
 from megatron_ais.rollout.fleet_layout import check_engine_gpus
 from megatron_ais.rollout.kv_scales import KVCacheCalibrationConfig
+from megatron_ais.rollout.overlong import OverlongConfig
 from megatron_ais.rollout.placement import ClusterConfig
 from megatron_ais.rollout.rewards import RewardConfig
 from megatron_ais.sft import SFTConfig
@@ -40,7 +42,7 @@ from megatron_ais.training import TrainingConfig, WeightSource
 # (--help heading, the configs whose flags it lists)
 TRAINER_FLAGS = (("model", (ModelConfig,)), ("parallelism", (ParallelLayout,)), ("training", (TrainingConfig,)),
                  ("checkpointing", (CheckpointConfig,)), ("logging", (LoggingConfig,)), ("task", (TaskConfig,)))
-GRPO_FLAGS = TRAINER_FLAGS + (("grpo", (PolicyLossConfig, AdvantageConfig)),
+GRPO_FLAGS = TRAINER_FLAGS + (("grpo", (PolicyLossConfig, AdvantageConfig, OverlongConfig, DynamicSamplingConfig)),
                               ("importance-sampling correction", (AISConfig,)),
                               ("rollout", (EngineConfig, KVCacheCalibrationConfig)),
                               ("rollout fleet", (ClusterConfig, FleetConfig)), ("rewards", (RewardConfig,)),
@@ -139,6 +141,8 @@ class GRPORunConfig:
     cluster: ClusterConfig
     rewards: RewardConfig
     fleet: FleetConfig
+    overlong: OverlongConfig = OverlongConfig()
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, world_size: int) -> "GRPORunConfig":
@@ -150,11 +154,13 @@ class GRPORunConfig:
         def build():
             engine = EngineConfig.from_args(args, seed=trainer.training.seed)
             bridge = BridgeConfig.from_args(args, precision=engine.precision)
-            return cls(trainer, GRPOLoopConfig.from_args(args), PolicyLossConfig.from_args(args),
+            loop = GRPOLoopConfig.from_args(args)
+            return cls(trainer, loop, PolicyLossConfig.from_args(args, max_response_tokens=loop.max_new_tokens),
                        AdvantageConfig.from_args(args), AISConfig.from_args(args),
                        dataclasses.replace(engine, gpu_staging_arena=bridge.arena_on_gpu),
                        KVCacheCalibrationConfig.from_args(args), bridge, ClusterConfig.from_args(args),
-                       RewardConfig.from_args(args), FleetConfig.from_args(args))
+                       RewardConfig.from_args(args), FleetConfig.from_args(args), OverlongConfig.from_args(args),
+                       DynamicSamplingConfig.from_args(args))
 
         config = _configs(build)
         config.check(world_size)
@@ -172,10 +178,24 @@ class GRPORunConfig:
             raise ArgumentValidationError(
                 f"--max-new-tokens {loop.max_new_tokens} leaves no room for the prompt in --seq-length "
                 f"{self.trainer.model.seq_length}; raise --seq-length or lower --max-new-tokens")
+        self._check_grpo_options()
         # with a token budget micro-batches take what fits: --micro-batch-size does not apply
         check_rollout_batch(loop, 1 if training.max_tokens_per_microbatch else training.micro_batch_size,
                             self.trainer.data_parallel(world_size))
         self._check_fleet(world_size)
+
+    def _check_grpo_options(self) -> None:
+        """Refuse GRPO options that do not fit the run's other flags, naming them."""
+        loop, correction = self.loop, self.correction
+        if self.overlong.mode == "soft-penalty" and self.overlong.buffer_tokens >= loop.max_new_tokens:
+            raise ArgumentValidationError(
+                f"--overlong-buffer-tokens {self.overlong.buffer_tokens} must be below --max-new-tokens "
+                f"{loop.max_new_tokens} (the penalty grows over the last tokens before the limit); lower it")
+        if self.loss.policy_loss == "gspo" and correction.correction != "none" and correction.level == "token":
+            raise ArgumentValidationError(
+                f"--policy-loss gspo with --is-correction {correction.correction} at --is-level token: GSPO's ratio "
+                "and clip are per sequence, so the mismatch correction must be too; add --is-level geometric (the "
+                "same geometric mean as GSPO's ratio) or --is-level sequence, or use --is-correction none")
 
     def _check_fleet(self, world_size: int) -> None:
         """Refuse engines the run cannot drive or place, naming the flags."""

@@ -91,3 +91,30 @@ def test_w8a8_emulation_needs_an_fp8_engine():
     with pytest.raises(ArgumentValidationError, match="--rollout-fp8-activations emulate quantizes the inputs of FP8 "
                                                       "linear layers; --rollout-precision bf16 has none"):
         _config("--rollout-precision", "bf16", "--rollout-fp8-activations", "emulate")
+
+
+def test_the_dapo_gspo_and_dr_grpo_options_land_and_bad_combinations_name_their_flags():
+    config = _config("--dynamic-sampling", "--max-sampling-rounds", "3", "--overlong", "soft-penalty",
+                     "--overlong-buffer-tokens", "4", "--overlong-penalty", "0.5", "--policy-loss", "gspo",
+                     "--loss-agg", "seq-mean-token-mean", "--is-level", "geometric", "--max-new-tokens", "16")
+    assert config.dynamic_sampling.enabled and config.dynamic_sampling.max_rounds == 3
+    assert (config.overlong.mode, config.overlong.buffer_tokens, config.overlong.penalty) == ("soft-penalty", 4, 0.5)
+    assert config.loss.policy_loss == "gspo" and config.loss.max_response_tokens == 16
+    assert _config("--loss-agg", "seq-mean-token-sum-norm", "--max-new-tokens", "24").loss.normalizer_scale == 24
+    defaults = _config()
+    assert not defaults.dynamic_sampling.enabled and defaults.overlong.mode == "keep"
+    assert defaults.loss.policy_loss == "ppo" and defaults.loss.normalizer_scale == 1
+    for argv, message in [
+        (("--policy-loss", "gspo", "--loss-agg", "seq-mean-token-mean"),
+         "--policy-loss gspo with --is-correction ais at --is-level token: .* add --is-level geometric"),
+        (("--policy-loss", "gspo", "--is-correction", "none"), "--policy-loss gspo with --loss-agg token-mean: .* use "
+                                                               "--loss-agg seq-mean-token-mean"),
+        (("--overlong", "soft-penalty"), "--overlong soft-penalty needs --overlong-buffer-tokens of at least 1"),
+        (("--overlong", "soft-penalty", "--overlong-buffer-tokens", "16", "--max-new-tokens", "16"),
+         "--overlong-buffer-tokens 16 must be below --max-new-tokens 16"),
+        (("--overlong-penalty", "-1"), "--overlong-penalty -1.0 must be >= 0"),
+        (("--dynamic-sampling", "--max-sampling-rounds", "0"), "--max-sampling-rounds 0 must be at least 1"),
+    ]:
+        with pytest.raises(ArgumentValidationError, match=message):
+            _config(*argv)
+    assert _config("--policy-loss", "gspo", "--loss-agg", "seq-mean-token-mean", "--is-correction", "none")

@@ -1,4 +1,5 @@
-"""Group-relative advantages: one scalar per response, normalised within its prompt's group."""
+"""Group-relative advantages: one scalar per response, its reward less a registered baseline of its prompt's group
+(GRPO's group mean, RLOO's leave-one-out mean), optionally divided by the group's std."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,6 +9,22 @@ import torch
 from megatron_ais.ais import invalid_sequences
 from megatron_ais.batch import RolloutBatch
 from megatron_ais.flags import FlagConfig, flag
+from megatron_ais.registry import Registry, register
+
+# baselines by estimator: (rewards [groups, G], reward totals [groups, 1], valid members [groups, 1]) -> [groups, G]
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
+
+
+@register(ADVANTAGE_ESTIMATORS, "grpo")
+def group_mean_baseline(rewards: torch.Tensor, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """GRPO: the mean reward of the group's valid members."""
+    return (total / count.clamp(min=1)).expand_as(rewards)
+
+
+@register(ADVANTAGE_ESTIMATORS, "rloo")
+def leave_one_out_baseline(rewards: torch.Tensor, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """RLOO: the mean reward of the other valid members; a member alone in its group is its own baseline (0)."""
+    return torch.where(count > 1, (total - rewards) / (count - 1).clamp(min=1), rewards)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +38,10 @@ class AdvantageConfig(FlagConfig):
     leave_one_out: bool = flag(False, "Baseline each response with the mean reward of the other responses of its "
                                       "group (RLOO).", name="--advantage-leave-one-out")
 
+    @property
+    def estimator(self) -> str:
+        """The registered baseline these flags select."""
+        return "rloo" if self.leave_one_out else "grpo"
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = True,
@@ -41,13 +62,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool
     keep = torch.ones_like(r) if valid is None else valid.to(r.device).double().view(-1, group_size)
     count = keep.sum(dim=1, keepdim=True)
     total = torch.where(keep > 0, r, 0.0).sum(dim=1, keepdim=True)  # an excluded member's reward may be anything
-    mean = total / count.clamp(min=1)
-    if leave_one_out:  # a member alone in its group has no baseline: advantage 0
-        baseline = torch.where(count > 1, (total - r) / (count - 1).clamp(min=1), r)
-    else:
-        baseline = mean
-    adv = r - baseline
+    adv = r - ADVANTAGE_ESTIMATORS["rloo" if leave_one_out else "grpo"](r, total, count)
     if normalize_std:
+        mean = total / count.clamp(min=1)
         std = (torch.where(keep > 0, r - mean, 0.0) ** 2).sum(dim=1, keepdim=True).div(count.clamp(min=1)).sqrt()
         adv = adv / (std + eps)
     return torch.where(keep > 0, adv, 0.0).flatten().float()
@@ -57,5 +74,5 @@ def with_advantages(batch: RolloutBatch, config: AdvantageConfig) -> RolloutBatc
     """The batch (whole groups) with each row's group advantage. A sequence left out for a NaN rollout log-prob is
     left out of its group's mean and std too."""
     return dataclasses.replace(batch, advantages=group_advantages(
-        batch.rewards, batch.group_size, not config.no_std, config.leave_one_out,
+        batch.rewards, batch.group_size, not config.no_std, config.estimator == "rloo",
         valid=~invalid_sequences(batch.rollout_logprobs, batch.mask)))

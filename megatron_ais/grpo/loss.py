@@ -1,5 +1,6 @@
-"""Token-level PPO-clip policy loss with correction coefficients, KL and entropy terms, and aggregation whose
-normaliser is counted over the whole data-parallel batch (so the gradient does not depend on the split)."""
+"""The policy loss: a registered policy-gradient term (token-level PPO-clip, or GSPO's sequence-level ratio and
+clip) times the correction coefficients, KL and entropy terms, and aggregation whose normaliser is counted over the
+whole data-parallel batch (so the gradient does not depend on the split)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,8 +9,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_ais.flags import FlagConfig, flag
+from megatron_ais.registry import Registry, register
 
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# policy-gradient terms by --policy-loss: (log π, log π_old, advantages, mask, config) -> (per-token term, clipped)
+POLICY_LOSSES = Registry("--policy-loss")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,24 +29,62 @@ class PolicyLossConfig(FlagConfig):
     entropy_coef: float = flag(0.0, "Weight of the entropy bonus.")
     loss_agg: str = flag("token-mean", "token-mean: Σ over tokens / tokens in the global batch; seq-mean-token-sum: "
                                        "per-sequence sums / sequences; seq-mean-token-mean: per-sequence means / "
-                                       "sequences.", choices=LOSS_AGGREGATIONS)
+                                       "sequences; seq-mean-token-sum-norm (Dr. GRPO): per-sequence sums / "
+                                       "(sequences x --max-new-tokens), a constant per-sequence normaliser.",
+                         choices=LOSS_AGGREGATIONS)
+    policy_loss: str = flag("ppo", "ppo: token-level ratio and clip; gspo: GSPO's sequence ratio (geometric mean of "
+                                   "the token ratios) clipped per sequence, with --loss-agg seq-mean-token-mean (use "
+                                   "GSPO-scale --clip-low/--clip-high, e.g. 3e-4/4e-4).",
+                            choices=lambda: tuple(POLICY_LOSSES))
+    # the longest response (--max-new-tokens): Dr. GRPO's constant normaliser of a sequence's token sum
+    max_response_tokens: int = 1
 
     def __post_init__(self):
         if self.loss_agg not in LOSS_AGGREGATIONS:
             raise ValueError(f"--loss-agg {self.loss_agg!r} must be one of {LOSS_AGGREGATIONS}")
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"--policy-loss {self.policy_loss!r} must be one of {tuple(POLICY_LOSSES)}")
+        if self.policy_loss == "gspo" and self.loss_agg != "seq-mean-token-mean":
+            raise ValueError(f"--policy-loss gspo with --loss-agg {self.loss_agg}: GSPO's objective is the mean over "
+                             "sequences of each sequence's clipped term; use --loss-agg seq-mean-token-mean")
         if self.kl_type not in ("k1", "k3"):
             raise ValueError(f"--kl-type {self.kl_type!r} must be k1 or k3")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
             raise ValueError(f"--clip-low {self.clip_low} must be in [0, 1) and --clip-high {self.clip_high} >= 0")
 
 
-def ppo_clip_term(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                  config: PolicyLossConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (−min(r·A, clip(r, 1−ε_low, 1+ε_high)·A) per token, clipped indicator)."""
-    ratio = (logprobs - old_logprobs).exp()
+    @property
+    def normalizer_scale(self) -> int:
+        """What each unit of the aggregation's normaliser counts for: Dr. GRPO's constant token count, else 1."""
+        return self.max_response_tokens if self.loss_agg == "seq-mean-token-sum-norm" else 1
+
+
+def clipped_objective(ratio: torch.Tensor, advantages: torch.Tensor, config: PolicyLossConfig
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (−min(r·A, clip(r, 1−ε_low, 1+ε_high)·A), clipped indicator), elementwise."""
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
     return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+@register(POLICY_LOSSES, "ppo")
+def ppo_clip_term(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                  config: PolicyLossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO: the token ratio r_t = π/π_old, clipped per token."""
+    return clipped_objective((logprobs - old_logprobs).exp(), advantages, config)
+
+
+@register(POLICY_LOSSES, "gspo")
+def gspo_term(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              config: PolicyLossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO (Zheng et al. 2025): the sequence ratio s = exp(mean over the response of log π − log π_old), clipped
+    per sequence. Each token carries s_t = sg(s) · π_t / sg(π_t): its value is s, its gradient s·∇log π_t, so the
+    per-sequence token mean (seq-mean-token-mean) has GSPO's gradient s·mean_t ∇log π_t."""
+    mask = mask.float()
+    log_ratio = (logprobs - old_logprobs) * mask
+    sequence = log_ratio.sum(dim=-1, keepdim=True) / mask.sum(dim=-1, keepdim=True).clamp(min=1.0)
+    ratio = (logprobs - logprobs.detach() + sequence.detach()).exp()
+    return clipped_objective(ratio, advantages, config)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_type: str) -> torch.Tensor:
@@ -55,9 +97,13 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_type: str)
 
 def token_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                  coefficient: torch.Tensor, config: PolicyLossConfig, ref_logprobs: torch.Tensor | None = None,
-                 entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Return the per-token loss [b, s] (correction coefficient × PPO-clip term, plus KL and entropy terms)."""
-    pg, clipped = ppo_clip_term(logprobs, old_logprobs, advantages, config)
+                 entropy: torch.Tensor | None = None, mask: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Return the per-token loss [b, s] (correction coefficient × the policy loss's clipped term, plus KL and entropy
+    terms); `mask` (default: every token) bounds GSPO's sequences: the tokens in the loss."""
+    if mask is None:
+        mask = torch.ones_like(logprobs)
+    pg, clipped = POLICY_LOSSES[config.policy_loss](logprobs, old_logprobs, advantages, mask, config)
     loss = coefficient.detach() * pg
     parts = {"pg": pg.detach(), "clipped": clipped}
     if config.kl_coef and ref_logprobs is not None:
@@ -70,16 +116,17 @@ def token_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages:
     return loss, parts
 
 
-def local_normalizer(mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
-    """Return this rank's count of the aggregation's units (tokens, or sequences with a valid token)."""
+def local_normalizer(mask: torch.Tensor, loss_agg: str, scale: int = 1) -> torch.Tensor:
+    """Return this rank's count of the aggregation's units (tokens, or sequences with a valid token), each counting
+    for `scale` (Dr. GRPO: sequences × the longest response)."""
     if loss_agg == "token-mean":
         return mask.float().sum().double()
-    return (mask.float().sum(dim=-1) > 0).double().sum()
+    return (mask.float().sum(dim=-1) > 0).double().sum() * scale
 
 
-def global_normalizer(mask: torch.Tensor, loss_agg: str, group) -> float:
-    """Return the aggregation's unit count over the whole DP batch (one all-reduce SUM)."""
-    count = local_normalizer(mask, loss_agg).reshape(1)
+def global_normalizer(mask: torch.Tensor, loss_agg: str, group, scale: int = 1) -> float:
+    """Return the aggregation's normaliser over the whole DP batch (one all-reduce SUM)."""
+    count = local_normalizer(mask, loss_agg, scale).reshape(1)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
     return count.item()

@@ -307,7 +307,9 @@ class GRPORun:
                         **{f"rollout/engine{host}_tokens_per_s": rate
                            for host, rate in rollouts.engine_tokens_per_s.items()},
                         "rollout/received_bytes": rollouts.received_bytes,
-                        "rollout/rank_bytes_fraction": rollouts.held_bytes / max(rollouts.batch_bytes, 1)})
+                        "rollout/rank_bytes_fraction": rollouts.held_bytes / max(rollouts.batch_bytes, 1),
+                        "rollout/truncated_fraction": rollouts.truncated / max(rollouts.sampled_rows, 1),
+                        **rollouts.sampling})
         metrics.update(evaluated)
         self.state.step = step
         self.state.history.append({"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}})

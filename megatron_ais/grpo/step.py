@@ -65,7 +65,8 @@ def _policy_forward_step(config: GRPOConfig, groups: ParallelGroups, normalizer:
                                                     groups.tensor_parallel_group,
                                                     config.vocab_size, with_entropy=config.loss.entropy_coef > 0)
         per_token, parts = token_losses(logprobs, mb["old_logprobs"], mb["advantages"], mb["coefficient"],
-                                        config.loss, ref_logprobs=mb.get("ref_logprobs"), entropy=entropy)
+                                        config.loss, ref_logprobs=mb.get("ref_logprobs"), entropy=entropy,
+                                        mask=mb["keep"])
         loss = aggregate(per_token, mb["keep"], config.loss.loss_agg, normalizer)
         keep = mb["keep"]
         kl = (parts["kl"] * keep).sum().double() if "kl" in parts else \
@@ -144,8 +145,8 @@ def _update(ddp_chunks: list, optimizer, local: dict, lengths: list[int], config
     for _ in range(config.ppo_epochs):
         for start in range(0, per_rank, minibatch):
             part = {k: v[start:start + minibatch] for k, v in local.items()}
-            normalizer = global_normalizer(part["keep"], config.loss.loss_agg, groups.data_parallel_group) \
-                if groups.is_last_stage else 0.0
+            normalizer = global_normalizer(part["keep"], config.loss.loss_agg, groups.data_parallel_group,
+                                           config.loss.normalizer_scale) if groups.is_last_stage else 0.0
             micro = micro_batches(part, _plan(part, lengths[start:start + minibatch], config, groups))
             scale = megatron_loss_scale(len(micro), groups.data_parallel_size)
             step = train_step(ddp_chunks, optimizer, partial(_policy_forward_step, config, groups, normalizer, scale),

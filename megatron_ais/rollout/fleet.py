@@ -22,13 +22,14 @@ from megatron_ais.bridge.node_copies import NodeCopies, node_leaders
 from megatron_ais.distributed import node_name, ranks_on_this_node
 from megatron_ais.errors import ArgumentValidationError, EngineRetiredError, as_sync_error
 from megatron_ais.flags import FlagConfig, flag
+from megatron_ais.rollout.dynamic_sampling import DynamicSamplingConfig, GroupSelection, select_groups
 from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
 from megatron_ais.rollout.engine_config import EngineConfig
 from megatron_ais.rollout.fleet_layout import (FleetLayout, Retired, apply_on_every_engine, cpu_core_of, engine_gpus,
                                                from_every_engine, retire)
 from megatron_ais.rollout.manager import RolloutManager, RolloutPlan, ServingPolicy, mean_rewards
 from megatron_ais.rollout.rewards import RewardScorer
-from megatron_ais.rollout.rows import StepRollouts, exchange_rows, make_rows
+from megatron_ais.rollout.rows import MadeRows, StepRollouts, exchange_rows, make_rows, pick_groups
 from megatron_ais.rollout.verify import RefitReference, verify_refit_on_all_ranks
 
 
@@ -75,11 +76,12 @@ class RolloutFleet:
     def __init__(self, layout: FleetLayout, node_of: list[str], data_parallel_rank_of: list[int],
                  data_parallel_rank: int, manager: RolloutManager | None, node_copies: NodeCopies,
                  config: FleetConfig, prompts_per_step: int, eval_prompts: int, balanced: bool,
-                 log: Callable[[str], None]):
+                 log: Callable[[str], None], dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()):
         self.layout, self.node_of, self.manager, self.node_copies = layout, node_of, manager, node_copies
         self.data_parallel_rank_of, self.data_parallel_rank = data_parallel_rank_of, data_parallel_rank
         self.config, self.prompts_per_step, self.eval_prompts = config, prompts_per_step, eval_prompts
         self.balanced, self.log = balanced, log  # balanced: DP shares balance tokens (--max-tokens-per-microbatch)
+        self.dynamic_sampling = dynamic_sampling
         self.engine_versions: dict[int, int] = {}  # each serving engine's committed weight version (its last sync)
 
     @property
@@ -89,12 +91,37 @@ class RolloutFleet:
 
     def submit(self, step: int) -> PendingRollouts:
         """Step `step`'s rollouts: every serving engine makes its share (an engine retired meanwhile leaves its share
-        to the others), every rank receives the rows its DP rank trains on (`rows.StepRollouts`)."""
-        made = make_rows(lambda prompts: self.manager.rollout_rows(step, prompts), self.layout,
+        to the others), every rank receives the rows its DP rank trains on (`rows.StepRollouts`). With
+        --dynamic-sampling, rounds of prompts are made until the step has its informative groups
+        (`dynamic_sampling.py`)."""
+        if not self.dynamic_sampling.enabled:
+            made = self._make_round(step, 0)
+            return PendingRollouts(step, exchange_rows(made, self.data_parallel_rank_of, self.data_parallel_rank,
+                                                       self.balanced))
+        rounds, selection = [], None
+        while selection is None or (selection.informative < self.prompts_per_step
+                                    and len(rounds) < self.dynamic_sampling.max_rounds):
+            rounds.append(self._make_round(step, len(rounds)))
+            selection = select_groups([rewards for made in rounds for record in made.records
+                                       for rewards in record.group_rewards()], self.prompts_per_step, len(rounds))
+        if selection.blank:
+            self.log(f"step {step}: dynamic sampling found {selection.informative} of {self.prompts_per_step} groups "
+                     f"with reward variance in {len(rounds)} round(s) (--max-sampling-rounds); it trains on them, "
+                     f"the other {len(selection.blank)} groups' responses are masked out of the loss")
+        return PendingRollouts(step, self._exchange_selected(rounds, selection))
+
+    def _make_round(self, step: int, round_index: int) -> MadeRows:
+        """The rows of one round of the step's prompts, every serving engine making its share."""
+        made = make_rows(lambda prompts: self.manager.rollout_rows(step, prompts, round_index), self.layout,
                          self.prompts_per_step, self.config.min_engines)
         self._retire(made.layout, made.retired)
-        return PendingRollouts(step, exchange_rows(made, self.data_parallel_rank_of, self.data_parallel_rank,
-                                                   self.balanced))
+        return made
+
+    def _exchange_selected(self, rounds: list[MadeRows], selection: GroupSelection) -> StepRollouts:
+        """Every rank's rows of the selected groups, with dynamic sampling's metrics."""
+        picked = pick_groups(rounds, list(selection.picked), set(selection.blank), self.prompts_per_step)
+        rollouts = exchange_rows(picked, self.data_parallel_rank_of, self.data_parallel_rank, self.balanced)
+        return dataclasses.replace(rollouts, sampling=selection.metrics(picked.records[0].group_size))
 
     def apply(self, weights, sync_id: int) -> None:
         """Every serving engine applies a committed sync (`weights`: the verified arena) from its node's copy; one
@@ -172,7 +199,7 @@ def build_fleet(config, tokenizer, task, seeds: tuple[int, int], model_dir: str,
         sampling = SamplingConfig(n=loop.group_size, temperature=loop.temperature, top_p=loop.top_p,
                                   max_new_tokens=loop.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
         plan = RolloutPlan(loop.prompts_per_step, sampling, loop.eval_samples, trainer.training.seed,
-                           trainer.model.seq_length, with_advantages, routing_replay)
+                           trainer.model.seq_length, with_advantages, routing_replay, config.overlong)
         several, out = layout.size > 1, trainer.logging.output_dir
         engine = RolloutEngine(engine_config(config.engine, model_dir, index, several, arena_rank),
                                os.path.join(out, f"engine-{index}" if several else "engine"))
@@ -183,7 +210,7 @@ def build_fleet(config, tokenizer, task, seeds: tuple[int, int], model_dir: str,
     copies = NodeCopies(arena_rank, node_leaders(layout.hosts, node_of, arena_rank), dist.get_rank())
     return RolloutFleet(layout, node_of, [dp for _, dp in places], data_parallel_rank, manager, copies, config.fleet,
                         loop.prompts_per_step, len(task.eval), trainer.training.max_tokens_per_microbatch is not None,
-                        log.info)
+                        log.info, config.dynamic_sampling)
 
 
 def engine_config(engine: EngineConfig, model_dir: str, index: int, several: bool, arena_rank: int) -> EngineConfig:

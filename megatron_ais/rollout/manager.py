@@ -10,7 +10,9 @@ from typing import Any, Callable
 from megatron_ais.batch import RolloutBatch
 from megatron_ais.errors import ArgumentValidationError, EngineRetiredError, GenerationTimeoutError, RolloutError
 from megatron_ais.rollout.batch import rollouts_to_batch
+from megatron_ais.rollout.dynamic_sampling import stream_seed
 from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
+from megatron_ais.rollout.overlong import OverlongConfig, shape_overlong
 from megatron_ais.rollout.rewards import RewardScorer, Scores
 
 
@@ -35,9 +37,10 @@ def check_prompt_lengths(tokenizer, task, max_new_tokens: int, seq_length: int, 
                 f"included) and --max-new-tokens is {max_new_tokens}; raise {flag} to {need} or lower --max-new-tokens")
 
 
-def step_examples(task, prompts_per_step: int, data_seed: int, step: int) -> list:
-    """The prompts of a step: they depend only on the data seed and the step."""
-    return random.Random(data_seed * 100003 + step).sample(task.train, prompts_per_step)
+def step_examples(task, prompts_per_step: int, data_seed: int, step: int, round_index: int = 0) -> list:
+    """The prompts of a step (of its `round_index`-th round with --dynamic-sampling): they depend only on the data
+    seed, the step and the round."""
+    return random.Random(stream_seed(data_seed, step, round_index)).sample(task.train, prompts_per_step)
 
 
 def step_prompt_ids(tokenizer, task, prompts_per_step: int, data_seed: int, step: int) -> list[list[int]]:
@@ -59,6 +62,7 @@ class RolloutPlan:
     # `grpo.advantages.with_advantages` with the run's options)
     with_advantages: Callable[[RolloutBatch], RolloutBatch]
     routing_replay: bool = False  # MoE: the engine routes every rollout once more for the trainer to replay
+    overlong: OverlongConfig = OverlongConfig()  # responses that reach --max-new-tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,16 +103,18 @@ class RolloutManager:
                                           progress=progress, first_index=indices.start if indices else 0,
                                           timeout_s=self.policy.generation_timeout_s)
 
-    def _collect(self, step: int, prompts: range):
-        sampling = dataclasses.replace(self.plan.sampling, seed=self.rollout_seed * 100003 + step)
-        examples, rollouts = self._generate(step_examples(self.task, self.plan.prompts_per_step, self.data_seed, step),
-                                            prompts, sampling)
+    def _collect(self, step: int, prompts: range, round_index: int):
+        sampling = dataclasses.replace(self.plan.sampling, seed=stream_seed(self.rollout_seed, step, round_index))
+        examples, rollouts = self._generate(
+            step_examples(self.task, self.plan.prompts_per_step, self.data_seed, step, round_index), prompts, sampling)
         # the trainer's input positions: every token but the last
         routes = self.engine.route([(r.prompt_token_ids + r.token_ids)[:-1] for r in rollouts]) \
             if self.plan.routing_replay else None
         scores = self._score(examples, rollouts, f"step {step}")
         batch = rollouts_to_batch(rollouts, scores.values, self.plan.sampling.n, self.plan.seq_length,
                                   self.tokenizer.pad_token_id, routes)
+        batch = shape_overlong(batch, [r.length for r in rollouts], [r.finish_reason == "length" for r in rollouts],
+                               self.plan.overlong, self.plan.sampling.max_new_tokens)
         return self.plan.with_advantages(dataclasses.replace(batch, reward_failures=scores.failed,
                                                              reward_timeouts=scores.timed_out))
 
@@ -147,10 +153,10 @@ class RolloutManager:
                 return
             reason = f"the restarted engine failed its refit check ({failure})"
 
-    def rollout_rows(self, step: int, prompts: range):
-        """Generate the group of responses to each of the step's prompts at indices `prompts` and score them; return
-        the RolloutBatch of their rows, advantages included."""
-        return self._serving(lambda: self._collect(step, prompts), f"step {step}")
+    def rollout_rows(self, step: int, prompts: range, round_index: int = 0):
+        """Generate the group of responses to each of the step's prompts (of its `round_index`-th sampling round) at
+        indices `prompts` and score them; return the RolloutBatch of their rows, advantages included."""
+        return self._serving(lambda: self._collect(step, prompts, round_index), f"step {step}")
 
     def _reward_sum(self, prompts: range, sampling: SamplingConfig) -> tuple[float, int]:
         examples, rollouts = self._generate(self.task.eval, prompts, sampling, progress=False)

@@ -2,7 +2,9 @@
 of its share of the prompts (advantages included: it holds whole groups); then every rank learns only a small record
 per engine (row lengths, rewards, counts) and receives from each host just the rows its DP rank trains on, as
 tensors by point-to-point sends: no rank gathers or broadcasts the whole batch. An engine retired meanwhile leaves
-its share to the others."""
+its share to the others. With dynamic sampling, every rank picks the step's groups from the records of several
+rounds (`pick_groups`: the same on every rank, from the records alone) and each host cuts its batches to them before
+the exchange."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,19 +28,44 @@ class RowsRecord:
     first_prompt: int
     lengths: tuple[int, ...]  # each row's length to its last response token (`batching.row_lengths`)
     rewards: tuple[float, ...]
-    response_tokens: int
+    row_tokens: tuple[int, ...]  # each row's response tokens in the loss
     group_size: int
     columns: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]  # each row tensor's name, dtype, shape past rows
     reward_failures: int
     reward_timeouts: int
+    truncated: int  # responses cut by --max-new-tokens
     seconds: float  # how long the engine's host took to make them
 
     @classmethod
     def of(cls, batch, host: int, first_prompt: int, seconds: float) -> "RowsRecord":
         return cls(host, first_prompt, tuple(row_lengths(batch.mask)), tuple(batch.rewards.tolist()),
-                   int(batch.mask.sum()), batch.group_size,
+                   tuple(int(n) for n in batch.mask.sum(dim=1).tolist()), batch.group_size,
                    tuple((name, t.dtype, tuple(t.shape[1:])) for name, t in row_tensors(batch)),
-                   batch.reward_failures, batch.reward_timeouts, seconds)
+                   batch.reward_failures, batch.reward_timeouts, batch.truncated, seconds)
+
+    @property
+    def response_tokens(self) -> int:
+        return sum(self.row_tokens)
+
+    @property
+    def groups(self) -> int:
+        return len(self.lengths) // self.group_size
+
+    def group_rewards(self) -> list[tuple[float, ...]]:
+        """Each of its groups' rewards, in prompt order."""
+        size = self.group_size
+        return [self.rewards[g * size:(g + 1) * size] for g in range(self.groups)]
+
+    def picked(self, groups: list[int], blank: set[int], first_prompt: int) -> "RowsRecord":
+        """The record of the rows of its groups `groups` (in that order; the groups in `blank` have their response
+        masks zeroed, `picked_rows` on the host) as the batch's rows from prompt `first_prompt` on; the counts of
+        the responses made stay with the step (`MadeRows.sampled`), not here."""
+        rows = [(g, g * self.group_size + i) for g in groups for i in range(self.group_size)]
+        return dataclasses.replace(
+            self, first_prompt=first_prompt, lengths=tuple(1 if g in blank else self.lengths[r] for g, r in rows),
+            rewards=tuple(self.rewards[r] for _, r in rows),
+            row_tokens=tuple(0 if g in blank else self.row_tokens[r] for g, r in rows),
+            reward_failures=0, reward_timeouts=0, truncated=0)
 
     def empty(self, rows: int) -> dict[str, torch.Tensor]:
         """Tensors for `rows` of these rows (what a receiver fills)."""
@@ -57,6 +84,43 @@ class MadeRows:
     layout: FleetLayout
     made: dict[int, Any]
     retired: list[str]
+    # the records of every response made for the step (default: `records`): dynamic sampling makes more than it
+    # trains on
+    sampled: list[RowsRecord] | None = None
+
+    @property
+    def made_records(self) -> list[RowsRecord]:
+        return self.records if self.sampled is None else self.sampled
+
+
+def picked_rows(batch: RolloutBatch, groups: list[int], blank: set[int]) -> RolloutBatch:
+    """The rows of the batch's groups `groups` (in that order), with the response masks of the groups in `blank`
+    zeroed: they fill the batch's shape and leave the loss."""
+    size = batch.group_size
+    rows = batch.rows([g * size + i for g in groups for i in range(size)])
+    kept = torch.tensor([g not in blank for g in groups for _ in range(size)], dtype=rows.mask.dtype)
+    return dataclasses.replace(rows, mask=rows.mask * kept.unsqueeze(-1))
+
+
+def pick_groups(rounds: list[MadeRows], picked: list[int], blank: set[int], prompts_per_round: int) -> MadeRows:
+    """The step's rows made of the groups at stream positions `picked` (round × prompts_per_round + prompt, in
+    order; those in `blank` masked out of the loss) from each round's rows; every rank computes the records, each
+    host the batches of its own."""
+    position = {p: index for index, p in enumerate(picked)}
+    records, made = [], {}
+    for round_index, made_round in enumerate(rounds):
+        for record in made_round.records:
+            first = round_index * prompts_per_round + record.first_prompt
+            groups = [g for g in range(record.groups) if first + g in position]
+            if not groups:
+                continue
+            blank_here = {g for g in groups if first + g in blank}
+            start = position[first + groups[0]]
+            records.append(record.picked(groups, blank_here, start))
+            if record.first_prompt in made_round.made:  # this rank made it
+                made[start] = picked_rows(made_round.made[record.first_prompt], groups, blank_here)
+    return MadeRows(sorted(records, key=lambda r: r.first_prompt), rounds[-1].layout, made, [],
+                    sampled=[record for made_round in rounds for record in made_round.records])
 
 
 def make_rows(make: Callable[[range], Any] | None, layout: FleetLayout, count: int, min_engines: int) -> MadeRows:
@@ -100,15 +164,18 @@ class StepRollouts:
 
     batch: RolloutBatch  # this rank's rows
     rewards: torch.Tensor  # [B] every row's reward, in batch order
-    response_tokens: int
+    response_tokens: int  # of every response made for the step
     reward_failures: int
     reward_timeouts: int
+    truncated: int  # responses made for the step that --max-new-tokens cut
+    sampled_rows: int  # responses made for the step
     received_bytes: int  # row bytes this rank was sent by other ranks
     held_bytes: int  # row bytes of the rows it trains on
     batch_bytes: int  # row bytes of the whole batch
     engine_tokens_per_s: dict[int, float]  # each engine's response tokens per second of making its rows
     first_host: int  # the host that made the batch's first rows
     first_rows: RolloutBatch | None = None  # their rows, on that host (None elsewhere)
+    sampling: dict[str, float] = dataclasses.field(default_factory=dict)  # dynamic sampling's metrics
 
 
 def exchange_rows(rows: MadeRows, data_parallel_rank_of: list[int], data_parallel_rank: int,
@@ -148,11 +215,13 @@ def exchange_rows(rows: MadeRows, data_parallel_rank_of: list[int], data_paralle
         request.wait()
     batch = RolloutBatch(**{name: torch.cat([piece[name] for piece in pieces]) for name in pieces[0]},
                          group_size=records[0].group_size)
+    sampled = rows.made_records
     return StepRollouts(batch, torch.tensor([r for record in records for r in record.rewards]),
-                        response_tokens=sum(r.response_tokens for r in records),
-                        reward_failures=sum(r.reward_failures for r in records),
-                        reward_timeouts=sum(r.reward_timeouts for r in records), received_bytes=received,
-                        held_bytes=records[0].nbytes(len(shares[data_parallel_rank])),
+                        response_tokens=sum(r.response_tokens for r in sampled),
+                        reward_failures=sum(r.reward_failures for r in sampled),
+                        reward_timeouts=sum(r.reward_timeouts for r in sampled),
+                        truncated=sum(r.truncated for r in sampled), sampled_rows=sum(len(r.lengths) for r in sampled),
+                        received_bytes=received, held_bytes=records[0].nbytes(len(shares[data_parallel_rank])),
                         batch_bytes=sum(r.nbytes(len(r.lengths)) for r in records),
-                        engine_tokens_per_s=tokens_per_second(records),
+                        engine_tokens_per_s=tokens_per_second(sampled),
                         first_host=records[0].host, first_rows=rows.made.get(0) if records[0].host == me else None)

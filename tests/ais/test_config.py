@@ -34,7 +34,8 @@ CHOICES = [
     ("--ais-variance", "variance", registry.VARIANCE, ("advantage_weighted", "cv", "none")),
     ("--ais-combiner", "combiner", registry.COMBINERS, ("product",)),
     ("--kl-type", "kl_type", None, ("k1", "k3")),
-    ("--loss-agg", "loss_agg", None, ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")),
+    ("--loss-agg", "loss_agg", None, ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                      "seq-mean-token-sum-norm")),
 ]
 
 

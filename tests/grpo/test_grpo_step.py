@@ -139,3 +139,47 @@ def test_grpo_ais_step_on_cuda_matches_reference(model_root, tmp_path):
     assert float.fromhex(lam_hex) == pytest.approx(ref_lam, rel=1e-4)
     assert metrics["train/policy_loss"] == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
     assert guards[:4] == (False, 2.0, True, True) and guards[4] == 0.0 < guards[5]
+
+
+def _options_worker(hf_dir, tp):
+    """Dr. GRPO's aggregation at the initial policy (no correction), then a GSPO update with the geometric AIS
+    correction; each step's loss and grad norm."""
+    from megatron_ais.ais import AISConfig, AISState
+    from distributed import start_trainer
+    from megatron_ais.forward import ParallelGroups
+    from megatron_ais.grpo.loss import PolicyLossConfig
+    from megatron_ais.grpo.step import GRPOConfig, grpo_train_step
+    from megatron_ais.training import setup_model_and_optimizer
+
+    trainer, _, build = start_trainer("--hf-dir", hf_dir, "--fp32", "--seq-length", S, "--tensor-model-parallel-size",
+                                      tp, "--lr", "1e-3")
+    setup = setup_model_and_optimizer(build, trainer.weights, trainer.training)
+    batch, _ = _rollout_batch(hf_dir)
+    groups = ParallelGroups.from_parallel_state()
+    dr_grpo = GRPOConfig(loss=PolicyLossConfig(loss_agg="seq-mean-token-sum-norm", max_response_tokens=S),
+                         correction=AISConfig(correction="none"), vocab_size=build.shape.vocab_size,
+                         micro_batch_size=2)
+    gspo = GRPOConfig(loss=PolicyLossConfig(policy_loss="gspo", loss_agg="seq-mean-token-mean"),
+                      correction=AISConfig(level="geometric"), vocab_size=build.shape.vocab_size, micro_batch_size=2)
+    results = [grpo_train_step(setup.ddp_chunks, setup.optimizer, batch, config, AISState(), groups).metrics
+               for config in (dr_grpo, gspo)]
+    return [(m["train/policy_loss"], m["train/grad_norm"]) for m in results]
+
+
+@pytest.mark.slow
+def test_dr_grpo_and_gspo_steps_do_not_depend_on_the_split(model_root):
+    """Dr. GRPO's loss at the initial policy is −Σ_i |y_i| A_i / (sequences × longest response) (ratio 1, c = 1);
+    its gradient, and the next GSPO update's, are the same at DP2 (unequal tokens per rank) and TP2 (one replica)."""
+    hf_dir = make_model_dir(model_root, "qwen3")
+    batch, _ = _rollout_batch(hf_dir)
+    rewards = batch.rewards.double().view(-1, GROUP)
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    advantages = (centred / (centred.pow(2).mean(dim=1, keepdim=True).sqrt() + 1e-6)).flatten()
+    expected = -(batch.mask.sum(dim=1).double() * advantages).sum().item() / (B * S)
+    dp2 = spawn(2, _options_worker, hf_dir, 1)
+    tp2 = spawn(2, _options_worker, hf_dir, 2)
+    for (dr_loss, _), _ in dp2 + tp2:
+        assert dr_loss == pytest.approx(expected, rel=1e-4, abs=1e-7)
+    for step in range(2):
+        assert dp2[0][step][1] == pytest.approx(tp2[0][step][1], rel=1e-4)
+    assert dp2[0][1][1] > 0

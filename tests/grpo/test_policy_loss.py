@@ -22,7 +22,7 @@ def test_ppo_clip_term_on_both_sides_of_the_band(advantage, expected, clipped):
     old = torch.full((1, len(RATIOS)), -1.3, dtype=torch.float64)
     logprobs = (old + torch.tensor([RATIOS], dtype=torch.float64).log()).requires_grad_(True)
     advantages = torch.full_like(old, advantage)
-    loss, indicator = ppo_clip_term(logprobs, old, advantages, PolicyLossConfig())
+    loss, indicator = ppo_clip_term(logprobs, old, advantages, torch.ones_like(old), PolicyLossConfig())
     assert torch.allclose(loss, torch.tensor([expected], dtype=torch.float64), rtol=0, atol=1e-12)
     assert indicator.tolist() == [clipped]
     loss.sum().backward()
