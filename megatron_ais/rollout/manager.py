@@ -37,10 +37,27 @@ def check_prompt_lengths(tokenizer, task, max_new_tokens: int, seq_length: int, 
                 f"included) and --max-new-tokens is {max_new_tokens}; raise {flag} to {need} or lower --max-new-tokens")
 
 
+def step_example_indices(examples: int, prompts_per_step: int, data_seed: int, step: int, round_index: int = 0
+                         ) -> list[int]:
+    """Which of `examples` training examples make a step's prompts (of its `round_index`-th round with
+    --dynamic-sampling): they depend only on the data seed, the step and the round. A later round draws from the
+    examples no earlier round of the step drew (from all of them once too few remain), so a step never trains twice
+    on one example's groups."""
+    drawn: set[int] = set()
+    for index in range(round_index + 1):
+        pool = [i for i in range(examples) if i not in drawn]
+        if len(pool) < prompts_per_step:
+            pool = list(range(examples))
+        # sampling indices picks what sampling the examples themselves did (round 0: the stream before rounds)
+        chosen = random.Random(stream_seed(data_seed, step, index)).sample(pool, prompts_per_step)
+        drawn.update(chosen)
+    return chosen
+
+
 def step_examples(task, prompts_per_step: int, data_seed: int, step: int, round_index: int = 0) -> list:
-    """The prompts of a step (of its `round_index`-th round with --dynamic-sampling): they depend only on the data
-    seed, the step and the round."""
-    return random.Random(stream_seed(data_seed, step, round_index)).sample(task.train, prompts_per_step)
+    """The training examples of a step's prompts (`step_example_indices`)."""
+    return [task.train[i] for i in step_example_indices(len(task.train), prompts_per_step, data_seed, step,
+                                                        round_index)]
 
 
 def step_prompt_ids(tokenizer, task, prompts_per_step: int, data_seed: int, step: int) -> list[list[int]]:

@@ -14,7 +14,7 @@ from megatron_ais.batch import RolloutBatch
 from megatron_ais.data.tasks import build_task, TaskConfig
 from megatron_ais.grpo.advantages import AdvantageConfig, with_advantages
 from megatron_ais.rollout.dynamic_sampling import DynamicSamplingConfig, select_groups, stream_seed
-from megatron_ais.rollout.manager import step_examples
+from megatron_ais.rollout.manager import step_example_indices, step_examples
 from megatron_ais.rollout.rows import MadeRows, RowsRecord, pick_groups, picked_rows
 
 GROUP = 4
@@ -64,6 +64,11 @@ def test_round_zero_is_the_stream_without_dynamic_sampling_and_later_rounds_depe
     rounds = [step_examples(task, 8, 7, 5, r) for r in range(1, 4)]
     assert rounds == [step_examples(task, 8, 7, 5, r) for r in range(1, 4)]  # a resumed run draws the same
     assert all(r != before for r in rounds) and rounds[0] != rounds[1]
+    # no training example twice in a step's rounds; once too few are left, a round draws from all of them again
+    drawn = [i for r in range(4) for i in step_example_indices(len(task.train), 8, 7, 5, r)]
+    assert len(set(drawn)) == len(drawn) == 32
+    first_two = set(step_example_indices(12, 5, 7, 5, 0)) | set(step_example_indices(12, 5, 7, 5, 1))
+    assert len(first_two) == 10 and len(set(step_example_indices(12, 5, 7, 5, 2))) == 5
     assert len({stream_seed(7, step, r) for step in range(1, 50) for r in range(4)}) == 49 * 4
 
 
