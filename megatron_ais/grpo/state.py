@@ -72,10 +72,14 @@ class GRPOState:
                    kv_cache_scales=None if scales is None else KVCacheScales(tuple(tuple(row) for row in scales)),
                    saved=saved)
 
+    def consumed_prompts(self, prompts_per_step: int) -> int:
+        """Prompts sampled so far: --prompts-per-step a step, or what dynamic sampling's rounds drew."""
+        return sum(int(record.get("sampling/prompts_sampled", prompts_per_step)) for record in self.history)
+
     def run_state(self, prompts_per_step: int, flags: dict) -> dict:
         """What a checkpoint saves of the run after `step` (`flags`: the run's plain flag values)."""
         return {"kind": "grpo", "step": self.step, "ais_state": self.ais.state_dict(), "data_seed": self.data_seed,
-                "rollout_seed": self.rollout_seed, "consumed_prompts": self.step * prompts_per_step,
+                "rollout_seed": self.rollout_seed, "consumed_prompts": self.consumed_prompts(prompts_per_step),
                 "reference_source": self.reference, "history": self.history, "eval_before": self.eval_before,
                 "args": flags,
                 "kv_cache_scales": None if self.kv_cache_scales is None else list(self.kv_cache_scales.scales)}

@@ -240,3 +240,13 @@ def test_two_real_engines_train_only_on_groups_with_reward_variance_and_a_step_s
     assert sum(sampling["sampling/filtered_fraction"] for *_, sampling in rank0[:2]) > 0
     assert max(sampling["sampling/rounds"] for *_, sampling in rank0[:2]) > 1
     assert rank0[0][:3] == rank0[2][:3] and rank1[0][:3] == rank1[2][:3]  # step 1 again: the same stream
+
+
+def test_a_checkpoint_counts_the_consumed_prompts_dynamic_sampling_drew():
+    from megatron_ais.grpo.state import GRPOState
+
+    state = GRPOState.begin(None, seed=1, rollout_seed=None, reference={})
+    state.history = [{"step": 1}, {"step": 2, "sampling/prompts_sampled": 24},
+                     {"step": 3, "sampling/prompts_sampled": 8}]
+    state.step = 3
+    assert state.run_state(8, {})["consumed_prompts"] == 8 + 24 + 8
