@@ -44,25 +44,24 @@ class AdvantageConfig(FlagConfig):
         return "rloo" if self.leave_one_out else "grpo"
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = True,
-                     leave_one_out: bool = False, eps: float = 1e-6, valid: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = True, estimator: str = "grpo",
+                     eps: float = 1e-6, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Return advantages [n] for rewards [n] laid out as consecutive groups of `group_size` responses.
 
-    Default (GRPO): (r - mean_group) / (std_group + eps). leave_one_out: baseline = mean of the other responses
-    (RLOO). normalize_std=False: Dr. GRPO style, centred only. Groups with identical rewards give zeros.
+    Default (GRPO): (r - mean_group) / (std_group + eps). `estimator` names the baseline in ADVANTAGE_ESTIMATORS
+    (rloo: the mean of the other responses). normalize_std=False: Dr. GRPO style, centred only. Groups with identical rewards give zeros.
     `valid` [n] (bool): responses left out of training (a NaN rollout log-prob) are left out of their group's
     statistics too and get advantage 0; a group's statistics are those of its valid members.
     """
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
-    if leave_one_out and group_size < 2:
+    if estimator == "rloo" and group_size < 2:
         raise ValueError("leave-one-out advantages need a group size of at least 2")
     r = rewards.double().view(-1, group_size)
     keep = torch.ones_like(r) if valid is None else valid.to(r.device).double().view(-1, group_size)
     count = keep.sum(dim=1, keepdim=True)
     total = torch.where(keep > 0, r, 0.0).sum(dim=1, keepdim=True)  # an excluded member's reward may be anything
-    adv = r - ADVANTAGE_ESTIMATORS["rloo" if leave_one_out else "grpo"](r, total, count)
+    adv = r - ADVANTAGE_ESTIMATORS[estimator](r, total, count)
     if normalize_std:
         mean = total / count.clamp(min=1)
         std = (torch.where(keep > 0, r - mean, 0.0) ** 2).sum(dim=1, keepdim=True).div(count.clamp(min=1)).sqrt()
@@ -74,5 +73,5 @@ def with_advantages(batch: RolloutBatch, config: AdvantageConfig) -> RolloutBatc
     """The batch (whole groups) with each row's group advantage. A sequence left out for a NaN rollout log-prob is
     left out of its group's mean and std too."""
     return dataclasses.replace(batch, advantages=group_advantages(
-        batch.rewards, batch.group_size, not config.no_std, config.estimator == "rloo",
+        batch.rewards, batch.group_size, not config.no_std, config.estimator,
         valid=~invalid_sequences(batch.rollout_logprobs, batch.mask)))

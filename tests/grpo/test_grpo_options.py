@@ -176,5 +176,5 @@ def test_defaults_compute_what_they_did_before_bit_for_bit():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.3, 0.3, 0.9, 0.1, 0.0, 0.0, 0.0, 1.0])
     for normalize_std in (True, False):
         for leave_one_out in (False, True):
-            assert torch.equal(group_advantages(rewards, 4, normalize_std, leave_one_out),
+            assert torch.equal(group_advantages(rewards, 4, normalize_std, "rloo" if leave_one_out else "grpo"),
                                _advantages_before_the_registry(rewards, 4, normalize_std, leave_one_out))

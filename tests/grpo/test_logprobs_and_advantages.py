@@ -69,7 +69,7 @@ def test_group_advantages():
     assert torch.equal(adv[4:], torch.zeros(4))
     centred = group_advantages(rewards, 4, normalize_std=False)
     assert torch.allclose(centred[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]))
-    loo = group_advantages(rewards, 4, normalize_std=False, leave_one_out=True)
+    loo = group_advantages(rewards, 4, normalize_std=False, estimator="rloo")
     assert torch.allclose(loo[:4], torch.tensor([1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3]))
     with pytest.raises(ValueError, match="groups of 3"):
         group_advantages(rewards, 3)
@@ -81,7 +81,7 @@ def test_group_advantages_leave_excluded_responses_out(leave_one_out):
     advantages of the group without it (closed form), it gets 0; a group left with one member gets 0 (RLOO)."""
     rewards = torch.tensor([1.0, 0.0, float("nan"), 1.0, 3.0, 7.0, 7.0, 7.0])  # an excluded reward may be anything
     valid = torch.tensor([True, True, False, True, True, False, False, False])
-    adv = group_advantages(rewards, 4, leave_one_out=leave_one_out, valid=valid)
+    adv = group_advantages(rewards, 4, estimator="rloo" if leave_one_out else "grpo", valid=valid)
     kept = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
     if leave_one_out:
         baseline = (kept.sum() - kept) / 2
@@ -90,4 +90,4 @@ def test_group_advantages_leave_excluded_responses_out(leave_one_out):
     expected = (kept - baseline) / (kept.std(unbiased=False) + 1e-6)
     assert torch.allclose(adv[[0, 1, 3]], expected.float(), atol=1e-6)
     assert adv[2] == 0 and torch.equal(adv[4:], torch.zeros(4))
-    assert not torch.allclose(group_advantages(rewards, 4, leave_one_out=leave_one_out)[[0, 1, 3]], adv[[0, 1, 3]])
+    assert not torch.allclose(group_advantages(rewards, 4, estimator="rloo" if leave_one_out else "grpo")[[0, 1, 3]], adv[[0, 1, 3]])
