@@ -122,12 +122,21 @@ def load_data(path: str, mmap: bool = False):
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError:
-        # name what the file would call, read from its pickle's opcodes (nothing is run to list them)
-        allowed = {f"{g.__module__}.{g.__qualname__}" for g in SAFE_GLOBALS}
-        called = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path) if g not in allowed]
-        raise CheckpointError(f"{path} is refused: its pickle calls {', '.join(called) or 'a type'} outside the "
-                              "checkpoint allowlist (a checkpoint is data, never code); nothing of it was run"
-                              ) from None
+        called = _disallowed_globals(path)
+        if not called:  # no global outside the allowlist: a damaged file, which the caller reports as unreadable
+            raise
+        raise CheckpointError(f"{path} is refused: its pickle calls {', '.join(called)} outside the checkpoint "
+                              "allowlist (a checkpoint is data, never code); nothing of it was run") from None
+
+
+def _disallowed_globals(path: str) -> list[str]:
+    """The globals a rank file's pickle names outside SAFE_GLOBALS, read from its opcodes (nothing is run to list
+    them); none when the file cannot be read that far."""
+    allowed = {f"{g.__module__}.{g.__qualname__}" for g in SAFE_GLOBALS}
+    try:
+        return [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path) if g not in allowed]
+    except Exception:  # a damaged archive or pickle: nothing can be named
+        return []
 
 
 def _model_keys(num_chunks: int) -> list[str]:
