@@ -1,8 +1,8 @@
 """Starting torch.distributed from torchrun's environment, and keeping ranks in step: what one rank computes (a
 rollout batch, a refit verdict, the last pipeline stage's metrics) reaches every rank of a group through `share`,
-and an error raised there is raised on every rank, so no rank is left waiting in a collective. Also the host and port helpers of process groups built outside
-torchrun's world, and bytes broadcast over such a group in chunks (weight feeds, node copies). Light on purpose
-(no megatron-core): every spawned rank and vLLM's workers import it."""
+and an error raised there is raised on every rank, so no rank is left waiting in a collective. Also the host and
+port helpers of process groups built outside torchrun's world, and bytes broadcast over such a group in chunks
+(weight feeds, node copies). Light on purpose (no megatron-core): every spawned rank and vLLM's workers import it."""
 from __future__ import annotations
 
 import datetime

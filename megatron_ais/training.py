@@ -194,7 +194,8 @@ def check_output_directories(trainer) -> None:
 def prepare_trainer(trainer) -> tuple[dict, object]:
     """Everything a trainer checks before it starts (`trainer`: an arguments.TrainerConfig), in an order that writes
     nothing: its output directories can be written, no live run holds --save or --load, --save holds no other run's
-    checkpoints, the model's config is read and checked once, --save has room for a checkpoint. Return (the HF config, the ModelBuildConfig)."""
+    checkpoints, the model's config is read and checked once, --save has room for a checkpoint. Return (the HF
+    config, the ModelBuildConfig)."""
     check_output_directories(trainer)
     checkpoint = trainer.checkpoint
     if is_first_rank():
