@@ -13,4 +13,6 @@ A format is a module with
                                                    one shard's saved state, for offline tools
 
 torch.py: today's format, Megatron-LM's legacy per-rank `torch.save` layout.
+torch_dist.py: Megatron-LM's distributed format (megatron-core dist_checkpointing), resharded on load; its tensors are
+    read by its `load_model_state`, which needs the model. Model and run state only so far; not yet a trainer flag.
 """
