@@ -12,7 +12,7 @@ from megatron_ais import platform
 from megatron_ais.batch import balanced_partition, row_lengths
 from megatron_ais.checkpointing.config import checkpoint_metadata
 from megatron_ais.checkpointing.ranks import CheckpointRanks
-from megatron_ais.checkpointing.store import save_checkpoint
+from megatron_ais.checkpointing.store import FORMATS, save_checkpoint
 from megatron_ais.data.tasks import Example, build_task
 from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import FlagConfig, flag
@@ -135,7 +135,7 @@ def _save_and_export(setup, hf_config: dict, config) -> None:
         save_checkpoint(checkpoint.save, iters, setup.chunks, metadata, setup.assets_dir,
                         CheckpointRanks.from_parallel_state(), optimizer=setup.optimizer,
                         run_state={"kind": "sft", "step": iters}, dp_group=ps.get_data_parallel_group(),
-                        keep=checkpoint.keep_checkpoints)
+                        keep=checkpoint.keep_checkpoints, fmt=FORMATS[checkpoint.ckpt_format])
     if config.sft.export_hf_dir:
         writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
         save_hf_checkpoint(setup.chunks, setup.build, hf_config, config.sft.export_hf_dir,

@@ -17,7 +17,7 @@ from megatron_ais.bridge.receiver import SyncReceiver
 from megatron_ais.bridge.sync import WeightBridge
 from megatron_ais.checkpointing.config import checkpoint_metadata
 from megatron_ais.checkpointing.ranks import CheckpointRanks
-from megatron_ais.checkpointing.store import save_checkpoint
+from megatron_ais.checkpointing.store import FORMATS, save_checkpoint
 from megatron_ais.data.tasks import build_task
 from megatron_ais.distributed import from_last_stage, share
 from megatron_ais.errors import ArgumentValidationError, TaskError
@@ -332,7 +332,8 @@ class GRPORun:
         save_checkpoint(checkpoint.save, step, self.model.chunks, metadata, self.model.assets_dir,
                         self.checkpoint_ranks, optimizer=self.model.optimizer,
                         run_state=self.state.run_state(self.loop.prompts_per_step, self.trainer.flags),
-                        dp_group=self.groups.data_parallel_group, keep=checkpoint.keep_checkpoints, protect=protect)
+                        dp_group=self.groups.data_parallel_group, keep=checkpoint.keep_checkpoints, protect=protect,
+                        fmt=FORMATS[checkpoint.ckpt_format])
         self.log.info(f"saved checkpoint {checkpoint.save} iteration {step}")
 
     def sync_weights(self, sync_id: int) -> None:

@@ -15,12 +15,15 @@ import pickle
 import numpy as np
 import torch
 
-from megatron_ais.checkpointing.optimizer_state import distributed_optimizer_shard, is_distributed, rng_state
+from megatron_ais.checkpointing.config import LoadedCheckpoint
+from megatron_ais.checkpointing.optimizer_state import (distributed_optimizer_shard, is_distributed,
+                                                        restore_training_state as restore_optimizer_and_rng, rng_state)
 from megatron_ais.checkpointing.ranks import CheckpointRanks, gather
 from megatron_ais.errors import CheckpointError
 from megatron_ais.mapping.rules import canonical_name
 from megatron_ais.model import unwrap_model
 
+NAME = "torch"
 RANK_FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
 # Beyond tensors and plain containers, a rank file holds only NumPy's random state (a uint32 array in a tuple);
@@ -166,3 +169,14 @@ def load_model_state(chunks: list, state: dict) -> None:
             param.copy_(tensor)
         if saved:
             raise CheckpointError(f"checkpoint has parameters the model lacks: {sorted(saved)[:5]}")
+
+
+def load_model(chunks: list, loaded: LoadedCheckpoint) -> None:
+    """Copy a loaded checkpoint's parameters into this rank's chunks (saved at this layout)."""
+    load_model_state(chunks, loaded.state)
+
+
+def restore_training_state(loaded: LoadedCheckpoint, chunks: list, optimizer, dp_rank: int, dp_size: int) -> None:
+    """Restore the optimizer (and distributed-optimizer shard) and this DP rank's RNG state."""
+    del chunks  # the rank files hold the optimizer state itself
+    restore_optimizer_and_rng(loaded, optimizer, dp_rank, dp_size)

@@ -6,10 +6,12 @@ TP1 x PP2); the run state beside it, as data.
     iter_000000N/model/.metadata          where every tensor's pieces lie, written by rank 0
     iter_000000N/model/common.pt          megatron-core's common (non-sharded) state, written by rank 0
     iter_000000N/model/metadata.json      the sharded strategy, written by rank 0
-    iter_000000N/run_state.pt             iteration, every rank's RNG state, the run state; written by rank 0
+    iter_000000N/run_state.pt             iteration, the RNG state of rank 0's data-parallel group, the run state
 
-Not yet here: the optimizer (megatron-core's optimizer `sharded_state_dict`) and the trainer's --ckpt-format flag;
-the store (store.py) writes, checksums, commits and verifies these files like the torch format's."""
+The optimizer's state (fp32 main params, Adam moments, step) lies beside the model's in the same files, saved
+through megatron-core's optimizer `sharded_state_dict` in the fully reshardable form, so it too loads at another
+TP / PP / DP layout. The store (store.py) writes, checksums, commits and verifies these files like the torch
+format's."""
 from __future__ import annotations
 
 import os
@@ -19,14 +21,18 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from megatron_ais.checkpointing.formats.torch import CHECKPOINT_VERSION, load_data
-from megatron_ais.checkpointing.optimizer_state import rng_state
+from megatron_ais.checkpointing.config import LoadedCheckpoint
+from megatron_ais.checkpointing.optimizer_state import (check_optimizer_layout, is_distributed, rng_state,
+                                                        set_rng_state, sub_optimizers, unshare_adam_steps)
 from megatron_ais.checkpointing.ranks import CheckpointRanks, gather
 from megatron_ais.errors import CheckpointError
 from megatron_ais.model import unwrap_model
 
+NAME = "torch_dist"
 MODEL_DIR = "model"
 RUN_STATE = "run_state.pt"
 COMMON_FILES = (".metadata", "common.pt", "metadata.json")  # what rank 0 writes beside its own shards
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}  # the layout-free form of the shards
 
 
 def _rank() -> int:
@@ -43,6 +49,25 @@ def sharded_model_state(chunks: list) -> dict:
     return {_chunk_key(i, len(chunks)): unwrap_model(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 
+def sharded_state(chunks: list, optimizer, is_loading: bool) -> dict:
+    """The model's sharded state dict and, with an optimizer, the optimizer's (megatron-core builds it from the
+    model's, matching parameters by identity)."""
+    state = sharded_model_state(chunks)
+    if optimizer is not None:
+        if is_loading and is_distributed(optimizer):
+            # a fresh DistributedOptimizer has no Adam state, and its state_dict() asserts one step count exists
+            for sub in sub_optimizers(optimizer):
+                sub._init_optimizer_states_with_dummy_values()
+        state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=is_loading,
+                                                          metadata=OPTIMIZER_METADATA)
+    return state
+
+
+def is_format_of(directory: str) -> bool:
+    """Whether a checkpoint directory was written in this format."""
+    return os.path.isdir(os.path.join(directory, MODEL_DIR))
+
+
 def rank_files(directory: str) -> list[str]:
     """The files of a checkpoint directory that the format wrote (model shards and metadata, run state)."""
     model = os.path.join(directory, MODEL_DIR)
@@ -52,13 +77,14 @@ def rank_files(directory: str) -> list[str]:
 
 def write_rank_files(stage: str, iteration: int, ranks: CheckpointRanks, chunks: list, optimizer,
                      run_state: dict | None, dp_group) -> list[str]:
-    """Save the model through dist_checkpointing into the staging directory and, on rank 0, the run state with every
-    rank's RNG state; collective over all ranks. Return the names of the files this rank wrote, relative to `stage`."""
-    del ranks, optimizer, dp_group  # the model's sharded state dict knows every rank's part; no optimizer yet
+    """Save the model and optimizer through dist_checkpointing into the staging directory and, on rank 0, the run
+    state with its data-parallel group's RNG states; collective over all ranks. Return the names of the files this
+    rank wrote, relative to `stage`."""
+    del ranks  # the sharded state dicts know every rank's part
     model_dir = os.path.join(stage, MODEL_DIR)
     os.makedirs(model_dir, exist_ok=True)
-    rng_states = gather(rng_state())
-    dist_checkpointing.save(sharded_model_state(chunks), model_dir)
+    rng_states = gather(rng_state(), dp_group)
+    dist_checkpointing.save(sharded_state(chunks, optimizer, is_loading=False), model_dir)
     rank = _rank()
     names = [os.path.join(MODEL_DIR, n) for n in sorted(os.listdir(model_dir))
              if n.startswith(f"__{rank}_") or (rank == 0 and n in COMMON_FILES)]
@@ -95,3 +121,45 @@ def load_model_state(chunks: list, directory: str) -> None:
     loaded = dist_checkpointing.load(sharded_model_state(chunks), os.path.join(directory, MODEL_DIR))
     for i, chunk in enumerate(chunks):
         unwrap_model(chunk).load_state_dict(loaded[_chunk_key(i, len(chunks))])
+
+
+def _sub_states(optimizer, state) -> list:
+    # a ChainedOptimizer of one gives that optimizer's state itself, of several a dict keyed by index
+    return [state] if len(sub_optimizers(optimizer)) == 1 else [state[i] for i in sorted(state)]
+
+
+def _load_distributed_sub(sub, state: dict) -> None:
+    # megatron-core 0.16.1's fully reshardable load raises KeyError 'step' when the per-param states hold one, and
+    # load_state_dict gives every parameter the same step tensor (Adam would advance it once per parameter): load the
+    # rest first, set the steps aside, load the parameter state, then give each parameter its own step back
+    param_state = state.pop("param_state")
+    state.pop("param_state_sharding_type", None)
+    sub.load_state_dict(state)
+    steps = {param: entry.pop("step") for param, entry in sub.optimizer.state.items() if "step" in entry}
+    sub.load_parameter_state_from_fully_reshardable(param_state)
+    for param, step in steps.items():
+        sub.optimizer.state[param]["step"] = step.clone()
+
+
+def load_model(chunks: list, loaded: LoadedCheckpoint) -> None:
+    """Load this rank's part of the model from a loaded checkpoint, at whatever layout it was saved."""
+    load_model_state(chunks, loaded.directory)
+
+
+def restore_training_state(loaded: LoadedCheckpoint, chunks: list, optimizer, dp_rank: int, dp_size: int) -> None:
+    """Restore the optimizer (resharded to this run's TP / PP / DP layout) and this DP rank's RNG state from a
+    torch_dist checkpoint; collective over all ranks."""
+    del dp_size  # the shards are resharded to any data-parallel size
+    check_optimizer_layout({"use_distributed_optimizer": loaded.metadata.get("use_distributed_optimizer")},
+                           is_distributed(optimizer), 0, loaded.root)
+    state = dist_checkpointing.load(sharded_state(chunks, optimizer, is_loading=True),
+                                    os.path.join(loaded.directory, MODEL_DIR))["optimizer"]
+    for sub, sub_state in zip(sub_optimizers(optimizer), _sub_states(optimizer, state)):
+        if is_distributed(sub):
+            _load_distributed_sub(sub, sub_state)
+        else:
+            sub.load_state_dict(sub_state)
+    unshare_adam_steps(optimizer)
+    states = loaded.state.get("rng_state") or []
+    if dp_rank < len(states):
+        set_rng_state(states[dp_rank])

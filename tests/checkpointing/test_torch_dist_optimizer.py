@@ -1,0 +1,121 @@
+"""The distributed optimizer's state through torch_dist, resharded: saved at TP2 after two steps, loaded at PP2 and
+at DP2 through the trainer's --load, every parameter's fp32 main copy, Adam moments and step count equal the saved
+ones (gathered by checkpoint key on both sides); a control with the optimizer left fresh differs, so the comparison
+would catch a moment or step that was not restored."""
+import pytest
+import torch
+
+from conftest import make_model_dir
+from distributed import spawn
+
+SEQ = 16
+MOMENTS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def _global_optimizer_state(chunks, optimizer) -> dict:
+    """{checkpoint key: {main param, exp_avg, exp_avg_sq, step}} as global tensors, merged over all ranks (rank 0's
+    result; None elsewhere). Each tensor is rebuilt from the distributed optimizer's DP shards (summed over the DP
+    group) and the model's TP / PP pieces (placed by the ShardedTensor's offsets, main replica only)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron_ais.model import unwrap_model
+
+    sub = optimizer.chained_optimizers[0]
+    out = {}
+    for chunk in chunks:
+        for sharded in unwrap_model(chunk).sharded_state_dict().values():
+            param = sharded.data if isinstance(sharded, ShardedTensor) else None
+            if param is None or param not in sub.model_param_group_index_map:
+                continue
+            group, index = sub.model_param_group_index_map[param]
+            main = sub.optimizer.param_groups[group]["params"][index]
+            state = sub.optimizer.state[main]
+            span = sub._get_model_param_range_map(param)["param"]
+            local = {}
+            for name in MOMENTS:
+                flat = torch.zeros(param.numel(), dtype=torch.float32)
+                flat[span.start:span.end] = (main if name == "param" else state[name]).detach().float()
+                dist.all_reduce(flat, group=ps.get_data_parallel_group())
+                local[name] = flat.view(param.shape)
+            if any(r != 0 for r in (sharded.replica_id if isinstance(sharded.replica_id, tuple)
+                                    else (sharded.replica_id,))):
+                continue
+            entry = out.setdefault(sharded.key, {"step": float(state["step"])})
+            for name, tensor in local.items():
+                full = entry.setdefault(name, torch.zeros(sharded.global_shape))
+                view = full
+                for axis, offset in enumerate(sharded.global_offset):
+                    size = 1 if axis < sharded.prepend_axis_num else sharded.local_shape[axis - sharded.prepend_axis_num]
+                    view = view.narrow(axis, offset, size)
+                view.copy_(tensor.view(view.shape))
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, out)
+    if dist.get_rank() != 0:
+        return None
+    merged = {}
+    for part in parts:
+        for key, entry in part.items():
+            into = merged.setdefault(key, {"step": entry["step"]})
+            for name in MOMENTS:
+                into[name] = into[name] + entry[name] if name in into else entry[name]
+    return merged
+
+
+def _worker(hf_dir, root, flags, save):
+    from megatron.core import parallel_state as ps
+
+    from distributed import start_trainer
+    from megatron_ais.checkpointing import store
+    from megatron_ais.checkpointing.config import checkpoint_metadata
+    from megatron_ais.checkpointing.formats import torch_dist
+    from megatron_ais.checkpointing.ranks import CheckpointRanks
+    from megatron_ais.forward import split_micro_batches
+    from megatron_ais.training import lm_forward_step, setup_model_and_optimizer, train_step
+
+    argv = ["--hf-dir", hf_dir, "--seq-length", str(SEQ), "--fp32", "--lr", "1e-2", "--micro-batch-size", "2",
+            "--use-distributed-optimizer", *flags]
+    trainer, hf_config, build = start_trainer(*argv, *(() if save else ("--load", root)))
+    # run kind "fresh": the checkpoint's weights are loaded, its optimizer is left to the test to restore
+    setup = setup_model_and_optimizer(build, trainer.weights, trainer.training, run_kind="test" if save else "fresh")
+    if save:
+        tokens = torch.randint(0, build.shape.vocab_size, (4, SEQ), generator=torch.Generator().manual_seed(0))
+        rows = {"tokens": tokens, "labels": torch.roll(tokens, -1, 1), "loss_mask": torch.ones(4, SEQ)}
+        for _ in range(2):
+            mbs = split_micro_batches(rows, 2)
+            train_step(setup.ddp_chunks, setup.optimizer, lm_forward_step, iter(mbs), len(mbs), SEQ, 2)
+        saved = _global_optimizer_state(setup.chunks, setup.optimizer)
+        metadata = checkpoint_metadata(build, hf_config, 2, ps.get_data_parallel_world_size(), True)
+        store.save_checkpoint(root, 2, setup.chunks, metadata, hf_dir, CheckpointRanks.from_parallel_state(), optimizer=setup.optimizer,
+                              run_state={"kind": "test", "step": 2}, dp_group=ps.get_data_parallel_group(),
+                              fmt=torch_dist)
+        return saved
+    for sub in setup.optimizer.chained_optimizers:
+        sub._init_optimizer_states_with_dummy_values()
+    fresh = _global_optimizer_state(setup.chunks, setup.optimizer)
+    torch_dist.restore_training_state(setup.loaded, setup.chunks, setup.optimizer, ps.get_data_parallel_rank(),
+                                      ps.get_data_parallel_world_size())
+    return fresh, _global_optimizer_state(setup.chunks, setup.optimizer)
+
+
+def _worst(a, b, name):
+    return max((a[k][name] - b[k][name]).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="not done: the load at TP1 is refused by check_vocab_padding (the tiny model "
+                   "pads its vocabulary to 512 rows at TP2, 384 at TP1); the padded rows need resharding too")
+@pytest.mark.parametrize("load_flags", [("--pipeline-model-parallel-size", "2"), ()], ids=["pp2", "dp2"])
+def test_distributed_optimizer_reshards_tp2_to(model_root, tmp_path, load_flags):
+    hf_dir = make_model_dir(model_root, "qwen3")
+    root = str(tmp_path / "ckpt")
+    saved = spawn(2, _worker, hf_dir, root, ("--tensor-model-parallel-size", "2"), True)[0]
+    fresh, loaded = spawn(2, _worker, hf_dir, root, load_flags, False)[0]
+    assert sorted(loaded) == sorted(saved) and len(saved) > 5
+    for name in MOMENTS:
+        assert _worst(saved, loaded, name) <= 1e-6, name
+    assert {entry["step"] for entry in loaded.values()} == {2.0}
+    # the control: the same comparison on the optimizer before its state was restored fails
+    assert {entry["step"] for entry in fresh.values()} != {2.0}
+    assert _worst(saved, fresh, "exp_avg") > 1e-4 and _worst(saved, fresh, "exp_avg_sq") > 1e-8
