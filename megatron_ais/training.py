@@ -161,7 +161,8 @@ def read_model_config(model, layout, load: str | None, allow_unverified: bool = 
         metadata = read_checkpoint_metadata(load, newest, allow_unverified)
         reshards = directory_format(iteration_dir(load, newest)).NAME == "torch_dist"
         check_layout(metadata, layout, load, reshards)
-        check_vocab_padding(metadata, model.make_vocab_size_divisible_by, layout.tensor, load)
+        if not reshards:  # torch_dist pads or cuts the vocabulary rows on load (megatron-core's allow_shape_mismatch)
+            check_vocab_padding(metadata, model.make_vocab_size_divisible_by, layout.tensor, load)
         hf_config, source = metadata["hf_config"], f"checkpoint {load}"
     elif model.hf_dir is not None:
         hf_config, source = load_hf_config(model.hf_dir), f"{model.hf_dir}/config.json"
