@@ -118,26 +118,28 @@ def read_rank_state(directory: str, tp_rank: int, pp_rank: int, pp_size: int, ep
     return load_data(path, mmap)
 
 
-def load_data(path: str, mmap: bool = False):
-    """torch.load a rank file as data only: a pickle that calls anything outside SAFE_GLOBALS is refused unrun, the
-    file and the global named."""
+def load_data(source, mmap: bool = False, name: str | None = None):
+    """torch.load a rank file (a path, or a file object named `name`) as data only: a pickle that calls anything
+    outside SAFE_GLOBALS is refused unrun, the file and the global named."""
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError:
-        called = _disallowed_globals(path)
+        called = _disallowed_globals(source)
         if not called:  # no global outside the allowlist: a damaged file, which the caller reports as unreadable
             raise
-        raise CheckpointError(f"{path} is refused: its pickle calls {', '.join(called)} outside the checkpoint "
-                              "allowlist (a checkpoint is data, never code); nothing of it was run") from None
+        raise CheckpointError(f"{name or source} is refused: its pickle calls {', '.join(called)} outside the "
+                              "checkpoint allowlist (a checkpoint is data, never code); nothing of it was run") from None
 
 
-def _disallowed_globals(path: str) -> list[str]:
+def _disallowed_globals(source) -> list[str]:
     """The globals a rank file's pickle names outside SAFE_GLOBALS, read from its opcodes (nothing is run to list
     them); none when the file cannot be read that far."""
     allowed = {f"{g.__module__}.{g.__qualname__}" for g in SAFE_GLOBALS}
     try:
-        return [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path) if g not in allowed]
+        if hasattr(source, "seek"):
+            source.seek(0)
+        return [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(source) if g not in allowed]
     except Exception:  # a damaged archive or pickle: nothing can be named
         return []
 

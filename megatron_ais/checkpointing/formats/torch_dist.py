@@ -14,11 +14,14 @@ TP / PP / DP layout. The store (store.py) writes, checksums, commits and verifie
 format's."""
 from __future__ import annotations
 
+import io
 import os
+import pickle
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from megatron_ais.checkpointing.formats.torch import CHECKPOINT_VERSION, load_data
 from megatron_ais.checkpointing.config import LoadedCheckpoint
@@ -31,8 +34,13 @@ from megatron_ais.model import unwrap_model
 NAME = "torch_dist"
 MODEL_DIR = "model"
 RUN_STATE = "run_state.pt"
-COMMON_FILES = (".metadata", "common.pt", "metadata.json")  # what rank 0 writes beside its own shards
+COMMON_STATE = "common.pt"  # megatron-core's non-sharded state
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of the shards
+COMMON_FILES = (DCP_METADATA, COMMON_STATE, "metadata.json")  # what rank 0 writes beside its own shards
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}  # the layout-free form of the shards
+# the classes torch.distributed.checkpoint pickles into `.metadata` are defined in these modules
+DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+               "torch.distributed.checkpoint.planner")
 
 
 def _rank() -> int:
@@ -105,9 +113,65 @@ def files_to_read(directory: str, ranks: CheckpointRanks, distributed_optimizer:
 
 
 def read_rank_files(directory: str, files: list[str]) -> tuple[dict, None]:
-    """The run state (as data; see formats/torch.load_data); the tensors are read by `load_model_state`, which needs
-    the model to know what this rank's layout takes from them."""
+    """The run state (as data; see formats/torch.load_data), once every pickle megatron-core and
+    torch.distributed.checkpoint would read is found to be data; the tensors are read by `load_model_state`, which
+    needs the model to know what this rank's layout takes from them."""
+    check_is_data(os.path.join(directory, MODEL_DIR))
     return load_data(os.path.join(directory, files[0])), None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a `.metadata` file as data: the only globals it resolves are the checkpoint-metadata classes of
+    torch.distributed.checkpoint, torch.Size, dtypes and layouts; any other is refused before it is imported."""
+
+    def find_class(self, module: str, name: str):
+        if module in DCP_MODULES:
+            found = getattr(super().find_class(module, name), "__module__", None) == module
+        elif module == "torch":
+            found = name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
+        else:
+            found = (module, name) == ("torch.serialization", "_get_layout")
+        if not found:
+            raise _Refused(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+class _Refused(Exception):
+    """A global outside what a data pickle may name."""
+
+
+def read_dcp_metadata(model_dir: str) -> Metadata:
+    """torch.distributed.checkpoint's `.metadata`, read as data (torch itself reads it with pickle.load)."""
+    path = os.path.join(model_dir, DCP_METADATA)
+    try:
+        with open(path, "rb") as file:
+            metadata = _MetadataUnpickler(file).load()
+    except _Refused as refused:
+        raise CheckpointError(f"{path} is refused: its pickle calls {refused} outside the checkpoint allowlist (a "
+                              "checkpoint is data, never code); nothing of it was run") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not torch.distributed.checkpoint Metadata")
+    return metadata
+
+
+def check_is_data(model_dir: str) -> None:
+    """Raise a CheckpointError naming the file and the global when a pickle that megatron-core or
+    torch.distributed.checkpoint would unpickle with code allowed could run code: `.metadata` (pickle.load), every
+    byte item of the .distcp files (torch.load(weights_only=False)) and megatron-core's common state."""
+    load_data(os.path.join(model_dir, COMMON_STATE))
+    metadata = read_dcp_metadata(model_dir)
+    byte_items = {fqn for fqn, item in metadata.state_dict_metadata.items() if isinstance(item, BytesStorageMetadata)}
+    for index, info in metadata.storage_data.items():
+        if index.fqn not in byte_items:
+            continue
+        path = os.path.join(model_dir, info.relative_path)
+        if os.path.dirname(os.path.normpath(info.relative_path)) or getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{os.path.join(model_dir, DCP_METADATA)} places {index.fqn} at "
+                                  f"{info.relative_path} {info.transform_descriptors or ''}: outside what this "
+                                  "format writes, so it cannot be read as data")
+        with open(path, "rb") as file:
+            file.seek(info.offset)
+            load_data(io.BytesIO(file.read(info.length)), name=f"{path} (item {index.fqn})")
 
 
 def read_rank_state(directory: str, tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1,
@@ -118,7 +182,9 @@ def read_rank_state(directory: str, tp_rank: int, pp_rank: int, pp_size: int, ep
 def load_model_state(chunks: list, directory: str) -> None:
     """Load this rank's part of the model from a checkpoint directory, whatever the layout it was saved at
     (collective over all ranks); a tensor missing or of another global shape is refused by megatron-core."""
-    loaded = dist_checkpointing.load(sharded_model_state(chunks), os.path.join(directory, MODEL_DIR))
+    model_dir = os.path.join(directory, MODEL_DIR)
+    check_is_data(model_dir)
+    loaded = dist_checkpointing.load(sharded_model_state(chunks), model_dir)
     for i, chunk in enumerate(chunks):
         unwrap_model(chunk).load_state_dict(loaded[_chunk_key(i, len(chunks))])
 
@@ -152,8 +218,9 @@ def restore_training_state(loaded: LoadedCheckpoint, chunks: list, optimizer, dp
     del dp_size  # the shards are resharded to any data-parallel size
     check_optimizer_layout({"use_distributed_optimizer": loaded.metadata.get("use_distributed_optimizer")},
                            is_distributed(optimizer), 0, loaded.root)
-    state = dist_checkpointing.load(sharded_state(chunks, optimizer, is_loading=True),
-                                    os.path.join(loaded.directory, MODEL_DIR))["optimizer"]
+    model_dir = os.path.join(loaded.directory, MODEL_DIR)
+    check_is_data(model_dir)
+    state = dist_checkpointing.load(sharded_state(chunks, optimizer, is_loading=True), model_dir)["optimizer"]
     for sub, sub_state in zip(sub_optimizers(optimizer), _sub_states(optimizer, state)):
         if is_distributed(sub):
             _load_distributed_sub(sub, sub_state)
