@@ -2,7 +2,8 @@
 at DP2 through the trainer's --load, every parameter's fp32 main copy, Adam moments and step count equal the saved
 ones (gathered by checkpoint key on both sides); a control with the optimizer left fresh differs, so the comparison
 would catch a moment or step that was not restored. The next update from the resharded state equals the update of
-the run that never stopped (at TP2), to a thousandth of what that update changed."""
+the run that never stopped (at TP2), to a thousandth of what that update changed. The same for a Qwen3-MoE model
+saved at EP2 (experts in an optimizer of their own) and loaded at EP1 (one optimizer)."""
 import pytest
 import torch
 
@@ -23,28 +24,31 @@ def _global_optimizer_state(chunks, optimizer) -> dict:
 
     from megatron_ais.model import unwrap_model
 
-    sub = optimizer.chained_optimizers[0]
+    subs = optimizer.chained_optimizers
     out = {}
     for chunk in chunks:
         for sharded in unwrap_model(chunk).sharded_state_dict().values():
             param = sharded.data if isinstance(sharded, ShardedTensor) else None
             if param is None or not param.requires_grad:
                 continue
-            # a DP rank holds a slice of some parameters and none of others: every rank joins every reduction
-            held = param in sub.model_param_group_index_map
+            # a DP rank holds a slice of some parameters and none of others: every rank joins every reduction, over
+            # the expert-data-parallel group for an expert's parameters
+            group = (ps.get_data_parallel_group() if getattr(param, "allreduce", True)
+                     else ps.get_expert_data_parallel_group())
+            sub = next((o for o in subs if param in o.model_param_group_index_map), None)
             local = {name: torch.zeros(param.numel(), dtype=torch.float32) for name in MOMENTS}
             step = torch.zeros(1)
-            if held:
-                group, index = sub.model_param_group_index_map[param]
-                main = sub.optimizer.param_groups[group]["params"][index]
+            if sub is not None:
+                index_group, index = sub.model_param_group_index_map[param]
+                main = sub.optimizer.param_groups[index_group]["params"][index]
                 state = sub.optimizer.state[main]
                 span = sub._get_model_param_range_map(param)["param"]
                 for name in MOMENTS:
                     local[name][span.start:span.end] = (main if name == "param" else state[name]).detach().float()
                 step[0] = float(state["step"])
             for tensor in local.values():
-                dist.all_reduce(tensor, group=ps.get_data_parallel_group())
-            dist.all_reduce(step, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+                dist.all_reduce(tensor, group=group)
+            dist.all_reduce(step, op=dist.ReduceOp.MAX, group=group)
             local = {name: tensor.view(param.shape) for name, tensor in local.items()}
             if any(r != 0 for r in (sharded.replica_id if isinstance(sharded.replica_id, tuple)
                                     else (sharded.replica_id,))):
@@ -71,6 +75,7 @@ def _global_optimizer_state(chunks, optimizer) -> dict:
 
 
 def _worker(hf_dir, root, flags, save):
+
     from megatron.core import parallel_state as ps
 
     from distributed import start_trainer
@@ -129,10 +134,20 @@ SAME_PADDING = ("--make-vocab-size-divisible-by", "64")  # 384 rows at TP1 and a
     (("--pipeline-model-parallel-size", "2"), SAME_PADDING),
     ((), SAME_PADDING)], ids=["pp2-vocab-repadded", "pp2", "dp2"])
 def test_distributed_optimizer_reshards_tp2_to(model_root, tmp_path, load_flags, padding):
-    hf_dir = make_model_dir(model_root, "qwen3")
-    root = str(tmp_path / "ckpt")
-    saved, uninterrupted = spawn(2, _worker, hf_dir, root, ("--tensor-model-parallel-size", "2", *padding), True)[0]
-    fresh, loaded, resumed = spawn(2, _worker, hf_dir, root, (*load_flags, *padding), False)[0]
+    _check_resharded(make_model_dir(model_root, "qwen3"), str(tmp_path / "ckpt"),
+                     ("--tensor-model-parallel-size", "2", *padding), (*load_flags, *padding), bool(padding))
+
+
+@pytest.mark.slow
+def test_moe_distributed_optimizer_reshards_ep2_to_ep1(model_root, tmp_path):
+    """Experts saved spread over two expert-parallel ranks load whole on each rank (EP1, DP2)."""
+    hf_dir = make_model_dir(model_root, "qwen3_moe", initializer_range=0.1)
+    _check_resharded(hf_dir, str(tmp_path / "ckpt"), ("--expert-model-parallel-size", "2"), (), True)
+
+
+def _check_resharded(hf_dir, root, save_flags, load_flags, same_padding):
+    saved, uninterrupted = spawn(2, _worker, hf_dir, root, save_flags, True)[0]
+    fresh, loaded, resumed = spawn(2, _worker, hf_dir, root, load_flags, False)[0]
     assert sorted(loaded) == sorted(saved) and len(saved) > 5
     for name in MOMENTS:
         assert _worst(saved, loaded, name) <= 1e-6, name
@@ -140,7 +155,7 @@ def test_distributed_optimizer_reshards_tp2_to(model_root, tmp_path, load_flags,
     # the control: the same comparison on the optimizer before its state was restored fails
     assert {entry["step"] for entry in fresh.values()} != {2.0}
     assert _worst(saved, fresh, "exp_avg") > 1e-4 and _worst(saved, fresh, "exp_avg_sq") > 1e-8
-    if padding:  # the LM loss's softmax spans the padded rows, so only equal padding gives the same update
+    if same_padding:  # the LM loss's softmax spans the padded rows, so only equal padding gives the same update
         assert {entry["step"] for entry in resumed.values()} == {3.0}
         for name in MOMENTS:  # within a thousandth of what the update changed (measured: 1e-5 to 1e-6 of it)
             assert _worst(uninterrupted, resumed, name) <= 1e-3 * _worst(saved, uninterrupted, name), name

@@ -37,7 +37,10 @@ RUN_STATE = "run_state.pt"
 COMMON_STATE = "common.pt"  # megatron-core's non-sharded state
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of the shards
 COMMON_FILES = (DCP_METADATA, COMMON_STATE, "metadata.json")  # what rank 0 writes beside its own shards
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}  # the layout-free form of the shards
+# the layout-free form of the shards, keyed by the model's keys alone (no `chained_N.` prefix), so that experts saved
+# by a separate expert optimizer (EP > 1) load into one optimizer (EP1) and the other way round
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+OPTIMIZER_COUNT = "optimizer_count"  # how many optimizers the saving run chained (dense, and experts apart)
 # the classes torch.distributed.checkpoint pickles into `.metadata` are defined in these modules
 DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
                "torch.distributed.checkpoint.planner")
@@ -68,6 +71,7 @@ def sharded_state(chunks: list, optimizer, is_loading: bool) -> dict:
                 sub._init_optimizer_states_with_dummy_values()
         state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=is_loading,
                                                           metadata=OPTIMIZER_METADATA)
+        state[OPTIMIZER_COUNT] = len(sub_optimizers(optimizer))
     return state
 
 
@@ -189,18 +193,36 @@ def load_model_state(chunks: list, directory: str) -> None:
         unwrap_model(chunk).load_state_dict(loaded[_chunk_key(i, len(chunks))])
 
 
-def _sub_states(optimizer, state) -> list:
+def _by_optimizer(state, count: int, key=None) -> list:
     # a ChainedOptimizer of one gives that optimizer's state itself, of several a dict keyed by index
-    return [state] if len(sub_optimizers(optimizer)) == 1 else [state[i] for i in sorted(state)]
+    parts = [state] if count == 1 else [state[i] for i in range(count)]
+    return parts if key is None else [part[key] for part in parts]
 
 
-def _load_distributed_sub(sub, state: dict) -> None:
+def _saved_common_parts(state: dict, saved_count: int) -> list[dict]:
+    """The saving run's optimizers' non-parameter state (param groups with the step), one per optimizer."""
+    return [{k: v for k, v in part.items() if not k.startswith("param_state")}
+            for part in _by_optimizer(state, saved_count)]
+
+
+def _common_part_at_step(sub, saved: list[dict]) -> dict:
+    """`sub`'s own non-parameter state (its param groups, from this run's config) at the saving run's step: the runs
+    chain different optimizers (experts apart at EP > 1), so the saved groups do not map onto this run's."""
+    steps = {group["step"] for part in saved for group in part["optimizer"]["param_groups"] if "step" in group}
+    if len(steps) != 1:
+        raise CheckpointError(f"the checkpoint's optimizers are at different steps ({sorted(steps)}); resume at the "
+                              "expert-parallel size it was saved at")
+    common = sub.state_dict()
+    for group in common["optimizer"]["param_groups"]:
+        group["step"] = next(iter(steps))
+    return common
+
+
+def _load_distributed_sub(sub, common: dict, param_state) -> None:
     # megatron-core 0.16.1's fully reshardable load raises KeyError 'step' when the per-param states hold one, and
     # load_state_dict gives every parameter the same step tensor (Adam would advance it once per parameter): load the
     # rest first, set the steps aside, load the parameter state, then give each parameter its own step back
-    param_state = state.pop("param_state")
-    state.pop("param_state_sharding_type", None)
-    sub.load_state_dict(state)
+    sub.load_state_dict(common)
     steps = {param: entry.pop("step") for param, entry in sub.optimizer.state.items() if "step" in entry}
     sub.load_parameter_state_from_fully_reshardable(param_state)
     for param, step in steps.items():
@@ -220,12 +242,20 @@ def restore_training_state(loaded: LoadedCheckpoint, chunks: list, optimizer, dp
                            is_distributed(optimizer), 0, loaded.root)
     model_dir = os.path.join(loaded.directory, MODEL_DIR)
     check_is_data(model_dir)
-    state = dist_checkpointing.load(sharded_state(chunks, optimizer, is_loading=True), model_dir)["optimizer"]
-    for sub, sub_state in zip(sub_optimizers(optimizer), _sub_states(optimizer, state)):
-        if is_distributed(sub):
-            _load_distributed_sub(sub, sub_state)
-        else:
-            sub.load_state_dict(sub_state)
+    state = dist_checkpointing.load(sharded_state(chunks, optimizer, is_loading=True), model_dir)
+    subs = sub_optimizers(optimizer)
+    saved_count = state.get(OPTIMIZER_COUNT, len(subs))
+    saved = _saved_common_parts(state["optimizer"], saved_count)
+    if saved_count != len(subs) and not all(is_distributed(sub) for sub in subs):
+        raise CheckpointError(f"--load {loaded.root} was saved by {saved_count} chained optimizer(s) (experts apart at "
+                              f"EP > 1), this run chains {len(subs)}: without --use-distributed-optimizer only the "
+                              "saved --expert-model-parallel-size (1, or above 1) can restore them")
+    for i, sub in enumerate(subs):
+        if not is_distributed(sub):
+            sub.load_state_dict(_by_optimizer(state["optimizer"], len(subs))[i])
+            continue
+        common = saved[i] if saved_count == len(subs) else _common_part_at_step(sub, saved)
+        _load_distributed_sub(sub, common, _by_optimizer(state["optimizer"], len(subs), "param_state")[i])
     unshare_adam_steps(optimizer)
     states = loaded.state.get("rng_state") or []
     if dp_rank < len(states):
