@@ -91,8 +91,11 @@ def _worker(hf_dir, root, flags, save):
     trainer, hf_config, build = start_trainer(*argv, *(() if save else ("--load", root)))
     # run kind "fresh": the checkpoint's weights are loaded, its optimizer is left to the test to restore
     setup = setup_model_and_optimizer(build, trainer.weights, trainer.training, run_kind="test" if save else "fresh")
+    # one global batch of 4 rows at every layout, each DP rank its share
     tokens = torch.randint(0, build.shape.vocab_size, (4, SEQ), generator=torch.Generator().manual_seed(0))
-    rows = {"tokens": tokens, "labels": torch.roll(tokens, -1, 1), "loss_mask": torch.ones(4, SEQ)}
+    share = slice(ps.get_data_parallel_rank() * 4 // ps.get_data_parallel_world_size(),
+                  (ps.get_data_parallel_rank() + 1) * 4 // ps.get_data_parallel_world_size())
+    rows = {"tokens": tokens[share], "labels": torch.roll(tokens, -1, 1)[share], "loss_mask": torch.ones(4, SEQ)[share]}
 
     def step():
         mbs = split_micro_batches(rows, 2)
@@ -128,26 +131,32 @@ def _worst(a, b, name):
 SAME_PADDING = ("--make-vocab-size-divisible-by", "64")  # 384 rows at TP1 and at TP2
 
 
+TP2 = ("--tensor-model-parallel-size", "2")
+PP2 = ("--pipeline-model-parallel-size", "2")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("load_flags,padding", [
-    (("--pipeline-model-parallel-size", "2"), ()),
-    (("--pipeline-model-parallel-size", "2"), SAME_PADDING),
-    ((), SAME_PADDING)], ids=["pp2-vocab-repadded", "pp2", "dp2"])
-def test_distributed_optimizer_reshards_tp2_to(model_root, tmp_path, load_flags, padding):
-    _check_resharded(make_model_dir(model_root, "qwen3"), str(tmp_path / "ckpt"),
-                     ("--tensor-model-parallel-size", "2", *padding), (*load_flags, *padding), bool(padding))
+@pytest.mark.parametrize("save_world,load_world,load_flags,padding", [
+    (2, 2, PP2, ()),  # TP2 -> TP1 x PP2, the vocabulary re-padded (512 -> 384 rows)
+    (4, 4, PP2, SAME_PADDING),  # TP2 x DP2 -> TP1 x PP2 x DP2
+    (4, 1, (), SAME_PADDING)],  # TP2 x DP2 -> one rank
+    ids=["tp2-to-pp2-vocab-repadded", "tp2dp2-to-pp2dp2", "tp2dp2-to-dp1"])
+def test_distributed_optimizer_reshards_tp2_to(model_root, tmp_path, save_world, load_world, load_flags, padding):
+    _check_resharded(make_model_dir(model_root, "qwen3"), str(tmp_path / "ckpt"), (save_world, (*TP2, *padding)),
+                     (load_world, (*load_flags, *padding)), bool(padding))
 
 
 @pytest.mark.slow
 def test_moe_distributed_optimizer_reshards_ep2_to_ep1(model_root, tmp_path):
     """Experts saved spread over two expert-parallel ranks load whole on each rank (EP1, DP2)."""
     hf_dir = make_model_dir(model_root, "qwen3_moe", initializer_range=0.1)
-    _check_resharded(hf_dir, str(tmp_path / "ckpt"), ("--expert-model-parallel-size", "2"), (), True)
+    _check_resharded(hf_dir, str(tmp_path / "ckpt"), (2, ("--expert-model-parallel-size", "2")), (2, ()), True)
 
 
-def _check_resharded(hf_dir, root, save_flags, load_flags, same_padding):
-    saved, uninterrupted = spawn(2, _worker, hf_dir, root, save_flags, True)[0]
-    fresh, loaded, resumed = spawn(2, _worker, hf_dir, root, load_flags, False)[0]
+def _check_resharded(hf_dir, root, save, load, same_padding):
+    """`save` and `load`: (world size, flags) of the saving and the resuming run."""
+    saved, uninterrupted = spawn(save[0], _worker, hf_dir, root, save[1], True)[0]
+    fresh, loaded, resumed = spawn(load[0], _worker, hf_dir, root, load[1], False)[0]
     assert sorted(loaded) == sorted(saved) and len(saved) > 5
     for name in MOMENTS:
         assert _worst(saved, loaded, name) <= 1e-6, name
