@@ -26,10 +26,11 @@ class CheckpointConfig(FlagConfig):
     save_interval: int | None = flag(None, "Save a checkpoint every this many steps.", type=int)
     keep_checkpoints: int = flag(2, "Committed iterations kept under --save (older ones are removed); more than one "
                                     "lets a corrupted newest checkpoint fall back to the previous one.")
-    ckpt_format: str = flag("torch", "How --save lays out tensors: torch (Megatron-LM's per-rank files; resumes at the "
-                                     "saved layout only) or torch_dist (megatron-core dist_checkpointing; model and "
-                                     "optimizer reshard on load to another TP / PP / EP / DP layout). --load reads "
-                                     "either, told by the checkpoint's files.", choices=("torch", "torch_dist"))
+    ckpt_format: str = flag("torch_dist", "How --save lays out tensors: torch_dist (megatron-core dist_checkpointing, "
+                                          "Megatron-LM's default; model and optimizer reshard on load to another "
+                                          "TP / PP / EP / DP layout) or torch (Megatron-LM's legacy per-rank files; "
+                                          "resumes at the saved layout only). --load reads either, told by the "
+                                          "checkpoint's files.", choices=("torch_dist", "torch"))
     finetune: bool = flag(False, "Take only the weights of --load: fresh optimizer, RNG and step counter (like "
                                  "Megatron-LM). Implied for weights-only checkpoints (converted from HF or written by "
                                  "SFT runs).")

@@ -58,8 +58,9 @@ def _global_optimizer_state(chunks, optimizer) -> dict:
                 full = entry.setdefault(name, torch.zeros(sharded.global_shape))
                 view = full
                 for axis, offset in enumerate(sharded.global_offset):
-                    size = 1 if axis < sharded.prepend_axis_num else sharded.local_shape[axis - sharded.prepend_axis_num]
-                    view = view.narrow(axis, offset, size)
+                    prepended = axis < sharded.prepend_axis_num
+                    view = view.narrow(axis, offset,
+                                       1 if prepended else sharded.local_shape[axis - sharded.prepend_axis_num])
                 view.copy_(tensor.view(view.shape))
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, out)

@@ -2,6 +2,7 @@
 (store.py: staging, checksums, atomic commit, verified fallback) and the run lock (lock.py) stay whatever the format.
 
 A format is a module with
+    NAME                                           its --ckpt-format choice
     rank_files(directory)                          the rank files of a checkpoint directory, relative to it
     write_rank_files(stage, iteration, ranks, chunks, optimizer, run_state, dp_group)
                                                    write this rank's files into a staging directory (collective);
@@ -11,8 +12,12 @@ A format is a module with
     read_rank_files(directory, files)              (state, distributed-optimizer shard or None) from those files
     read_rank_state(directory, tp_rank, pp_rank, pp_size, ep_rank, ep_size, mmap)
                                                    one shard's saved state, for offline tools
+    load_model(chunks, loaded)                     this rank's parameters from a LoadedCheckpoint
+    restore_training_state(loaded, chunks, optimizer, dp_rank, dp_size)
+                                                   the optimizer and this DP rank's RNG state (collective)
 
-torch.py: today's format, Megatron-LM's legacy per-rank `torch.save` layout.
-torch_dist.py: Megatron-LM's distributed format (megatron-core dist_checkpointing), resharded on load; its tensors are
-    read by its `load_model_state`, which needs the model. Model and run state only so far; not yet a trainer flag.
+torch_dist.py: Megatron-LM's distributed format (megatron-core dist_checkpointing), `--ckpt-format`'s default; model
+    and optimizer reshard on load. Its tensors are read by `load_model` / `restore_training_state`, which need the
+    model to know what this rank's layout takes; its `read_rank_files` returns the run state only.
+torch.py: Megatron-LM's legacy per-rank `torch.save` layout; resumes at the saved layout only.
 """

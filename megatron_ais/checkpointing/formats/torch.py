@@ -129,7 +129,8 @@ def load_data(source, mmap: bool = False, name: str | None = None):
         if not called:  # no global outside the allowlist: a damaged file, which the caller reports as unreadable
             raise
         raise CheckpointError(f"{name or source} is refused: its pickle calls {', '.join(called)} outside the "
-                              "checkpoint allowlist (a checkpoint is data, never code); nothing of it was run") from None
+                              "checkpoint allowlist (a checkpoint is data, never code); nothing of it was "
+                              "run") from None
 
 
 def _disallowed_globals(source) -> list[str]:

@@ -17,10 +17,12 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import queue
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from megatron_ais.checkpointing.formats.torch import CHECKPOINT_VERSION, load_data
@@ -75,6 +77,14 @@ def sharded_state(chunks: list, optimizer, is_loading: bool) -> dict:
     return state
 
 
+def _collect_write_results_in_process() -> None:
+    """megatron-core gathers its writer processes' results through a multiprocessing Manager, a server process of its
+    own that outlives a killed rank (a run's processes must die with it: lifetime.py). A synchronous save reads the
+    results in the rank itself, where a plain queue does; give megatron-core one before it starts the Manager."""
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def is_format_of(directory: str) -> bool:
     """Whether a checkpoint directory was written in this format."""
     return os.path.isdir(os.path.join(directory, MODEL_DIR))
@@ -96,6 +106,7 @@ def write_rank_files(stage: str, iteration: int, ranks: CheckpointRanks, chunks:
     model_dir = os.path.join(stage, MODEL_DIR)
     os.makedirs(model_dir, exist_ok=True)
     rng_states = gather(rng_state(), dp_group)
+    _collect_write_results_in_process()
     dist_checkpointing.save(sharded_state(chunks, optimizer, is_loading=False), model_dir)
     rank = _rank()
     names = [os.path.join(MODEL_DIR, n) for n in sorted(os.listdir(model_dir))
