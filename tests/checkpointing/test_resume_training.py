@@ -1,8 +1,8 @@
-"""Resuming from a checkpoint continues training exactly: at DP2, with megatron's plain optimizer (fp32) and the
-distributed optimizer (bf16), two steps after a save-and-resume equal the same two steps of an uninterrupted run
-bit for bit (losses and every parameter), so the optimizer moments, Adam's step count and RNG all came back. The
-same for a Qwen3-MoE model at EP2, whose checkpoint has one directory per expert-parallel rank (each with its own
-experts: `mp_rank_00_000`, `mp_rank_00_001`)."""
+"""Resuming from a checkpoint continues training exactly: at DP2, in both formats (torch, torch_dist), with
+megatron's plain optimizer (fp32) and the distributed optimizer (bf16), two steps after a save-and-resume equal the
+same two steps of an uninterrupted run bit for bit (losses and every parameter), so the optimizer moments, Adam's
+step count and RNG all came back. The same for a Qwen3-MoE model at EP2, whose checkpoint has one directory per
+expert-parallel rank (each with its own experts: `mp_rank_00_000`, `mp_rank_00_001`)."""
 import hashlib
 
 import pytest
@@ -14,7 +14,7 @@ from distributed import spawn
 GLOBAL_BATCH, MICRO_BATCH, SEQ = 8, 2, 48
 
 
-def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=(), export_dir=None):
+def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=(), export_dir=None, fmt="torch"):
     import random
 
     import torch
@@ -23,7 +23,7 @@ def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=()
     from distributed import start_trainer
     from megatron_ais.checkpointing.config import checkpoint_metadata
     from megatron_ais.checkpointing.ranks import CheckpointRanks
-    from megatron_ais.checkpointing.store import save_checkpoint
+    from megatron_ais.checkpointing.store import FORMATS, save_checkpoint
     from megatron_ais.data.tasks import arithmetic_task
     from megatron_ais.sft import encode_sft_example, load_tokenizer, example_micro_batches
     from megatron_ais.training import lm_forward_step, reduce_lm_loss, setup_model_and_optimizer, train_step
@@ -60,7 +60,8 @@ def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=()
                                            distributed_optimizer)
             save_checkpoint(save_dir, 2, setup.chunks, metadata,
                             hf_dir, CheckpointRanks.from_parallel_state(), optimizer=setup.optimizer,
-                            run_state={"kind": "test", "step": 2}, dp_group=ps.get_data_parallel_group())
+                            run_state={"kind": "test", "step": 2}, dp_group=ps.get_data_parallel_group(),
+                            fmt=FORMATS[fmt])
     digest = hashlib.sha1()
     for _, p in setup.chunks[0].named_parameters():
         digest.update(p.detach().float().numpy().tobytes())
@@ -68,12 +69,13 @@ def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=()
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 @pytest.mark.parametrize("precision,distributed_optimizer", [("fp32", False), ("bf16", True)])
-def test_resume_is_bit_exact_dp2(model_root, tmp_path, precision, distributed_optimizer):
+def test_resume_is_bit_exact_dp2(model_root, tmp_path, precision, distributed_optimizer, fmt):
     hf_dir = make_model_dir(model_root, "qwen2")
     save_dir = str(tmp_path / "ckpt")
-    uninterrupted = spawn(2, _worker, hf_dir, precision, distributed_optimizer, save_dir, False)
-    resumed = spawn(2, _worker, hf_dir, precision, distributed_optimizer, save_dir, True)
+    uninterrupted = spawn(2, _worker, hf_dir, precision, distributed_optimizer, save_dir, False, (), None, fmt)
+    resumed = spawn(2, _worker, hf_dir, precision, distributed_optimizer, save_dir, True, (), None, fmt)
     for rank in range(2):
         assert resumed[rank][0] == uninterrupted[rank][0], "losses after the resume differ"
         assert resumed[rank][1] == uninterrupted[rank][1], "RNG streams were not restored"
