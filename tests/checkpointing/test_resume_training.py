@@ -4,6 +4,7 @@ same two steps of an uninterrupted run bit for bit (losses and every parameter),
 step count and RNG all came back. The same for a Qwen3-MoE model at EP2, whose checkpoint has one directory per
 expert-parallel rank (each with its own experts: `mp_rank_00_000`, `mp_rank_00_001`)."""
 import hashlib
+import os
 
 import pytest
 import torch
@@ -75,6 +76,9 @@ def test_resume_is_bit_exact_dp2(model_root, tmp_path, precision, distributed_op
     hf_dir = make_model_dir(model_root, "qwen2")
     save_dir = str(tmp_path / "ckpt")
     uninterrupted = spawn(2, _worker, hf_dir, precision, distributed_optimizer, save_dir, False, (), None, fmt)
+    if fmt == "torch_dist":  # the two data-parallel replicas shared the writing (fully parallel save)
+        written = os.listdir(os.path.join(save_dir, "iter_0000002", "model"))
+        assert {name[:3] for name in written if name.endswith(".distcp")} == {"__0", "__1"}, written
     resumed = spawn(2, _worker, hf_dir, precision, distributed_optimizer, save_dir, True, (), None, fmt)
     for rank in range(2):
         assert resumed[rank][0] == uninterrupted[rank][0], "losses after the resume differ"
@@ -85,8 +89,6 @@ def test_resume_is_bit_exact_dp2(model_root, tmp_path, precision, distributed_op
 @pytest.mark.slow
 @pytest.mark.parametrize("precision,distributed_optimizer", [("fp32", False), ("bf16", True)])
 def test_resume_is_bit_exact_moe_ep2(model_root, tmp_path, precision, distributed_optimizer):
-    import os
-
     hf_dir = make_model_dir(model_root, "qwen3_moe", initializer_range=0.1)
     save_dir = str(tmp_path / "ckpt")
     ep2 = ("--expert-model-parallel-size", "2")
@@ -109,8 +111,6 @@ def test_resume_is_bit_exact_moe_ep2_expert_tp1(model_root, tmp_path, tp, direct
     """Expert-TP 1 under TP2 and TP4 at EP2 on four ranks (the production recipe's shape): whole experts per rank,
     dense weights split over TP; every TP rank's dense shard is saved, the resumed run continues bit for bit on all
     four ranks, and the offline converter reads that checkpoint into exactly the trainer's own HF export."""
-    import os
-
     from safetensors.torch import load_file
 
     import convert_checkpoint

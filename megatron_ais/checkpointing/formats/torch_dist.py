@@ -22,7 +22,9 @@ import queue
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from megatron_ais.checkpointing.formats.torch import CHECKPOINT_VERSION, load_data
@@ -100,14 +102,16 @@ def rank_files(directory: str) -> list[str]:
 def write_rank_files(stage: str, iteration: int, ranks: CheckpointRanks, chunks: list, optimizer,
                      run_state: dict | None, dp_group) -> list[str]:
     """Save the model and optimizer through dist_checkpointing into the staging directory and, on rank 0, the run
-    state with its data-parallel group's RNG states; collective over all ranks. Return the names of the files this
-    rank wrote, relative to `stage`."""
+    state with its data-parallel group's RNG states; collective over all ranks. The data-parallel replicas share the
+    writing (megatron-core's fully parallel save, Megatron-LM's default), so every rank may write shards. Return the
+    names of the files this rank wrote, relative to `stage`."""
     del ranks  # the sharded state dicts know every rank's part
     model_dir = os.path.join(stage, MODEL_DIR)
     os.makedirs(model_dir, exist_ok=True)
     rng_states = gather(rng_state(), dp_group)
     _collect_write_results_in_process()
-    dist_checkpointing.save(sharded_state(chunks, optimizer, is_loading=False), model_dir)
+    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), dp_group)
+    dist_checkpointing.save(sharded_state(chunks, optimizer, is_loading=False), model_dir, sharded_strategy=strategy)
     rank = _rank()
     names = [os.path.join(MODEL_DIR, n) for n in sorted(os.listdir(model_dir))
              if n.startswith(f"__{rank}_") or (rank == 0 and n in COMMON_FILES)]
