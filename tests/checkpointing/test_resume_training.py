@@ -87,6 +87,19 @@ def test_resume_is_bit_exact_dp2(model_root, tmp_path, precision, distributed_op
 
 
 @pytest.mark.slow
+def test_torch_dist_resume_at_pp2_restores_each_stage_random_state(model_root, tmp_path):
+    """Each pipeline stage draws from its own random streams (megatron seeds them apart): a torch_dist checkpoint
+    keeps every rank's, and a resume at the saved layout continues each stage's."""
+    hf_dir = make_model_dir(model_root, "qwen2")
+    save_dir, pp2 = str(tmp_path / "ckpt"), ("--pipeline-model-parallel-size", "2")
+    uninterrupted = spawn(2, _worker, hf_dir, "fp32", True, save_dir, False, pp2, None, "torch_dist")
+    assert uninterrupted[0][1] != uninterrupted[1][1], "the stages' random streams were not apart"
+    resumed = spawn(2, _worker, hf_dir, "fp32", True, save_dir, True, pp2, None, "torch_dist")
+    for rank in range(2):
+        assert resumed[rank] == uninterrupted[rank]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("precision,distributed_optimizer", [("fp32", False), ("bf16", True)])
 def test_resume_is_bit_exact_moe_ep2(model_root, tmp_path, precision, distributed_optimizer):
     hf_dir = make_model_dir(model_root, "qwen3_moe", initializer_range=0.1)

@@ -22,6 +22,7 @@ import queue
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
@@ -52,6 +53,15 @@ DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.check
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _parallel_sizes() -> list[int]:
+    # world, TP, PP, EP, DP: global ranks hold the same places in two runs with the same sizes
+    if not ps.model_parallel_is_initialized():
+        return [1, 1, 1, 1, 1]
+    return [dist.get_world_size(), ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
+            ps.get_data_parallel_world_size()]
 
 
 def _chunk_key(index: int, num_chunks: int) -> str:
@@ -102,13 +112,13 @@ def rank_files(directory: str) -> list[str]:
 def write_rank_files(stage: str, iteration: int, ranks: CheckpointRanks, chunks: list, optimizer,
                      run_state: dict | None, dp_group) -> list[str]:
     """Save the model and optimizer through dist_checkpointing into the staging directory and, on rank 0, the run
-    state with its data-parallel group's RNG states; collective over all ranks. The data-parallel replicas share the
-    writing (megatron-core's fully parallel save, Megatron-LM's default), so every rank may write shards. Return the
-    names of the files this rank wrote, relative to `stage`."""
+    state with every rank's RNG states (each pipeline stage and tensor-parallel rank draws its own); collective over
+    all ranks. The data-parallel replicas share the writing (megatron-core's fully parallel save, Megatron-LM's
+    default), so every rank may write shards. Return the names of the files this rank wrote, relative to `stage`."""
     del ranks  # the sharded state dicts know every rank's part
     model_dir = os.path.join(stage, MODEL_DIR)
     os.makedirs(model_dir, exist_ok=True)
-    rng_states = gather(rng_state(), dp_group)
+    rng_states = gather(rng_state())
     _collect_write_results_in_process()
     strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), dp_group)
     dist_checkpointing.save(sharded_state(chunks, optimizer, is_loading=False), model_dir, sharded_strategy=strategy)
@@ -117,7 +127,7 @@ def write_rank_files(stage: str, iteration: int, ranks: CheckpointRanks, chunks:
              if n.startswith(f"__{rank}_") or (rank == 0 and n in COMMON_FILES)]
     if rank == 0:
         state = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION, "rng_state": rng_states,
-                 "run_state": run_state}
+                 "parallel_sizes": _parallel_sizes(), "run_state": run_state}
         path = os.path.join(stage, RUN_STATE)
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
@@ -250,9 +260,10 @@ def load_model(chunks: list, loaded: LoadedCheckpoint) -> None:
 
 
 def restore_training_state(loaded: LoadedCheckpoint, chunks: list, optimizer, dp_rank: int, dp_size: int) -> None:
-    """Restore the optimizer (resharded to this run's TP / PP / DP layout) and this DP rank's RNG state from a
-    torch_dist checkpoint; collective over all ranks."""
-    del dp_size  # the shards are resharded to any data-parallel size
+    """Restore the optimizer (resharded to this run's TP / PP / EP / DP layout) from a torch_dist checkpoint and, at
+    the saved layout, this rank's RNG state (at another, the streams cannot continue: the run's seed stands);
+    collective over all ranks."""
+    del dp_rank, dp_size  # the shards are resharded to any data-parallel size
     check_optimizer_layout({"use_distributed_optimizer": loaded.metadata.get("use_distributed_optimizer")},
                            is_distributed(optimizer), 0, loaded.root)
     model_dir = os.path.join(loaded.directory, MODEL_DIR)
@@ -272,6 +283,5 @@ def restore_training_state(loaded: LoadedCheckpoint, chunks: list, optimizer, dp
         common = saved[i] if saved_count == len(subs) else _common_part_at_step(sub, saved)
         _load_distributed_sub(sub, common, _by_optimizer(state["optimizer"], len(subs), "param_state")[i])
     unshare_adam_steps(optimizer)
-    states = loaded.state.get("rng_state") or []
-    if dp_rank < len(states):
-        set_rng_state(states[dp_rank])
+    if loaded.state.get("parallel_sizes") == _parallel_sizes():
+        set_rng_state(loaded.state["rng_state"][_rank()])
