@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import shutil
@@ -290,10 +291,12 @@ def saved_layout_flags(metadata: dict, precision: str) -> list[str]:
 
 
 def saved_world_size(metadata: dict) -> int:
-    """The number of ranks a checkpoint was saved by: TP x PP x DP (expert parallelism lies within TP x DP); a
-    weights-only checkpoint records no DP size and is rewritten at DP1."""
-    return (metadata["tensor_model_parallel_size"] * metadata["pipeline_model_parallel_size"]
-            * (metadata.get("data_parallel_size") or 1))
+    """The number of ranks a checkpoint was saved by: TP x PP x DP (expert parallelism lies within TP x DP). A
+    weights-only checkpoint records no DP size: it is rewritten at the fewest DP ranks its EP x expert-TP fits in."""
+    tp = metadata["tensor_model_parallel_size"]
+    experts = metadata.get("expert_model_parallel_size", 1) * (metadata.get("expert_tensor_parallel_size") or tp)
+    dp = metadata.get("data_parallel_size") or experts // math.gcd(tp, experts)
+    return tp * metadata["pipeline_model_parallel_size"] * dp
 
 
 def _directory_bytes(directory: str) -> int:
@@ -345,7 +348,7 @@ def _rewrite_rank(trainer: TrainerConfig, iteration: int, save: str) -> None:
     source = dataclasses.replace(trainer.weights, iteration=iteration)  # the iteration checked, not a fallback
     chunks, _, loaded = load_policy_chunks(build, source, distributed)
     optimizer = None
-    if "optimizer" in loaded.state:  # a weights-only checkpoint (converted from HF, or an SFT export) stays one
+    if "optimizer" in loaded.state:  # a weights-only checkpoint (converted from HF) stays one
         optimizer = build_optimizer(wrap_ddp(chunks, distributed), trainer.training)
         FORMATS[loaded.format].restore_training_state(loaded, chunks, optimizer, ps.get_data_parallel_rank(),
                                                       ps.get_data_parallel_world_size())

@@ -1,7 +1,7 @@
 """tools/convert_checkpoint.py between the checkpoint formats: a run's torch checkpoint (DP2, distributed optimizer,
 BF16) rewritten as torch_dist resumes exactly as the torch one does (the next two steps' losses, RNG draws and
 parameters bit for bit); a weights-only TP2 checkpoint rewritten as torch_dist exports to the HF model it came from
-bit for bit (read at TP1, the vocabulary re-padded); bad sources and destinations are refused naming the argument,
+bit for bit (read at TP1, the vocabulary re-padded), and so do MoE ones at EP2; bad sources and destinations are refused naming the argument,
 with nothing written."""
 import json
 import os
@@ -84,6 +84,40 @@ def test_weights_only_tp2_converts_and_exports_to_the_same_hf_model(model_root, 
         assert offline[name].dtype == tensor.dtype and torch.equal(offline[name], tensor), name
     with pytest.raises(ArgumentValidationError, match=f"--load {converted}: iteration 0 is a torch_dist checkpoint"):
         convert_checkpoint.torch_to_torch_dist(converted, str(tmp_path / "again"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,ep,etp", [(1, 2, None), (2, 2, 1)])
+def test_moe_weights_only_converts_and_exports_to_the_same_hf_model(model_root, tmp_path, tp, ep, etp):
+    """A weights-only MoE checkpoint records no DP size: it is rewritten on the fewest ranks its experts fit in (EP2
+    at TP1: two ranks), and every expert comes back from the torch_dist files bit for bit."""
+    hf_dir = make_model_dir(model_root, "qwen3_moe", initializer_range=0.1)
+    source, converted = str(tmp_path / "torch"), str(tmp_path / "torch_dist")
+    convert_checkpoint.hf_to_megatron(hf_dir, source, tp, 1, ep=ep, etp=etp)
+    convert_checkpoint.torch_to_torch_dist(source, converted)
+    _assert_verified_torch_dist(converted, 0)
+    original, offline = _hf_tensors(hf_dir), _hf_tensors(convert_checkpoint.megatron_to_hf(converted,
+                                                                                           str(tmp_path / "hf")))
+    assert sorted(offline) == sorted(original) and any(".experts.7." in n for n in original)
+    for name, tensor in original.items():
+        assert torch.equal(offline[name], tensor), name
+
+
+@pytest.mark.parametrize("saved,world,flags", [
+    (dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, data_parallel_size=2,
+          use_distributed_optimizer=True), 8,
+     ["--tensor-model-parallel-size 2", "--pipeline-model-parallel-size 2", "--sequence-parallel",
+      "--use-distributed-optimizer"]),
+    (dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=4), 4,
+     ["--tensor-model-parallel-size 1", "--expert-model-parallel-size 4"]),
+    (dict(tensor_model_parallel_size=4, pipeline_model_parallel_size=1, expert_model_parallel_size=2,
+          expert_tensor_parallel_size=1), 4,
+     ["--expert-model-parallel-size 2", "--expert-tensor-parallel-size 1", "--sequence-parallel"])])
+def test_the_saved_layout_is_rebuilt(saved, world, flags):
+    metadata = {"make_vocab_size_divisible_by": 128, **saved}
+    assert convert_checkpoint.saved_world_size(metadata) == world
+    rebuilt = " ".join(convert_checkpoint.saved_layout_flags(metadata, "bf16")) + " "
+    assert all(f"{flag} " in rebuilt for flag in flags), rebuilt
 
 
 def test_bad_sources_and_destinations_are_refused_naming_the_argument(model_root, tmp_path, capsys):
