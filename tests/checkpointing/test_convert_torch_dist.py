@@ -1,8 +1,8 @@
-"""tools/convert_checkpoint.py between the checkpoint formats: a run's torch checkpoint (DP2, distributed optimizer,
-BF16) rewritten as torch_dist resumes exactly as the torch one does (the next two steps' losses, RNG draws and
-parameters bit for bit); a weights-only TP2 checkpoint rewritten as torch_dist exports to the HF model it came from
-bit for bit (read at TP1, the vocabulary re-padded), and so do MoE ones at EP2; bad sources and destinations are refused naming the argument,
-with nothing written."""
+"""tools/convert_checkpoint.py between the checkpoint formats: a run's torch checkpoint (DP2; BF16 with the
+distributed optimizer, FP32 with megatron's plain one) rewritten as torch_dist resumes exactly as the torch one does
+(the next two steps' losses, RNG draws and parameters bit for bit); a weights-only TP2 checkpoint rewritten as
+torch_dist exports to the HF model it came from bit for bit (read at TP1, the vocabulary re-padded), and so do MoE
+ones at EP2; bad sources and destinations are refused naming the argument, with nothing written."""
 import json
 import os
 import re
@@ -42,17 +42,19 @@ def _hf_tensors(directory: str) -> dict:
 
 
 @pytest.mark.slow
-def test_converted_checkpoint_resumes_as_the_torch_one_dp2_distributed_optimizer(model_root, tmp_path):
+@pytest.mark.parametrize("precision,distributed_optimizer", [("bf16", True), ("fp32", False)])
+def test_converted_checkpoint_resumes_as_the_torch_one_dp2(model_root, tmp_path, precision, distributed_optimizer):
     hf_dir = make_model_dir(model_root, "qwen2")
     source, converted = str(tmp_path / "torch"), str(tmp_path / "torch_dist")
-    uninterrupted = spawn(2, _worker, hf_dir, "bf16", True, source, False)  # saves a torch checkpoint at step 2
+    run = (hf_dir, precision, distributed_optimizer)
+    uninterrupted = spawn(2, _worker, *run, source, False)  # saves a torch checkpoint at step 2
     assert convert_checkpoint.torch_to_torch_dist(source, converted) == iteration_dir(converted, 2)
     _assert_verified_torch_dist(converted, 2)
     with open(os.path.join(iteration_dir(source, 2), METADATA)) as a, \
             open(os.path.join(iteration_dir(converted, 2), METADATA)) as b:
         assert json.load(a) == json.load(b)
-    from_torch = spawn(2, _worker, hf_dir, "bf16", True, source, True)
-    from_torch_dist = spawn(2, _worker, hf_dir, "bf16", True, converted, True)
+    from_torch = spawn(2, _worker, *run, source, True)
+    from_torch_dist = spawn(2, _worker, *run, converted, True)
     for rank in range(2):
         assert from_torch_dist[rank][0] == from_torch[rank][0] == uninterrupted[rank][0], "losses differ"
         assert from_torch_dist[rank][1] == from_torch[rank][1], "RNG streams were not carried over"
