@@ -3,9 +3,13 @@
 
 A format is a module with
     rank_files(directory)                          the rank files of a checkpoint directory, relative to it
-    write_rank_files(stage, iteration, ranks, chunks, optimizer, run_state, dp_group)
-                                                   write this rank's files into a staging directory (collective);
-                                                   return their names, relative to it
+    prepare_rank_files(stage, iteration, ranks, chunks, optimizer, run_state, dp_group, snapshot)
+                                                   the format's collectives of a save (and, with `snapshot`, a copy
+                                                   of what training changes); returns a config.RankFileWrite whose
+                                                   `write` writes this rank's files into the staging directory (no
+                                                   collective: --async-save runs it in a background thread) and
+                                                   whose `finish` completes them once every rank has (collective);
+                                                   both return names relative to the staging directory
     files_to_read(directory, ranks, distributed_optimizer)
                                                    the files this rank reads on load, relative to the directory
     read_rank_files(directory, files)              (state, distributed-optimizer shard or None) from those files
@@ -14,5 +18,6 @@ A format is a module with
 
 torch.py: today's format, Megatron-LM's legacy per-rank `torch.save` layout.
 torch_dist.py: Megatron-LM's distributed format (megatron-core dist_checkpointing), resharded on load; its tensors are
-    read by its `load_model_state`, which needs the model. Model and run state only so far; not yet a trainer flag.
+    read by its `load_model_state`, which needs the model. Its save is megatron-core's asynchronous one, planned, then
+    written by `write`, then finalised by `finish`.
 """

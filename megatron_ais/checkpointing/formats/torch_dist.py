@@ -14,14 +14,17 @@ TP / PP / DP layout. The store (store.py) writes, checksums, commits and verifie
 format's."""
 from __future__ import annotations
 
+import functools
 import os
+import queue
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-from megatron_ais.checkpointing.formats.torch import CHECKPOINT_VERSION, load_data
-from megatron_ais.checkpointing.config import LoadedCheckpoint
+from megatron_ais.checkpointing.formats.torch import CHECKPOINT_VERSION, copy_state, load_data
+from megatron_ais.checkpointing.config import LoadedCheckpoint, RankFileWrite
 from megatron_ais.checkpointing.optimizer_state import (check_optimizer_layout, is_distributed, rng_state,
                                                         set_rng_state, sub_optimizers, unshare_adam_steps)
 from megatron_ais.checkpointing.ranks import CheckpointRanks, gather
@@ -75,27 +78,74 @@ def rank_files(directory: str) -> list[str]:
     return names + ([RUN_STATE] if os.path.isfile(os.path.join(directory, RUN_STATE)) else [])
 
 
-def write_rank_files(stage: str, iteration: int, ranks: CheckpointRanks, chunks: list, optimizer,
-                     run_state: dict | None, dp_group) -> list[str]:
-    """Save the model and optimizer through dist_checkpointing into the staging directory and, on rank 0, the run
-    state with its data-parallel group's RNG states; collective over all ranks. Return the names of the files this
-    rank wrote, relative to `stage`."""
+def prepare_rank_files(stage: str, iteration: int, ranks: CheckpointRanks, chunks: list, optimizer,
+                       run_state: dict | None, dp_group, snapshot: bool = False) -> RankFileWrite:
+    """Plan the save of the model and optimizer through dist_checkpointing into the staging directory (collective
+    over all ranks: megatron-core checks the shards and agrees on where each lies; rank 0 writes the common state).
+    The returned write puts this rank's shards and, on rank 0, the run state with its data-parallel group's RNG
+    states into their files; its finish writes megatron-core's metadata once every rank has written. `snapshot`:
+    copy the tensors and run state first, so that the files may be written while training changes them."""
     del ranks  # the sharded state dicts know every rank's part
     model_dir = os.path.join(stage, MODEL_DIR)
     os.makedirs(model_dir, exist_ok=True)
     rng_states = gather(rng_state(), dp_group)
-    dist_checkpointing.save(sharded_state(chunks, optimizer, is_loading=False), model_dir)
-    rank = _rank()
-    names = [os.path.join(MODEL_DIR, n) for n in sorted(os.listdir(model_dir))
-             if n.startswith(f"__{rank}_") or (rank == 0 and n in COMMON_FILES)]
-    if rank == 0:
-        state = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION, "rng_state": rng_states,
-                 "run_state": run_state}
+    # the asynchronous form splits the save into plan (here), write (the request's buckets) and finalisation; the
+    # synchronous form runs the same three in a row
+    request = dist_checkpointing.save(sharded_state(chunks, optimizer, is_loading=False), model_dir,
+                                      async_sharded_save=True)
+    run_file = None
+    if _rank() == 0:
+        run_file = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION, "rng_state": rng_states,
+                    "run_state": copy_state(run_state) if snapshot else run_state}
+    buckets = host_buckets(request.async_fn_args[1], snapshot) if request.async_fn is not None else []
+    return RankFileWrite(functools.partial(_write_files, request, buckets, stage, run_file),
+                         functools.partial(_finish_files, request, stage))
+
+
+def host_buckets(buckets: list, copied: bool) -> list:
+    """megatron-core's write buckets (file path, storage key, (byte items, tensor items)) with every tensor in host
+    memory, `copied` ones cloned (the byte items are serialised already)."""
+    return [(path, key, (byte_items, [(item, tensor.detach().to("cpu", copy=copied)) for item, tensor in tensors]))
+            for path, key, (byte_items, tensors) in buckets]
+
+
+def write_buckets(transforms: list, buckets: list) -> dict | Exception:
+    """Write megatron-core's buckets one after another in this thread, as its writer processes would (no fork of
+    a process that is training); return the write results by bucket, or the first failure, as its finalisation
+    expects them."""
+    outcomes, pending = queue.Queue(), queue.Queue()
+    results = {}
+    for index, bucket in enumerate(buckets):
+        pending.put(index)  # the writer marks its bucket done on this queue
+        FileSystemWriterAsync.write_preloaded_data(transforms, index, bucket, outcomes, pending, use_fsync=True)
+        index, outcome = outcomes.get()
+        if isinstance(outcome, Exception):
+            return outcome
+        results[index] = outcome
+    return results
+
+
+def _write_files(request, buckets: list, stage: str, run_file: dict | None) -> list[str]:
+    names = []
+    if request.async_fn is not None:
+        transforms, _ = request.async_fn.args  # what megatron-core's writer bound: its storage transforms, msc use
+        request.async_fn_args[2].put(write_buckets(transforms, buckets))  # where its finalisation reads them
+        names = [os.path.join(MODEL_DIR, os.path.basename(path)) for path, _, _ in buckets]
+    if run_file is not None:
         path = os.path.join(stage, RUN_STATE)
-        torch.save(state, path + ".tmp")
+        torch.save(run_file, path + ".tmp")
         os.replace(path + ".tmp", path)
         names.append(RUN_STATE)
     return names
+
+
+def _finish_files(request, stage: str) -> list[str]:
+    """megatron-core's finalisation (collective): rank 0 writes the index of every shard and the strategy; return
+    the common files rank 0 wrote."""
+    for finalize in request.finalize_fns:
+        finalize()
+    model_dir = os.path.join(stage, MODEL_DIR)
+    return [os.path.join(MODEL_DIR, n) for n in sorted(os.listdir(model_dir)) if _rank() == 0 and n in COMMON_FILES]
 
 
 def files_to_read(directory: str, ranks: CheckpointRanks, distributed_optimizer: bool) -> list[str]:
