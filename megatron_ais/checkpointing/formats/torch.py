@@ -81,10 +81,11 @@ def _write_files(stage: str, files: dict[str, Any]) -> list[str]:
 
 
 def copy_state(state):
-    """A copy of a rank file's state that training cannot change: tensors detached and cloned (copy.deepcopy refuses
-    the views an optimizer's state holds), containers rebuilt, anything else deep-copied."""
+    """A copy of a rank file's state that training cannot change: tensors copied into host memory (a background
+    save must not double what an accelerator holds; copy.deepcopy would also refuse the views an optimizer's state
+    holds), containers rebuilt, anything else deep-copied."""
     if torch.is_tensor(state):
-        return state.detach().clone()
+        return state.detach().to("cpu", copy=True)
     if isinstance(state, dict):
         return {key: copy_state(value) for key, value in state.items()}
     if isinstance(state, (list, tuple)) and not hasattr(state, "_fields"):

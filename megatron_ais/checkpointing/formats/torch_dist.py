@@ -11,7 +11,9 @@ TP1 x PP2); the run state beside it, as data.
 The optimizer's state (fp32 main params, Adam moments, step) lies beside the model's in the same files, saved
 through megatron-core's optimizer `sharded_state_dict` in the fully reshardable form, so it too loads at another
 TP / PP / DP layout. The store (store.py) writes, checksums, commits and verifies these files like the torch
-format's."""
+format's. A save is megatron-core's asynchronous one in three parts: the plan (collective), the write of this rank's
+buckets (in the calling thread, or --async-save's writer thread; no fork of a training process), the finalisation
+(collective: rank 0 writes the index)."""
 from __future__ import annotations
 
 import functools
@@ -21,7 +23,7 @@ import queue
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megatron_ais.checkpointing.formats.torch import CHECKPOINT_VERSION, copy_state, load_data
 from megatron_ais.checkpointing.config import LoadedCheckpoint, RankFileWrite
@@ -89,6 +91,7 @@ def prepare_rank_files(stage: str, iteration: int, ranks: CheckpointRanks, chunk
     model_dir = os.path.join(stage, MODEL_DIR)
     os.makedirs(model_dir, exist_ok=True)
     rng_states = gather(rng_state(), dp_group)
+    use_in_process_write_results()
     # the asynchronous form splits the save into plan (here), write (the request's buckets) and finalisation; the
     # synchronous form runs the same three in a row
     request = dist_checkpointing.save(sharded_state(chunks, optimizer, is_loading=False), model_dir,
@@ -100,6 +103,14 @@ def prepare_rank_files(stage: str, iteration: int, ranks: CheckpointRanks, chunk
     buckets = host_buckets(request.async_fn_args[1], snapshot) if request.async_fn is not None else []
     return RankFileWrite(functools.partial(_write_files, request, buckets, stage, run_file),
                          functools.partial(_finish_files, request, stage))
+
+
+def use_in_process_write_results() -> None:
+    """Hand the write results to megatron-core's finalisation through a queue of this process. megatron-core uses a
+    multiprocessing Manager's (a server process per rank, started at the first save, taking seconds, and left running
+    when the rank is killed) because its writers are forked processes; ours is a thread of this process."""
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def host_buckets(buckets: list, copied: bool) -> list:
@@ -117,7 +128,8 @@ def write_buckets(transforms: list, buckets: list) -> dict | Exception:
     results = {}
     for index, bucket in enumerate(buckets):
         pending.put(index)  # the writer marks its bucket done on this queue
-        FileSystemWriterAsync.write_preloaded_data(transforms, index, bucket, outcomes, pending, use_fsync=True)
+        filesystem_async.FileSystemWriterAsync.write_preloaded_data(transforms, index, bucket, outcomes, pending,
+                                                                    use_fsync=True)
         index, outcome = outcomes.get()
         if isinstance(outcome, Exception):
             return outcome
@@ -128,7 +140,9 @@ def write_buckets(transforms: list, buckets: list) -> dict | Exception:
 def _write_files(request, buckets: list, stage: str, run_file: dict | None) -> list[str]:
     names = []
     if request.async_fn is not None:
-        transforms, _ = request.async_fn.args  # what megatron-core's writer bound: its storage transforms, msc use
+        # what megatron-core's writer bound: its storage transforms, and whether it writes through the multi-storage
+        # client (off unless enabled: local files)
+        transforms, _ = request.async_fn.args
         request.async_fn_args[2].put(write_buckets(transforms, buckets))  # where its finalisation reads them
         names = [os.path.join(MODEL_DIR, os.path.basename(path)) for path, _, _ in buckets]
     if run_file is not None:
