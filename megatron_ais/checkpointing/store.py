@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import hashlib
 import json
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_ais.checkpointing.config import HF_ASSETS, LoadedCheckpoint, warn
+from megatron_ais.checkpointing.config import HF_ASSETS, LoadedCheckpoint, RankFileWrite, warn
 from megatron_ais.checkpointing.formats import torch as torch_format
 from megatron_ais.checkpointing.formats import torch_dist as torch_dist_format
 from megatron_ais.checkpointing.ranks import CheckpointRanks, barrier, gather
@@ -286,35 +287,93 @@ def prune_checkpoints(root: str, keep: int, protect: tuple[int, ...] = ()) -> No
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+@dataclasses.dataclass
+class StagedSave:
+    """One rank's checkpoint save after its staging directory is prepared and the format's collectives have run:
+    `write_staged` writes and checksums its files (anywhere, a background thread included), `commit_staged` commits
+    once every rank has (collective)."""
+
+    root: str
+    iteration: int
+    files: RankFileWrite
+    is_committer: bool
+    keep: int | None = None
+    protect: tuple[int, ...] = ()
+    written: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # name -> size and sha256
+    problem: str | None = None  # why this rank's files could not be written
+
+    @property
+    def stage(self) -> str:
+        return staging_dir(self.root, self.iteration)
+
+
+def begin_save(root: str, iteration: int, chunks: list, metadata: dict[str, Any], hf_assets_from: str | None,
+               ranks: CheckpointRanks, optimizer=None, run_state: dict | None = None, dp_group=None,
+               keep: int | None = None, protect: tuple[int, ...] = (), fmt: ModuleType = torch_format,
+               snapshot: bool = False) -> StagedSave:
+    """Prepare the staging directory (the committer; metadata and HF assets in it) and the format's part of the save
+    of model, optimizer, every DP rank's RNG state and the run state; collective over all ranks. `snapshot`: the
+    format copies what training changes, so that the files may be written while it goes on."""
+    if ranks.is_committer:
+        prepare_staging(root, iteration)
+        write_metadata(staging_dir(root, iteration), metadata, hf_assets_from)
+    barrier()
+    files = fmt.prepare_rank_files(staging_dir(root, iteration), iteration, ranks, chunks, optimizer, run_state,
+                                   dp_group, snapshot)
+    return StagedSave(root, iteration, files, ranks.is_committer, keep, protect)
+
+
+def _digests(stage: str, names: list[str]) -> dict[str, dict[str, Any]]:
+    return {name: file_digest(os.path.join(stage, name)) for name in names}
+
+
+def write_staged(save: StagedSave) -> StagedSave:
+    """Write this rank's files of a staged save and record their sizes and sha256; no collective. A failure is
+    recorded, not raised, so that the commit tells every rank and none waits."""
+    try:
+        save.written = _digests(save.stage, save.files.write())
+    except Exception as err:  # a full disk, an unwritable file: the checkpoint is not committed, the run learns why
+        save.problem = f"writing the rank files failed ({type(err).__name__}: {err})"
+    return save
+
+
+def commit_staged(save: StagedSave) -> str:
+    """Complete the format's files, exchange every rank's checksums and, when every rank's files are written, record
+    them in checksums.json, commit, move the tracker and keep the newest `keep` iterations; collective over all
+    ranks. Every rank raises the CheckpointError of a save that was not committed."""
+    problem, written = save.problem, dict(save.written)
+    try:
+        written.update(_digests(save.stage, save.files.finish()))
+    except Exception as err:  # megatron-core raises a failed write on every rank here
+        problem = problem or f"completing the checkpoint failed ({type(err).__name__}: {err})"
+    reports = gather((written, problem))
+    problem = next((p for _, p in reports if p), None)
+    if save.is_committer and problem is None:
+        checksums = {name: entry for part, _ in reports for name, entry in part.items()}
+        problem = staging_problem(save.stage, checksums)
+        if problem is None:
+            _atomic_write_text(os.path.join(save.stage, CHECKSUMS), json.dumps(checksums, indent=1, sort_keys=True))
+            commit_checkpoint(save.root, save.iteration)
+            if save.keep:
+                prune_checkpoints(save.root, save.keep, save.protect)
+    problem = next((p for p in gather(problem) if p), None)  # every rank learns it, none waits
+    if problem is not None:
+        raise CheckpointError(f"checkpoint iteration {save.iteration} not committed (the last one stays): {problem}")
+    return iteration_dir(save.root, save.iteration)
+
+
 def save_checkpoint(root: str, iteration: int, chunks: list, metadata: dict[str, Any], hf_assets_from: str | None,
                     ranks: CheckpointRanks, optimizer=None, run_state: dict | None = None, dp_group=None,
                     keep: int | None = None, protect: tuple[int, ...] = (), fmt: ModuleType = torch_format) -> str:
-    """Save model, optimizer, every DP rank's RNG state and the run state atomically; collective over all ranks.
+    """Save model, optimizer, every DP rank's RNG state and the run state atomically, now; collective over all ranks.
 
     The format `fmt` writes each rank's files into the staging directory (formats/torch.py: the lowest rank of each
     (TP, PP, EP) position writes the shard file; with the distributed optimizer every rank also writes its optimizer
     shard). Writers report sizes and sha256 to the committer, which records them in checksums.json, commits, moves
-    the tracker and keeps the newest `keep` iterations."""
-    stage = staging_dir(root, iteration)
-    if ranks.is_committer:
-        prepare_staging(root, iteration)
-        write_metadata(stage, metadata, hf_assets_from)
-    barrier()
-    names = fmt.write_rank_files(stage, iteration, ranks, chunks, optimizer, run_state, dp_group)
-    written = {name: file_digest(os.path.join(stage, name)) for name in names}
-    checksums = {name: entry for part in gather(written) for name, entry in part.items()}
-    problem = None
-    if ranks.is_committer:
-        problem = staging_problem(stage, checksums)
-        if problem is None:
-            _atomic_write_text(os.path.join(stage, CHECKSUMS), json.dumps(checksums, indent=1, sort_keys=True))
-            commit_checkpoint(root, iteration)
-            if keep:
-                prune_checkpoints(root, keep, protect)
-    problem = next((p for p in gather(problem) if p), None)  # every rank learns it, none waits
-    if problem is not None:
-        raise CheckpointError(f"checkpoint iteration {iteration} not committed (the last one stays): {problem}")
-    return iteration_dir(root, iteration)
+    the tracker and keeps the newest `keep` iterations (`begin_save`, `write_staged`, `commit_staged` in a row;
+    checkpointing/background.py runs the write in the background)."""
+    return commit_staged(write_staged(begin_save(root, iteration, chunks, metadata, hf_assets_from, ranks, optimizer,
+                                                 run_state, dp_group, keep, protect, fmt)))
 
 
 def staging_problem(stage: str, checksums: dict[str, dict[str, Any]]) -> str | None:

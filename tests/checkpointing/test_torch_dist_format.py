@@ -1,6 +1,8 @@
 """The torch_dist format through the store: a model saved at TP2 loads at TP1 x PP2 (megatron-core reshards) with
 the log-probs of the same weights built directly at that layout; every .distcp file is checksummed, and a damaged
 one is refused and the previous iteration loaded."""
+import contextlib
+import io
 import json
 import os
 
@@ -45,8 +47,8 @@ def _worker(hf_dir, root, flags, save):
         for chunk in setup.chunks:
             for p in chunk.parameters():
                 p.zero_()
-    # the ranks fork from a server whose stderr is not the test's: the warnings are returned
-    with contextlib.redirect_stderr(io.StringIO()) as warnings:
+    warnings = io.StringIO()  # the rank's own stderr: a forkserver started by an earlier test escapes capfd
+    with contextlib.redirect_stderr(warnings):
         loaded = store.load_checkpoint(root, ranks, fmt=torch_dist)
     torch_dist.load_model_state(setup.chunks, loaded.directory)
     return loaded.iteration, loaded.run_state, direct, logprobs(), warnings.getvalue()
@@ -70,5 +72,5 @@ def test_saved_at_tp2_loads_at_pp2_and_a_damaged_shard_falls_back(model_root, tm
     results = spawn(2, _worker, hf_dir, root, ("--pipeline-model-parallel-size", "2"), False)
     iteration, run_state, direct, resharded, _ = results[1]  # the last pipeline stage holds the log-probs
     assert iteration == 1 and run_state == {"kind": "test", "step": 1}
-    assert f"refusing checkpoint iteration 2: {shard} does not match its sha256" in results[0][-1]
+    assert f"refusing checkpoint iteration 2: {shard} does not match its sha256" in results[0][-1]  # rank 0 warns
     assert (direct - resharded).abs().max().item() <= 1e-6 and direct.abs().min() > 0

@@ -11,9 +11,12 @@ TP1 x PP2); the run state beside it, as data.
 The optimizer's state (fp32 main params, Adam moments, step) lies beside the model's in the same files, saved
 through megatron-core's optimizer `sharded_state_dict` in the fully reshardable form, so it too loads at another
 TP / PP / DP layout. The store (store.py) writes, checksums, commits and verifies these files like the torch
-format's."""
+format's. A save is megatron-core's asynchronous one in three parts: the plan (collective), the write of this rank's
+buckets (in the calling thread, or --async-save's writer thread; no fork of a training process), the finalisation
+(collective: rank 0 writes the index)."""
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
@@ -28,8 +31,8 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from megatron_ais.checkpointing.formats.torch import CHECKPOINT_VERSION, load_data
-from megatron_ais.checkpointing.config import LoadedCheckpoint
+from megatron_ais.checkpointing.formats.torch import CHECKPOINT_VERSION, copy_state, load_data
+from megatron_ais.checkpointing.config import LoadedCheckpoint, RankFileWrite
 from megatron_ais.checkpointing.optimizer_state import (check_optimizer_layout, is_distributed, rng_state,
                                                         set_rng_state, sub_optimizers, unshare_adam_steps)
 from megatron_ais.checkpointing.ranks import CheckpointRanks, gather
@@ -89,14 +92,6 @@ def sharded_state(chunks: list, optimizer, is_loading: bool) -> dict:
     return state
 
 
-def _collect_write_results_in_process() -> None:
-    """megatron-core gathers its writer processes' results through a multiprocessing Manager, a server process of its
-    own that outlives a killed rank (a run's processes must die with it: lifetime.py). A synchronous save reads the
-    results in the rank itself, where a plain queue does; give megatron-core one before it starts the Manager."""
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
-
-
 def is_format_of(directory: str) -> bool:
     """Whether a checkpoint directory was written in this format."""
     return os.path.isdir(os.path.join(directory, MODEL_DIR))
@@ -109,30 +104,89 @@ def rank_files(directory: str) -> list[str]:
     return names + ([RUN_STATE] if os.path.isfile(os.path.join(directory, RUN_STATE)) else [])
 
 
-def write_rank_files(stage: str, iteration: int, ranks: CheckpointRanks, chunks: list, optimizer,
-                     run_state: dict | None, dp_group) -> list[str]:
-    """Save the model and optimizer through dist_checkpointing into the staging directory and, on rank 0, the run
-    state with every rank's RNG states (each pipeline stage and tensor-parallel rank draws its own); collective over
-    all ranks. The data-parallel replicas share the writing (megatron-core's fully parallel save, Megatron-LM's
-    default), so every rank may write shards. Return the names of the files this rank wrote, relative to `stage`."""
+def prepare_rank_files(stage: str, iteration: int, ranks: CheckpointRanks, chunks: list, optimizer,
+                       run_state: dict | None, dp_group, snapshot: bool = False) -> RankFileWrite:
+    """Plan the save of the model and optimizer through dist_checkpointing into the staging directory (collective
+    over all ranks: megatron-core checks the shards and agrees on where each lies; rank 0 writes the common state).
+    The returned write puts this rank's shards and, on rank 0, the run state with every rank's RNG states (each
+    pipeline stage and tensor-parallel rank draws its own) into their files; its finish writes megatron-core's
+    metadata once every rank has written. `snapshot`: copy the tensors and run state first, so that the files may be
+    written while training changes them."""
     del ranks  # the sharded state dicts know every rank's part
     model_dir = os.path.join(stage, MODEL_DIR)
     os.makedirs(model_dir, exist_ok=True)
     rng_states = gather(rng_state())
-    _collect_write_results_in_process()
+    use_in_process_write_results()
+    # the asynchronous form splits the save into plan (here), write (the request's buckets) and finalisation; the
+    # synchronous form runs the same three in a row. The data-parallel replicas share the writing (megatron-core's
+    # fully parallel save, Megatron-LM's default), so every rank may write shards
     strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), dp_group)
-    dist_checkpointing.save(sharded_state(chunks, optimizer, is_loading=False), model_dir, sharded_strategy=strategy)
-    rank = _rank()
-    names = [os.path.join(MODEL_DIR, n) for n in sorted(os.listdir(model_dir))
-             if n.startswith(f"__{rank}_") or (rank == 0 and n in COMMON_FILES)]
-    if rank == 0:
-        state = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION, "rng_state": rng_states,
-                 "parallel_sizes": _parallel_sizes(), "run_state": run_state}
+    request = dist_checkpointing.save(sharded_state(chunks, optimizer, is_loading=False), model_dir,
+                                      sharded_strategy=strategy, async_sharded_save=True)
+    run_file = None
+    if _rank() == 0:
+        run_file = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION, "rng_state": rng_states,
+                    "parallel_sizes": _parallel_sizes(), "run_state": copy_state(run_state) if snapshot else run_state}
+    buckets = host_buckets(request.async_fn_args[1], snapshot) if request.async_fn is not None else []
+    return RankFileWrite(functools.partial(_write_files, request, buckets, stage, run_file),
+                         functools.partial(_finish_files, request, stage))
+
+
+def use_in_process_write_results() -> None:
+    """Hand the write results to megatron-core's finalisation through a queue of this process. megatron-core uses a
+    multiprocessing Manager's (a server process per rank, started at the first save, taking seconds, and left running
+    when the rank is killed) because its writers are forked processes; ours is a thread of this process."""
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def host_buckets(buckets: list, copied: bool) -> list:
+    """megatron-core's write buckets (file path, storage key, (byte items, tensor items)) with every tensor in host
+    memory, `copied` ones cloned (the byte items are serialised already)."""
+    return [(path, key, (byte_items, [(item, tensor.detach().to("cpu", copy=copied)) for item, tensor in tensors]))
+            for path, key, (byte_items, tensors) in buckets]
+
+
+def write_buckets(transforms: list, buckets: list) -> dict | Exception:
+    """Write megatron-core's buckets one after another in this thread, as its writer processes would (no fork of
+    a process that is training); return the write results by bucket, or the first failure, as its finalisation
+    expects them."""
+    outcomes, pending = queue.Queue(), queue.Queue()
+    results = {}
+    for index, bucket in enumerate(buckets):
+        pending.put(index)  # the writer marks its bucket done on this queue
+        filesystem_async.FileSystemWriterAsync.write_preloaded_data(transforms, index, bucket, outcomes, pending,
+                                                                    use_fsync=True)
+        index, outcome = outcomes.get()
+        if isinstance(outcome, Exception):
+            return outcome
+        results[index] = outcome
+    return results
+
+
+def _write_files(request, buckets: list, stage: str, run_file: dict | None) -> list[str]:
+    names = []
+    if request.async_fn is not None:
+        # what megatron-core's writer bound: its storage transforms, and whether it writes through the multi-storage
+        # client (off unless enabled: local files)
+        transforms, _ = request.async_fn.args
+        request.async_fn_args[2].put(write_buckets(transforms, buckets))  # where its finalisation reads them
+        names = [os.path.join(MODEL_DIR, os.path.basename(path)) for path, _, _ in buckets]
+    if run_file is not None:
         path = os.path.join(stage, RUN_STATE)
-        torch.save(state, path + ".tmp")
+        torch.save(run_file, path + ".tmp")
         os.replace(path + ".tmp", path)
         names.append(RUN_STATE)
     return names
+
+
+def _finish_files(request, stage: str) -> list[str]:
+    """megatron-core's finalisation (collective): rank 0 writes the index of every shard and the strategy; return
+    the common files rank 0 wrote."""
+    for finalize in request.finalize_fns:
+        finalize()
+    model_dir = os.path.join(stage, MODEL_DIR)
+    return [os.path.join(MODEL_DIR, n) for n in sorted(os.listdir(model_dir)) if _rank() == 0 and n in COMMON_FILES]
 
 
 def files_to_read(directory: str, ranks: CheckpointRanks, distributed_optimizer: bool) -> list[str]:
