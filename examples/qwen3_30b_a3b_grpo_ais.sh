@@ -142,7 +142,7 @@ DATA_ARGS=(
 )
 
 CHECKPOINT_ARGS=(
-    --save "$CHECKPOINT_PATH"     # mp_rank_TT_EEE directories: dense weights + each EP rank's own experts
+    --save "$CHECKPOINT_PATH"     # torch_dist: reshards on load, so a resume may change TP / PP / EP / DP
     --save-interval 20
     --keep-checkpoints 2
 )

@@ -13,14 +13,12 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ais.checkpointing.config import HF_ASSETS
-from megatron_ais.checkpointing.formats.torch import load_model_state
 from megatron_ais.checkpointing.lock import hold_save_directory, refuse_directories_in_use
-from megatron_ais.checkpointing.optimizer_state import restore_training_state
 from megatron_ais.checkpointing.preflight import (check_layout, check_room, check_save_holds_no_other_run,
                                                   check_vocab_padding, check_writable, checkpoint_bytes)
 from megatron_ais.checkpointing.ranks import CheckpointRanks
-from megatron_ais.checkpointing.store import (iteration_dir, load_checkpoint, read_checkpoint_metadata,
-                                              restore_interrupted_resave, usable_iterations)
+from megatron_ais.checkpointing.store import (FORMATS, directory_format, iteration_dir, load_checkpoint,
+                                              read_checkpoint_metadata, restore_interrupted_resave, usable_iterations)
 from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import FlagConfig, flag
 from megatron_ais.initialize import initialize_megatron
@@ -159,9 +157,12 @@ def read_model_config(model, layout, load: str | None, allow_unverified: bool = 
     names depend on the layout), the architecture's support, the layout's fit. The one place setup opens it."""
     if load is not None:
         restore_interrupted_resave(load)  # a re-save interrupted between its two renames is put back
-        metadata = read_checkpoint_metadata(load, allow_unverified=allow_unverified)
-        check_layout(metadata, layout, load)
-        check_vocab_padding(metadata, model.make_vocab_size_divisible_by, layout.tensor, load)
+        newest = usable_iterations(load, allow_unverified)[0]
+        metadata = read_checkpoint_metadata(load, newest, allow_unverified)
+        reshards = directory_format(iteration_dir(load, newest)).NAME == "torch_dist"
+        check_layout(metadata, layout, load, reshards)
+        if not reshards:  # torch_dist pads or cuts the vocabulary rows on load (megatron-core's allow_shape_mismatch)
+            check_vocab_padding(metadata, model.make_vocab_size_divisible_by, layout.tensor, load)
         hf_config, source = metadata["hf_config"], f"checkpoint {load}"
     elif model.hf_dir is not None:
         hf_config, source = load_hf_config(model.hf_dir), f"{model.hf_dir}/config.json"
@@ -254,8 +255,9 @@ def load_policy_chunks(build, source: WeightSource, distributed_optimizer: bool 
     if source.load:
         loaded = load_checkpoint(source.load, CheckpointRanks.from_parallel_state(), distributed_optimizer,
                                  source.iteration, source.allow_unverified)
-        check_layout(loaded.metadata, build.layout, source.load)  # an older iteration may have another layout
-        load_model_state(chunks, loaded.state)
+        # an older iteration may have another layout (or format)
+        check_layout(loaded.metadata, build.layout, source.load, reshards=loaded.format == "torch_dist")
+        FORMATS[loaded.format].load_model(chunks, loaded)
         return chunks, loaded.assets_dir, loaded
     load_hf_weights(chunks, source.hf_dir, build, ps.get_tensor_model_parallel_rank())
     return chunks, source.hf_dir, None
@@ -281,6 +283,7 @@ def setup_model_and_optimizer(build, source: WeightSource, training: TrainingCon
     run_state = None
     saved_kind = (loaded.run_state or {}).get("kind") if loaded is not None else None
     if saved_kind is not None and saved_kind == run_kind and not finetune:
-        restore_training_state(loaded, optimizer, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+        FORMATS[loaded.format].restore_training_state(loaded, chunks, optimizer, ps.get_data_parallel_rank(),
+                                                      ps.get_data_parallel_world_size())
         run_state = loaded.run_state
     return TrainingSetup(build, chunks, ddp_chunks, optimizer, assets, loaded, run_state)

@@ -3,8 +3,8 @@ vLLM engines -> rewards -> GRPO + AIS update -> bridge sync -> refit verificatio
 line; the same for a Qwen3-MoE model; a launcher SIGKILLed in the middle of a step takes its ranks and engine
 processes with it, and the run resumes to the metrics of an uninterrupted run (two engines each, the uninterrupted
 run's second killed after step 1 and restarted alone; the resumed run's engines are colocated, one inside each
-trainer rank); two engines killed mid-run restart, pass their refit checks and re-sync, killed again past their
-restart budget stop every rank with the checkpoint intact."""
+trainer rank, and it saves with --async-save); two engines killed mid-run restart, pass their refit checks and
+re-sync, killed again past their restart budget stop every rank with the checkpoint intact."""
 import itertools
 import json
 import os
@@ -319,10 +319,14 @@ def test_launcher_sigkilled_mid_step_takes_the_run_with_it_then_resume_equals_un
     assert "step     3 |" not in printed, "the kill came after step 3 finished"
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "2"
 
-    resumed = subprocess.run(_command(save, cut_out, 4, "--save", save, "--save-interval", "2", *colocated),
-                             capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    # the resumed run saves in the background (--async-save): its last checkpoint is committed before it returns,
+    # and training is what the uninterrupted run's was
+    resumed = subprocess.run(_command(save, cut_out, 4, "--save", save, "--save-interval", "2", "--async-save",
+                                      *colocated), capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resuming GRPO at step 3" in resumed.stderr
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "4"
+    assert not [name for name in os.listdir(save) if name.endswith(".staging")]
     assert f"taking over the lock of {save}: the run of pid" in resumed.stderr  # the killed run's
     expected = _comparable(json.load(open(full_out / "summary.json"))["history"])
     got = _comparable(json.load(open(cut_out / "summary.json"))["history"])

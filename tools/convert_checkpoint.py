@@ -1,16 +1,25 @@
-"""Convert between Hugging Face checkpoints and megatron-ais (Megatron-LM layout) checkpoints, in one process.
+"""Convert between Hugging Face checkpoints and megatron-ais (Megatron-LM layout) checkpoints, and between the
+two checkpoint formats.
 
     python tools/convert_checkpoint.py hf-to-megatron --hf-dir DIR --save DIR \\
         --tensor-model-parallel-size T --pipeline-model-parallel-size P
     python tools/convert_checkpoint.py megatron-to-hf --load DIR --save DIR [--precision fp8]
+    python tools/convert_checkpoint.py torch-to-torch-dist --load DIR --save DIR
 
-Both directions use the one Megatron<->HF mapping in megatron_ais/mapping (the trainer's loader and the
-resharding bridge use it too). Tensors keep their dtype, so HF -> Megatron -> HF is bit-exact. To reshard a
-Megatron checkpoint, go through HF: megatron-to-hf, then hf-to-megatron with the new sizes.
+Both HF directions use the one Megatron<->HF mapping in megatron_ais/mapping (the trainer's loader and the
+resharding bridge use it too). Tensors keep their dtype, so HF -> Megatron -> HF is bit-exact. hf-to-megatron
+writes the `torch` format in one process; megatron-to-hf reads either format (a `torch_dist` checkpoint through
+megatron-core, resharded to one rank in one spawned process). torch-to-torch-dist rewrites a run's `torch`
+checkpoint (model, optimizer, every data-parallel rank's RNG state, run state) as `torch_dist` at the same iteration:
+it starts the saved layout's world as local gloo CPU processes, each resuming from it as a run does, and saves
+through the store. To reshard a `torch` checkpoint, convert it to `torch_dist` (which reshards on load) or go
+through HF: megatron-to-hf, then hf-to-megatron with the new sizes.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import os
 import re
 import shutil
@@ -18,13 +27,21 @@ import sys
 import time
 
 import torch
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
 
-from megatron_ais.arguments import FlagParser
-from megatron_ais.checkpointing.config import HF_ASSETS, checkpoint_metadata
+from megatron_ais.arguments import FlagParser, TrainerConfig, build_parser as trainer_parser
+from megatron_ais.checkpointing.config import HF_ASSETS, checkpoint_metadata, warn
+from megatron_ais.checkpointing.formats import torch_dist
 from megatron_ais.checkpointing.formats.torch import CHECKPOINT_VERSION, RANK_FILE, rank_dir_name, write_rank_state
-from megatron_ais.checkpointing.store import (TRACKER, commit_checkpoint, iteration_dir, load_rank_state,
+from megatron_ais.checkpointing.lock import RunLock
+from megatron_ais.checkpointing.preflight import check_room, check_writable
+from megatron_ais.checkpointing.ranks import CheckpointRanks
+from megatron_ais.checkpointing.store import (FORMATS, TRACKER, commit_checkpoint, committed_iterations,
+                                              directory_format, iteration_dir, load_rank_state,
                                               newest_verified_iteration, prepare_staging, read_checkpoint_metadata,
-                                              write_checksums, write_metadata)
+                                              save_checkpoint, staging_dir, usable_iterations, write_checksums,
+                                              write_metadata)
 from megatron_ais.errors import ArgumentValidationError, CheckpointError
 from megatron_ais.bridge.quantization import (QuantizationPolicy, check_engine_shapes, engine_quantization_config,
                                               quantize_for_engine)
@@ -32,9 +49,12 @@ from megatron_ais.mapping.distributed import shard_context, write_hf_index_and_c
 from megatron_ais.mapping.hf_io import (HFCheckpointReader, ShardedSafetensorsWriter, hf_tensors_from_shards,
                                         megatron_shard_from_hf)
 from megatron_ais.mapping.rules import canonical_name, expert_index, megatron_param_names, split_layer, with_layer
-from megatron_ais.model import ModelBuildConfig, ModelShape, check_model_layout, check_supported_hf_config, \
-    load_hf_config
+from megatron_ais.initialize import initialize_megatron
+from megatron_ais.launch import spawn
+from megatron_ais.model import ModelBuildConfig, ModelShape, build_model_chunks, check_model_layout, \
+    check_supported_hf_config, load_hf_config, unwrap_model
 from megatron_ais.parallel import ParallelLayout
+from megatron_ais.training import build_optimizer, initialize_trainer, load_policy_chunks, wrap_ddp
 
 
 def _build_config(hf_config: dict, layout: ParallelLayout, divisible_by: int) -> ModelBuildConfig:
@@ -157,13 +177,65 @@ def _stage_hf_tensors(load: str, iteration: int, build: ModelBuildConfig, pp_ran
                                               shape.tie_word_embeddings)
 
 
+def precision_of(dtype: torch.dtype) -> str:
+    """The trainer's --bf16 / --fp32 for a checkpoint whose model tensors have `dtype` (fp32 stays fp32; anything
+    else is what a run trains in BF16)."""
+    return "fp32" if dtype == torch.float32 else "bf16"
+
+
+def _write_hf_model(staging: str, tensors, hf_config: dict, policy: QuantizationPolicy | None, max_shard_bytes: int,
+                    assets_dir: str, where: str) -> None:
+    """Write (HF name, tensor) pairs into a HF model directory: safetensors shards of at most `max_shard_bytes`
+    (quantized for an FP8 engine under `policy`), their index, the config and the checkpoint's HF assets."""
+    writer, names = ShardedSafetensorsWriter(staging, max_shard_bytes), []
+    for hf_name, tensor in tensors:
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"{where}: {hf_name} holds NaN/Inf; nothing exported")
+        names.append(hf_name)
+        for name, out in quantize_for_engine([(hf_name, tensor)], policy) if policy else [(hf_name, tensor)]:
+            writer.add(name, out)
+    weight_map = writer.close()
+    hf_config = dict(hf_config)
+    if policy is not None:
+        hf_config.pop("quantization_config", None)
+        hf_config.update(quantization_config=engine_quantization_config(policy, names), dtype="bfloat16")
+    write_hf_index_and_config(staging, weight_map, hf_config, assets_dir, total_size=writer.total_bytes)
+
+
+def _whole_model_hf_tensors(chunks: list, build: ModelBuildConfig):
+    """Yield (HF name, tensor) of a model held whole by one rank (TP1 x PP1 x EP1: its layer and expert indices are
+    the global ones)."""
+    shape = build.shape
+    for local_name, param in unwrap_model(chunks[0]).named_parameters():
+        name = canonical_name(local_name)
+        layer, _ = split_layer(name)
+        ctx = shard_context(build, 0, expert=expert_index(name) is not None)
+        yield from hf_tensors_from_shards(name, layer, shape.model_type, ctx, [param.detach()],
+                                          shape.tie_word_embeddings)
+
+
+def _export_torch_dist(directory: str, build: ModelBuildConfig, staging: str, hf_config: dict,
+                       policy: QuantizationPolicy | None, max_shard_bytes: int) -> None:
+    """The one rank of a one-process world: load a torch_dist checkpoint into a model held whole (megatron-core
+    reshards it from the saved layout; built in the saved tensors' dtype, so they stay bit for bit) and write it as
+    a HF model into `staging`."""
+    initialize_megatron(build.layout, seed=0)
+    tensors = dist_checkpointing.load_tensors_metadata(os.path.join(directory, torch_dist.MODEL_DIR))
+    build = dataclasses.replace(build, precision=precision_of(tensors["embedding.word_embeddings.weight"].dtype))
+    chunks = build_model_chunks(build)
+    torch_dist.load_model_state(chunks, directory)
+    _write_hf_model(staging, _whole_model_hf_tensors(chunks, build), hf_config, policy, max_shard_bytes,
+                    os.path.join(directory, HF_ASSETS), directory)
+
+
 def megatron_to_hf(load: str, save: str, allow_unverified: bool = False, precision: str = "bf16",
                    max_shard_bytes: int = 5 * 10 ** 9) -> str:
     """Write a HF model directory (sharded safetensors with their index, config, tokenizer, generation config) from a
-    Megatron checkpoint saved at any layout; return it. `precision` bf16 keeps the checkpoint's tensors bit for bit
-    (BF16 for a BF16 run); fp8 writes what the bridge sends an FP8 engine: blockwise e4m3 (128x128, fp32
-    `weight_scale_inv`) where the bridge's policy quantizes, BF16 elsewhere, with the `quantization_config` vLLM and
-    SGLang read. Tensors are written one by one into shards of at most `max_shard_bytes`."""
+    Megatron checkpoint saved in either format at any layout; return it. `precision` bf16 keeps the checkpoint's
+    tensors bit for bit (BF16 for a BF16 run); fp8 writes what the bridge sends an FP8 engine: blockwise e4m3
+    (128x128, fp32 `weight_scale_inv`) where the bridge's policy quantizes, BF16 elsewhere, with the
+    `quantization_config` vLLM and SGLang read. Tensors are written one by one into shards of at most
+    `max_shard_bytes`; a torch_dist checkpoint is read whole into one spawned process."""
     if precision not in ("bf16", "fp8"):
         raise ArgumentValidationError(f"--precision {precision!r} must be bf16 or fp8")
     if max_shard_bytes <= 0:
@@ -171,6 +243,7 @@ def megatron_to_hf(load: str, save: str, allow_unverified: bool = False, precisi
     if os.path.isdir(save) and os.listdir(save):
         raise ArgumentValidationError(f"--save {save} is not empty: name a new directory (an export never overwrites)")
     iteration = newest_verified_iteration(load, allow_unverified)
+    directory = iteration_dir(load, iteration)
     meta = read_checkpoint_metadata(load, iteration, allow_unverified)
     hf_config = dict(meta["hf_config"])
     tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
@@ -186,25 +259,126 @@ def megatron_to_hf(load: str, save: str, allow_unverified: bool = False, precisi
     # written beside `save` and renamed at the end: a failed export (a non-finite tensor, a full disk) leaves nothing
     staging = f"{os.path.normpath(save)}.partial-{os.getpid()}"
     try:
-        writer, names = ShardedSafetensorsWriter(staging, max_shard_bytes), []
-        for pp_rank in range(pp):
-            for hf_name, tensor in _stage_hf_tensors(load, iteration, build, pp_rank):
-                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                    raise CheckpointError(f"{load} iteration {iteration}: {hf_name} holds NaN/Inf; nothing exported")
-                names.append(hf_name)
-                for name, out in quantize_for_engine([(hf_name, tensor)], policy) if policy else [(hf_name, tensor)]:
-                    writer.add(name, out)
-        weight_map = writer.close()
-        if policy is not None:
-            hf_config.pop("quantization_config", None)
-            hf_config.update(quantization_config=engine_quantization_config(policy, names), dtype="bfloat16")
-        write_hf_index_and_config(staging, weight_map, hf_config,
-                                  os.path.join(iteration_dir(load, iteration), HF_ASSETS), total_size=writer.total_bytes)
+        if directory_format(directory) is torch_dist:
+            whole = _build_config(hf_config, ParallelLayout(), meta["make_vocab_size_divisible_by"])
+            spawn(1, _export_torch_dist, directory, whole, staging, hf_config, policy, max_shard_bytes)
+        else:
+            tensors = (t for pp_rank in range(pp) for t in _stage_hf_tensors(load, iteration, build, pp_rank))
+            _write_hf_model(staging, tensors, hf_config, policy, max_shard_bytes, os.path.join(directory, HF_ASSETS),
+                            f"{load} iteration {iteration}")
         os.replace(staging, save)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return save
+
+
+def saved_layout_flags(metadata: dict, precision: str) -> list[str]:
+    """The trainer flags that build a checkpoint's model, parallel layout and optimizer as they were saved. The
+    conversion runs no forward, so --seq-length is the shortest the layout accepts."""
+    tp = metadata["tensor_model_parallel_size"]
+    ep = metadata.get("expert_model_parallel_size", 1)
+    etp = metadata.get("expert_tensor_parallel_size") or tp
+    flags = [f"--{precision}", "--tensor-model-parallel-size", tp,
+             "--pipeline-model-parallel-size", metadata["pipeline_model_parallel_size"],
+             "--make-vocab-size-divisible-by", metadata["make_vocab_size_divisible_by"], "--seq-length", tp]
+    flags += ["--expert-model-parallel-size", ep] if ep > 1 else []
+    flags += ["--expert-tensor-parallel-size", etp] if etp != tp else []
+    # as hf-to-megatron lays TP out (megatron needs it for MoE under TP); it changes no parameter or optimizer state
+    flags += ["--sequence-parallel"] if tp > 1 else []
+    flags += ["--use-distributed-optimizer"] if metadata.get("use_distributed_optimizer") else []
+    return [str(f) for f in flags]
+
+
+def saved_world_size(metadata: dict) -> int:
+    """The number of ranks a checkpoint was saved by: TP x PP x DP (expert parallelism lies within TP x DP). A
+    weights-only checkpoint records no DP size: it is rewritten at the fewest DP ranks its EP x expert-TP fits in."""
+    tp = metadata["tensor_model_parallel_size"]
+    experts = metadata.get("expert_model_parallel_size", 1) * (metadata.get("expert_tensor_parallel_size") or tp)
+    dp = metadata.get("data_parallel_size") or experts // math.gcd(tp, experts)
+    return tp * metadata["pipeline_model_parallel_size"] * dp
+
+
+def _directory_bytes(directory: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(directory) for n in names)
+
+
+def _convertible_iteration(load: str) -> int:
+    """The newest usable iteration of a torch checkpoint directory; a source that is none is refused naming --load."""
+    if not os.path.isdir(load):
+        raise ArgumentValidationError(f"--load {load} is not a directory: name a megatron-ais checkpoint directory "
+                                      f"(one with {TRACKER})")
+    iteration = usable_iterations(load)[0]
+    directory = iteration_dir(load, iteration)
+    if directory_format(directory) is torch_dist:
+        raise ArgumentValidationError(f"--load {load}: iteration {iteration} is a torch_dist checkpoint already; "
+                                      "nothing to convert (runs and megatron-to-hf read it as it is)")
+    return iteration
+
+
+def _check_destination(load: str, save: str, nbytes: int) -> None:
+    """Refuse a --save that is --load, holds checkpoints, cannot be written or lacks room for `nbytes`."""
+    if os.path.realpath(save) == os.path.realpath(load):
+        raise ArgumentValidationError(f"--save {save} is --load: name another, empty directory")
+    committed = committed_iterations(save)
+    if committed or os.path.isfile(os.path.join(save, TRACKER)):
+        newest = f" (newest: iteration {committed[0]})" if committed else f" (its {TRACKER})"
+        raise ArgumentValidationError(f"--save {save} already holds checkpoints{newest}: name an empty directory (a "
+                                      "conversion never writes over checkpoints)")
+    check_writable(save, "--save")
+    check_room(save, nbytes, "--save")
+
+
+def _torch_precision(load: str, iteration: int, metadata: dict) -> str:
+    """The precision the checkpoint was saved in, from its first shard's model tensors (mapped, not read whole)."""
+    state = load_rank_state(load, 0, 0, metadata["pipeline_model_parallel_size"], iteration, 0,
+                            metadata.get("expert_model_parallel_size", 1), mmap=True)
+    if "model" not in state:
+        raise CheckpointError(f"--load {load}: checkpoints saved with --virtual-pipeline-model-parallel-size are not "
+                              "supported by the converter yet")
+    return precision_of(next(t.dtype for t in state["model"].values() if t.is_floating_point()))
+
+
+def _rewrite_rank(trainer: TrainerConfig, iteration: int, save: str) -> None:
+    """One rank of the saved layout: resume from --load as a run does (model; optimizer, with the distributed
+    optimizer's shards; this DP rank's RNG state), then save the same iteration, metadata and run state as
+    torch_dist through the store."""
+    _, build = initialize_trainer(trainer)
+    distributed = trainer.training.use_distributed_optimizer
+    source = dataclasses.replace(trainer.weights, iteration=iteration)  # the iteration checked, not a fallback
+    chunks, _, loaded = load_policy_chunks(build, source, distributed)
+    optimizer = None
+    if "optimizer" in loaded.state:  # a weights-only checkpoint (converted from HF) stays one
+        optimizer = build_optimizer(wrap_ddp(chunks, distributed), trainer.training)
+        FORMATS[loaded.format].restore_training_state(loaded, chunks, optimizer, ps.get_data_parallel_rank(),
+                                                      ps.get_data_parallel_world_size())
+    save_checkpoint(save, iteration, chunks, loaded.metadata, loaded.assets_dir, CheckpointRanks.from_parallel_state(),
+                    optimizer, loaded.run_state, ps.get_data_parallel_group(), fmt=torch_dist)
+
+
+def torch_to_torch_dist(load: str, save: str) -> str:
+    """Rewrite the newest usable torch checkpoint of `load` as a torch_dist checkpoint of the same iteration in the
+    empty directory `save`; return its iteration directory. The saved layout's world runs as local gloo CPU
+    processes, each resuming from `load` as a run does (files verified against their checksums, read as data only)
+    and saving through the store: staged, checksummed, committed by rename, so a failure leaves no checkpoint."""
+    iteration = _convertible_iteration(load)
+    metadata = read_checkpoint_metadata(load, iteration)
+    _check_destination(load, save, _directory_bytes(iteration_dir(load, iteration)))
+    flags = ["--load", load, *saved_layout_flags(metadata, _torch_precision(load, iteration, metadata))]
+    world = saved_world_size(metadata)
+    trainer = TrainerConfig.from_args(trainer_parser("torch-to-torch-dist").parse_args(flags), world)
+    lock = RunLock(save)  # no run starts saving into `save` while the conversion writes there
+    message = lock.acquire()
+    if message:
+        warn(message)
+    try:
+        spawn(world, _rewrite_rank, trainer, iteration, save)
+    except BaseException:
+        shutil.rmtree(staging_dir(save, iteration), ignore_errors=True)
+        raise
+    finally:
+        lock.release()
+    return iteration_dir(save, iteration)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,7 +409,16 @@ def build_parser() -> argparse.ArgumentParser:
                            "quantization_config vLLM and SGLang read).")
     to_h.add_argument("--max-shard-size-mb", type=float, default=5000.0,
                       help="Largest safetensors shard (a larger tensor is a shard of its own); tensors are written one "
-                           "by one, so the converter holds about one shard in memory.")
+                           "by one, so the converter holds about one shard in memory (a torch_dist checkpoint is "
+                           "read whole into one process).")
+    to_d = sub.add_parser("torch-to-torch-dist", help="a run's torch checkpoint -> torch_dist, same iteration",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    to_d.add_argument("--load", required=True,
+                      help="torch checkpoint directory to read (its newest usable iteration: model, optimizer, RNG "
+                           "states, run state). Its saved layout's world runs here as TP x PP x DP gloo CPU processes.")
+    to_d.add_argument("--save", required=True,
+                      help="Empty directory to write the torch_dist checkpoint into (same iteration and metadata); "
+                           "a run resumes from it with --load, at any TP / PP / EP / DP layout.")
     return parser
 
 
@@ -251,9 +434,11 @@ def main(argv=None) -> int:
             out = hf_to_megatron(args.hf_dir, args.save, args.tensor_model_parallel_size,
                                  args.pipeline_model_parallel_size, args.make_vocab_size_divisible_by,
                                  ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
-        else:
+        elif args.direction == "megatron-to-hf":
             out = megatron_to_hf(args.load, args.save, args.allow_unverified_checkpoint, args.precision,
                                  int(args.max_shard_size_mb * 1e6))
+        else:
+            out = torch_to_torch_dist(args.load, args.save)
     except (ValueError, FileNotFoundError, KeyError, RuntimeError) as err:  # ArgumentValidationError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         return 2

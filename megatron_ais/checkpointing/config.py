@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import FlagConfig, flag
@@ -26,6 +26,16 @@ class CheckpointConfig(FlagConfig):
     save_interval: int | None = flag(None, "Save a checkpoint every this many steps.", type=int)
     keep_checkpoints: int = flag(2, "Committed iterations kept under --save (older ones are removed); more than one "
                                     "lets a corrupted newest checkpoint fall back to the previous one.")
+    ckpt_format: str = flag("torch_dist", "How --save lays out tensors: torch_dist (megatron-core dist_checkpointing, "
+                                          "Megatron-LM's default; model and optimizer reshard on load to another "
+                                          "TP / PP / EP / DP layout) or torch (Megatron-LM's legacy per-rank files; "
+                                          "resumes at the saved layout only). --load reads either, told by the "
+                                          "checkpoint's files.", choices=("torch_dist", "torch"))
+    async_save: bool = flag(False, "Write each checkpoint in the background while training goes on: the save takes a "
+                                   "copy of the state in memory (as much again as the model and optimizer state) and "
+                                   "returns; the checkpoint is committed once every rank's files are written and "
+                                   "checksummed, at a later step or at the latest before the next save and at exit. "
+                                   "A crash before then leaves the previous checkpoint current.")
     finetune: bool = flag(False, "Take only the weights of --load: fresh optimizer, RNG and step counter (like "
                                  "Megatron-LM). Implied for weights-only checkpoints (converted from HF or written by "
                                  "SFT runs).")
@@ -41,12 +51,26 @@ class CheckpointConfig(FlagConfig):
             raise ArgumentValidationError("--save-interval needs --save DIR")
         if self.save_interval is not None and self.save_interval < 1:
             raise ArgumentValidationError(f"--save-interval {self.save_interval} must be a positive integer")
+        if self.async_save and not self.save:
+            raise ArgumentValidationError("--async-save needs --save DIR (it writes --save's checkpoints in the "
+                                          "background)")
         if self.keep_checkpoints < 1:
             raise ArgumentValidationError(f"--keep-checkpoints {self.keep_checkpoints} must be at least 1")
 
     def saves_at(self, step: int, last_step: int) -> bool:
         """Whether the run saves after `step`: every --save-interval steps and after its last step."""
         return bool(self.save) and (step == last_step or bool(self.save_interval and step % self.save_interval == 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFileWrite:
+    """A rank's part of a save once the format's collectives have run and, for a background save, the state is
+    copied: `write` writes this rank's files into the staging directory and returns their names (no collective, so
+    a background thread may run it), `finish` completes the format's files once every rank has written (collective,
+    on the main thread) and returns the names it wrote on this rank."""
+
+    write: Callable[[], list[str]]
+    finish: Callable[[], list[str]] = list
 
 
 @dataclasses.dataclass
@@ -60,6 +84,7 @@ class LoadedCheckpoint:
     metadata: dict[str, Any]
     state: dict
     distrib_optim: list | None
+    format: str = "torch"  # the format its files were written in (formats/: torch, torch_dist)
 
     @property
     def assets_dir(self) -> str:

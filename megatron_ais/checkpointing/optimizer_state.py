@@ -34,25 +34,25 @@ def set_rng_state(state: dict[str, Any]) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker"])
 
 
-def _sub_optimizers(optimizer) -> list:
+def sub_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def is_distributed(optimizer) -> bool:
     """Whether `optimizer` is (or chains) megatron's DistributedOptimizer."""
-    return any(isinstance(o, DistributedOptimizer) for o in _sub_optimizers(optimizer))
+    return any(isinstance(o, DistributedOptimizer) for o in sub_optimizers(optimizer))
 
 
 def distributed_optimizer_shard(optimizer) -> list:
     """Return this DP rank's distributed-optimizer state (fp32 main params, Adam moments and step), per
     sub-optimizer in megatron's bucket order."""
-    return [o.get_parameter_state_dp_reshardable() for o in _sub_optimizers(optimizer)]
+    return [o.get_parameter_state_dp_reshardable() for o in sub_optimizers(optimizer)]
 
 
 @torch.no_grad()
 def load_distributed_optimizer_shard(optimizer, shard: list) -> None:
     """Copy a `distributed_optimizer_shard` back into an optimizer of the same layout."""
-    subs = _sub_optimizers(optimizer)
+    subs = sub_optimizers(optimizer)
     if len(subs) != len(shard):
         raise CheckpointError(f"distributed optimizer has {len(subs)} parts, the checkpoint {len(shard)}")
     for opt, state in zip(subs, shard):
@@ -68,10 +68,10 @@ def load_distributed_optimizer_shard(optimizer, shard: list) -> None:
                             model_param, {k: v for k, v in tensors.items() if not k.startswith("gbuf_local")})
 
 
-def _unshare_adam_steps(optimizer) -> None:
+def unshare_adam_steps(optimizer) -> None:
     # megatron's DistributedOptimizer.load_state_dict (without Apex/TE) gives every parameter's state the same
     # `step` tensor; torch Adam increments it in place once per parameter, so the bias correction would be wrong
-    for sub in _sub_optimizers(optimizer):
+    for sub in sub_optimizers(optimizer):
         inner = getattr(sub, "optimizer", None)
         for state in (inner.state.values() if inner is not None else ()):
             if torch.is_tensor(state.get("step")):
@@ -101,7 +101,7 @@ def restore_training_state(loaded: LoadedCheckpoint, optimizer, dp_rank: int, dp
     if dp_size is not None:
         check_optimizer_layout(loaded.metadata, is_distributed(optimizer), dp_size, loaded.root)
     optimizer.load_state_dict(loaded.state["optimizer"])
-    _unshare_adam_steps(optimizer)
+    unshare_adam_steps(optimizer)
     if is_distributed(optimizer):
         if loaded.distrib_optim is None:
             raise CheckpointError(f"checkpoint {loaded.directory} was saved without --use-distributed-optimizer; "

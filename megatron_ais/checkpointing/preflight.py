@@ -61,9 +61,12 @@ def check_save_holds_no_other_run(save: str, load: str | None, replace: bool) ->
                           f"{save} to resume that run, or --replace-checkpoints to replace its checkpoints")
 
 
-def check_layout(metadata: dict[str, Any], layout, root: str) -> None:
+def check_layout(metadata: dict[str, Any], layout, root: str, reshards: bool = False) -> None:
     """Raise a CheckpointError naming the flags when a checkpoint was saved at another TP / PP / EP / expert-TP
-    layout than the ParallelLayout `layout` (checkpoints that predate the expert-TP record are not checked on it)."""
+    layout than the ParallelLayout `layout` (checkpoints that predate the expert-TP record are not checked on it),
+    unless it `reshards` on load (torch_dist)."""
+    if reshards:
+        return
     tp, pp, ep, etp = layout.tensor, layout.pipeline, layout.expert, layout.expert_tensor_size
     saved = (metadata["tensor_model_parallel_size"], metadata["pipeline_model_parallel_size"],
              metadata.get("expert_model_parallel_size", 1), metadata.get("expert_tensor_parallel_size") or etp)
@@ -72,7 +75,8 @@ def check_layout(metadata: dict[str, Any], layout, root: str) -> None:
             f"--load {root} was saved at TP{saved[0]} x PP{saved[1]} x EP{saved[2]} x expert-TP{saved[3]} but the run "
             f"uses --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} --expert-model-parallel-size "
             f"{ep} --expert-tensor-parallel-size {etp}; use the saved sizes, or reshard: "
-            "tools/convert_checkpoint.py megatron-to-hf then hf-to-megatron with the new sizes")
+            "tools/convert_checkpoint.py megatron-to-hf then hf-to-megatron with the new sizes (torch_dist "
+            "checkpoints, --ckpt-format torch_dist, reshard on load)")
 
 
 def check_vocab_padding(metadata: dict[str, Any], divisible_by: int, tp: int, root: str) -> None:

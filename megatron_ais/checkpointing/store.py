@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import hashlib
 import json
@@ -29,8 +30,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_ais.checkpointing.config import HF_ASSETS, LoadedCheckpoint, warn
+from megatron_ais.checkpointing.config import HF_ASSETS, LoadedCheckpoint, RankFileWrite, warn
 from megatron_ais.checkpointing.formats import torch as torch_format
+from megatron_ais.checkpointing.formats import torch_dist as torch_dist_format
 from megatron_ais.checkpointing.ranks import CheckpointRanks, barrier, gather
 from megatron_ais.errors import CheckpointError
 from megatron_ais.hf_assets import copy_hf_assets
@@ -40,6 +42,15 @@ METADATA = "megatron_ais.json"
 CHECKSUMS = "checksums.json"
 ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
 REPLACED_DIR = re.compile(r"^(iter_\d{7})\.old$")
+
+
+FORMATS = {fmt.NAME: fmt for fmt in (torch_format, torch_dist_format)}  # --ckpt-format's choices
+
+
+def directory_format(directory: str) -> ModuleType:
+    """The format a checkpoint directory was written in, told by what it holds (a resume follows the checkpoint,
+    whatever --ckpt-format says)."""
+    return torch_dist_format if torch_dist_format.is_format_of(directory) else torch_format
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -142,7 +153,7 @@ def committed_iterations(root: str) -> list[int]:
 
 
 def checkpoint_problem(root: str, iteration: int, allow_unverified: bool = False,
-                       fmt: ModuleType = torch_format) -> str | None:
+                       fmt: ModuleType | None = None) -> str | None:
     """Return why a committed checkpoint cannot be used (metadata unreadable, no checksum list unless
     `allow_unverified`, a rank file missing, of the wrong size, or not listed; the format `fmt` lists them), or None.
     Checksums themselves are checked by the ranks that read them."""
@@ -167,13 +178,13 @@ def checkpoint_problem(root: str, iteration: int, allow_unverified: bool = False
             return f"{file} is missing"
         if os.path.getsize(file) != entry["size"]:
             return f"{file} has {os.path.getsize(file)} bytes, checksums.json says {entry['size']} (truncated?)"
-    unlisted = [name for name in fmt.rank_files(directory) if name not in checksums]
+    unlisted = [name for name in (fmt or directory_format(directory)).rank_files(directory) if name not in checksums]
     if unlisted:
         return f"{os.path.join(directory, unlisted[0])} is not listed in {CHECKSUMS}, so nothing can verify it"
     return None
 
 
-def usable_iterations(root: str, allow_unverified: bool = False, fmt: ModuleType = torch_format) -> list[int]:
+def usable_iterations(root: str, allow_unverified: bool = False, fmt: ModuleType | None = None) -> list[int]:
     """Return the iterations --load may use, best first (`candidate_iterations`), each passing `checkpoint_problem`.
     Refused ones are reported; none usable raises a CheckpointError with every reason."""
     usable, reasons = [], []
@@ -190,7 +201,7 @@ def usable_iterations(root: str, allow_unverified: bool = False, fmt: ModuleType
 
 
 def read_checkpoint_metadata(root: str, iteration: int | None = None, allow_unverified: bool = False,
-                             fmt: ModuleType = torch_format) -> dict[str, Any]:
+                             fmt: ModuleType | None = None) -> dict[str, Any]:
     """Return the layout / HF-config metadata of a checkpoint (the newest usable one by default)."""
     return _read_metadata(root, usable_iterations(root, allow_unverified, fmt)[0] if iteration is None else iteration)
 
@@ -276,35 +287,93 @@ def prune_checkpoints(root: str, keep: int, protect: tuple[int, ...] = ()) -> No
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+@dataclasses.dataclass
+class StagedSave:
+    """One rank's checkpoint save after its staging directory is prepared and the format's collectives have run:
+    `write_staged` writes and checksums its files (anywhere, a background thread included), `commit_staged` commits
+    once every rank has (collective)."""
+
+    root: str
+    iteration: int
+    files: RankFileWrite
+    is_committer: bool
+    keep: int | None = None
+    protect: tuple[int, ...] = ()
+    written: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # name -> size and sha256
+    problem: str | None = None  # why this rank's files could not be written
+
+    @property
+    def stage(self) -> str:
+        return staging_dir(self.root, self.iteration)
+
+
+def begin_save(root: str, iteration: int, chunks: list, metadata: dict[str, Any], hf_assets_from: str | None,
+               ranks: CheckpointRanks, optimizer=None, run_state: dict | None = None, dp_group=None,
+               keep: int | None = None, protect: tuple[int, ...] = (), fmt: ModuleType = torch_format,
+               snapshot: bool = False) -> StagedSave:
+    """Prepare the staging directory (the committer; metadata and HF assets in it) and the format's part of the save
+    of model, optimizer, every DP rank's RNG state and the run state; collective over all ranks. `snapshot`: the
+    format copies what training changes, so that the files may be written while it goes on."""
+    if ranks.is_committer:
+        prepare_staging(root, iteration)
+        write_metadata(staging_dir(root, iteration), metadata, hf_assets_from)
+    barrier()
+    files = fmt.prepare_rank_files(staging_dir(root, iteration), iteration, ranks, chunks, optimizer, run_state,
+                                   dp_group, snapshot)
+    return StagedSave(root, iteration, files, ranks.is_committer, keep, protect)
+
+
+def _digests(stage: str, names: list[str]) -> dict[str, dict[str, Any]]:
+    return {name: file_digest(os.path.join(stage, name)) for name in names}
+
+
+def write_staged(save: StagedSave) -> StagedSave:
+    """Write this rank's files of a staged save and record their sizes and sha256; no collective. A failure is
+    recorded, not raised, so that the commit tells every rank and none waits."""
+    try:
+        save.written = _digests(save.stage, save.files.write())
+    except Exception as err:  # a full disk, an unwritable file: the checkpoint is not committed, the run learns why
+        save.problem = f"writing the rank files failed ({type(err).__name__}: {err})"
+    return save
+
+
+def commit_staged(save: StagedSave) -> str:
+    """Complete the format's files, exchange every rank's checksums and, when every rank's files are written, record
+    them in checksums.json, commit, move the tracker and keep the newest `keep` iterations; collective over all
+    ranks. Every rank raises the CheckpointError of a save that was not committed."""
+    problem, written = save.problem, dict(save.written)
+    try:
+        written.update(_digests(save.stage, save.files.finish()))
+    except Exception as err:  # megatron-core raises a failed write on every rank here
+        problem = problem or f"completing the checkpoint failed ({type(err).__name__}: {err})"
+    reports = gather((written, problem))
+    problem = next((p for _, p in reports if p), None)
+    if save.is_committer and problem is None:
+        checksums = {name: entry for part, _ in reports for name, entry in part.items()}
+        problem = staging_problem(save.stage, checksums)
+        if problem is None:
+            _atomic_write_text(os.path.join(save.stage, CHECKSUMS), json.dumps(checksums, indent=1, sort_keys=True))
+            commit_checkpoint(save.root, save.iteration)
+            if save.keep:
+                prune_checkpoints(save.root, save.keep, save.protect)
+    problem = next((p for p in gather(problem) if p), None)  # every rank learns it, none waits
+    if problem is not None:
+        raise CheckpointError(f"checkpoint iteration {save.iteration} not committed (the last one stays): {problem}")
+    return iteration_dir(save.root, save.iteration)
+
+
 def save_checkpoint(root: str, iteration: int, chunks: list, metadata: dict[str, Any], hf_assets_from: str | None,
                     ranks: CheckpointRanks, optimizer=None, run_state: dict | None = None, dp_group=None,
                     keep: int | None = None, protect: tuple[int, ...] = (), fmt: ModuleType = torch_format) -> str:
-    """Save model, optimizer, every DP rank's RNG state and the run state atomically; collective over all ranks.
+    """Save model, optimizer, every DP rank's RNG state and the run state atomically, now; collective over all ranks.
 
     The format `fmt` writes each rank's files into the staging directory (formats/torch.py: the lowest rank of each
     (TP, PP, EP) position writes the shard file; with the distributed optimizer every rank also writes its optimizer
     shard). Writers report sizes and sha256 to the committer, which records them in checksums.json, commits, moves
-    the tracker and keeps the newest `keep` iterations."""
-    stage = staging_dir(root, iteration)
-    if ranks.is_committer:
-        prepare_staging(root, iteration)
-        write_metadata(stage, metadata, hf_assets_from)
-    barrier()
-    names = fmt.write_rank_files(stage, iteration, ranks, chunks, optimizer, run_state, dp_group)
-    written = {name: file_digest(os.path.join(stage, name)) for name in names}
-    checksums = {name: entry for part in gather(written) for name, entry in part.items()}
-    problem = None
-    if ranks.is_committer:
-        problem = staging_problem(stage, checksums)
-        if problem is None:
-            _atomic_write_text(os.path.join(stage, CHECKSUMS), json.dumps(checksums, indent=1, sort_keys=True))
-            commit_checkpoint(root, iteration)
-            if keep:
-                prune_checkpoints(root, keep, protect)
-    problem = next((p for p in gather(problem) if p), None)  # every rank learns it, none waits
-    if problem is not None:
-        raise CheckpointError(f"checkpoint iteration {iteration} not committed (the last one stays): {problem}")
-    return iteration_dir(root, iteration)
+    the tracker and keeps the newest `keep` iterations (`begin_save`, `write_staged`, `commit_staged` in a row;
+    checkpointing/background.py runs the write in the background)."""
+    return commit_staged(write_staged(begin_save(root, iteration, chunks, metadata, hf_assets_from, ranks, optimizer,
+                                                 run_state, dp_group, keep, protect, fmt)))
 
 
 def staging_problem(stage: str, checksums: dict[str, dict[str, Any]]) -> str | None:
@@ -335,7 +404,7 @@ def _verify_own_files(root: str, iteration: int, files: list[str]) -> str | None
     return None
 
 
-def newest_verified_iteration(root: str, allow_unverified: bool = False, fmt: ModuleType = torch_format) -> int:
+def newest_verified_iteration(root: str, allow_unverified: bool = False, fmt: ModuleType | None = None) -> int:
     """Return the newest iteration whose every file matches checksums.json (offline tools read all shards)."""
     for iteration in usable_iterations(root, allow_unverified, fmt):
         path = os.path.join(iteration_dir(root, iteration), CHECKSUMS)
@@ -347,7 +416,7 @@ def newest_verified_iteration(root: str, allow_unverified: bool = False, fmt: Mo
     raise CheckpointError(f"{root}: every checkpoint failed verification (see the warnings above)")
 
 
-def _shared_candidates(root: str, iteration: int | None, allow_unverified: bool, fmt: ModuleType) -> list[int]:
+def _shared_candidates(root: str, iteration: int | None, allow_unverified: bool, fmt: ModuleType | None) -> list[int]:
     """The iterations every rank tries, in the same order (rank 0's view): the usable ones, or `iteration` only."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         restore_interrupted_resave(root)
@@ -365,20 +434,22 @@ def _shared_candidates(root: str, iteration: int | None, allow_unverified: bool,
 
 def load_checkpoint(root: str, ranks: CheckpointRanks, distributed_optimizer: bool = False,
                     iteration: int | None = None, allow_unverified: bool = False,
-                    fmt: ModuleType = torch_format) -> LoadedCheckpoint:
+                    fmt: ModuleType | None = None) -> LoadedCheckpoint:
     """Load this rank's part of the newest checkpoint that every rank verifies (or of `iteration` only);
-    collective when distributed. The format `fmt` names and reads this rank's files.
+    collective when distributed. The format `fmt` (by default the one each iteration's files tell) names and reads
+    this rank's files.
 
     A checkpoint any rank finds truncated or corrupted is refused (with the reason) and the next older usable
     one is tried; one without checksums.json is refused unless `allow_unverified`, and then loaded with a warning."""
     for iteration in _shared_candidates(root, iteration, allow_unverified, fmt):
         directory = iteration_dir(root, iteration)
         metadata = _read_metadata(root, iteration)
-        files = fmt.files_to_read(directory, ranks, distributed_optimizer)
+        reader = fmt or directory_format(directory)
+        files = reader.files_to_read(directory, ranks, distributed_optimizer)
         problem = _verify_own_files(root, iteration, files)
         if problem is None:
             try:
-                state, distrib = fmt.read_rank_files(directory, files)
+                state, distrib = reader.read_rank_files(directory, files)
             except CheckpointError as err:  # a file that would run code: refused unrun, it names itself
                 problem = str(err)
             except Exception as err:  # an unpicklable file is as corrupt as a bad checksum
@@ -387,14 +458,16 @@ def load_checkpoint(root: str, ranks: CheckpointRanks, distributed_optimizer: bo
         if not bad:
             if not os.path.isfile(os.path.join(directory, CHECKSUMS)):
                 warn(f"loading {directory} unverified (--allow-unverified-checkpoint): it has no {CHECKSUMS}")
-            return LoadedCheckpoint(root, iteration, directory, metadata, state, distrib)
+            return LoadedCheckpoint(root, iteration, directory, metadata, state, distrib, reader.NAME)
         warn(f"refusing checkpoint iteration {iteration}: {bad[0]}; trying an older one")
     raise CheckpointError(f"--load {root}: every checkpoint failed verification (see the warnings above)")
 
 
 def load_rank_state(root: str, tp_rank: int, pp_rank: int, pp_size: int, iteration: int | None = None,
-                    ep_rank: int = 0, ep_size: int = 1, mmap: bool = False, fmt: ModuleType = torch_format) -> dict:
+                    ep_rank: int = 0, ep_size: int = 1, mmap: bool = False, fmt: ModuleType | None = None) -> dict:
     """Return one shard's saved state, read by the format `fmt` (the newest usable iteration by default; `mmap`:
     tensors mapped from the file, read when used)."""
     iteration = usable_iterations(root, fmt=fmt)[0] if iteration is None else iteration
-    return fmt.read_rank_state(iteration_dir(root, iteration), tp_rank, pp_rank, pp_size, ep_rank, ep_size, mmap)
+    directory = iteration_dir(root, iteration)
+    return (fmt or directory_format(directory)).read_rank_state(directory, tp_rank, pp_rank, pp_size, ep_rank, ep_size,
+                                                                mmap)

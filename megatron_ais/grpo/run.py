@@ -17,7 +17,8 @@ from megatron_ais.bridge.receiver import SyncReceiver
 from megatron_ais.bridge.sync import WeightBridge
 from megatron_ais.checkpointing.config import checkpoint_metadata
 from megatron_ais.checkpointing.ranks import CheckpointRanks
-from megatron_ais.checkpointing.store import save_checkpoint
+from megatron_ais.checkpointing.background import BackgroundSaver
+from megatron_ais.checkpointing.store import FORMATS, begin_save, commit_staged, write_staged
 from megatron_ais.data.tasks import build_task
 from megatron_ais.distributed import from_last_stage, share
 from megatron_ais.errors import ArgumentValidationError, TaskError
@@ -159,6 +160,7 @@ class GRPORun:
         check_prompt_lengths(self.tokenizer, self.task, self.loop.max_new_tokens, trainer.model.seq_length,
                              self.config.engine.max_model_len)
         self.lock = start_trainer(trainer)
+        self.saver = BackgroundSaver() if trainer.checkpoint.async_save else None
         self._setup_trainer()
         self._setup_fleet()
         self._setup_bridge()
@@ -322,18 +324,33 @@ class GRPORun:
         self.log.step(step, metrics, line)
 
     def save(self, step: int) -> None:
-        """A checkpoint every --save-interval steps and after the last one."""
+        """A checkpoint every --save-interval steps and after the last one. With --async-save the save returns once
+        the state is copied and its files are written in the background; every rank commits a finished one here, at
+        the next step's boundary (or before the next save, or in `finish`)."""
         checkpoint = self.trainer.checkpoint
+        if self.saver is not None:
+            self._log_committed(self.saver.poll())
         if not checkpoint.saves_at(step, self.loop.grpo_steps):
             return
         metadata = checkpoint_metadata(self.build, self.hf_config, step, self.groups.data_parallel_size,
                                        self.trainer.training.use_distributed_optimizer)
         protect = protected_iterations(self.state.reference, checkpoint.save) if self.config.loss.kl_coef else ()
-        save_checkpoint(checkpoint.save, step, self.model.chunks, metadata, self.model.assets_dir,
-                        self.checkpoint_ranks, optimizer=self.model.optimizer,
-                        run_state=self.state.run_state(self.loop.prompts_per_step, self.trainer.flags),
-                        dp_group=self.groups.data_parallel_group, keep=checkpoint.keep_checkpoints, protect=protect)
-        self.log.info(f"saved checkpoint {checkpoint.save} iteration {step}")
+        if self.saver is not None:
+            self._log_committed(self.saver.wait())  # one outstanding save at a time
+        staged = begin_save(checkpoint.save, step, self.model.chunks, metadata, self.model.assets_dir,
+                            self.checkpoint_ranks, optimizer=self.model.optimizer,
+                            run_state=self.state.run_state(self.loop.prompts_per_step, self.trainer.flags),
+                            dp_group=self.groups.data_parallel_group, keep=checkpoint.keep_checkpoints,
+                            protect=protect, fmt=FORMATS[checkpoint.ckpt_format], snapshot=self.saver is not None)
+        if self.saver is not None:
+            self.saver.start(staged)
+        else:
+            commit_staged(write_staged(staged))
+            self._log_committed(step)
+
+    def _log_committed(self, iteration: int | None) -> None:
+        if iteration is not None:
+            self.log.info(f"saved checkpoint {self.trainer.checkpoint.save} iteration {iteration}")
 
     def sync_weights(self, sync_id: int) -> None:
         """Bridge the current policy into the arena, verified once, forward it to the other nodes' copies (each
@@ -358,7 +375,10 @@ class GRPORun:
         self.fleet.set_kv_cache_scales(self.state.kv_cache_scales)
 
     def finish(self) -> dict:
-        """Write the summary (and the run's figure) and release the engine, the bridge and the logs."""
+        """Commit an outstanding background save, write the summary (and the run's figure) and release the engine,
+        the bridge and the logs."""
+        if self.saver is not None:
+            self._log_committed(self.saver.wait())
         history, before = self.state.history, self.state.eval_before
         accuracy_before = before.get("eval/accuracy")
         summary = {"accuracy_before": accuracy_before, "greedy_accuracy_before": before.get("eval/greedy_accuracy"),

@@ -1,6 +1,8 @@
 """Loading never runs code from a checkpoint: rank files are read as data (tensors, containers, NumPy's random
 state); a pickle that would call anything else is refused unrun, the file and the global named."""
+import io
 import os
+import pickle
 import random
 
 import numpy as np
@@ -68,3 +70,108 @@ def test_a_checkpoint_of_the_current_writer_loads_with_its_random_states(tmp_pat
     assert rng["numpy"][0] == "MT19937" and np.array_equal(rng["numpy"][1], saved["numpy"][1])
     assert loaded.state["optimizer"]["state"][0]["step"] == 1 and loaded.run_state["ais"] == {"ess": 0.5}
     assert torch.equal(loaded.state["model"]["0"], weight.detach())
+
+
+def _save_torch_dist(hf_dir, root):
+    from distributed import start_trainer
+    from megatron_ais.checkpointing.formats import torch_dist
+    from megatron_ais.training import setup_model_and_optimizer
+
+    trainer, _, build = start_trainer("--hf-dir", hf_dir, "--seq-length", "16", "--fp32")
+    setup = setup_model_and_optimizer(build, trainer.weights, trainer.training, run_kind="test")
+    for iteration in (1, 2):
+        store.save_checkpoint(root, iteration, setup.chunks, META, None, CheckpointRanks(), optimizer=setup.optimizer,
+                              run_state={"kind": "test", "step": iteration}, fmt=torch_dist)
+
+
+@pytest.fixture(scope="module")
+def torch_dist_checkpoint(model_root, tmp_path_factory):
+    from conftest import make_model_dir
+    from distributed import spawn
+
+    root = str(tmp_path_factory.mktemp("torch_dist") / "ckpt")
+    spawn(1, _save_torch_dist, make_model_dir(model_root, "qwen3"), root)
+    return root
+
+
+def _plant_in_metadata(model_dir, payload):
+    from megatron_ais.checkpointing.formats import torch_dist
+
+    metadata = torch_dist.read_dcp_metadata(model_dir)
+    metadata.storage_meta = payload
+    with open(os.path.join(model_dir, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    return ".metadata", "posix.system"
+
+
+def _plant_in_byte_item(model_dir, payload):
+    """Append a pickled payload to rank 0's shards and point one byte item (a module's _extra_state) at it."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from megatron_ais.checkpointing.formats import torch_dist
+
+    metadata = torch_dist.read_dcp_metadata(model_dir)
+    index, info = next((i, s) for i, s in metadata.storage_data.items()
+                       if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata))
+    data = io.BytesIO()
+    torch.save(payload, data)
+    shard = os.path.join(model_dir, info.relative_path)
+    offset = os.path.getsize(shard)
+    with open(shard, "ab") as f:
+        f.write(data.getvalue())
+    info.offset, info.length = offset, len(data.getvalue())
+    with open(os.path.join(model_dir, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    return f"{info.relative_path} (item {index.fqn})", "posix.system"
+
+
+def _plant_in_common_state(model_dir, payload):
+    torch.save({"payload": payload}, os.path.join(model_dir, "common.pt"))
+    return "common.pt", "posix.system"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plant", [_plant_in_metadata, _plant_in_byte_item, _plant_in_common_state],
+                         ids=["metadata", "byte-item", "common-state"])
+def test_a_torch_dist_pickle_that_would_run_code_is_refused_unrun(torch_dist_checkpoint, tmp_path, capfd, plant):
+    """torch.distributed.checkpoint reads `.metadata` with pickle.load and byte items with torch.load(weights_only=
+    False): each is read as data first, so a crafted one (checksums rewritten to match) is refused unrun and the
+    previous iteration loaded; the same payload read as torch reads it would have run (the marker appears)."""
+    import json
+    import shutil
+
+    from megatron_ais.checkpointing.formats import torch_dist
+
+    root, marker = str(tmp_path / "ckpt"), str(tmp_path / "marker")
+    shutil.copytree(torch_dist_checkpoint, root)
+    model_dir = os.path.join(store.iteration_dir(root, 2), "model")
+    name, named = plant(model_dir, _Payload(os.system, f"touch {marker}"))
+    checksums_path = os.path.join(store.iteration_dir(root, 2), store.CHECKSUMS)
+    checksums = json.load(open(checksums_path))
+    for file in checksums:
+        checksums[file] = store.file_digest(os.path.join(store.iteration_dir(root, 2), file))
+    json.dump(checksums, open(checksums_path, "w"))
+    capfd.readouterr()
+    loaded = store.load_checkpoint(root, CheckpointRanks())
+    assert loaded.iteration == 1 and loaded.format == "torch_dist" and loaded.run_state["step"] == 1
+    refused = f"refusing checkpoint iteration 2: {os.path.join(model_dir, name)} is refused: its pickle calls {named}"
+    assert refused in capfd.readouterr().err
+    with pytest.raises(CheckpointError, match=f"is refused: its pickle calls {named} "):
+        torch_dist.check_is_data(model_dir)  # the library entry point the loads go through
+    assert not os.path.exists(marker)
+    _read_as_torch_does(model_dir, name)  # the control: the crafted file as megatron-core and torch would read it
+    assert os.path.exists(marker)
+
+
+def _read_as_torch_does(model_dir, name):
+    from megatron_ais.checkpointing.formats import torch_dist
+
+    if name == ".metadata":  # torch.distributed.checkpoint's FileSystemReader.read_metadata
+        return pickle.load(open(os.path.join(model_dir, name), "rb"))
+    if name == "common.pt":
+        return torch.load(os.path.join(model_dir, name), weights_only=False)
+    fqn = name.split("(item ")[1][:-1]  # DefaultLoadPlanner.load_bytes
+    info = next(s for i, s in torch_dist.read_dcp_metadata(model_dir).storage_data.items() if i.fqn == fqn)
+    with open(os.path.join(model_dir, info.relative_path), "rb") as f:
+        f.seek(info.offset)
+        return torch.load(io.BytesIO(f.read(info.length)), weights_only=False)

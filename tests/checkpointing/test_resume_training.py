@@ -1,9 +1,10 @@
-"""Resuming from a checkpoint continues training exactly: at DP2, with megatron's plain optimizer (fp32) and the
-distributed optimizer (bf16), two steps after a save-and-resume equal the same two steps of an uninterrupted run
-bit for bit (losses and every parameter), so the optimizer moments, Adam's step count and RNG all came back. The
-same for a Qwen3-MoE model at EP2, whose checkpoint has one directory per expert-parallel rank (each with its own
-experts: `mp_rank_00_000`, `mp_rank_00_001`)."""
+"""Resuming from a checkpoint continues training exactly: at DP2, in both formats (torch, torch_dist), with
+megatron's plain optimizer (fp32) and the distributed optimizer (bf16), two steps after a save-and-resume equal the
+same two steps of an uninterrupted run bit for bit (losses and every parameter), so the optimizer moments, Adam's
+step count and RNG all came back. The same for a Qwen3-MoE model at EP2, whose checkpoint has one directory per
+expert-parallel rank (each with its own experts: `mp_rank_00_000`, `mp_rank_00_001`)."""
 import hashlib
+import os
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from distributed import spawn
 GLOBAL_BATCH, MICRO_BATCH, SEQ = 8, 2, 48
 
 
-def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=(), export_dir=None):
+def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=(), export_dir=None, fmt="torch"):
     import random
 
     import torch
@@ -23,7 +24,7 @@ def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=()
     from distributed import start_trainer
     from megatron_ais.checkpointing.config import checkpoint_metadata
     from megatron_ais.checkpointing.ranks import CheckpointRanks
-    from megatron_ais.checkpointing.store import save_checkpoint
+    from megatron_ais.checkpointing.store import FORMATS, save_checkpoint
     from megatron_ais.data.tasks import arithmetic_task
     from megatron_ais.sft import encode_sft_example, load_tokenizer, example_micro_batches
     from megatron_ais.training import lm_forward_step, reduce_lm_loss, setup_model_and_optimizer, train_step
@@ -60,7 +61,8 @@ def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=()
                                            distributed_optimizer)
             save_checkpoint(save_dir, 2, setup.chunks, metadata,
                             hf_dir, CheckpointRanks.from_parallel_state(), optimizer=setup.optimizer,
-                            run_state={"kind": "test", "step": 2}, dp_group=ps.get_data_parallel_group())
+                            run_state={"kind": "test", "step": 2}, dp_group=ps.get_data_parallel_group(),
+                            fmt=FORMATS[fmt])
     digest = hashlib.sha1()
     for _, p in setup.chunks[0].named_parameters():
         digest.update(p.detach().float().numpy().tobytes())
@@ -68,12 +70,16 @@ def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=()
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 @pytest.mark.parametrize("precision,distributed_optimizer", [("fp32", False), ("bf16", True)])
-def test_resume_is_bit_exact_dp2(model_root, tmp_path, precision, distributed_optimizer):
+def test_resume_is_bit_exact_dp2(model_root, tmp_path, precision, distributed_optimizer, fmt):
     hf_dir = make_model_dir(model_root, "qwen2")
     save_dir = str(tmp_path / "ckpt")
-    uninterrupted = spawn(2, _worker, hf_dir, precision, distributed_optimizer, save_dir, False)
-    resumed = spawn(2, _worker, hf_dir, precision, distributed_optimizer, save_dir, True)
+    uninterrupted = spawn(2, _worker, hf_dir, precision, distributed_optimizer, save_dir, False, (), None, fmt)
+    if fmt == "torch_dist":  # the two data-parallel replicas shared the writing (fully parallel save)
+        written = os.listdir(os.path.join(save_dir, "iter_0000002", "model"))
+        assert {name[:3] for name in written if name.endswith(".distcp")} == {"__0", "__1"}, written
+    resumed = spawn(2, _worker, hf_dir, precision, distributed_optimizer, save_dir, True, (), None, fmt)
     for rank in range(2):
         assert resumed[rank][0] == uninterrupted[rank][0], "losses after the resume differ"
         assert resumed[rank][1] == uninterrupted[rank][1], "RNG streams were not restored"
@@ -81,10 +87,21 @@ def test_resume_is_bit_exact_dp2(model_root, tmp_path, precision, distributed_op
 
 
 @pytest.mark.slow
+def test_torch_dist_resume_at_pp2_restores_each_stage_random_state(model_root, tmp_path):
+    """Each pipeline stage draws from its own random streams (megatron seeds them apart): a torch_dist checkpoint
+    keeps every rank's, and a resume at the saved layout continues each stage's."""
+    hf_dir = make_model_dir(model_root, "qwen2")
+    save_dir, pp2 = str(tmp_path / "ckpt"), ("--pipeline-model-parallel-size", "2")
+    uninterrupted = spawn(2, _worker, hf_dir, "fp32", True, save_dir, False, pp2, None, "torch_dist")
+    assert uninterrupted[0][1] != uninterrupted[1][1], "the stages' random streams were not apart"
+    resumed = spawn(2, _worker, hf_dir, "fp32", True, save_dir, True, pp2, None, "torch_dist")
+    for rank in range(2):
+        assert resumed[rank] == uninterrupted[rank]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("precision,distributed_optimizer", [("fp32", False), ("bf16", True)])
 def test_resume_is_bit_exact_moe_ep2(model_root, tmp_path, precision, distributed_optimizer):
-    import os
-
     hf_dir = make_model_dir(model_root, "qwen3_moe", initializer_range=0.1)
     save_dir = str(tmp_path / "ckpt")
     ep2 = ("--expert-model-parallel-size", "2")
@@ -107,8 +124,6 @@ def test_resume_is_bit_exact_moe_ep2_expert_tp1(model_root, tmp_path, tp, direct
     """Expert-TP 1 under TP2 and TP4 at EP2 on four ranks (the production recipe's shape): whole experts per rank,
     dense weights split over TP; every TP rank's dense shard is saved, the resumed run continues bit for bit on all
     four ranks, and the offline converter reads that checkpoint into exactly the trainer's own HF export."""
-    import os
-
     from safetensors.torch import load_file
 
     import convert_checkpoint

@@ -9,18 +9,24 @@ local-spec names and stage-local layer indices, as Megatron-LM stores them. The 
 functions listed in formats/__init__.py."""
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import pickle
+from typing import Any
 
 import numpy as np
 import torch
 
-from megatron_ais.checkpointing.optimizer_state import distributed_optimizer_shard, is_distributed, rng_state
+from megatron_ais.checkpointing.config import LoadedCheckpoint, RankFileWrite
+from megatron_ais.checkpointing.optimizer_state import (distributed_optimizer_shard, is_distributed,
+                                                        restore_training_state as restore_optimizer_and_rng, rng_state)
 from megatron_ais.checkpointing.ranks import CheckpointRanks, gather
 from megatron_ais.errors import CheckpointError
 from megatron_ais.mapping.rules import canonical_name
 from megatron_ais.model import unwrap_model
 
+NAME = "torch"
 RANK_FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
 # Beyond tensors and plain containers, a rank file holds only NumPy's random state (a uint32 array in a tuple);
@@ -59,34 +65,52 @@ def rank_files(directory: str) -> list[str]:
 def write_rank_state(stage: str, tp_rank: int, pp_rank: int, pp_size: int, state: dict, ep_rank: int = 0,
                      ep_size: int = 1) -> None:
     """Write one rank's state file into a staging directory."""
-    directory = os.path.join(stage, rank_dir_name(tp_rank, pp_rank, pp_size, ep_rank, ep_size))
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, RANK_FILE)
+    _save_file(os.path.join(stage, rank_dir_name(tp_rank, pp_rank, pp_size, ep_rank, ep_size), RANK_FILE), state)
+
+
+def _save_file(path: str, state) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
 
 
-def write_rank_files(stage: str, iteration: int, ranks: CheckpointRanks, chunks: list, optimizer,
-                     run_state: dict | None, dp_group) -> list[str]:
-    """Write this rank's files into a staging directory and return their names, relative to it; collective over all
-    ranks (every DP rank's RNG state is gathered). The lowest rank of each (TP, PP, EP) position writes the shard file
-    (model, optimizer, RNG states, run state); with the distributed optimizer every rank also writes its shard."""
+def _write_files(stage: str, files: dict[str, Any]) -> list[str]:
+    for name, state in files.items():
+        _save_file(os.path.join(stage, name), state)
+    return list(files)
+
+
+def copy_state(state):
+    """A copy of a rank file's state that training cannot change: tensors copied into host memory (a background
+    save must not double what an accelerator holds; copy.deepcopy would also refuse the views an optimizer's state
+    holds), containers rebuilt, anything else deep-copied."""
+    if torch.is_tensor(state):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {key: copy_state(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)) and not hasattr(state, "_fields"):
+        return type(state)(copy_state(value) for value in state)
+    return copy.deepcopy(state)
+
+
+def prepare_rank_files(stage: str, iteration: int, ranks: CheckpointRanks, chunks: list, optimizer,
+                       run_state: dict | None, dp_group, snapshot: bool = False) -> RankFileWrite:
+    """This rank's files, ready to write into a staging directory; collective over all ranks (every DP rank's RNG
+    state is gathered). The lowest rank of each (TP, PP, EP) position writes the shard file (model, optimizer, RNG
+    states, run state); with the distributed optimizer every rank also writes its shard. `snapshot`: copy whatever
+    training will change (the optimizer's tensors, the run state) so that the files may be written later."""
     rng_states = gather(rng_state(), dp_group)
-    names = []
+    copied = copy_state if snapshot else (lambda state: state)
+    files = {}
     if ranks.writes_shard:
-        state = {**model_state(chunks), "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
-                 "rng_state": rng_states, "run_state": run_state}
+        live = {"rng_state": rng_states, "run_state": run_state}
         if optimizer is not None:
-            state["optimizer"] = optimizer.state_dict()
-        write_rank_state(stage, ranks.tp_rank, ranks.pp_rank, ranks.pp_size, state, ranks.ep_rank, ranks.ep_size)
-        names.append(rank_file(ranks))
+            live["optimizer"] = optimizer.state_dict()
+        files[rank_file(ranks)] = {**model_state(chunks), "iteration": iteration,
+                                   "checkpoint_version": CHECKPOINT_VERSION, **copied(live)}
     if optimizer is not None and is_distributed(optimizer):
-        path = os.path.join(stage, distrib_optim_file(ranks))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save(distributed_optimizer_shard(optimizer), path + ".tmp")
-        os.replace(path + ".tmp", path)
-        names.append(distrib_optim_file(ranks))
-    return names
+        files[distrib_optim_file(ranks)] = copied(distributed_optimizer_shard(optimizer))
+    return RankFileWrite(functools.partial(_write_files, stage, files))
 
 
 def files_to_read(directory: str, ranks: CheckpointRanks, distributed_optimizer: bool) -> list[str]:
@@ -115,26 +139,29 @@ def read_rank_state(directory: str, tp_rank: int, pp_rank: int, pp_size: int, ep
     return load_data(path, mmap)
 
 
-def load_data(path: str, mmap: bool = False):
-    """torch.load a rank file as data only: a pickle that calls anything outside SAFE_GLOBALS is refused unrun, the
-    file and the global named."""
+def load_data(source, mmap: bool = False, name: str | None = None):
+    """torch.load a rank file (a path, or a file object named `name`) as data only: a pickle that calls anything
+    outside SAFE_GLOBALS is refused unrun, the file and the global named."""
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError:
-        called = _disallowed_globals(path)
+        called = _disallowed_globals(source)
         if not called:  # no global outside the allowlist: a damaged file, which the caller reports as unreadable
             raise
-        raise CheckpointError(f"{path} is refused: its pickle calls {', '.join(called)} outside the checkpoint "
-                              "allowlist (a checkpoint is data, never code); nothing of it was run") from None
+        raise CheckpointError(f"{name or source} is refused: its pickle calls {', '.join(called)} outside the "
+                              "checkpoint allowlist (a checkpoint is data, never code); nothing of it was "
+                              "run") from None
 
 
-def _disallowed_globals(path: str) -> list[str]:
+def _disallowed_globals(source) -> list[str]:
     """The globals a rank file's pickle names outside SAFE_GLOBALS, read from its opcodes (nothing is run to list
     them); none when the file cannot be read that far."""
     allowed = {f"{g.__module__}.{g.__qualname__}" for g in SAFE_GLOBALS}
     try:
-        return [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path) if g not in allowed]
+        if hasattr(source, "seek"):
+            source.seek(0)
+        return [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(source) if g not in allowed]
     except Exception:  # a damaged archive or pickle: nothing can be named
         return []
 
@@ -166,3 +193,14 @@ def load_model_state(chunks: list, state: dict) -> None:
             param.copy_(tensor)
         if saved:
             raise CheckpointError(f"checkpoint has parameters the model lacks: {sorted(saved)[:5]}")
+
+
+def load_model(chunks: list, loaded: LoadedCheckpoint) -> None:
+    """Copy a loaded checkpoint's parameters into this rank's chunks (saved at this layout)."""
+    load_model_state(chunks, loaded.state)
+
+
+def restore_training_state(loaded: LoadedCheckpoint, chunks: list, optimizer, dp_rank: int, dp_size: int) -> None:
+    """Restore the optimizer (and distributed-optimizer shard) and this DP rank's RNG state."""
+    del chunks  # the rank files hold the optimizer state itself
+    restore_optimizer_and_rng(loaded, optimizer, dp_rank, dp_size)

@@ -1,0 +1,341 @@
+"""Megatron-LM's distributed format (`--ckpt-format torch_dist`): the model through megatron-core's
+`sharded_state_dict` and `dist_checkpointing.save/load`, which reshards on load (a checkpoint saved at TP2 loads at
+TP1 x PP2); the run state beside it, as data.
+
+    iter_000000N/model/__R_K.distcp       the tensors global rank R wrote (torch.distributed.checkpoint files)
+    iter_000000N/model/.metadata          where every tensor's pieces lie, written by rank 0
+    iter_000000N/model/common.pt          megatron-core's common (non-sharded) state, written by rank 0
+    iter_000000N/model/metadata.json      the sharded strategy, written by rank 0
+    iter_000000N/run_state.pt             iteration, the RNG state of rank 0's data-parallel group, the run state
+
+The optimizer's state (fp32 main params, Adam moments, step) lies beside the model's in the same files, saved
+through megatron-core's optimizer `sharded_state_dict` in the fully reshardable form, so it too loads at another
+TP / PP / DP layout. The store (store.py) writes, checksums, commits and verifies these files like the torch
+format's. A save is megatron-core's asynchronous one in three parts: the plan (collective), the write of this rank's
+buckets (in the calling thread, or --async-save's writer thread; no fork of a training process), the finalisation
+(collective: rank 0 writes the index)."""
+from __future__ import annotations
+
+import functools
+import io
+import os
+import pickle
+import queue
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+from megatron_ais.checkpointing.formats.torch import CHECKPOINT_VERSION, copy_state, load_data
+from megatron_ais.checkpointing.config import LoadedCheckpoint, RankFileWrite
+from megatron_ais.checkpointing.optimizer_state import (check_optimizer_layout, is_distributed, rng_state,
+                                                        set_rng_state, sub_optimizers, unshare_adam_steps)
+from megatron_ais.checkpointing.ranks import CheckpointRanks, gather
+from megatron_ais.errors import CheckpointError
+from megatron_ais.model import unwrap_model
+
+NAME = "torch_dist"
+MODEL_DIR = "model"
+RUN_STATE = "run_state.pt"
+COMMON_STATE = "common.pt"  # megatron-core's non-sharded state
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of the shards
+COMMON_FILES = (DCP_METADATA, COMMON_STATE, "metadata.json")  # what rank 0 writes beside its own shards
+# the layout-free form of the shards, keyed by the model's keys alone (no `chained_N.` prefix), so that experts saved
+# by a separate expert optimizer (EP > 1) load into one optimizer (EP1) and the other way round
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+OPTIMIZER_COUNT = "optimizer_count"  # how many optimizers the saving run chained (dense, and experts apart)
+# the classes torch.distributed.checkpoint pickles into `.metadata` are defined in these modules
+DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+               "torch.distributed.checkpoint.planner")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _parallel_sizes() -> list[int]:
+    # world, TP, PP, EP, DP: global ranks hold the same places in two runs with the same sizes
+    if not ps.model_parallel_is_initialized():
+        return [1, 1, 1, 1, 1]
+    return [dist.get_world_size(), ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
+            ps.get_data_parallel_world_size()]
+
+
+def _chunk_key(index: int, num_chunks: int) -> str:
+    # Megatron-LM's convention: "model", or "model0", "model1", ... with virtual pipeline chunks
+    return "model" if num_chunks == 1 else f"model{index}"
+
+
+def sharded_model_state(chunks: list) -> dict:
+    """This rank's model chunks as megatron-core sharded state dicts, keyed as Megatron-LM keys them."""
+    return {_chunk_key(i, len(chunks)): unwrap_model(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def sharded_state(chunks: list, optimizer, is_loading: bool) -> dict:
+    """The model's sharded state dict and, with an optimizer, the optimizer's (megatron-core builds it from the
+    model's, matching parameters by identity)."""
+    state = sharded_model_state(chunks)
+    if optimizer is not None:
+        if is_loading and is_distributed(optimizer):
+            # a fresh DistributedOptimizer has no Adam state, and its state_dict() asserts one step count exists
+            for sub in sub_optimizers(optimizer):
+                sub._init_optimizer_states_with_dummy_values()
+        state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=is_loading,
+                                                          metadata=OPTIMIZER_METADATA)
+        state[OPTIMIZER_COUNT] = len(sub_optimizers(optimizer))
+    return state
+
+
+def is_format_of(directory: str) -> bool:
+    """Whether a checkpoint directory was written in this format."""
+    return os.path.isdir(os.path.join(directory, MODEL_DIR))
+
+
+def rank_files(directory: str) -> list[str]:
+    """The files of a checkpoint directory that the format wrote (model shards and metadata, run state)."""
+    model = os.path.join(directory, MODEL_DIR)
+    names = [os.path.join(MODEL_DIR, n) for n in sorted(os.listdir(model))] if os.path.isdir(model) else []
+    return names + ([RUN_STATE] if os.path.isfile(os.path.join(directory, RUN_STATE)) else [])
+
+
+def prepare_rank_files(stage: str, iteration: int, ranks: CheckpointRanks, chunks: list, optimizer,
+                       run_state: dict | None, dp_group, snapshot: bool = False) -> RankFileWrite:
+    """Plan the save of the model and optimizer through dist_checkpointing into the staging directory (collective
+    over all ranks: megatron-core checks the shards and agrees on where each lies; rank 0 writes the common state).
+    The returned write puts this rank's shards and, on rank 0, the run state with every rank's RNG states (each
+    pipeline stage and tensor-parallel rank draws its own) into their files; its finish writes megatron-core's
+    metadata once every rank has written. `snapshot`: copy the tensors and run state first, so that the files may be
+    written while training changes them."""
+    del ranks  # the sharded state dicts know every rank's part
+    model_dir = os.path.join(stage, MODEL_DIR)
+    os.makedirs(model_dir, exist_ok=True)
+    rng_states = gather(rng_state())
+    use_in_process_write_results()
+    # the asynchronous form splits the save into plan (here), write (the request's buckets) and finalisation; the
+    # synchronous form runs the same three in a row. The data-parallel replicas share the writing (megatron-core's
+    # fully parallel save, Megatron-LM's default), so every rank may write shards
+    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), dp_group)
+    request = dist_checkpointing.save(sharded_state(chunks, optimizer, is_loading=False), model_dir,
+                                      sharded_strategy=strategy, async_sharded_save=True)
+    run_file = None
+    if _rank() == 0:
+        run_file = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION, "rng_state": rng_states,
+                    "parallel_sizes": _parallel_sizes(), "run_state": copy_state(run_state) if snapshot else run_state}
+    buckets = host_buckets(request.async_fn_args[1], snapshot) if request.async_fn is not None else []
+    return RankFileWrite(functools.partial(_write_files, request, buckets, stage, run_file),
+                         functools.partial(_finish_files, request, stage))
+
+
+def use_in_process_write_results() -> None:
+    """Hand the write results to megatron-core's finalisation through a queue of this process. megatron-core uses a
+    multiprocessing Manager's (a server process per rank, started at the first save, taking seconds, and left running
+    when the rank is killed) because its writers are forked processes; ours is a thread of this process."""
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def host_buckets(buckets: list, copied: bool) -> list:
+    """megatron-core's write buckets (file path, storage key, (byte items, tensor items)) with every tensor in host
+    memory, `copied` ones cloned (the byte items are serialised already)."""
+    return [(path, key, (byte_items, [(item, tensor.detach().to("cpu", copy=copied)) for item, tensor in tensors]))
+            for path, key, (byte_items, tensors) in buckets]
+
+
+def write_buckets(transforms: list, buckets: list) -> dict | Exception:
+    """Write megatron-core's buckets one after another in this thread, as its writer processes would (no fork of
+    a process that is training); return the write results by bucket, or the first failure, as its finalisation
+    expects them."""
+    outcomes, pending = queue.Queue(), queue.Queue()
+    results = {}
+    for index, bucket in enumerate(buckets):
+        pending.put(index)  # the writer marks its bucket done on this queue
+        filesystem_async.FileSystemWriterAsync.write_preloaded_data(transforms, index, bucket, outcomes, pending,
+                                                                    use_fsync=True)
+        index, outcome = outcomes.get()
+        if isinstance(outcome, Exception):
+            return outcome
+        results[index] = outcome
+    return results
+
+
+def _write_files(request, buckets: list, stage: str, run_file: dict | None) -> list[str]:
+    names = []
+    if request.async_fn is not None:
+        # what megatron-core's writer bound: its storage transforms, and whether it writes through the multi-storage
+        # client (off unless enabled: local files)
+        transforms, _ = request.async_fn.args
+        request.async_fn_args[2].put(write_buckets(transforms, buckets))  # where its finalisation reads them
+        names = [os.path.join(MODEL_DIR, os.path.basename(path)) for path, _, _ in buckets]
+    if run_file is not None:
+        path = os.path.join(stage, RUN_STATE)
+        torch.save(run_file, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        names.append(RUN_STATE)
+    return names
+
+
+def _finish_files(request, stage: str) -> list[str]:
+    """megatron-core's finalisation (collective): rank 0 writes the index of every shard and the strategy; return
+    the common files rank 0 wrote."""
+    for finalize in request.finalize_fns:
+        finalize()
+    model_dir = os.path.join(stage, MODEL_DIR)
+    return [os.path.join(MODEL_DIR, n) for n in sorted(os.listdir(model_dir)) if _rank() == 0 and n in COMMON_FILES]
+
+
+def files_to_read(directory: str, ranks: CheckpointRanks, distributed_optimizer: bool) -> list[str]:
+    """Every file: a resharded load may read any rank's shards. The run state first."""
+    del ranks, distributed_optimizer
+    return [RUN_STATE] + [n for n in rank_files(directory) if n != RUN_STATE]
+
+
+def read_rank_files(directory: str, files: list[str]) -> tuple[dict, None]:
+    """The run state (as data; see formats/torch.load_data), once every pickle megatron-core and
+    torch.distributed.checkpoint would read is found to be data; the tensors are read by `load_model_state`, which
+    needs the model to know what this rank's layout takes from them."""
+    check_is_data(os.path.join(directory, MODEL_DIR))
+    return load_data(os.path.join(directory, files[0])), None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a `.metadata` file as data: the only globals it resolves are the checkpoint-metadata classes of
+    torch.distributed.checkpoint, torch.Size, dtypes and layouts; any other is refused before it is imported."""
+
+    def find_class(self, module: str, name: str):
+        if module in DCP_MODULES:
+            found = getattr(super().find_class(module, name), "__module__", None) == module
+        elif module == "torch":
+            found = name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
+        else:
+            found = (module, name) == ("torch.serialization", "_get_layout")
+        if not found:
+            raise _Refused(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+class _Refused(Exception):
+    """A global outside what a data pickle may name."""
+
+
+def read_dcp_metadata(model_dir: str) -> Metadata:
+    """torch.distributed.checkpoint's `.metadata`, read as data (torch itself reads it with pickle.load)."""
+    path = os.path.join(model_dir, DCP_METADATA)
+    try:
+        with open(path, "rb") as file:
+            metadata = _MetadataUnpickler(file).load()
+    except _Refused as refused:
+        raise CheckpointError(f"{path} is refused: its pickle calls {refused} outside the checkpoint allowlist (a "
+                              "checkpoint is data, never code); nothing of it was run") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not torch.distributed.checkpoint Metadata")
+    return metadata
+
+
+def check_is_data(model_dir: str) -> None:
+    """Raise a CheckpointError naming the file and the global when a pickle that megatron-core or
+    torch.distributed.checkpoint would unpickle with code allowed could run code: `.metadata` (pickle.load), every
+    byte item of the .distcp files (torch.load(weights_only=False)) and megatron-core's common state."""
+    load_data(os.path.join(model_dir, COMMON_STATE))
+    metadata = read_dcp_metadata(model_dir)
+    byte_items = {fqn for fqn, item in metadata.state_dict_metadata.items() if isinstance(item, BytesStorageMetadata)}
+    for index, info in metadata.storage_data.items():
+        if index.fqn not in byte_items:
+            continue
+        path = os.path.join(model_dir, info.relative_path)
+        if os.path.dirname(os.path.normpath(info.relative_path)) or getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{os.path.join(model_dir, DCP_METADATA)} places {index.fqn} at "
+                                  f"{info.relative_path} {info.transform_descriptors or ''}: outside what this "
+                                  "format writes, so it cannot be read as data")
+        with open(path, "rb") as file:
+            file.seek(info.offset)
+            load_data(io.BytesIO(file.read(info.length)), name=f"{path} (item {index.fqn})")
+
+
+def read_rank_state(directory: str, tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1,
+                    mmap: bool = False) -> dict:
+    raise CheckpointError(f"{directory} is a torch_dist checkpoint; the offline tools read torch checkpoints only")
+
+
+def load_model_state(chunks: list, directory: str) -> None:
+    """Load this rank's part of the model from a checkpoint directory, whatever the layout it was saved at
+    (collective over all ranks); a tensor missing or of another global shape is refused by megatron-core."""
+    model_dir = os.path.join(directory, MODEL_DIR)
+    check_is_data(model_dir)
+    loaded = dist_checkpointing.load(sharded_model_state(chunks), model_dir)
+    for i, chunk in enumerate(chunks):
+        unwrap_model(chunk).load_state_dict(loaded[_chunk_key(i, len(chunks))])
+
+
+def _by_optimizer(state, count: int, key=None) -> list:
+    # a ChainedOptimizer of one gives that optimizer's state itself, of several a dict keyed by index
+    parts = [state] if count == 1 else [state[i] for i in range(count)]
+    return parts if key is None else [part[key] for part in parts]
+
+
+def _saved_common_parts(state: dict, saved_count: int) -> list[dict]:
+    """The saving run's optimizers' non-parameter state (param groups with the step), one per optimizer."""
+    return [{k: v for k, v in part.items() if not k.startswith("param_state")}
+            for part in _by_optimizer(state, saved_count)]
+
+
+def _common_part_at_step(sub, saved: list[dict]) -> dict:
+    """`sub`'s own non-parameter state (its param groups, from this run's config) at the saving run's step: the runs
+    chain different optimizers (experts apart at EP > 1), so the saved groups do not map onto this run's."""
+    steps = {group["step"] for part in saved for group in part["optimizer"]["param_groups"] if "step" in group}
+    if len(steps) != 1:
+        raise CheckpointError(f"the checkpoint's optimizers are at different steps ({sorted(steps)}); resume at the "
+                              "expert-parallel size it was saved at")
+    common = sub.state_dict()
+    for group in common["optimizer"]["param_groups"]:
+        group["step"] = next(iter(steps))
+    return common
+
+
+def _load_distributed_sub(sub, common: dict, param_state) -> None:
+    # megatron-core 0.16.1's fully reshardable load raises KeyError 'step' when the per-param states hold one, and
+    # load_state_dict gives every parameter the same step tensor (Adam would advance it once per parameter): load the
+    # rest first, set the steps aside, load the parameter state, then give each parameter its own step back
+    sub.load_state_dict(common)
+    steps = {param: entry.pop("step") for param, entry in sub.optimizer.state.items() if "step" in entry}
+    sub.load_parameter_state_from_fully_reshardable(param_state)
+    for param, step in steps.items():
+        sub.optimizer.state[param]["step"] = step.clone()
+
+
+def load_model(chunks: list, loaded: LoadedCheckpoint) -> None:
+    """Load this rank's part of the model from a loaded checkpoint, at whatever layout it was saved."""
+    load_model_state(chunks, loaded.directory)
+
+
+def restore_training_state(loaded: LoadedCheckpoint, chunks: list, optimizer, dp_rank: int, dp_size: int) -> None:
+    """Restore the optimizer (resharded to this run's TP / PP / EP / DP layout) from a torch_dist checkpoint and, at
+    the saved layout, this rank's RNG state (at another, the streams cannot continue: the run's seed stands);
+    collective over all ranks."""
+    del dp_rank, dp_size  # the shards are resharded to any data-parallel size
+    check_optimizer_layout({"use_distributed_optimizer": loaded.metadata.get("use_distributed_optimizer")},
+                           is_distributed(optimizer), 0, loaded.root)
+    model_dir = os.path.join(loaded.directory, MODEL_DIR)
+    check_is_data(model_dir)
+    state = dist_checkpointing.load(sharded_state(chunks, optimizer, is_loading=True), model_dir)
+    subs = sub_optimizers(optimizer)
+    saved_count = state.get(OPTIMIZER_COUNT, len(subs))
+    saved = _saved_common_parts(state["optimizer"], saved_count)
+    if saved_count != len(subs) and not all(is_distributed(sub) for sub in subs):
+        raise CheckpointError(f"--load {loaded.root} was saved by {saved_count} chained optimizer(s) (experts apart at "
+                              f"EP > 1), this run chains {len(subs)}: without --use-distributed-optimizer only the "
+                              "saved --expert-model-parallel-size (1, or above 1) can restore them")
+    for i, sub in enumerate(subs):
+        if not is_distributed(sub):
+            sub.load_state_dict(_by_optimizer(state["optimizer"], len(subs))[i])
+            continue
+        common = saved[i] if saved_count == len(subs) else _common_part_at_step(sub, saved)
+        _load_distributed_sub(sub, common, _by_optimizer(state["optimizer"], len(subs), "param_state")[i])
+    unshare_adam_steps(optimizer)
+    if loaded.state.get("parallel_sizes") == _parallel_sizes():
+        set_rng_state(loaded.state["rng_state"][_rank()])
