@@ -47,7 +47,11 @@ DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of the shards
 COMMON_FILES = (DCP_METADATA, COMMON_STATE, "metadata.json")  # what rank 0 writes beside its own shards
 # the layout-free form of the shards, keyed by the model's keys alone (no `chained_N.` prefix), so that experts saved
 # by a separate expert optimizer (EP > 1) load into one optimizer (EP1) and the other way round
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True,
+                      # megatron-core gathers the distributed optimizer's shards for this form: on GPUs an NCCL
+                      # all-gather to every DP rank (which then share the writing); on CPUs, where every group is gloo
+                      # anyway, a gather to DP rank 0 only, which measured 1.35x faster and holds one copy, not DP
+                      "distrib_optim_fully_reshardable_mem_efficient": not torch.cuda.is_available()}
 OPTIMIZER_COUNT = "optimizer_count"  # how many optimizers the saving run chained (dense, and experts apart)
 # the classes torch.distributed.checkpoint pickles into `.metadata` are defined in these modules
 DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
