@@ -159,9 +159,9 @@ def read_model_config(model, layout, load: str | None, allow_unverified: bool = 
         restore_interrupted_resave(load)  # a re-save interrupted between its two renames is put back
         newest = usable_iterations(load, allow_unverified)[0]
         metadata = read_checkpoint_metadata(load, newest, allow_unverified)
-        reshards = directory_format(iteration_dir(load, newest)).NAME == "torch_dist"
+        reshards = directory_format(iteration_dir(load, newest)).RESHARDS_ON_LOAD
         check_layout(metadata, layout, load, reshards)
-        if not reshards:  # torch_dist pads or cuts the vocabulary rows on load (megatron-core's allow_shape_mismatch)
+        if not reshards:
             check_vocab_padding(metadata, model.make_vocab_size_divisible_by, layout.tensor, load)
         hf_config, source = metadata["hf_config"], f"checkpoint {load}"
     elif model.hf_dir is not None:
@@ -256,7 +256,7 @@ def load_policy_chunks(build, source: WeightSource, distributed_optimizer: bool 
         loaded = load_checkpoint(source.load, CheckpointRanks.from_parallel_state(), distributed_optimizer,
                                  source.iteration, source.allow_unverified)
         # an older iteration may have another layout (or format)
-        check_layout(loaded.metadata, build.layout, source.load, reshards=loaded.format == "torch_dist")
+        check_layout(loaded.metadata, build.layout, source.load, reshards=FORMATS[loaded.format].RESHARDS_ON_LOAD)
         FORMATS[loaded.format].load_model(chunks, loaded)
         return chunks, loaded.assets_dir, loaded
     load_hf_weights(chunks, source.hf_dir, build, ps.get_tensor_model_parallel_rank())

@@ -3,6 +3,8 @@
 
 A format is a module with
     NAME                                           its --ckpt-format choice
+    RESHARDS_ON_LOAD                               whether a checkpoint loads at another TP / PP / EP / DP layout
+                                                   (and vocabulary padding) than it was saved at
     rank_files(directory)                          the rank files of a checkpoint directory, relative to it
     prepare_rank_files(stage, iteration, ranks, chunks, optimizer, run_state, dp_group, snapshot)
                                                    the format's collectives of a save (and, with `snapshot`, a copy

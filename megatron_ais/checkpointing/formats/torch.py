@@ -27,6 +27,7 @@ from megatron_ais.mapping.rules import canonical_name
 from megatron_ais.model import unwrap_model
 
 NAME = "torch"
+RESHARDS_ON_LOAD = False
 RANK_FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
 # Beyond tensors and plain containers, a rank file holds only NumPy's random state (a uint32 array in a tuple);
@@ -65,10 +66,11 @@ def rank_files(directory: str) -> list[str]:
 def write_rank_state(stage: str, tp_rank: int, pp_rank: int, pp_size: int, state: dict, ep_rank: int = 0,
                      ep_size: int = 1) -> None:
     """Write one rank's state file into a staging directory."""
-    _save_file(os.path.join(stage, rank_dir_name(tp_rank, pp_rank, pp_size, ep_rank, ep_size), RANK_FILE), state)
+    save_file(os.path.join(stage, rank_dir_name(tp_rank, pp_rank, pp_size, ep_rank, ep_size), RANK_FILE), state)
 
 
-def _save_file(path: str, state) -> None:
+def save_file(path: str, state) -> None:
+    """torch.save a state into `path` (its directory made), whole or not at all (written aside, then renamed)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
@@ -76,7 +78,7 @@ def _save_file(path: str, state) -> None:
 
 def _write_files(stage: str, files: dict[str, Any]) -> list[str]:
     for name, state in files.items():
-        _save_file(os.path.join(stage, name), state)
+        save_file(os.path.join(stage, name), state)
     return list(files)
 
 

@@ -31,7 +31,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from megatron_ais.checkpointing.formats.torch import CHECKPOINT_VERSION, copy_state, load_data
+from megatron_ais.checkpointing.formats.torch import CHECKPOINT_VERSION, copy_state, load_data, save_file
 from megatron_ais.checkpointing.config import LoadedCheckpoint, RankFileWrite
 from megatron_ais.checkpointing.optimizer_state import (check_optimizer_layout, is_distributed, rng_state,
                                                         set_rng_state, sub_optimizers, unshare_adam_steps)
@@ -40,6 +40,7 @@ from megatron_ais.errors import CheckpointError
 from megatron_ais.model import unwrap_model
 
 NAME = "torch_dist"
+RESHARDS_ON_LOAD = True  # vocabulary rows padded or cut by megatron-core (allow_shape_mismatch)
 MODEL_DIR = "model"
 RUN_STATE = "run_state.pt"
 COMMON_STATE = "common.pt"  # megatron-core's non-sharded state
@@ -177,9 +178,7 @@ def _write_files(request, buckets: list, stage: str, run_file: dict | None) -> l
         request.async_fn_args[2].put(write_buckets(transforms, buckets))  # where its finalisation reads them
         names = [os.path.join(MODEL_DIR, os.path.basename(path)) for path, _, _ in buckets]
     if run_file is not None:
-        path = os.path.join(stage, RUN_STATE)
-        torch.save(run_file, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        save_file(os.path.join(stage, RUN_STATE), run_file)
         names.append(RUN_STATE)
     return names
 
@@ -201,8 +200,9 @@ def files_to_read(directory: str, ranks: CheckpointRanks, distributed_optimizer:
 
 def read_rank_files(directory: str, files: list[str]) -> tuple[dict, None]:
     """The run state (as data; see formats/torch.load_data), once every pickle megatron-core and
-    torch.distributed.checkpoint would read is found to be data; the tensors are read by `load_model_state`, which
-    needs the model to know what this rank's layout takes from them."""
+    torch.distributed.checkpoint would read is found to be data (a LoadedCheckpoint's files are checked here, once);
+    the tensors are read by `load_model` / `restore_training_state`, which need the model to know what this rank's
+    layout takes from them."""
     check_is_data(os.path.join(directory, MODEL_DIR))
     return load_data(os.path.join(directory, files[0])), None
 
@@ -267,11 +267,15 @@ def read_rank_state(directory: str, tp_rank: int, pp_rank: int, pp_size: int, ep
 
 
 def load_model_state(chunks: list, directory: str) -> None:
-    """Load this rank's part of the model from a checkpoint directory, whatever the layout it was saved at
-    (collective over all ranks); a tensor missing or of another global shape is refused by megatron-core."""
-    model_dir = os.path.join(directory, MODEL_DIR)
-    check_is_data(model_dir)
-    loaded = dist_checkpointing.load(sharded_model_state(chunks), model_dir)
+    """Load this rank's part of the model from a checkpoint directory (one no store load has checked: its pickles
+    are read as data first), whatever the layout it was saved at (collective over all ranks); a tensor missing or of
+    another global shape is refused by megatron-core."""
+    check_is_data(os.path.join(directory, MODEL_DIR))
+    _load_model(chunks, directory)
+
+
+def _load_model(chunks: list, directory: str) -> None:
+    loaded = dist_checkpointing.load(sharded_model_state(chunks), os.path.join(directory, MODEL_DIR))
     for i, chunk in enumerate(chunks):
         unwrap_model(chunk).load_state_dict(loaded[_chunk_key(i, len(chunks))])
 
@@ -313,20 +317,20 @@ def _load_distributed_sub(sub, common: dict, param_state) -> None:
 
 
 def load_model(chunks: list, loaded: LoadedCheckpoint) -> None:
-    """Load this rank's part of the model from a loaded checkpoint, at whatever layout it was saved."""
-    load_model_state(chunks, loaded.directory)
+    """Load this rank's part of the model from a loaded checkpoint (its pickles checked by `read_rank_files`), at
+    whatever layout it was saved."""
+    _load_model(chunks, loaded.directory)
 
 
 def restore_training_state(loaded: LoadedCheckpoint, chunks: list, optimizer, dp_rank: int, dp_size: int) -> None:
-    """Restore the optimizer (resharded to this run's TP / PP / EP / DP layout) from a torch_dist checkpoint and, at
-    the saved layout, this rank's RNG state (at another, the streams cannot continue: the run's seed stands);
-    collective over all ranks."""
+    """Restore the optimizer (resharded to this run's TP / PP / EP / DP layout) from a loaded torch_dist checkpoint
+    (its pickles checked by `read_rank_files`) and, at the saved layout, this rank's RNG state (at another, the
+    streams cannot continue: the run's seed stands); collective over all ranks."""
     del dp_rank, dp_size  # the shards are resharded to any data-parallel size
     check_optimizer_layout({"use_distributed_optimizer": loaded.metadata.get("use_distributed_optimizer")},
                            is_distributed(optimizer), 0, loaded.root)
-    model_dir = os.path.join(loaded.directory, MODEL_DIR)
-    check_is_data(model_dir)
-    state = dist_checkpointing.load(sharded_state(chunks, optimizer, is_loading=True), model_dir)
+    state = dist_checkpointing.load(sharded_state(chunks, optimizer, is_loading=True),
+                                    os.path.join(loaded.directory, MODEL_DIR))
     subs = sub_optimizers(optimizer)
     saved_count = state.get(OPTIMIZER_COUNT, len(subs))
     saved = _saved_common_parts(state["optimizer"], saved_count)
