@@ -1,16 +1,22 @@
 """Loading never runs code from a checkpoint: rank files are read as data (tensors, containers, NumPy's random
 state); a pickle that would call anything else is refused unrun, the file and the global named."""
 import io
+import json
 import os
 import pickle
 import random
+import shutil
 
 import numpy as np
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
+from conftest import make_model_dir
+from distributed import spawn
 from megatron_ais.checkpointing import optimizer_state, store
 from megatron_ais.checkpointing.formats import torch as torch_format
+from megatron_ais.checkpointing.formats import torch_dist
 from megatron_ais.checkpointing.ranks import CheckpointRanks
 from megatron_ais.errors import CheckpointError
 
@@ -74,7 +80,6 @@ def test_a_checkpoint_of_the_current_writer_loads_with_its_random_states(tmp_pat
 
 def _save_torch_dist(hf_dir, root):
     from distributed import start_trainer
-    from megatron_ais.checkpointing.formats import torch_dist
     from megatron_ais.training import setup_model_and_optimizer
 
     trainer, _, build = start_trainer("--hf-dir", hf_dir, "--seq-length", "16", "--fp32")
@@ -86,17 +91,12 @@ def _save_torch_dist(hf_dir, root):
 
 @pytest.fixture(scope="module")
 def torch_dist_checkpoint(model_root, tmp_path_factory):
-    from conftest import make_model_dir
-    from distributed import spawn
-
     root = str(tmp_path_factory.mktemp("torch_dist") / "ckpt")
     spawn(1, _save_torch_dist, make_model_dir(model_root, "qwen3"), root)
     return root
 
 
 def _plant_in_metadata(model_dir, payload):
-    from megatron_ais.checkpointing.formats import torch_dist
-
     metadata = torch_dist.read_dcp_metadata(model_dir)
     metadata.storage_meta = payload
     with open(os.path.join(model_dir, ".metadata"), "wb") as f:
@@ -106,10 +106,6 @@ def _plant_in_metadata(model_dir, payload):
 
 def _plant_in_byte_item(model_dir, payload):
     """Append a pickled payload to rank 0's shards and point one byte item (a module's _extra_state) at it."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    from megatron_ais.checkpointing.formats import torch_dist
-
     metadata = torch_dist.read_dcp_metadata(model_dir)
     index, info = next((i, s) for i, s in metadata.storage_data.items()
                        if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata))
@@ -137,11 +133,6 @@ def test_a_torch_dist_pickle_that_would_run_code_is_refused_unrun(torch_dist_che
     """torch.distributed.checkpoint reads `.metadata` with pickle.load and byte items with torch.load(weights_only=
     False): each is read as data first, so a crafted one (checksums rewritten to match) is refused unrun and the
     previous iteration loaded; the same payload read as torch reads it would have run (the marker appears)."""
-    import json
-    import shutil
-
-    from megatron_ais.checkpointing.formats import torch_dist
-
     root, marker = str(tmp_path / "ckpt"), str(tmp_path / "marker")
     shutil.copytree(torch_dist_checkpoint, root)
     model_dir = os.path.join(store.iteration_dir(root, 2), "model")
@@ -164,8 +155,6 @@ def test_a_torch_dist_pickle_that_would_run_code_is_refused_unrun(torch_dist_che
 
 
 def _read_as_torch_does(model_dir, name):
-    from megatron_ais.checkpointing.formats import torch_dist
-
     if name == ".metadata":  # torch.distributed.checkpoint's FileSystemReader.read_metadata
         return pickle.load(open(os.path.join(model_dir, name), "rb"))
     if name == "common.pt":
