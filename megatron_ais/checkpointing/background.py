@@ -2,10 +2,11 @@
 
 The save itself (`store.begin_save` with a snapshot) runs on the main thread: the format's collectives, and a copy
 of what training will change. The thread then only writes this rank's files and their sha256 (`store.write_staged`):
-no collective, since one issued from it would interleave with training's on the same process group. Everything
-collective, the format's finalisation, the exchange of checksums and the commit (`store.commit_staged`), runs on the
-main thread at points every rank reaches in the same order: `poll` at every step boundary, `wait` before the next
-save and before the run ends. A crash before the commit leaves the staging directory uncommitted and the previous
+no collective on a group training uses, since one issued from it would interleave with training's (torch_dist gathers
+the distributed optimizer's shards there, over the optimizer's gloo data-parallel group, which only checkpointing
+uses). Everything collective on shared groups, the format's finalisation, the exchange of checksums and the commit
+(`store.commit_staged`), runs on the main thread at points every rank reaches in the same order: `poll` at every step
+boundary, `wait` before the next save and before the run ends. A crash before the commit leaves the staging directory uncommitted and the previous
 checkpoint current.
 """
 from __future__ import annotations

@@ -65,8 +65,8 @@ class CheckpointConfig(FlagConfig):
 @dataclasses.dataclass(frozen=True)
 class RankFileWrite:
     """A rank's part of a save once the format's collectives have run and, for a background save, the state is
-    copied: `write` writes this rank's files into the staging directory and returns their names (no collective, so
-    a background thread may run it), `finish` completes the format's files once every rank has written (collective,
+    copied: `write` writes this rank's files into the staging directory and returns their names (no collective on a group
+    training uses, so a background thread may run it), `finish` completes the format's files once every rank has written (collective,
     on the main thread) and returns the names it wrote on this rank."""
 
     write: Callable[[], list[str]]

@@ -328,8 +328,8 @@ def _digests(stage: str, names: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def write_staged(save: StagedSave) -> StagedSave:
-    """Write this rank's files of a staged save and record their sizes and sha256; no collective. A failure is
-    recorded, not raised, so that the commit tells every rank and none waits."""
+    """Write this rank's files of a staged save and record their sizes and sha256; no collective on a group
+    training uses (see RankFileWrite). A failure is recorded, not raised, so that the commit tells every rank and none waits."""
     try:
         save.written = _digests(save.stage, save.files.write())
     except Exception as err:  # a full disk, an unwritable file: the checkpoint is not committed, the run learns why
