@@ -206,6 +206,11 @@ class GRPORunConfig:
             raise ArgumentValidationError(f"--rollout-min-engines {self.fleet.min_engines} exceeds the run's "
                                           f"{engines * nodes} engine(s) ({engines} per node, "
                                           f"--rollout-engines-per-node, on {nodes} node(s))")
+        if loop.max_off_policy_steps and self.engine.placement == "colocated":
+            raise ArgumentValidationError(
+                f"--max-off-policy-steps {loop.max_off_policy_steps} with --rollout-placement colocated: a colocated "
+                "engine shares its trainer rank's process and device, so it cannot generate while the rank trains; "
+                "use --rollout-placement separate or --max-off-policy-steps 0")
         if engines > 1 and not self.cluster.print_placement:
             if self.engine.placement == "colocated":
                 raise ArgumentValidationError(

@@ -67,6 +67,10 @@ def test_configs_take_the_flags_and_keep_one_default():
     (["--top-p", "0.9"], 1, "--top-p 0.9 with --is-correction ais: the engine's log-probs are renormalised"),
     (["--is-cap", "0.5"], 1, "--is-cap"),
     (["--clip-low", "1.5"], 1, "--clip-low"),
+    (["--max-off-policy-steps", "-1"], 1, "--max-off-policy-steps -1: 0 (synchronous) and 1 (one step off policy)"),
+    (["--max-off-policy-steps", "2"], 1, "--max-off-policy-steps 2: 0 (synchronous) and 1 (one step off policy)"),
+    (["--max-off-policy-steps", "1", "--rollout-placement", "colocated"], 1,
+     "--max-off-policy-steps 1 with --rollout-placement colocated: a colocated engine shares its trainer rank's"),
 ])
 def test_bad_loop_flags_are_refused_up_front(argv, world, expected):
     with pytest.raises(ArgumentValidationError, match=expected.replace("(", r"\(").replace(")", r"\)")):

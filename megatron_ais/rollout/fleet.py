@@ -10,6 +10,7 @@ whose `RolloutManager` generates, scores and evaluates its share.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 from typing import Callable
@@ -29,7 +30,7 @@ from megatron_ais.rollout.fleet_layout import (FleetLayout, Retired, apply_on_ev
                                                from_every_engine, retire)
 from megatron_ais.rollout.manager import RolloutManager, RolloutPlan, ServingPolicy, mean_rewards
 from megatron_ais.rollout.rewards import RewardScorer
-from megatron_ais.rollout.rows import MadeRows, StepRollouts, exchange_rows, make_rows, pick_groups
+from megatron_ais.rollout.rows import MadeRows, RowsAhead, StepRollouts, exchange_rows, make_rows, pick_groups
 from megatron_ais.rollout.verify import RefitReference, verify_refit_on_all_ranks
 
 
@@ -58,16 +59,17 @@ class FleetConfig(FlagConfig):
                                           "positive")
 
 
-@dataclasses.dataclass(frozen=True)
 class PendingRollouts:
-    """A submitted step's rollouts: `wait()` returns the rows this rank trains on. The synchronous fleet makes them
-    at submission; an asynchronous one makes them while the trainer trains and `wait` is where the loop meets them."""
+    """A submitted step's rollouts: `wait()` returns the rows this rank trains on (collective on first call). Made at
+    submission, or, submitted ahead, generated while the trainer trains and exchanged when the loop waits."""
 
-    step: int
-    rollouts: StepRollouts
+    def __init__(self, step: int, collect: Callable[[], StepRollouts]):
+        self.step, self._collect, self._rollouts = step, collect, None
 
     def wait(self) -> StepRollouts:
-        return self.rollouts
+        if self._rollouts is None:
+            self._rollouts = self._collect()
+        return self._rollouts
 
 
 class RolloutFleet:
@@ -89,31 +91,44 @@ class RolloutFleet:
         """Serving engines."""
         return self.layout.size
 
-    def submit(self, step: int) -> PendingRollouts:
+    def submit(self, step: int, ahead: bool = False) -> PendingRollouts:
         """Step `step`'s rollouts: every serving engine makes its share (an engine retired meanwhile leaves its share
         to the others), every rank receives the rows its DP rank trains on (`rows.StepRollouts`). With
         --dynamic-sampling, rounds of prompts are made until the step has its informative groups
-        (`dynamic_sampling.py`)."""
+        (`dynamic_sampling.py`). `ahead`: each host starts generating its share of the first round now, in a thread,
+        and returns at once; the rest (collectives, later rounds) happens at `wait()`, which every rank calls before
+        the fleet's next collective. Otherwise the rows are made and exchanged here."""
+        first = RowsAhead(functools.partial(self._round_rows, step, 0), self.layout, self.prompts_per_step) \
+            if ahead else None
+        pending = PendingRollouts(step, functools.partial(self._collect, step, first))
+        if not ahead:
+            pending.wait()
+        return pending
+
+    def _round_rows(self, step: int, round_index: int, prompts: range):
+        return self.manager.rollout_rows(step, prompts, round_index)
+
+    def _collect(self, step: int, first: RowsAhead | None) -> StepRollouts:
         if not self.dynamic_sampling.enabled:
-            made = self._make_round(step, 0)
-            return PendingRollouts(step, exchange_rows(made, self.data_parallel_rank_of, self.data_parallel_rank,
-                                                       self.balanced))
+            made = self._make_round(step, 0, first)
+            return exchange_rows(made, self.data_parallel_rank_of, self.data_parallel_rank, self.balanced)
         rounds, selection = [], None
         while selection is None or (selection.informative < self.prompts_per_step
                                     and len(rounds) < self.dynamic_sampling.max_rounds):
-            rounds.append(self._make_round(step, len(rounds)))
+            rounds.append(self._make_round(step, len(rounds), first if not rounds else None))
             selection = select_groups([rewards for made in rounds for record in made.records
                                        for rewards in record.group_rewards()], self.prompts_per_step, len(rounds))
         if selection.blank:
             self.log(f"step {step}: dynamic sampling found {selection.informative} of {self.prompts_per_step} groups "
                      f"with reward variance in {len(rounds)} round(s) (--max-sampling-rounds); it trains on them, "
                      f"the other {len(selection.blank)} groups' responses are masked out of the loss")
-        return PendingRollouts(step, self._exchange_selected(rounds, selection))
+        return self._exchange_selected(rounds, selection)
 
-    def _make_round(self, step: int, round_index: int) -> MadeRows:
-        """The rows of one round of the step's prompts, every serving engine making its share."""
-        made = make_rows(lambda prompts: self.manager.rollout_rows(step, prompts, round_index), self.layout,
-                         self.prompts_per_step, self.config.min_engines)
+    def _make_round(self, step: int, round_index: int, ahead: RowsAhead | None = None) -> MadeRows:
+        """The rows of one round of the step's prompts, every serving engine making its share (`ahead`: started
+        earlier)."""
+        made = make_rows(functools.partial(self._round_rows, step, round_index), self.layout, self.prompts_per_step,
+                         self.config.min_engines, ahead)
         self._retire(made.layout, made.retired)
         return made
 

@@ -111,27 +111,40 @@ class Retired:
     message: str  # names the engine and its host
 
 
-def from_every_engine(compute: Callable[[], Any] | None, layout: FleetLayout) -> list:
-    """Run `compute` on every serving engine's host (others pass None) and return the hosts' values, in `hosts`
-    order, on every rank (a Retired for an engine retired meanwhile); if it raised on any host, every rank raises
-    the first engine's error (its type when one of errors.SHARED_ERRORS, RuntimeError otherwise) naming the
-    engine, its rank and its host. Values are pickled to every rank: small records only."""
-    value, failure, name = None, None, engine_name(layout.rank)
-    if layout.engine_here is not None:
-        try:
-            value = compute()
-        except EngineRetiredError as err:
-            value = Retired(f"{name}: {err}")
-        except Exception as err:  # every rank must learn of any engine's failure, whatever raised it
-            kind, message = shared_failure(err)
-            failure = (kind, f"{name}: {message}")
+def outcome_here(compute: Callable[[], Any] | None, layout: FleetLayout) -> tuple[Any, tuple | None]:
+    """This rank's part of `from_every_engine`: on a serving engine's host `compute()`'s value (a Retired when it
+    retired the engine) or the failure every rank must learn of; elsewhere nothing. No collective: an engine's host
+    may compute it in a thread ahead of time."""
+    if layout.engine_here is None:
+        return None, None
+    name = engine_name(layout.rank)
+    try:
+        return compute(), None
+    except EngineRetiredError as err:
+        return Retired(f"{name}: {err}"), None
+    except Exception as err:  # every rank must learn of any engine's failure, whatever raised it
+        kind, message = shared_failure(err)
+        return None, (kind, f"{name}: {message}")
+
+
+def shared_outcomes(outcome: tuple[Any, tuple | None], layout: FleetLayout) -> list:
+    """Every host's `outcome_here`, on every rank, in `hosts` order (collective); raises the first engine's failure
+    (see `from_every_engine`)."""
     parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (value, failure))
+    dist.all_gather_object(parts, outcome)
     for host in layout.hosts:
         if parts[host][1] is not None:
             kind, message = parts[host][1]
             raise kind(message)
     return [parts[host][0] for host in layout.hosts]
+
+
+def from_every_engine(compute: Callable[[], Any] | None, layout: FleetLayout) -> list:
+    """Run `compute` on every serving engine's host (others pass None) and return the hosts' values, in `hosts`
+    order, on every rank (a Retired for an engine retired meanwhile); if it raised on any host, every rank raises
+    the first engine's error (its type when one of errors.SHARED_ERRORS, RuntimeError otherwise) naming the
+    engine, its rank and its host. Values are pickled to every rank: small records only."""
+    return shared_outcomes(outcome_here(compute, layout), layout)
 
 
 def retire(results: list, layout: FleetLayout, min_engines: int, earlier: Sequence[str] = ()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
 from typing import Any, Callable
 
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ais.batch import RolloutBatch, data_parallel_rows, row_lengths, row_tensors
-from megatron_ais.rollout.fleet_layout import FleetLayout, Retired, from_every_engine, retire
+from megatron_ais.rollout.fleet_layout import FleetLayout, Retired, outcome_here, retire, shared_outcomes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,23 +124,55 @@ def pick_groups(rounds: list[MadeRows], picked: list[int], blank: set[int], prom
                     sampled=[record for made_round in rounds for record in made_round.records])
 
 
-def make_rows(make: Callable[[range], Any] | None, layout: FleetLayout, count: int, min_engines: int) -> MadeRows:
+def _make_share(make: Callable[[range], Any], shares: list[range], host: int, made: dict) -> list[RowsRecord]:
+    """This host's rows of its runs of prompts (`make(prompts)` each, kept in `made` by first prompt), and their
+    records."""
+    records = []
+    for prompts in shares:
+        start = time.perf_counter()
+        made[prompts.start] = make(prompts)
+        records.append(RowsRecord.of(made[prompts.start], host, prompts.start, time.perf_counter() - start))
+    return records
+
+
+class RowsAhead:
+    """A step's first round of rows started on this engine host while the trainer trains (--max-off-policy-steps):
+    a thread makes this host's share of prompts 0 .. count - 1 (no collective: vLLM's engine core runs in processes
+    of its own, the trainer's collectives stay on the main thread); `make_rows(..., ahead=)` meets it."""
+
+    def __init__(self, make: Callable[[range], Any] | None, layout: FleetLayout, count: int):
+        self.layout, self.made = layout, {}
+        self.outcome: tuple[Any, tuple | None] = (None, None)
+        shares = [share for share in [layout.share(range(count), layout.rank)] if share] \
+            if layout.engine_here is not None else []
+        self._thread = threading.Thread(target=self._make, args=(make, shares), name="rollouts-ahead", daemon=True)
+        self._thread.start()
+
+    def _make(self, make, shares: list[range]) -> None:
+        self.outcome = outcome_here(lambda: _make_share(make, shares, self.layout.rank, self.made), self.layout)
+
+    def result(self) -> tuple[tuple[Any, tuple | None], dict]:
+        """This host's outcome (`fleet_layout.outcome_here`) and rows, once made."""
+        self._thread.join()
+        return self.outcome, self.made
+
+
+def make_rows(make: Callable[[range], Any] | None, layout: FleetLayout, count: int, min_engines: int,
+              ahead: RowsAhead | None = None) -> MadeRows:
     """Every serving engine makes the rows of its share of prompts 0 .. count - 1 (`make(prompts)` on its host: a
     RolloutBatch with advantages); the share of an engine retired meanwhile goes to the others, until every prompt
-    is made or fewer than `min_engines` serve (EngineRetiredError on every rank)."""
+    is made or fewer than `min_engines` serve (EngineRetiredError on every rank). `ahead`: the first shares, started
+    earlier on the same layout (`RowsAhead`)."""
     pending, records, made, retired = [range(count)], [], {}, []
     while pending:
         assigned = {host: [layout.share(p, host) for p in pending if layout.share(p, host)] for host in layout.hosts}
-
-        def make_assigned() -> list[RowsRecord]:
-            out = []
-            for prompts in assigned[layout.rank]:
-                start = time.perf_counter()
-                made[prompts.start] = make(prompts)
-                out.append(RowsRecord.of(made[prompts.start], layout.rank, prompts.start, time.perf_counter() - start))
-            return out
-
-        results = from_every_engine(make_assigned, layout)
+        if ahead is not None:
+            outcome, made_ahead = ahead.result()
+            made.update(made_ahead)
+            ahead = None
+        else:
+            outcome = outcome_here(lambda: _make_share(make, assigned[layout.rank], layout.rank, made), layout)
+        results = shared_outcomes(outcome, layout)
         pending = [p for host, r in zip(layout.hosts, results) if isinstance(r, Retired) for p in assigned[host]]
         records += [record for r in results if not isinstance(r, Retired) for record in r]
         layout, messages = retire(results, layout, min_engines, retired)

@@ -1,8 +1,11 @@
 """The rollout fleet's data path on real gloo ranks: engines' shares of the prompts; each rank receives from the
 engines' hosts exactly the rows its DP rank trains on (what cutting the whole batch would give it, advantages
 included, for contiguous and token-balanced shares, one or two engines, and when one engine is retired mid-step and
-the other makes its prompts), and fewer bytes than the whole batch; below --rollout-min-engines every rank stops,
+the other makes its prompts), and fewer bytes than the whole batch; the same rows when each host starts making its
+share ahead in a thread (`RowsAhead`, returning at once) and the exchange meets it later; below --rollout-min-engines every rank stops,
 naming every engine retired in the step; an error on one engine's host is raised on every rank naming that engine."""
+import threading
+
 import pytest
 import torch
 
@@ -35,7 +38,7 @@ def _worker(engines: int, balanced: bool, retiring: bool):
     from megatron_ais.grpo.advantages import with_advantages
     from megatron_ais.distributed import initialize_distributed
     from megatron_ais.rollout.fleet_layout import FleetLayout, from_every_engine
-    from megatron_ais.rollout.rows import exchange_rows, make_rows
+    from megatron_ais.rollout.rows import RowsAhead, exchange_rows, make_rows
 
     if not dist.is_initialized():
         initialize_distributed()
@@ -51,8 +54,21 @@ def _worker(engines: int, balanced: bool, retiring: bool):
     made = make_rows(make, layout, prompts, min_engines=1)
     got = exchange_rows(made, [0, 1], rank, balanced)
     expected = whole.rows(data_parallel_rows(row_lengths(whole.mask), 2, balanced)[rank])
-    same = all(torch.equal(getattr(got.batch, name), getattr(expected, name))
-               for name in ("tokens", "labels", "mask", "rollout_logprobs", "rewards", "advantages"))
+    names = ("tokens", "labels", "mask", "rollout_logprobs", "rewards", "advantages")
+    same = all(torch.equal(getattr(got.batch, name), getattr(expected, name)) for name in names)
+
+    released = threading.Event()
+
+    def make_once_released(share: range):  # made synchronously, this would wait for ever (30 s) for the release
+        assert released.wait(30), "RowsAhead made the rows before returning"
+        return make(share)
+
+    ahead = RowsAhead(make_once_released, layout, prompts)
+    released.set()
+    made_ahead = make_rows(make, layout, prompts, min_engines=1, ahead=ahead)
+    got_ahead = exchange_rows(made_ahead, [0, 1], rank, balanced)
+    same = same and all(torch.equal(getattr(got_ahead.batch, name), getattr(expected, name)) for name in names)
+    same = same and made_ahead.layout.hosts == made.layout.hosts and made_ahead.retired == made.retired
     try:  # with a minimum of 2 serving engines a retirement stops every rank
         make_rows(make, layout, prompts, min_engines=2)
         stopped = None
