@@ -206,6 +206,11 @@ class GRPORunConfig:
             raise ArgumentValidationError(f"--rollout-min-engines {self.fleet.min_engines} exceeds the run's "
                                           f"{engines * nodes} engine(s) ({engines} per node, "
                                           f"--rollout-engines-per-node, on {nodes} node(s))")
+        if self.engine.cpu_core is not None and (self.engine.placement == "colocated" or engines > 1):
+            raise ArgumentValidationError(
+                f"--rollout-cpu-core {self.engine.cpu_core} binds the one separate engine of a node; with "
+                f"--rollout-placement {self.engine.placement} and --rollout-engines-per-node {engines} the engines "
+                "are bound (or not) by the run: drop the flag")
         if loop.max_off_policy_steps and self.engine.placement == "colocated":
             raise ArgumentValidationError(
                 f"--max-off-policy-steps {loop.max_off_policy_steps} with --rollout-placement colocated: a colocated "

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megatron_ais.bridge.arena import remove_stale_shared_files
 from megatron_ais.logging import apply_vllm_log_level
-from megatron_ais.rollout.engine_config import EngineConfig
+from megatron_ais.rollout.engine_config import EngineConfig, cpu_list
 from megatron_ais.rollout.engine_dir import prepare_engine_dir
 from megatron_ais.rollout.feeds import build_feed
 from megatron_ais.rollout.feeds.base import EngineWeights
@@ -25,8 +25,8 @@ from megatron_ais.rollout.fp8_emulation import FP8_ACTIVATIONS_ENV
 from megatron_ais.rollout.memory import engine_gpu_memory_utilization
 from megatron_ais.rollout.probes import layer_states, one_forward_batches, routes_of_one_forward, \
     routes_of_one_sequence, routing_calls, teacher_forced_logprobs
-from megatron_ais.rollout.vllm_compat import EngineCoreWatch, colocated_worker, generate_within, scheduler_limits, \
-    shutdown_engine_core, worker_model
+from megatron_ais.rollout.vllm_compat import EngineCoreWatch, colocated_worker, engine_core_pids, generate_within, \
+    scheduler_limits, shutdown_engine_core, worker_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +84,25 @@ def request_seed(seed: int | None, index: int) -> int | None:
     if seed is None:
         return None
     return int.from_bytes(hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=6).digest(), "little")
+
+
+def bind_processes(pids: list[int], cores: set[int]) -> None:
+    """Bind every thread of these processes and of their descendants to `cores` (Linux; threads they start later
+    inherit it); a process or thread that exits meanwhile is skipped."""
+    pending = list(pids)
+    while pending:
+        pid = pending.pop()
+        try:
+            threads = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            continue
+        for thread in threads:
+            try:
+                os.sched_setaffinity(int(thread), cores)
+                with open(f"/proc/{pid}/task/{thread}/children") as children:
+                    pending += [int(child) for child in children.read().split()]
+            except (FileNotFoundError, ProcessLookupError):
+                continue
 
 
 class RolloutEngine:
@@ -144,6 +163,10 @@ class RolloutEngine:
                        logprobs_mode="processed_logprobs", use_tqdm_on_load=config.log_level in ("info", "debug"),
                        worker_extension_cls="megatron_ais.rollout.worker_extension.WeightSyncExtension", **kwargs)
         self.watch = EngineCoreWatch(self.llm)
+        if config.cpu_core is not None and not torch.cuda.is_available():
+            # vLLM binds only its workers' OpenMP threads: its core's scheduling and socket threads would take the
+            # trainer's cores
+            bind_processes(engine_core_pids(self.llm), cpu_list(config.cpu_core))
         self.feed = build_feed(config.placement, config.weight_feed, config.tensor_parallel_size)
         self.starts += 1
 

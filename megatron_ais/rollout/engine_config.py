@@ -13,6 +13,15 @@ WEIGHT_FEEDS = ("shm", "broadcast")
 PLACEMENTS = ("colocated", "separate")
 
 
+def cpu_list(spec: str) -> set[int]:
+    """The cores of a CPU list as VLLM_CPU_OMP_THREADS_BIND writes them ("1", "0-3", "0,2-3")."""
+    cores = set()
+    for part in spec.split(","):
+        first, _, last = part.strip().partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig(FlagConfig):
     """How the engine is built and fed: precision, KV cache, placement, memory and length limits. `model_dir` (its
@@ -62,7 +71,10 @@ class EngineConfig(FlagConfig):
                                    "lines.", name="--rollout-log-level", choices=LOG_LEVELS)
     seed: int = 0
     block_size: int = 128
-    cpu_core: str | None = None  # CPU: the core its worker is bound to (several engines on a node); None: vLLM's
+    cpu_core: str | None = flag(None, "CPU, one engine on a node: the cores its processes are bound to (vLLM's "
+                                      "VLLM_CPU_OMP_THREADS_BIND syntax: 1, 2-3, 0,2), away from the trainer's; "
+                                      "a node running several binds each to one core of its own. Default: vLLM's "
+                                      "binding of its workers.", name="--rollout-cpu-core", type=str)
     gpus: tuple[int, ...] | None = None  # GPU: its workers' GPUs (vLLM's device_ids, among the visible ones);
     # None: vLLM's default, from GPU 0
     gpu_staging_arena: bool = False  # the bridge's staging arena will be allocated on its first GPU too
@@ -85,6 +97,12 @@ class EngineConfig(FlagConfig):
         if self.fp8_activations == "emulate" and self.precision != "fp8":
             raise ValueError(f"--rollout-fp8-activations emulate quantizes the inputs of FP8 linear layers; "
                              f"--rollout-precision {self.precision} has none: use --rollout-precision fp8")
+        if self.cpu_core is not None:
+            try:
+                cpu_list(self.cpu_core)
+            except ValueError:
+                raise ValueError(f"--rollout-cpu-core {self.cpu_core!r} is not a CPU list (write 1, 2-3 or "
+                                 "0,2)") from None
         if self.placement == "colocated" and self.weight_feed == "broadcast":
             raise ValueError("--rollout-weight-feed broadcast feeds a separate engine's workers; a colocated engine "
                              "takes the arena's tensors in process: drop the flag or use --rollout-placement separate")

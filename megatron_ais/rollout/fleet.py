@@ -235,7 +235,8 @@ def engine_config(engine: EngineConfig, model_dir: str, index: int, several: boo
     engine's memory when it is on the engine's first GPU."""
     local_rank = int(os.environ.get("LOCAL_RANK", index))
     if not torch.cuda.is_available():
-        return dataclasses.replace(engine, model_dir=model_dir, cpu_core=cpu_core_of(local_rank) if several else None)
+        return dataclasses.replace(engine, model_dir=model_dir,
+                                   cpu_core=cpu_core_of(local_rank) if several else engine.cpu_core)
     gpus = None
     if engine.placement == "separate":
         gpus = engine_gpus(local_rank, engine.tensor_parallel_size, ranks_on_this_node(dist.get_world_size()),

@@ -87,6 +87,15 @@ def generate_within(llm, *args, timeout_s: float | None = None, **kwargs):
         timer.cancel()
 
 
+def engine_core_pids(llm) -> list[int]:
+    """The process ids of a separate engine's cores (their worker processes, at tensor parallelism > 1, are their
+    children); none for a colocated engine."""
+    # vLLM 0.32.0: v1/engine/core_client.py MPClient.resources.engine_manager (v1/engine/utils.py
+    # CoreEngineProcManager.processes)
+    manager = getattr(getattr(engine_core_client(llm), "resources", None), "engine_manager", None)
+    return [process.pid for process in getattr(manager, "processes", [])]
+
+
 def shutdown_engine_core(llm) -> None:
     """Stop an engine's core and its processes (`LLM` has no shutdown of its own)."""
     # vLLM 0.32.0: v1/engine/core_client.py EngineCoreClient.shutdown (InprocClient, SyncMPClient)
