@@ -55,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     slurm.add_argument("--engines-per-node", type=int, default=None,
                        help="Rollout engines per node, each on GPUs of its own after the trainer's (the script's "
                             "ENGINES_PER_NODE; default: the recipe's fleet).")
+    slurm.add_argument("--max-off-policy-steps", type=int, default=None,
+                       help="MAX_OFF_POLICY_STEPS of the qwen3_8b recipe (1: rollouts of the next step overlap "
+                            "training, 0: synchronous; default: the recipe's, 1).")
     slurm.add_argument("--time", default="04:00:00", help="Wall-clock limit.")
     slurm.add_argument("--container-image", default="megatron-ais:latest", help="Image built from our Dockerfile.")
     slurm.add_argument("--container-mounts", nargs="*", default=[], help="host:container mounts (models, data, ckpt).")
@@ -98,7 +101,9 @@ def slurm_environment(args) -> dict[str, str]:
             # the container, so the rendezvous address is passed in
             "MASTER_ADDR": "$head_node_ip", "MASTER_PORT": "6000",
             "TORCH_NCCL_AVOID_RECORD_STREAMS": "1", "NCCL_NVLS_ENABLE": "0",
-            **({"ENGINES_PER_NODE": str(args.engines_per_node)} if args.engines_per_node else {})}
+            **({"ENGINES_PER_NODE": str(args.engines_per_node)} if args.engines_per_node else {}),
+            **({"MAX_OFF_POLICY_STEPS": str(args.max_off_policy_steps)}
+               if args.max_off_policy_steps is not None else {})}
 
 
 def build_experiment(args):

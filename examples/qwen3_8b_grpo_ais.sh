@@ -41,6 +41,10 @@ WORLD_SIZE=$((TRAINER_GPUS_PER_NODE * NNODES))
 # trainer GPUs hold one replica; PP1, so DP = number of nodes (1-4).
 TP=${TP:-4}
 PP=${PP:-1}
+# One step off policy (slime's train_async.py, verl's one-step-off-policy): the engines generate step t + 1's batch
+# with the weights step t starts from while the trainer trains step t; AIS sees the lag in the rollout log-probs.
+# Steps that evaluate or save (every 20 here) sync first. 0 gives the synchronous loop.
+MAX_OFF_POLICY_STEPS=${MAX_OFF_POLICY_STEPS:-1}
 
 DISTRIBUTED_ARGS=(
     --nproc-per-node "$TRAINER_GPUS_PER_NODE"  # the engines' GPUs come after these (vLLM device_ids)
@@ -98,6 +102,7 @@ ROLLOUT_ARGS=(
     --rollout-precision fp8               # blockwise FP8 (128x128, weight_scale_inv) from the bridge
     --rollout-kv-cache-dtype auto
     --rollout-placement separate
+    --max-off-policy-steps "$MAX_OFF_POLICY_STEPS"  # separate engines only
     --rollout-engines-per-node "$ENGINES_PER_NODE"
     --rollout-tensor-parallel-size "$ROLLOUT_TP"
     --rollout-kv-cache-gb 60              # an engine's GPU: 9.4 GB of FP8 weights + 60 GB of KV cache (about 400k

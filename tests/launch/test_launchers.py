@@ -63,6 +63,7 @@ def test_example_script_is_valid_bash_and_its_flags_parse(script, monkeypatch):
         # 32 query / 8 (Qwen3-8B) or 4 (Qwen3-30B-A3B) KV heads must split over TP or share evenly
         assert 32 % args.tensor_model_parallel_size == 0
         assert args.rollout_placement == "separate" and args.rollout_engines_per_node > 1
+        assert args.max_off_policy_steps == (0 if moe else 1)  # the dense recipe overlaps rollouts and training
         parsed.append(args)
     args = parsed[0]
     # at every documented size: the rollout batch splits into whole DP shares, mini-batches and micro-batches, the
@@ -94,7 +95,7 @@ def test_nemo_run_slurm_dryrun_has_nodes_and_gpus(tmp_path):
     proc = subprocess.run([LAUNCH_PYTHON, NEMO_RUN, "--executor", "slurm", "--account", "acct", "--partition", "batch",
                            "--nodes", "3", "--gpus-per-node", "8", "--container-image", "registry/megatron-ais:1",
                            "--container-mounts", "/lustre/models:/models", "--job-dir", str(tmp_path / "jobs"),
-                           "--dryrun"],
+                           "--max-off-policy-steps", "0", "--dryrun"],
                           capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
                           env={**os.environ, "COLUMNS": "400"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -102,7 +103,8 @@ def test_nemo_run_slurm_dryrun_has_nodes_and_gpus(tmp_path):
     for expected in ("#SBATCH --nodes=3", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=1",
                      "#SBATCH --account=acct", "registry/megatron-ais:1", "/lustre/models:/models",
                      "job command: cd /workspace/megatron-ais && bash examples/qwen3_8b_grpo_ais.sh",
-                     "export HF_MODEL=/models/Qwen3-8B", "export MASTER_ADDR=$head_node_ip"):
+                     "export HF_MODEL=/models/Qwen3-8B", "export MASTER_ADDR=$head_node_ip",
+                     "export MAX_OFF_POLICY_STEPS=0"):
         assert expected in out, expected
 
 
