@@ -4,8 +4,10 @@ dies, an engine process when its rank dies, so that a killed launcher leaves no 
 Linux's parent-death signal does it: `exit_with_parent` asks the kernel to SIGKILL this process when its parent
 exits, and marks the environment so that the processes it starts (vLLM's engine core and workers, whose
 `megatron_ais` plugin calls it too) do the same. Only what this program starts is marked: an unrelated vLLM server
-that loads the plugin is left alone. What a SIGKILL interrupts is safe by construction: checkpoints commit
-atomically, and shared-memory files of dead processes are removed by the next run.
+that loads the plugin is left alone. The kernel sends the signal when the *thread* that started a process exits:
+a thread that starts one must live as long as its process (`rollout.rows.BackgroundWorker`). What a SIGKILL
+interrupts is safe by construction: checkpoints commit atomically, and shared-memory files of dead processes are
+removed by the next run.
 """
 from __future__ import annotations
 

@@ -30,7 +30,8 @@ from megatron_ais.rollout.fleet_layout import (FleetLayout, Retired, apply_on_ev
                                                from_every_engine, retire)
 from megatron_ais.rollout.manager import RolloutManager, RolloutPlan, ServingPolicy, mean_rewards
 from megatron_ais.rollout.rewards import RewardScorer
-from megatron_ais.rollout.rows import MadeRows, RowsAhead, StepRollouts, exchange_rows, make_rows, pick_groups
+from megatron_ais.rollout.rows import (BackgroundWorker, MadeRows, RowsAhead, StepRollouts, exchange_rows, make_rows,
+                                      pick_groups)
 from megatron_ais.rollout.verify import RefitReference, verify_refit_on_all_ranks
 
 
@@ -85,6 +86,7 @@ class RolloutFleet:
         self.balanced, self.log = balanced, log  # balanced: DP shares balance tokens (--max-tokens-per-microbatch)
         self.dynamic_sampling = dynamic_sampling
         self.engine_versions: dict[int, int] = {}  # each serving engine's committed weight version (its last sync)
+        self._ahead_worker: BackgroundWorker | None = None  # the thread that generates ahead, started at first use
 
     @property
     def size(self) -> int:
@@ -98,8 +100,10 @@ class RolloutFleet:
         (`dynamic_sampling.py`). `ahead`: each host starts generating its share of the first round now, in a thread,
         and returns at once; the rest (collectives, later rounds) happens at `wait()`, which every rank calls before
         the fleet's next collective. Otherwise the rows are made and exchanged here."""
-        first = RowsAhead(functools.partial(self._round_rows, step, 0), self.layout, self.prompts_per_step) \
-            if ahead else None
+        if ahead and self._ahead_worker is None:
+            self._ahead_worker = BackgroundWorker("rollouts-ahead")
+        first = RowsAhead(functools.partial(self._round_rows, step, 0), self.layout, self.prompts_per_step,
+                          self._ahead_worker) if ahead else None
         pending = PendingRollouts(step, functools.partial(self._collect, step, first))
         if not ahead:
             pending.wait()

@@ -8,7 +8,9 @@ the exchange."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import queue
 import threading
 import time
 from typing import Any, Callable
@@ -135,25 +137,49 @@ def _make_share(make: Callable[[range], Any], shares: list[range], host: int, ma
     return records
 
 
+class BackgroundWorker:
+    """One long-lived daemon thread that runs an engine host's background work, one task after another. It lives as
+    long as the process: an engine it restarts must not die with it (the parent-death signal `lifetime.py` asks for
+    follows the thread that started a process, not the process)."""
+
+    def __init__(self, name: str):
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            task, done = self._tasks.get()
+            try:
+                task()
+            finally:
+                done.set()
+
+    def start(self, task: Callable[[], None]) -> threading.Event:
+        """Queue `task`; the returned event is set once it has run."""
+        done = threading.Event()
+        self._tasks.put((task, done))
+        return done
+
+
 class RowsAhead:
     """A step's first round of rows started on this engine host while the trainer trains (--max-off-policy-steps):
-    a thread makes this host's share of prompts 0 .. count - 1 (no collective: vLLM's engine core runs in processes
-    of its own, the trainer's collectives stay on the main thread); `make_rows(..., ahead=)` meets it."""
+    `worker`'s thread makes this host's share of prompts 0 .. count - 1 (no collective: vLLM's engine core runs in
+    processes of its own, the trainer's collectives stay on the main thread); `make_rows(..., ahead=)` meets it."""
 
-    def __init__(self, make: Callable[[range], Any] | None, layout: FleetLayout, count: int):
+    def __init__(self, make: Callable[[range], Any] | None, layout: FleetLayout, count: int,
+                 worker: BackgroundWorker):
         self.layout, self.made = layout, {}
         self.outcome: tuple[Any, tuple | None] = (None, None)
         shares = [share for share in [layout.share(range(count), layout.rank)] if share] \
             if layout.engine_here is not None else []
-        self._thread = threading.Thread(target=self._make, args=(make, shares), name="rollouts-ahead", daemon=True)
-        self._thread.start()
+        self._done = worker.start(functools.partial(self._make, make, shares))
 
     def _make(self, make, shares: list[range]) -> None:
         self.outcome = outcome_here(lambda: _make_share(make, shares, self.layout.rank, self.made), self.layout)
 
     def result(self) -> tuple[tuple[Any, tuple | None], dict]:
         """This host's outcome (`fleet_layout.outcome_here`) and rows, once made."""
-        self._thread.join()
+        self._done.wait()
         return self.outcome, self.made
 
 

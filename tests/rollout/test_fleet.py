@@ -38,7 +38,7 @@ def _worker(engines: int, balanced: bool, retiring: bool):
     from megatron_ais.grpo.advantages import with_advantages
     from megatron_ais.distributed import initialize_distributed
     from megatron_ais.rollout.fleet_layout import FleetLayout, from_every_engine
-    from megatron_ais.rollout.rows import RowsAhead, exchange_rows, make_rows
+    from megatron_ais.rollout.rows import BackgroundWorker, RowsAhead, exchange_rows, make_rows
 
     if not dist.is_initialized():
         initialize_distributed()
@@ -63,7 +63,7 @@ def _worker(engines: int, balanced: bool, retiring: bool):
         assert released.wait(30), "RowsAhead made the rows before returning"
         return make(share)
 
-    ahead = RowsAhead(make_once_released, layout, prompts)
+    ahead = RowsAhead(make_once_released, layout, prompts, BackgroundWorker("test-ahead"))
     released.set()
     made_ahead = make_rows(make, layout, prompts, min_engines=1, ahead=ahead)
     got_ahead = exchange_rows(made_ahead, [0, 1], rank, balanced)
