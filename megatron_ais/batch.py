@@ -6,7 +6,8 @@ import dataclasses
 
 import torch
 
-ROW_TENSORS = ("tokens", "labels", "mask", "rollout_logprobs", "rewards", "advantages", "routed_experts")
+ROW_TENSORS = ("tokens", "labels", "mask", "rollout_logprobs", "rewards", "advantages", "routed_experts",
+               "policy_versions")
 
 
 @dataclasses.dataclass
@@ -32,6 +33,9 @@ class RolloutBatch:
     # [B] each row's group advantage, computed where its whole group is (the engine's host); None: the batch is
     # whole and the same on every rank, which computes them and takes its share
     advantages: torch.Tensor | None = None
+    # [B, S] int32: the trainer step whose weights sampled each response token (-1 off the response), with
+    # --max-off-policy-steps > 0; None: every token was sampled by the weights the step starts from
+    policy_versions: torch.Tensor | None = None
 
     def rows(self, indices: list[int]) -> "RolloutBatch":
         """The batch of the rows `indices` (in that order)."""

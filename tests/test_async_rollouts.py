@@ -65,6 +65,12 @@ def test_one_step_off_policy_lags_as_scheduled_and_resumes_to_the_same_metrics(m
     assert max(on_policy) < 1e-4, on_policy
     assert min(stale) > 10 * max(on_policy), (stale, on_policy)
     assert all(h["train/grad_norm"] > 0 for h in history)
+    # every token of a batch was sampled by one version: its lag's diagnostics are the batch's, over both DP ranks
+    for h in history:
+        lag, other = h["rollout/version_lag"], 1 - h["rollout/version_lag"]
+        assert h[f"ais/lag{lag}/num_units"] == h["ais/num_units"] and f"ais/lag{other}/num_units" not in h
+        assert h[f"ais/lag{lag}/k3_kl"] == pytest.approx(h["ais/k3_kl"], rel=1e-9)
+        assert h[f"ais/lag{lag}/max_abs_logratio"] == h["ais/max_abs_logratio"]
 
     # the checkpoint of step 2 alone, as a run killed during step 3 would have left it
     from megatron_ais.checkpointing.store import TRACKER, iteration_dir

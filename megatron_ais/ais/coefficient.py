@@ -1,4 +1,5 @@
-"""λ from the global statistics, its running state, and the per-token correction weights."""
+"""λ from the global statistics, its running state, the per-token correction weights, and the diagnostics per
+policy-version lag."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +9,8 @@ import torch
 from megatron_ais.ais import diagnostics, registry
 from megatron_ais.ais.config import AISConfig
 from megatron_ais.ais.guards import check_finite_statistics
-from megatron_ais.ais.statistics import STAT_NAMES, unit_log_ratios
+from megatron_ais.ais.statistics import (STAT_NAMES, max_abs_logratio, mismatch_statistics, reduce_statistics,
+                                         unit_log_ratios)
 
 
 @dataclasses.dataclass
@@ -129,3 +131,25 @@ def correction_weights(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.T
         mask = torch.ones_like(trainer_logprobs, dtype=torch.float32)
     truncated = unit_weights(trainer_logprobs, rollout_logprobs, mask, config).clamp(max=config.cap)
     return ((1.0 - result.lam) + result.lam * truncated).detach()
+
+
+def metrics_per_lag(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
+                    mask: torch.Tensor, lags: torch.Tensor, max_lag: int, config: AISConfig, group=None
+                    ) -> dict[str, float]:
+    """The mismatch diagnostics of the tokens of each policy-version lag 0 .. `max_lag` on their own (lag 0: the
+    precision mismatch alone; lag k adds k steps of staleness), each over the DP-global batch, as
+    `ais/lag{k}/<name>` for every lag that has tokens. Collective over `group`: every rank computes every lag."""
+    metrics = {}
+    for lag in range(max_lag + 1):
+        lag_mask = mask * (lags == lag).to(mask.dtype)
+        stats = reduce_statistics(mismatch_statistics(trainer_logprobs, rollout_logprobs, advantages, lag_mask,
+                                                      config), group)
+        largest = max_abs_logratio(trainer_logprobs, rollout_logprobs, lag_mask, config, group)
+        result = ais_coefficient(stats, config)  # a fresh state: these tokens' diagnostics alone
+        if result.num_units > 0:
+            prefix = f"ais/lag{lag}/"
+            metrics.update({prefix + name: value for name, value in (
+                ("num_units", result.num_units), ("mean_abs_logratio", result.mean_abs_logratio),
+                ("max_abs_logratio", largest), ("k3_kl", result.k3_kl), ("chi2", result.chi2),
+                ("ess_ratio_raw", result.ess_ratio_raw), ("sequence_ess", result.sequence_ess))})
+    return metrics

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from megatron_ais import platform
 from megatron_ais.ais import (AISConfig, AISResult, AISState, ais_coefficient, apply_correction, check_trainer_logprobs,
-                              exclude_invalid_sequences, max_abs_logratio, mismatch_statistics, reduce_statistics)
+                              exclude_invalid_sequences, max_abs_logratio, metrics_per_lag, mismatch_statistics,
+                              reduce_statistics)
 from megatron_ais.ais.coefficient import EMPTY_RESULT
 from megatron_ais.batch import RolloutBatch, data_parallel_rows, row_lengths
 from megatron_ais.errors import RoutingReplayError
@@ -38,6 +39,7 @@ class GRPOConfig:
     max_tokens_per_microbatch: int | None = None  # token-budget micro-batches (forward.py); None: fixed
     sequence_multiple: int = 1  # micro-batch lengths are multiples of this (TP under sequence parallelism)
     moe_routing: tuple[int, int, int] | None = None  # (MoE layers, experts, top-k): what replayed routes must fit
+    max_lag: int = 0  # --max-off-policy-steps: > 0 logs the mismatch per policy-version lag 0 .. max_lag
 
     def plan(self, lengths: list[int], seq_length: int) -> MicroBatchPlan:
         """The micro-batches of rows of these lengths."""
@@ -79,10 +81,10 @@ def _policy_forward_step(config: GRPOConfig, groups: ParallelGroups, normalizer:
 
 
 def _local_rows(batch: RolloutBatch, config: GRPOConfig, groups: ParallelGroups
-                ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
+                ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict, torch.Tensor | None]:
     """This DP rank's rows with their advantages (a whole batch, the same on every rank, is cut to this rank's
     share here); return (rows, response mask without the sequences excluded for NaN/Inf rollout log-probs, rollout
-    log-probs with zeros off the mask, guard metrics)."""
+    log-probs with zeros off the mask, guard metrics, each token's policy version or None)."""
     if batch.advantages is None:
         rows = data_parallel_rows(row_lengths(batch.mask), groups.data_parallel_size,
                                   config.max_tokens_per_microbatch is not None)[groups.data_parallel_rank]
@@ -95,7 +97,7 @@ def _local_rows(batch: RolloutBatch, config: GRPOConfig, groups: ParallelGroups
     local = {"tokens": batch.tokens, "labels": batch.labels, "advantages": batch.advantages.unsqueeze(-1) * mask}
     if batch.routed_experts is not None:
         local["routed_experts"] = batch.routed_experts
-    return local, mask, rollout_lp, metrics
+    return local, mask, rollout_lp, metrics, batch.policy_versions
 
 
 def _plan(rows: dict[str, torch.Tensor], lengths: list[int], config: GRPOConfig,
@@ -112,9 +114,11 @@ def _plan(rows: dict[str, torch.Tensor], lengths: list[int], config: GRPOConfig,
 
 
 def _correct(ddp_chunks: list, local: dict, mask: torch.Tensor, rollout_lp: torch.Tensor, config: GRPOConfig,
-             state: AISState, groups: ParallelGroups, metrics: dict, plan: MicroBatchPlan) -> AISResult:
+             state: AISState, groups: ParallelGroups, metrics: dict, plan: MicroBatchPlan,
+             lags: torch.Tensor | None = None) -> AISResult:
     """Score the rows with the policy before the update (old log-probs) and compute the correction once for the
-    batch (λ from all-reduced statistics); fill in the rows' old log-probs, coefficients and keep mask."""
+    batch (λ from all-reduced statistics); fill in the rows' old log-probs, coefficients and keep mask. `lags`:
+    each token's policy-version lag, whose diagnostics are logged lag by lag."""
     old_logprobs = score_rows(ddp_chunks, local, plan, groups, config.vocab_size, config.temperature)
     result, coefficient, keep = EMPTY_RESULT, torch.ones_like(mask), mask
     if groups.is_last_stage:
@@ -124,6 +128,9 @@ def _correct(ddp_chunks: list, local: dict, mask: torch.Tensor, rollout_lp: torc
         result = ais_coefficient(stats, config.correction, state)
         metrics["ais/max_abs_logratio"] = max_abs_logratio(old_logprobs, rollout_lp, mask, config.correction,
                                                            groups.data_parallel_group)
+        if lags is not None:
+            metrics.update(metrics_per_lag(old_logprobs, rollout_lp, local["advantages"], mask, lags, config.max_lag,
+                                           config.correction, groups.data_parallel_group))
         correction = apply_correction(old_logprobs, rollout_lp, mask, config.correction, result)
         coefficient, keep = correction.coefficient, correction.keep
         metrics["guard/rejected_fraction"] = 1.0 - global_normalizer(keep, "token-mean", groups.data_parallel_group) \
@@ -174,10 +181,13 @@ def _loss_metrics(reports: list, config: GRPOConfig, groups: ParallelGroups) -> 
 
 
 def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GRPOConfig, state: AISState,
-                    groups: ParallelGroups, reference_chunks: list | None = None) -> GRPOStepResult:
+                    groups: ParallelGroups, reference_chunks: list | None = None,
+                    policy_version: int | None = None) -> GRPOStepResult:
     """Update the policy on one rollout batch; λ is computed once here and held for all mini-batches/epochs.
 
     `reference_chunks` (a frozen copy of the initial policy, same layout) is needed when --kl-coef > 0.
+    `policy_version`: the step whose weights are updated; with the batch's per-token versions and `config.max_lag`
+    > 0 the mismatch is also logged per version lag.
     """
     if config.loss.kl_coef and reference_chunks is None:
         raise ValueError("--kl-coef > 0 needs a reference policy (reference_chunks)")
@@ -185,12 +195,14 @@ def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GR
         if config.moe_routing is None:
             raise RoutingReplayError("the rollout batch carries routed expert ids but the model has no MoE layers")
         check_routed_experts(batch.routed_experts, *config.moe_routing)
-    local, mask, rollout_lp, metrics = _local_rows(batch.to(platform.device()), config, groups)
+    local, mask, rollout_lp, metrics, versions = _local_rows(batch.to(platform.device()), config, groups)
+    lags = policy_version - versions if versions is not None and policy_version is not None and config.max_lag \
+        else None
     if metrics["guard/valid_tokens"] == 0:
         return GRPOStepResult(skipped=True, ais=EMPTY_RESULT, metrics=metrics)
     lengths = row_lengths(mask)
     plan = _plan(local, lengths, config, groups)
-    result = _correct(ddp_chunks, local, mask, rollout_lp, config, state, groups, metrics, plan)
+    result = _correct(ddp_chunks, local, mask, rollout_lp, config, state, groups, metrics, plan, lags)
     if config.loss.kl_coef:
         ref_logprobs = score_rows(reference_chunks, local, plan, groups, config.vocab_size, config.temperature)
         local["ref_logprobs"] = ref_logprobs if groups.is_last_stage else torch.zeros_like(mask)

@@ -9,10 +9,12 @@ from megatron_ais.routing_replay import padding_routes
 
 
 def rollouts_to_batch(rollouts: list[Rollout], rewards: list[float], group_size: int, seq_length: int,
-                      pad_token_id: int, routes: list[torch.Tensor] | None = None) -> RolloutBatch:
+                      pad_token_id: int, routes: list[torch.Tensor] | None = None,
+                      policy_version: int | None = None) -> RolloutBatch:
     """Return a RolloutBatch: tokens = prompt + response (right padded), labels = tokens shifted by one; the
     response token at absolute position p is predicted at label index p - 1, where mask and log-prob go. `routes`
-    (MoE routing replay): each rollout's expert ids [its input positions, MoE layers, k] from `RolloutEngine.route`."""
+    (MoE routing replay): each rollout's expert ids [its input positions, MoE layers, k] from `RolloutEngine.route`.
+    `policy_version`: the trainer step whose weights sampled the responses, recorded per response token."""
     count = len(rollouts)
     tokens = torch.full((count, seq_length), pad_token_id, dtype=torch.long)
     labels = torch.full((count, seq_length), pad_token_id, dtype=torch.long)
@@ -29,9 +31,12 @@ def rollouts_to_batch(rollouts: list[Rollout], rewards: list[float], group_size:
         start = len(r.prompt_token_ids) - 1
         mask[row, start:start + r.length] = 1.0
         logprobs[row, start:start + r.length] = torch.tensor(r.logprobs, dtype=torch.float32)
+    versions = None if policy_version is None else \
+        torch.where(mask > 0, policy_version, -1).to(torch.int32)
     return RolloutBatch(tokens=tokens, labels=labels, mask=mask, rollout_logprobs=logprobs,
                         rewards=torch.tensor(rewards, dtype=torch.float32), group_size=group_size,
-                        routed_experts=None if routes is None else _routed_experts(routes, seq_length))
+                        routed_experts=None if routes is None else _routed_experts(routes, seq_length),
+                        policy_versions=versions)
 
 
 def _routed_experts(routes: list[torch.Tensor], seq_length: int) -> torch.Tensor:

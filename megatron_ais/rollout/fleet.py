@@ -86,6 +86,7 @@ class RolloutFleet:
         self.balanced, self.log = balanced, log  # balanced: DP shares balance tokens (--max-tokens-per-microbatch)
         self.dynamic_sampling = dynamic_sampling
         self.engine_versions: dict[int, int] = {}  # each serving engine's committed weight version (its last sync)
+        self.policy_version = 0  # the trainer step whose weights the engines hold (the last sync's id; 0: initial)
         self._ahead_worker: BackgroundWorker | None = None  # the thread that generates ahead, started at first use
 
     @property
@@ -102,15 +103,15 @@ class RolloutFleet:
         the fleet's next collective. Otherwise the rows are made and exchanged here."""
         if ahead and self._ahead_worker is None:
             self._ahead_worker = BackgroundWorker("rollouts-ahead")
-        first = RowsAhead(functools.partial(self._round_rows, step, 0), self.layout, self.prompts_per_step,
-                          self._ahead_worker) if ahead else None
+        first = RowsAhead(functools.partial(self._round_rows, step, 0, self.policy_version), self.layout,
+                          self.prompts_per_step, self._ahead_worker) if ahead else None
         pending = PendingRollouts(step, functools.partial(self._collect, step, first))
         if not ahead:
             pending.wait()
         return pending
 
-    def _round_rows(self, step: int, round_index: int, prompts: range):
-        return self.manager.rollout_rows(step, prompts, round_index)
+    def _round_rows(self, step: int, round_index: int, policy_version: int, prompts: range):
+        return self.manager.rollout_rows(step, prompts, round_index, policy_version)
 
     def _collect(self, step: int, first: RowsAhead | None) -> StepRollouts:
         if not self.dynamic_sampling.enabled:
@@ -131,8 +132,8 @@ class RolloutFleet:
     def _make_round(self, step: int, round_index: int, ahead: RowsAhead | None = None) -> MadeRows:
         """The rows of one round of the step's prompts, every serving engine making its share (`ahead`: started
         earlier)."""
-        made = make_rows(functools.partial(self._round_rows, step, round_index), self.layout, self.prompts_per_step,
-                         self.config.min_engines, ahead)
+        made = make_rows(functools.partial(self._round_rows, step, round_index, self.policy_version), self.layout,
+                         self.prompts_per_step, self.config.min_engines, ahead)
         self._retire(made.layout, made.retired)
         return made
 
@@ -144,12 +145,13 @@ class RolloutFleet:
 
     def apply(self, weights, sync_id: int) -> None:
         """Every serving engine applies a committed sync (`weights`: the verified arena) from its node's copy; one
-        that died is restarted, or retired past its budget."""
+        that died is restarted, or retired past its budget. `sync_id`: the trainer step whose weights they are."""
         def apply_here(node_weights) -> int:
             with as_sync_error(f"sync {sync_id}: ", passing=(EngineRetiredError,)):
                 return self.manager.apply_weights(node_weights)
 
         results = apply_on_every_engine(weights, self.node_copies, self.layout, self.node_of, apply_here, sync_id)
+        self.policy_version = sync_id
         self.engine_versions = {host: v for host, v in zip(self.layout.hosts, results) if not isinstance(v, Retired)}
         self._retire(*retire(results, self.layout, self.config.min_engines))
 
@@ -218,7 +220,8 @@ def build_fleet(config, tokenizer, task, seeds: tuple[int, int], model_dir: str,
         sampling = SamplingConfig(n=loop.group_size, temperature=loop.temperature, top_p=loop.top_p,
                                   max_new_tokens=loop.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
         plan = RolloutPlan(loop.prompts_per_step, sampling, loop.eval_samples, trainer.training.seed,
-                           trainer.model.seq_length, with_advantages, routing_replay, config.overlong)
+                           trainer.model.seq_length, with_advantages, routing_replay, config.overlong,
+                           policy_versions=loop.max_off_policy_steps > 0)
         several, out = layout.size > 1, trainer.logging.output_dir
         engine = RolloutEngine(engine_config(config.engine, model_dir, index, several, arena_rank),
                                os.path.join(out, f"engine-{index}" if several else "engine"))

@@ -80,6 +80,7 @@ class RolloutPlan:
     with_advantages: Callable[[RolloutBatch], RolloutBatch]
     routing_replay: bool = False  # MoE: the engine routes every rollout once more for the trainer to replay
     overlong: OverlongConfig = OverlongConfig()  # responses that reach --max-new-tokens
+    policy_versions: bool = False  # record which step's weights sampled each token (--max-off-policy-steps > 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +121,7 @@ class RolloutManager:
                                           progress=progress, first_index=indices.start if indices else 0,
                                           timeout_s=self.policy.generation_timeout_s)
 
-    def _collect(self, step: int, prompts: range, round_index: int):
+    def _collect(self, step: int, prompts: range, round_index: int, policy_version: int):
         sampling = dataclasses.replace(self.plan.sampling, seed=stream_seed(self.rollout_seed, step, round_index))
         examples, rollouts = self._generate(
             step_examples(self.task, self.plan.prompts_per_step, self.data_seed, step, round_index), prompts, sampling)
@@ -129,7 +130,8 @@ class RolloutManager:
             if self.plan.routing_replay else None
         scores = self._score(examples, rollouts, f"step {step}")
         batch = rollouts_to_batch(rollouts, scores.values, self.plan.sampling.n, self.plan.seq_length,
-                                  self.tokenizer.pad_token_id, routes)
+                                  self.tokenizer.pad_token_id, routes,
+                                  policy_version if self.plan.policy_versions else None)
         batch = shape_overlong(batch, [r.length for r in rollouts], [r.finish_reason == "length" for r in rollouts],
                                self.plan.overlong, self.plan.sampling.max_new_tokens)
         return self.plan.with_advantages(dataclasses.replace(batch, reward_failures=scores.failed,
@@ -170,10 +172,11 @@ class RolloutManager:
                 return
             reason = f"the restarted engine failed its refit check ({failure})"
 
-    def rollout_rows(self, step: int, prompts: range, round_index: int = 0):
+    def rollout_rows(self, step: int, prompts: range, round_index: int = 0, policy_version: int = 0):
         """Generate the group of responses to each of the step's prompts (of its `round_index`-th sampling round) at
-        indices `prompts` and score them; return the RolloutBatch of their rows, advantages included."""
-        return self._serving(lambda: self._collect(step, prompts, round_index), f"step {step}")
+        indices `prompts` and score them; return the RolloutBatch of their rows, advantages included (and, when the
+        plan asks, `policy_version`, the step whose weights the engine holds, on every response token)."""
+        return self._serving(lambda: self._collect(step, prompts, round_index, policy_version), f"step {step}")
 
     def _reward_sum(self, prompts: range, sampling: SamplingConfig) -> tuple[float, int]:
         examples, rollouts = self._generate(self.task.eval, prompts, sampling, progress=False)

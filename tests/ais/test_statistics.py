@@ -249,3 +249,32 @@ def test_sequence_ess_is_logged_at_every_level_from_whole_sequence_weights(level
     expected = sum(weights) ** 2 / (len(weights) * sum(w * w for w in weights))
     assert result.sequence_ess == pytest.approx(expected, rel=1e-6)  # δ in fp32
     assert result.metrics()["ais/sequence_ess"] == result.sequence_ess and expected < 0.99
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_per_lag_diagnostics_are_those_of_each_lags_rows_alone(level):
+    """Rows sampled one and two policy versions back next to rows of the current one: each lag's diagnostics equal
+    those the rows of that lag give on their own (k3 = E[w - 1 - log w], the ESS ratio and χ² by hand); a lag with
+    no tokens is not logged."""
+    from megatron_ais.ais import metrics_per_lag
+
+    trainer, rollout, adv, mask = _batch(seed=3, b=6, s=5, scale=0.3)
+    lags = torch.tensor([0, 1, 0, 2, 1, 0]).unsqueeze(-1).expand(6, 5)
+    config = AISConfig(level=level)
+    metrics = metrics_per_lag(trainer, rollout, adv, mask, lags, 3, config)
+    assert not any(name.startswith("ais/lag3/") for name in metrics)
+    for lag in range(3):
+        rows = (lags[:, 0] == lag).nonzero().flatten()
+        alone = ais_coefficient(mismatch_statistics(trainer[rows], rollout[rows], adv[rows], mask[rows], config),
+                                config)
+        assert metrics[f"ais/lag{lag}/k3_kl"] == pytest.approx(alone.k3_kl, rel=1e-12)
+        assert metrics[f"ais/lag{lag}/ess_ratio_raw"] == pytest.approx(alone.ess_ratio_raw, rel=1e-12)
+        assert metrics[f"ais/lag{lag}/num_units"] == alone.num_units
+        if level == "token":  # by hand, from the rows' own tokens
+            valid = mask[rows] > 0
+            delta = (trainer[rows] - rollout[rows])[valid].double()
+            w = delta.exp()
+            assert metrics[f"ais/lag{lag}/k3_kl"] == pytest.approx(float((w - 1 - delta).mean()), rel=1e-9)
+            assert metrics[f"ais/lag{lag}/chi2"] == pytest.approx(
+                float(len(w) * (w * w).sum() / w.sum() ** 2 - 1), rel=1e-9)
+            assert metrics[f"ais/lag{lag}/max_abs_logratio"] == pytest.approx(float(delta.abs().max()), rel=1e-6)

@@ -96,7 +96,7 @@ class _GroupMaker:
     """Stands in for an engine host's RolloutManager: the same whole groups for the same (step, round, prompts),
     as the real one makes from the seeds (the stream test above)."""
 
-    def rollout_rows(self, step: int, prompts: range, round_index: int = 0) -> RolloutBatch:
+    def rollout_rows(self, step: int, prompts: range, round_index: int = 0, policy_version: int = 0) -> RolloutBatch:
         return _group_rows(step, round_index, prompts)
 
 
