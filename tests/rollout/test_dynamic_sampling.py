@@ -113,7 +113,8 @@ def _fleet_worker(max_rounds: int, balanced: bool):
     fleet = RolloutFleet(FleetLayout.first_ranks(2, rank), ["node"] * 2, [0, 1], rank, _GroupMaker(), None,
                          FleetConfig(), PROMPTS, 0, balanced, said.append,
                          DynamicSamplingConfig(enabled=True, max_rounds=max_rounds))
-    got = [fleet.submit(step).wait() for step in (1, 2, 1)]
+    # step 1 again, its first round generated ahead (--max-off-policy-steps): the same rows as made at once
+    got = [fleet.submit(1).wait(), fleet.submit(2).wait(), fleet.submit(1, ahead=True).wait()]
     out = []
     for rollouts in got:
         batch = rollouts.batch
@@ -155,7 +156,7 @@ def _check_full(rank0_result, rank1_result):
         assert sampling == mine1[4] and sampling["sampling/rounds"] == 3 and sampling["sampling/prompts_sampled"] == 18
         assert sampling["sampling/filtered_fraction"] == pytest.approx(12 / 18)
         assert mine0[5] == 6 and mine0[6] == 18 * GROUP  # truncated and made responses count every round
-    assert rank0[0] == rank0[2] and rank1[0] == rank1[2]  # step 1 again: the same stream
+    assert rank0[0] == rank0[2] and rank1[0] == rank1[2]  # step 1 again (made ahead): the same stream
 
 
 def _check_short(rank0_result, rank1_result):
@@ -208,7 +209,8 @@ def _engine_fleet_worker(model_dir: str, work: str):
     fleet = RolloutFleet(FleetLayout.first_ranks(2, rank), ["node"] * 2, [0, 1], rank, manager, None, FleetConfig(),
                          4, 0, False, said.append, DynamicSamplingConfig(enabled=True, max_rounds=12))
     try:
-        got = [fleet.submit(step).wait() for step in (1, 2, 1)]
+        # step 1 again, its first round generated ahead by both engines (--max-off-policy-steps): the same rows
+        got = [fleet.submit(1).wait(), fleet.submit(2).wait(), fleet.submit(1, ahead=True).wait()]
     finally:
         engine.shutdown()
     return [(r.batch.tokens.tolist(), r.batch.rewards.tolist(), r.batch.mask.sum(dim=1).tolist(), r.sampling)
@@ -239,7 +241,7 @@ def test_two_real_engines_train_only_on_groups_with_reward_variance_and_a_step_s
     # half the prompts are all-correct: the steps dropped groups and sampled further rounds
     assert sum(sampling["sampling/filtered_fraction"] for *_, sampling in rank0[:2]) > 0
     assert max(sampling["sampling/rounds"] for *_, sampling in rank0[:2]) > 1
-    assert rank0[0][:3] == rank0[2][:3] and rank1[0][:3] == rank1[2][:3]  # step 1 again: the same stream
+    assert rank0[0][:3] == rank0[2][:3] and rank1[0][:3] == rank1[2][:3]  # step 1 again (made ahead): the same
 
 
 def test_a_checkpoint_counts_the_consumed_prompts_dynamic_sampling_drew():
