@@ -143,12 +143,14 @@ class RolloutFleet:
         rollouts = exchange_rows(picked, self.data_parallel_rank_of, self.data_parallel_rank, self.balanced)
         return dataclasses.replace(rollouts, sampling=selection.metrics(picked.records[0].group_size))
 
-    def apply(self, weights, sync_id: int) -> None:
+    def apply(self, weights, sync_id: int, reference: RefitReference) -> None:
         """Every serving engine applies a committed sync (`weights`: the verified arena) from its node's copy; one
-        that died is restarted, or retired past its budget. `sync_id`: the trainer step whose weights they are."""
+        that died is restarted with it and must agree with `reference` (the trainer's probe log-probs of these
+        weights, kept for later restarts), or is retired past its budget. `sync_id`: the trainer step whose weights
+        they are."""
         def apply_here(node_weights) -> int:
             with as_sync_error(f"sync {sync_id}: ", passing=(EngineRetiredError,)):
-                return self.manager.apply_weights(node_weights)
+                return self.manager.apply_weights(node_weights, reference)
 
         results = apply_on_every_engine(weights, self.node_copies, self.layout, self.node_of, apply_here, sync_id)
         self.policy_version = sync_id
@@ -162,8 +164,8 @@ class RolloutFleet:
         self._retire(*retire(results, self.layout, self.config.min_engines))
 
     def set_refit_reference(self, reference: RefitReference) -> None:
-        """The trainer's probe log-probs for the weights every engine now holds: an engine restarted later serves
-        again only once its own agree with them."""
+        """The trainer's probe log-probs for the weights every engine holds before the first sync: an engine
+        restarted later serves again only once its own agree with them."""
         if self.manager is not None:
             self.manager.refit_reference = reference
 

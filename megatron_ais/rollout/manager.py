@@ -14,6 +14,7 @@ from megatron_ais.rollout.dynamic_sampling import stream_seed
 from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
 from megatron_ais.rollout.overlong import OverlongConfig, shape_overlong
 from megatron_ais.rollout.rewards import RewardScorer, Scores
+from megatron_ais.rollout.verify import RefitReference
 
 
 def prompt_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
@@ -103,7 +104,7 @@ class RolloutManager:
         self.engine, self.tokenizer, self.task, self.plan = engine, tokenizer, task, plan
         self.data_seed, self.rollout_seed, self.log, self.scorer = data_seed, rollout_seed, log, scorer
         self.policy, self.restarts = policy, 0
-        self.refit_reference = None  # verify.RefitReference of the weights the engine holds, set after each sync
+        self.refit_reference: RefitReference | None = None  # of the weights the engine holds, set at each sync
 
     def _score(self, examples: list, rollouts: list, what: str) -> Scores:
         scores = self.scorer.score([(self.tokenizer.decode(r.token_ids, skip_special_tokens=True),
@@ -137,21 +138,21 @@ class RolloutManager:
         return self.plan.with_advantages(dataclasses.replace(batch, reward_failures=scores.failed,
                                                              reward_timeouts=scores.timed_out))
 
-    def _serving(self, action: Callable[[], Any], what: str) -> Any:
-        """`action()`, restarting the engine and asking again each time it died or ran past the generation timeout
-        (`_restart`); an error of a live engine is a RolloutError."""
+    def _serving(self, action: Callable[[], Any], what: str, weights=None) -> Any:
+        """`action()`, restarting the engine (with `weights`, default its last ones) and asking again each time it
+        died or ran past the generation timeout (`_restart`); an error of a live engine is a RolloutError."""
         while True:
             try:
                 return action()
             except Exception as err:  # vLLM raises many kinds of errors when its engine core dies
                 if not isinstance(err, GenerationTimeoutError) and self.engine.health_check():
                     raise RolloutError(f"{what} failed: {type(err).__name__}: {err}") from err
-                self._restart(what, f"the rollout engine died ({type(err).__name__}: {err})", err)
+                self._restart(what, f"the rollout engine died ({type(err).__name__}: {err})", err, weights)
 
-    def _restart(self, what: str, reason: str, cause: Exception) -> None:
-        """Restart the engine with its last weights and KV-cache scales until it passes its refit check against
-        `refit_reference` (when set), while the restart budget lasts; past it, shut the engine down and raise
-        EngineRetiredError."""
+    def _restart(self, what: str, reason: str, cause: Exception, weights=None) -> None:
+        """Restart the engine with `weights` (default: its last ones) and its KV-cache scales until it passes its
+        refit check against `refit_reference` (when set), while the restart budget lasts; past it, shut the engine
+        down and raise EngineRetiredError."""
         while True:
             if self.restarts >= self.policy.max_restarts:
                 self.engine.shutdown()
@@ -160,7 +161,7 @@ class RolloutManager:
                     f"{self.policy.max_restarts}); it serves no more") from cause
             self.log(f"{what}: {reason}; restarting it and re-syncing the current weights")
             self.restarts += 1
-            self.engine.restart()
+            self.engine.restart(weights)
             if self.refit_reference is None:
                 return
             try:
@@ -205,10 +206,13 @@ class RolloutManager:
                      "evaluation")
             return {}
 
-    def apply_weights(self, weights) -> int:
-        """Install a verified sync; an engine that died meanwhile is restarted (while the budget lasts) and given
-        it; return the engine's weight version."""
-        return self._serving(lambda: self.engine.update_weights(weights), "weight sync")
+    def apply_weights(self, weights, reference: RefitReference) -> int:
+        """Install a verified sync whose probe log-probs on the trainer are `reference` (the refit check of every
+        later restart); return the engine's weight version. An engine that died meanwhile is restarted with this
+        sync's weights, not its last ones (the staging arena it read those from holds this sync's now), and serves
+        once it agrees with `reference` (while the restart budget lasts)."""
+        self.refit_reference = reference
+        return self._serving(lambda: self.engine.update_weights(weights), "weight sync", weights)
 
     def set_kv_cache_scales(self, scales) -> int:
         """Install FP8 KV-cache scales; an engine that died meanwhile is restarted (while the budget lasts) and given

@@ -3,7 +3,8 @@ engines' hosts exactly the rows its DP rank trains on (what cutting the whole ba
 included, for contiguous and token-balanced shares, one or two engines, and when one engine is retired mid-step and
 the other makes its prompts), and fewer bytes than the whole batch; the same rows when each host starts making its
 share ahead in a thread (`RowsAhead`, returning at once) and the exchange meets it later; below --rollout-min-engines every rank stops,
-naming every engine retired in the step; an error on one engine's host is raised on every rank naming that engine."""
+naming every engine retired in the step; an error on one engine's host is raised on every rank naming that engine;
+a process the background worker starts outlives the task that started it."""
 import threading
 
 import pytest
@@ -177,3 +178,58 @@ def test_sharded_evaluation_means_are_the_whole_evaluations():
                  for share in (layout.share(range(len(rewards)), e) for e in layout.hosts)]
         assert mean_rewards(parts)["eval/accuracy"] == pytest.approx(whole, rel=1e-12)
     assert mean_rewards([{"eval/accuracy": (1.0, 2)}, {}]) == {}  # an engine that skipped: no evaluation
+
+
+# a process that asks to die with its parent (what `lifetime.exit_with_parent` asks of every process a run starts,
+# vLLM's engine core included), says so, then waits
+CHILD = ("from megatron_ais.lifetime import exit_with_parent; import time; exit_with_parent(); print('ready', "
+         "flush=True); time.sleep(60)")
+
+
+def _started_by(run_in_thread) -> "subprocess.Popen":
+    """A CHILD started by a task that returns once the child is ready (as starting vLLM's engine returns once its
+    core answers), run by `run_in_thread`."""
+    import subprocess
+    import sys
+
+    started = []
+
+    def start():
+        child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ready"
+        started.append(child)
+
+    run_in_thread(start)
+    return started[0]
+
+
+def _alive_after(child, seconds: float = 3.0) -> bool:
+    import time
+
+    deadline = time.time() + seconds
+    while time.time() < deadline and child.poll() is None:
+        time.sleep(0.05)
+    alive = child.poll() is None
+    child.kill()
+    child.wait()
+    return alive
+
+
+def test_a_process_started_by_the_background_worker_outlives_the_task_that_started_it():
+    """The engine a host's background generation restarts must outlive that generation: Linux's parent-death signal
+    follows the thread that started a process, so a thread per task would take the engine with it when the task
+    ends (the control); the worker's one long-lived thread does not."""
+    from megatron_ais.rollout.rows import BackgroundWorker
+
+    worker = BackgroundWorker("test-lifetime")
+
+    def on_worker(task):
+        assert worker.start(task).wait(30)
+
+    def on_a_thread_of_its_own(task):
+        thread = threading.Thread(target=task)
+        thread.start()
+        thread.join()
+
+    assert _alive_after(_started_by(on_worker))
+    assert not _alive_after(_started_by(on_a_thread_of_its_own))

@@ -1,7 +1,8 @@
 """A separate-process vLLM engine: bridge sync with the workers mapping the shared staging arena, generation with
-log-probs equal to the trainer's, a killed engine detected and restarted by its manager with the weights it had
-(re-fed over the broadcast feed group it is restarted with; its refit check passes before it serves), then
-re-synced over that group (every worker verifies what it receives; a corrupted feed is refused and the weights
+log-probs equal to the trainer's, a killed engine detected by the next sync and restarted by its manager with that
+sync's weights (the staging arena holds them now, not the engine's last ones; re-fed over the broadcast feed group it
+is restarted with; its refit check against the sync's reference passes before it serves), then re-synced over that
+group (every worker verifies what it receives; a corrupted feed is refused and the weights
 stay), the refit diagnosis's per-layer outputs read back over its RPC, a generate call past its timeout raised
 (the engine is then killed: an RPC sent as it dies raises instead of waiting for ever; it is restarted), an engine
 whose worker alone is killed next and that keeps failing its refit check after restarts retired when its restart
@@ -41,15 +42,26 @@ def _outcome(call) -> str:
 
 
 def _manager(engine, chunks, groups, build, probe):
-    """A rollout manager of `engine` with a budget of 3 restarts, whose refit reference is the trainer's probe
-    log-probs (`refit_reference(shift)`: shifted by `shift`, which no engine matches)."""
+    """A rollout manager of `engine` with a budget of 3 restarts, and `refit_reference(shift)`: the trainer's probe
+    log-probs for its weights now, shifted by `shift` (which no engine matches)."""
     from megatron_ais.rollout.manager import RolloutManager, ServingPolicy
     from megatron_ais.rollout.verify import RefitReference, trainer_probe_reference
 
     messages = []
     manager = RolloutManager(engine, None, None, None, 0, 0, messages.append, None, ServingPolicy(max_restarts=3))
-    trainer = trainer_probe_reference(chunks, probe, groups, build.shape.vocab_size)
-    return manager, messages, lambda shift=0.0: RefitReference(probe, trainer + shift, "fp32")
+
+    def refit_reference(shift: float = 0.0) -> RefitReference:
+        return RefitReference(probe, trainer_probe_reference(chunks, probe, groups, build.shape.vocab_size) + shift,
+                              "fp32")
+
+    return manager, messages, refit_reference
+
+
+def _scale_weights(chunks, factor: float = 1.05) -> None:
+    """New trainer weights, so that the next sync has something to change."""
+    with torch.no_grad():
+        for param in chunks[0].parameters():
+            param.mul_(factor)
 
 
 def _worker(old_dir, new_dir, work):
@@ -73,16 +85,12 @@ def _worker(old_dir, new_dir, work):
                            work)
     config = BridgeConfig(bucket_size_mb=1.0, policy=QuantizationPolicy(precision="fp32"))
     fed = []
-
-    def apply(weights):
-        fed.append(weights)
-        return engine.update_weights(weights)
-
-    receiver = SyncReceiver(apply=apply)
+    receiver = SyncReceiver(apply=lambda weights: weights)  # the verified arena, applied by `sync`
     bridge = WeightBridge(chunks, build, config, layout, receiver)
 
-    def sync(sync_id):
-        bridge.sync(sync_id)
+    def sync(sync_id, apply=engine.update_weights):
+        fed.append(bridge.sync(sync_id).committed)
+        return apply(fed[-1])
 
     before_sync = _max_diff(engine, chunks, build, groups)
     sync(1)
@@ -120,7 +128,6 @@ def _worker(old_dir, new_dir, work):
     call_to_dying = answers[0] if answers else "no answer in 60 s"
     alive_after_kill = engine.health_check()
     engine.config = dataclasses.replace(engine.config, weight_feed="broadcast")
-    # its manager restarts it (its last weights back), checks its refit against the trainer, then applies the sync
     from megatron_ais.rollout.verify import probe_tokens
 
     probe = probe_tokens(build.shape.vocab_size)
@@ -128,14 +135,15 @@ def _worker(old_dir, new_dir, work):
     manager.refit_reference = refit_reference()
     # a refit check meeting a dead engine leaves it out (its restart runs the same check); a live one is checked
     refit_checks = [manager.refit_reference.check_unless_dead(engine)]
-    restarted = (manager.apply_weights(fed[-1]), list(messages))
+    # the next sync (new weights) meets the dead engine: its manager restarts it with the sync's weights (the arena
+    # its last ones came from holds these now), checks its refit against the sync's reference, then applies the sync
+    _scale_weights(chunks)
+    restarted = (sync(2, lambda weights: manager.apply_weights(weights, refit_reference())), list(messages))
     alive_after_restart = engine.health_check()
     refit_checks.append(manager.refit_reference.check_unless_dead(engine)[0])
     after_restart = _max_diff(engine, chunks, build, groups)
-    with torch.no_grad():  # new weights, so that the re-sync has something to change
-        for param in chunks[0].parameters():
-            param.mul_(1.05)
-    sync(2)
+    _scale_weights(chunks)  # a re-sync of a live engine over the broadcast feed group
+    sync(3)
     after_resync = _max_diff(engine, chunks, build, groups)
     # a feed whose bytes do not match their entry is refused by the worker, before anything is applied
     corrupted = tuple(dataclasses.replace(e, checksum=e.checksum ^ 1) if e.name.endswith("mlp.up_proj.weight") else e
@@ -155,13 +163,12 @@ def _worker(old_dir, new_dir, work):
     # again: retired with its budget of 3 spent
     from megatron_ais.errors import EngineRetiredError
 
-    manager.refit_reference = refit_reference(shift=1.0)
     workers = [child for child in engine_processes() if "Worker" in " ".join([child.name()] + child.cmdline())]
     for worker in workers:  # only its worker dies this time: the engine core reports itself dead
         worker.kill()
     time.sleep(1)
     try:
-        manager.apply_weights(fed[-1])
+        manager.apply_weights(fed[-1], refit_reference(shift=1.0))
         retired = None
     except EngineRetiredError as err:
         retired = str(err)
@@ -186,7 +193,7 @@ def test_separate_engine_sync_kill_restart_resync(model_root, tmp_path):
     assert len(layer_diffs) == 2 and max(layer_diffs) <= 1e-3  # fp32 engine: every layer's output as the trainer's
     assert before > 0.1 and after <= 1e-4
     assert not alive_killed and alive_restarted
-    assert restarted <= 1e-4, "a restarted engine comes back with the weights it had (re-fed by its new feed)"
+    assert restarted <= 1e-4, "an engine restarted by a sync comes back with the sync's weights (its new feed)"
     assert resynced <= 1e-4, "the re-sync over the broadcast feed group must apply the trainer's weights"
     assert refused is not None and "up_proj.weight: checksum" in refused
     assert after_refused <= 1e-4
@@ -198,7 +205,7 @@ def test_separate_engine_sync_kill_restart_resync(model_root, tmp_path):
     assert workers_killed == 1
     # a restarted engine serves again only once its refit check passes; one that keeps failing it is retired
     version, passed, failed, retired = restarts
-    assert version == 2, "the restarted engine gets its last weights back (1), then applies the sync asked (2)"
+    assert version == 2, "the restarted engine is given the sync's weights (1), then applies the sync asked (2)"
     assert passed[0].startswith("weight sync: the rollout engine died (") and \
         passed[1] == "weight sync: the restarted engine passed its refit check; it serves again", passed
     refit_failed = "weight sync: the restarted engine failed its refit check (refit verification failed"
