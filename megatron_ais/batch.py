@@ -30,6 +30,7 @@ class RolloutBatch:
     reward_failures: int = 0  # rewards that raised or were not a number in [0, 1] (scored 0)
     reward_timeouts: int = 0  # rewards that ran past --reward-timeout-s (scored 0)
     truncated: int = 0  # responses cut by --max-new-tokens
+    partial: int = 0  # responses sampled by more than one version of the weights (--partial-rollouts)
     # [B] each row's group advantage, computed where its whole group is (the engine's host); None: the batch is
     # whole and the same on every rank, which computes them and takes its share
     advantages: torch.Tensor | None = None

@@ -71,6 +71,7 @@ def test_configs_take_the_flags_and_keep_one_default():
      "--rollout-cpu-core 1 binds the one separate engine of a node; with --rollout-placement colocated"),
     (["--rollout-cpu-core", "one"], 1, "--rollout-cpu-core 'one' is not a CPU list (write 1, 2-3 or 0,2)"),
     (["--max-off-policy-steps", "-1"], 1, "--max-off-policy-steps -1 must be >= 0 (0: the synchronous loop)"),
+    (["--partial-rollouts"], 1, "--partial-rollouts needs --max-off-policy-steps 1 or more"),
     (["--max-off-policy-steps", "1", "--rollout-placement", "colocated"], 1,
      "--max-off-policy-steps 1 with --rollout-placement colocated: a colocated engine shares its trainer rank's"),
 ])

@@ -165,6 +165,15 @@ def test_routing_replay_of_a_dense_model_is_refused_naming_the_flag(grpo, model,
     assert not (tmp_path / "out").exists()
 
 
+def test_partial_rollouts_of_a_moe_model_with_routing_replay_are_refused_naming_the_flags(grpo, model_root, tmp_path):
+    """A resumed sample's routes would be those of the weights that finished it, not those that sampled its start."""
+    moe = make_model_dir(model_root, "qwen3_moe")
+    _refused(grpo("--hf-dir", moe, "--max-off-policy-steps", "1", "--partial-rollouts", "--rollout-placement",
+                  "separate", "--rollout-precision", "bf16", "--output-dir", tmp_path / "out"),
+             "--partial-rollouts with MoE routing replay", "use --moe-routing-replay none")
+    assert not (tmp_path / "out").exists()
+
+
 def test_prompts_longer_than_the_sequence_allows_are_refused_before_the_run(grpo, model, tmp_path):
     """Every prompt the task can draw is measured (chat template included) before anything starts, not at the step
     that happens to draw the longest one."""

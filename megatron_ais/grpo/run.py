@@ -77,6 +77,13 @@ class GRPOLoopConfig(FlagConfig):
            "the rollout log-probs. No batch after a step that evaluates or saves, or the last, is generated before "
            "that step's weights reach the engines, so a resumed run regenerates what the uninterrupted one trained "
            "on. Separate engines only.")
+    partial_rollouts: bool = flag(
+        False, "With --max-off-policy-steps ≥ 1, sync each step's weights as soon as it has trained, while the "
+               "engines generate: their unfinished requests are aborted, and resumed on the new weights with the "
+               "tokens they have and those tokens' log-probs kept (slime's --partial-rollout, AReaL's interruptible "
+               "generation). Every token records the version that sampled it (never more than η behind); which "
+               "tokens a sync interrupts depends on timing, so such a run is not reproducible token for token.",
+        action="store_true")
     moe_routing_replay: str | None = flag(
         None, "MoE routing replay (R3). rollout: the engine returns the experts it routes every rollout token to and "
               "the trainer's forwards (old, reference and training log-probs) use them, so the importance ratio "
@@ -92,6 +99,9 @@ class GRPOLoopConfig(FlagConfig):
         if self.max_off_policy_steps < 0:
             raise ArgumentValidationError(f"--max-off-policy-steps {self.max_off_policy_steps} must be >= 0 (0: the "
                                           "synchronous loop)")
+        if self.partial_rollouts and not self.max_off_policy_steps:
+            raise ArgumentValidationError("--partial-rollouts needs --max-off-policy-steps 1 or more (with 0 no "
+                                          "generation runs while a sync does)")
         if self.verify_refit_engines < 0:
             raise ArgumentValidationError(f"--verify-refit-engines {self.verify_refit_engines} must be >= 0 "
                                           "(0 checks every engine)")
@@ -149,7 +159,8 @@ class GRPORun:
     def run(self) -> dict:
         """Set up or resume, train every remaining step, and return the summary. With --max-off-policy-steps η the
         batches of the next η steps are submitted before a step trains (`submit_ahead`), and the weights a step
-        trained reach the engines once the batches submitted before are in (`sync_behind`)."""
+        trained reach the engines once the batches submitted before are in (`sync_behind`), or, with
+        --partial-rollouts, as soon as it has trained, interrupting them."""
         self.setup()
         pending, previous = {}, None  # step -> PendingRollouts submitted ahead
         for step in range(self.state.step + 1, self.loop.grpo_steps + 1):
@@ -160,7 +171,7 @@ class GRPORun:
             pending.update(self.submit_ahead(step, max(pending, default=step)))
             with times.phase("train"):
                 result = self.train(rollouts.batch, step - 1)
-            if not pending:
+            if not pending or self.loop.partial_rollouts:
                 with times.phase("sync"):
                     synced.update(self.sync(step, rollouts))
             evaluated = self.evaluate(step)
@@ -186,6 +197,11 @@ class GRPORun:
         except ValueError as err:
             raise ArgumentValidationError(str(err)) from err
         self.routing_replay = routing_replay_enabled(self.loop.moe_routing_replay, self.build.shape.is_moe)
+        if self.routing_replay and self.loop.partial_rollouts:
+            raise ArgumentValidationError(
+                "--partial-rollouts with MoE routing replay: the engine routes a sample once it is done, with the "
+                "weights it holds then, not those that sampled a resumed sample's first tokens; use "
+                "--moe-routing-replay none or leave --partial-rollouts out")
         self.tokenizer = load_tokenizer(tokenizer_dir(trainer))
         check_prompt_lengths(self.tokenizer, self.task, self.loop.max_new_tokens, trainer.model.seq_length,
                              self.config.engine.max_model_len)
@@ -315,23 +331,26 @@ class GRPORun:
     def sync(self, step: int, rollouts: StepRollouts) -> dict:
         """Bridge the updated policy into every engine, re-measure the FP8 KV-cache scales on this step's first
         rollouts (the first engine's), check the refit of every engine (or of this turn's few, --verify-refit-engines);
-        return what the step logs of it."""
-        reference = self.refit_reference()
-        self.sync_weights(step, reference)
-        if self.config.engine.kv_cache_dtype == "fp8":
-            first, count = rollouts.first_rows, self.config.kv_calibration.sequences
-            self.calibrate_kv_cache(share(lambda: rollout_sequences(first.tokens, first.mask, count),
-                                          src=rollouts.first_host))
-        metrics = {f"rollout/engine{host}_weight_version": v for host, v in self.fleet.engine_versions.items()}
-        if self.loop.verifies_at(step):
-            metrics.update(self.fleet.verify_refit(
-                self.model.ddp_chunks, self.probe, self.groups, self.build.shape.vocab_size, reference,
-                self.loop.verify_refit_engines, step // self.loop.verify_refit_interval - 1, self.build.shape.is_moe))
-        scales = self.state.kv_cache_scales
-        if scales is not None:
-            metrics.update({"rollout/kv_cache_k_scale_max": max(k for _, k, _ in scales.scales),
-                            "rollout/kv_cache_v_scale_max": max(v for _, _, v in scales.scales)})
-        return metrics
+        return what the step logs of it. Each host's generation in the background, if any, ends or steps aside first
+        (`RolloutFleet.generation_paused`)."""
+        with self.fleet.generation_paused():
+            reference = self.refit_reference()
+            self.sync_weights(step, reference)
+            if self.config.engine.kv_cache_dtype == "fp8":
+                first, count = rollouts.first_rows, self.config.kv_calibration.sequences
+                self.calibrate_kv_cache(share(lambda: rollout_sequences(first.tokens, first.mask, count),
+                                              src=rollouts.first_host))
+            metrics = {f"rollout/engine{host}_weight_version": v for host, v in self.fleet.engine_versions.items()}
+            if self.loop.verifies_at(step):
+                metrics.update(self.fleet.verify_refit(
+                    self.model.ddp_chunks, self.probe, self.groups, self.build.shape.vocab_size, reference,
+                    self.loop.verify_refit_engines, step // self.loop.verify_refit_interval - 1,
+                    self.build.shape.is_moe))
+            scales = self.state.kv_cache_scales
+            if scales is not None:
+                metrics.update({"rollout/kv_cache_k_scale_max": max(k for _, k, _ in scales.scales),
+                                "rollout/kv_cache_v_scale_max": max(v for _, _, v in scales.scales)})
+            return metrics
 
     def refit_reference(self) -> RefitReference:
         """The trainer's probe log-probs for its current weights (collective): an engine given them serves (after a
@@ -369,6 +388,8 @@ class GRPORun:
                         "rollout/rank_bytes_fraction": rollouts.held_bytes / max(rollouts.batch_bytes, 1),
                         "rollout/truncated_fraction": rollouts.truncated / max(rollouts.sampled_rows, 1),
                         **rollouts.sampling})
+        if self.loop.partial_rollouts:  # responses a sync interrupted, finished on the next weights
+            metrics["rollout/partial_fraction"] = rollouts.partial / max(rollouts.sampled_rows, 1)
         metrics.update(evaluated)
         self.state.step = step
         self.state.history.append({"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}})

@@ -25,8 +25,9 @@ from megatron_ais.rollout.fp8_emulation import FP8_ACTIVATIONS_ENV
 from megatron_ais.rollout.memory import engine_gpu_memory_utilization
 from megatron_ais.rollout.probes import layer_states, one_forward_batches, routes_of_one_forward, \
     routes_of_one_sequence, routing_calls, teacher_forced_logprobs
+from megatron_ais.rollout.turns import EngineTurns
 from megatron_ais.rollout.vllm_compat import EngineCoreWatch, colocated_worker, engine_core_pids, generate_within, \
-    scheduler_limits, shutdown_engine_core, worker_model
+    generation_deadline, scheduler_limits, shutdown_engine_core, worker_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +52,51 @@ class Rollout:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    # the trainer step whose weights sampled each token, when a weight sync may interrupt the generation (partial
+    # rollouts: resumed on the new weights with its prefix and that prefix's log-probs kept); None: one version
+    versions: list[int] | None = None
+
+    @property
+    def partial(self) -> bool:
+        """Sampled by more than one version of the weights."""
+        return self.versions is not None and len(set(self.versions)) > 1
 
     @property
     def length(self) -> int:
         return len(self.token_ids)
+
+
+@dataclasses.dataclass
+class _Sample:
+    """One sample of `RolloutEngine.generate_resumable`, as far as it got."""
+
+    prompt_index: int
+    prompt: list[int]
+    params: object  # its prompt's vLLM SamplingParams
+    sample: int  # which of the prompt's n
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+
+    def rest(self):
+        """The sampling parameters of the rest of the sample: one sample (vLLM seeds the j-th of n with seed + j),
+        the tokens it has taken off the limit, a seed of its own per resumption."""
+        params = self.params.clone()
+        seed = None if params.seed is None else params.seed + self.sample
+        params.n, params.max_tokens = 1, params.max_tokens - len(self.token_ids)
+        params.seed = request_seed(seed, len(self.token_ids)) if self.token_ids else seed
+        return params
+
+    def take(self, output, version: int) -> None:
+        """A step's new tokens of it (a DELTA output), sampled by the weights of `version`."""
+        completion = output.outputs[0]
+        ids = list(completion.token_ids)
+        self.token_ids += ids
+        self.logprobs += [completion.logprobs[i][t].logprob for i, t in enumerate(ids)]
+        self.versions += [version] * len(ids)
+        if output.finished:
+            self.finish_reason = completion.finish_reason or "length"
 
 
 def quiet_vllm(log_level: str) -> None:
@@ -229,19 +271,27 @@ class RolloutEngine:
         return [tuple(row) for row in self.llm.collective_rpc("megatron_ais_kv_cache_scales")[0]]
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, progress: bool | None = None,
-                 first_index: int = 0, timeout_s: float | None = None) -> list[Rollout]:
+                 first_index: int = 0, timeout_s: float | None = None, turns: EngineTurns | None = None
+                 ) -> list[Rollout]:
         """Return n rollouts per prompt, grouped consecutively by prompt, with sampled-token log-probs. The prompts
         are `first_index`, `first_index` + 1, ... of a larger list (one engine's share): each is sampled with that
         index's seed, so a share draws what the whole list would (`prompt_index` stays within the call). A separate
-        engine's call raises GenerationTimeoutError past `timeout_s` seconds."""
-        from vllm import SamplingParams, TokensPrompt  # vLLM: engine ranks only (trainer ranks import this module)
+        engine's call raises GenerationTimeoutError past `timeout_s` seconds. `turns`: a weight sync may interrupt
+        the generation (`generate_resumable`)."""
+        # vLLM: engine ranks only (trainer ranks import this module)
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
 
+        # a resumable generation steps the engine and takes each step's new tokens
+        kind = RequestOutputKind.CUMULATIVE if turns is None else RequestOutputKind.DELTA
         params = [SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                                  max_tokens=sampling.max_new_tokens, stop_token_ids=list(sampling.stop_token_ids),
                                  logprobs=0, seed=request_seed(sampling.seed, first_index + index),
-                                 detokenize=False)  # rewards decode the token ids; vLLM's per-step text is unused
+                                 detokenize=False,  # rewards decode the token ids; vLLM's per-step text is unused
+                                 output_kind=kind)
                   for index in range(len(prompts))]
-        outputs = self._generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+        if turns is not None:
+            return self.generate_resumable(prompts, params, turns, timeout_s)
+        outputs = self._generate([{"prompt_token_ids": list(p)} for p in prompts], params,
                                  use_tqdm=self.config.log_level in ("info", "debug") if progress is None else progress,
                                  timeout_s=timeout_s)
         rollouts = []
@@ -252,6 +302,33 @@ class RolloutEngine:
                 rollouts.append(Rollout(index, list(out.prompt_token_ids), ids, logprobs,
                                         completion.finish_reason or "length"))
         return rollouts
+
+    def generate_resumable(self, prompts: list[list[int]], params: list, turns: EngineTurns,
+                           timeout_s: float | None = None) -> list[Rollout]:
+        """`generate` (`params`: each prompt's, with DELTA outputs) one request per sample (vLLM's n samples of a seeded prompt are n requests seeded seed,
+        seed + 1, ...: the same draws), stepping the engine here so that a weight sync can interrupt it: when one
+        asks (`turns`), the unfinished requests are aborted and the generation parks; once the sync is done they
+        are resumed on the new weights, each from its prompt and the tokens it has (their log-probs kept; the rest
+        seeded from the sample's seed and length). Every token records the version that sampled it."""
+        samples = [_Sample(index, list(prompt), prompt_params, j)
+                   for index, (prompt, prompt_params) in enumerate(zip(prompts, params)) for j in range(params[0].n)]
+        engine, version, segment = self.llm.llm_engine, turns.weights_version, 0
+        while True:
+            live = {f"{s.prompt_index}.{s.sample}.{segment}": s for s in samples if s.finish_reason is None}
+            if not live:
+                break
+            for request_id, s in live.items():
+                engine.add_request(request_id, {"prompt_token_ids": s.prompt + s.token_ids}, s.rest())
+            with generation_deadline(self.llm, timeout_s):
+                while engine.has_unfinished_requests() and not turns.sync_asked():
+                    for out in engine.step():
+                        live[out.request_id].take(out, version)
+            unfinished = [request_id for request_id, s in live.items() if s.finish_reason is None]
+            if unfinished:
+                engine.abort_request(unfinished)
+                version, segment = turns.park(), segment + 1
+        return [Rollout(s.prompt_index, s.prompt, s.token_ids, s.logprobs, s.finish_reason, s.versions)
+                for s in samples]
 
     def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
         """Return the engine's teacher-forced log-probs of token_ids[1:] (for refit verification)."""

@@ -9,6 +9,7 @@ whose `RolloutManager` generates, scores and evaluates its share.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -150,12 +151,21 @@ class RolloutFleet:
         they are."""
         def apply_here(node_weights) -> int:
             with as_sync_error(f"sync {sync_id}: ", passing=(EngineRetiredError,)):
-                return self.manager.apply_weights(node_weights, reference)
+                version = self.manager.apply_weights(node_weights, reference)
+                self.manager.turns.weights_version = sync_id
+                return version
 
         results = apply_on_every_engine(weights, self.node_copies, self.layout, self.node_of, apply_here, sync_id)
         self.policy_version = sync_id
         self.engine_versions = {host: v for host, v in zip(self.layout.hosts, results) if not isinstance(v, Retired)}
         self._retire(*retire(results, self.layout, self.config.min_engines))
+
+    @contextlib.contextmanager
+    def generation_paused(self):
+        """A weight sync's block: on each engine's host, once the generation running in the background (if any) has
+        ended or, with --partial-rollouts, stepped aside until the block ends (`turns.EngineTurns`)."""
+        with self.manager.turns.sync() if self.manager is not None else contextlib.nullcontext():
+            yield
 
     def set_kv_cache_scales(self, scales) -> None:
         """Every serving engine takes the FP8 KV-cache scales; one that died meanwhile is restarted, or retired past
@@ -223,7 +233,7 @@ def build_fleet(config, tokenizer, task, seeds: tuple[int, int], model_dir: str,
                                   max_new_tokens=loop.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
         plan = RolloutPlan(loop.prompts_per_step, sampling, loop.eval_samples, trainer.training.seed,
                            trainer.model.seq_length, with_advantages, routing_replay, config.overlong,
-                           policy_versions=loop.max_off_policy_steps > 0)
+                           policy_versions=loop.max_off_policy_steps > 0, partial_rollouts=loop.partial_rollouts)
         several, out = layout.size > 1, trainer.logging.output_dir
         engine = RolloutEngine(engine_config(config.engine, model_dir, index, several, arena_rank),
                                os.path.join(out, f"engine-{index}" if several else "engine"))

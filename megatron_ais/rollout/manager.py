@@ -14,6 +14,7 @@ from megatron_ais.rollout.dynamic_sampling import stream_seed
 from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
 from megatron_ais.rollout.overlong import OverlongConfig, shape_overlong
 from megatron_ais.rollout.rewards import RewardScorer, Scores
+from megatron_ais.rollout.turns import EngineTurns
 from megatron_ais.rollout.verify import RefitReference
 
 
@@ -82,6 +83,7 @@ class RolloutPlan:
     routing_replay: bool = False  # MoE: the engine routes every rollout once more for the trainer to replay
     overlong: OverlongConfig = OverlongConfig()  # responses that reach --max-new-tokens
     policy_versions: bool = False  # record which step's weights sampled each token (--max-off-policy-steps > 0)
+    partial_rollouts: bool = False  # a weight sync interrupts a generation, resumed on its weights (--partial-rollouts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +107,7 @@ class RolloutManager:
         self.data_seed, self.rollout_seed, self.log, self.scorer = data_seed, rollout_seed, log, scorer
         self.policy, self.restarts = policy, 0
         self.refit_reference: RefitReference | None = None  # of the weights the engine holds, set at each sync
+        self.turns = EngineTurns()  # generations (the background worker's, the main thread's) and syncs take turns
 
     def _score(self, examples: list, rollouts: list, what: str) -> Scores:
         scores = self.scorer.score([(self.tokenizer.decode(r.token_ids, skip_special_tokens=True),
@@ -114,18 +117,21 @@ class RolloutManager:
                      f"ran past --reward-timeout-s {self.scorer.config.timeout_s:g}; scored 0")
         return scores
 
-    def _generate(self, examples: list, indices: range, sampling: SamplingConfig, progress: bool | None = None
-                  ) -> tuple[list, list]:
-        """The examples at `indices` and their rollouts (each prompt sampled with its index's seed)."""
+    def _generate(self, examples: list, indices: range, sampling: SamplingConfig, progress: bool | None = None,
+                  resumable: bool = False) -> tuple[list, list]:
+        """The examples at `indices` and their rollouts (each prompt sampled with its index's seed; `resumable`: a
+        weight sync may interrupt them, `RolloutEngine.generate_resumable`)."""
         mine = [examples[i] for i in indices]
         return mine, self.engine.generate(prompt_ids(self.tokenizer, [e.prompt for e in mine]), sampling,
                                           progress=progress, first_index=indices.start if indices else 0,
-                                          timeout_s=self.policy.generation_timeout_s)
+                                          timeout_s=self.policy.generation_timeout_s,
+                                          turns=self.turns if resumable else None)
 
     def _collect(self, step: int, prompts: range, round_index: int, policy_version: int):
         sampling = dataclasses.replace(self.plan.sampling, seed=stream_seed(self.rollout_seed, step, round_index))
         examples, rollouts = self._generate(
-            step_examples(self.task, self.plan.prompts_per_step, self.data_seed, step, round_index), prompts, sampling)
+            step_examples(self.task, self.plan.prompts_per_step, self.data_seed, step, round_index), prompts, sampling,
+            resumable=self.plan.partial_rollouts)
         # the trainer's input positions: every token but the last
         routes = self.engine.route([(r.prompt_token_ids + r.token_ids)[:-1] for r in rollouts]) \
             if self.plan.routing_replay else None
@@ -133,6 +139,7 @@ class RolloutManager:
         batch = rollouts_to_batch(rollouts, scores.values, self.plan.sampling.n, self.plan.seq_length,
                                   self.tokenizer.pad_token_id, routes,
                                   policy_version if self.plan.policy_versions else None)
+        batch = dataclasses.replace(batch, partial=sum(r.partial for r in rollouts))
         batch = shape_overlong(batch, [r.length for r in rollouts], [r.finish_reason == "length" for r in rollouts],
                                self.plan.overlong, self.plan.sampling.max_new_tokens)
         return self.plan.with_advantages(dataclasses.replace(batch, reward_failures=scores.failed,
@@ -176,8 +183,10 @@ class RolloutManager:
     def rollout_rows(self, step: int, prompts: range, round_index: int = 0, policy_version: int = 0):
         """Generate the group of responses to each of the step's prompts (of its `round_index`-th sampling round) at
         indices `prompts` and score them; return the RolloutBatch of their rows, advantages included (and, when the
-        plan asks, `policy_version`, the step whose weights the engine holds, on every response token)."""
-        return self._serving(lambda: self._collect(step, prompts, round_index, policy_version), f"step {step}")
+        plan asks, `policy_version`, the step whose weights the engine holds, on every response token; with partial
+        rollouts each token's own). Holds the engine (`turns`) until they are made."""
+        with self.turns.generation():
+            return self._serving(lambda: self._collect(step, prompts, round_index, policy_version), f"step {step}")
 
     def _reward_sum(self, prompts: range, sampling: SamplingConfig) -> tuple[float, int]:
         examples, rollouts = self._generate(self.task.eval, prompts, sampling, progress=False)
@@ -192,8 +201,9 @@ class RolloutManager:
         sampled = dataclasses.replace(sampling, n=self.plan.eval_samples, seed=self.plan.eval_seed)
         greedy = SamplingConfig(temperature=0.0, max_new_tokens=sampling.max_new_tokens,
                                 stop_token_ids=sampling.stop_token_ids)
-        return {"eval/accuracy": self._reward_sum(prompts, sampled),
-                "eval/greedy_accuracy": self._reward_sum(prompts, greedy)}
+        with self.turns.generation():
+            return {"eval/accuracy": self._reward_sum(prompts, sampled),
+                    "eval/greedy_accuracy": self._reward_sum(prompts, greedy)}
 
     def evaluate_unless_dead(self, step: int, prompts: range) -> dict[str, tuple[float, int]]:
         """`evaluate`; an engine that died meanwhile skips it (it is restarted at the next rollout)."""

@@ -37,6 +37,7 @@ class RowsRecord:
     reward_failures: int
     reward_timeouts: int
     truncated: int  # responses cut by --max-new-tokens
+    partial: int  # responses sampled by more than one version of the weights
     seconds: float  # how long the engine's host took to make them
 
     @classmethod
@@ -44,7 +45,7 @@ class RowsRecord:
         return cls(host, first_prompt, tuple(row_lengths(batch.mask)), tuple(batch.rewards.tolist()),
                    tuple(int(n) for n in batch.mask.sum(dim=1).tolist()), batch.group_size,
                    tuple((name, t.dtype, tuple(t.shape[1:])) for name, t in row_tensors(batch)),
-                   batch.reward_failures, batch.reward_timeouts, batch.truncated, seconds)
+                   batch.reward_failures, batch.reward_timeouts, batch.truncated, batch.partial, seconds)
 
     @property
     def response_tokens(self) -> int:
@@ -68,7 +69,7 @@ class RowsRecord:
             self, first_prompt=first_prompt, lengths=tuple(1 if g in blank else self.lengths[r] for g, r in rows),
             rewards=tuple(self.rewards[r] for _, r in rows),
             row_tokens=tuple(0 if g in blank else self.row_tokens[r] for g, r in rows),
-            reward_failures=0, reward_timeouts=0, truncated=0)
+            reward_failures=0, reward_timeouts=0, truncated=0, partial=0)
 
     def empty(self, rows: int) -> dict[str, torch.Tensor]:
         """Tensors for `rows` of these rows (what a receiver fills)."""
@@ -227,6 +228,7 @@ class StepRollouts:
     reward_failures: int
     reward_timeouts: int
     truncated: int  # responses made for the step that --max-new-tokens cut
+    partial: int  # responses made for the step that more than one version of the weights sampled
     sampled_rows: int  # responses made for the step
     received_bytes: int  # row bytes this rank was sent by other ranks
     held_bytes: int  # row bytes of the rows it trains on
@@ -279,7 +281,8 @@ def exchange_rows(rows: MadeRows, data_parallel_rank_of: list[int], data_paralle
                         response_tokens=sum(r.response_tokens for r in sampled),
                         reward_failures=sum(r.reward_failures for r in sampled),
                         reward_timeouts=sum(r.reward_timeouts for r in sampled),
-                        truncated=sum(r.truncated for r in sampled), sampled_rows=sum(len(r.lengths) for r in sampled),
+                        truncated=sum(r.truncated for r in sampled), partial=sum(r.partial for r in sampled),
+                        sampled_rows=sum(len(r.lengths) for r in sampled),
                         received_bytes=received, held_bytes=records[0].nbytes(len(shares[data_parallel_rank])),
                         batch_bytes=sum(r.nbytes(len(r.lengths)) for r in records),
                         engine_tokens_per_s=tokens_per_second(sampled),

@@ -14,6 +14,7 @@ and through them this one, without vLLM.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import threading
 
@@ -70,21 +71,29 @@ class EngineCoreWatch:
         self.stopped.set()
 
 
-def generate_within(llm, *args, timeout_s: float | None = None, **kwargs):
-    """llm.generate of a separate engine, raising GenerationTimeoutError once it has run `timeout_s` seconds (the
-    engine's requests are then still in flight: the caller restarts it)."""
+@contextlib.contextmanager
+def generation_deadline(llm, timeout_s: float | None):
+    """A separate engine's generation in this block raises GenerationTimeoutError once the block has run `timeout_s`
+    seconds (the engine's requests are then still in flight: the caller restarts it)."""
     # vLLM 0.32.0: v1/engine/core_client.py SyncMPClient.outputs_queue; get_output raises an exception put there
     outputs = getattr(engine_core_client(llm), "outputs_queue", None)
     if timeout_s is None or outputs is None:
-        return llm.generate(*args, **kwargs)
+        yield
+        return
     timer = threading.Timer(timeout_s, lambda: outputs.put_nowait(
         GenerationTimeoutError(f"generation ran past --rollout-generation-timeout-s {timeout_s:g}")))
     timer.daemon = True
     timer.start()
     try:
-        return llm.generate(*args, **kwargs)
+        yield
     finally:
         timer.cancel()
+
+
+def generate_within(llm, *args, timeout_s: float | None = None, **kwargs):
+    """llm.generate of a separate engine within `timeout_s` seconds (`generation_deadline`)."""
+    with generation_deadline(llm, timeout_s):
+        return llm.generate(*args, **kwargs)
 
 
 def engine_core_pids(llm) -> list[int]:

@@ -1,0 +1,169 @@
+"""Partial rollouts (--partial-rollouts). The turns a host's generations and weight syncs take (`EngineTurns`, real
+threads): a sync waits for a generation that does not step aside, and runs while one that does is parked, which then
+resumes with the new version; a generation waits for another and for a sync. A real fp32 vLLM engine's resumable
+generation: uninterrupted, it samples what `generate` does (the same seeds); interrupted by a sync after a few decode
+steps that installs other weights, it resumes every unfinished sample on them, and every token's log-prob equals
+transformers' under the weights its recorded version names (model A before the sync, B after) — no token mixes
+weights — while the resumed tokens' log-probs under A do not."""
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import make_model_dir
+from distributed import spawn
+
+PROMPTS = [[5, 17, 42, 99], [7, 8, 9], [120, 3, 44, 250, 61]]
+SAMPLES, MAX_NEW_TOKENS = 2, 24
+
+
+def _run(target) -> threading.Thread:
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_sync_waits_for_a_generation_or_runs_while_it_is_parked():
+    from megatron_ais.rollout.turns import EngineTurns
+
+    turns, events = EngineTurns(), []
+    holding, release = threading.Event(), threading.Event()
+
+    def generation_to_its_end():
+        with turns.generation():
+            holding.set()
+            release.wait(10)
+            events.append("generation ends")
+
+    def sync():
+        with turns.sync():
+            events.append("sync")
+            turns.weights_version = 7
+
+    first = _run(generation_to_its_end)
+    holding.wait(10)
+    syncing = _run(sync)
+    time.sleep(0.2)
+    events.append("released")
+    release.set()
+    first.join(10), syncing.join(10)
+    assert events == ["released", "generation ends", "sync"]  # a generation that does not step aside runs to its end
+
+    events.clear()
+    parked_with = []
+
+    def generation_that_steps_aside():
+        with turns.generation():
+            holding.set()
+            while not turns.sync_asked():
+                time.sleep(0.01)
+            events.append("parks")
+            parked_with.append(turns.park())
+            events.append("resumes")
+
+    holding.clear()
+    generating = _run(generation_that_steps_aside)
+    holding.wait(10)
+    syncing = _run(sync)
+    syncing.join(10), generating.join(10)
+    assert events == ["parks", "sync", "resumes"] and parked_with == [7]
+
+    # a generation waits for the one holding the engine, and for a sync waiting for it
+    events.clear()
+    release.clear(), holding.clear()
+    first = _run(generation_to_its_end)
+    holding.wait(10)
+    syncing = _run(sync)
+    time.sleep(0.1)
+    def second_generation():
+        with turns.generation():
+            events.append("second generation")
+
+    second = _run(second_generation)
+    time.sleep(0.1)
+    release.set()
+    for thread in (first, syncing, second):
+        thread.join(10)
+    assert events == ["generation ends", "sync", "second generation"]
+
+
+def _b_weights(b_dir):
+    from safetensors.torch import load_file
+    import glob
+
+    return [(name, t.float()) for path in sorted(glob.glob(f"{b_dir}/*.safetensors"))
+            for name, t in load_file(path).items()]
+
+
+def _worker(a_dir, b_dir, work):
+    from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
+    from megatron_ais.rollout.engine_config import EngineConfig
+    from megatron_ais.rollout.turns import EngineTurns
+
+    engine = RolloutEngine(EngineConfig(model_dir=a_dir, precision="fp32", kv_cache_gb=0.25,
+                                        placement="colocated"), work)
+    sampling = SamplingConfig(n=SAMPLES, temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=11)
+    whole = engine.generate(PROMPTS, sampling)
+    uninterrupted = engine.generate(PROMPTS, sampling, turns=EngineTurns())
+
+    class SyncAfterSteps(EngineTurns):
+        """A sync asked after `steps` decode steps: it installs B's weights while the generation is parked (an
+        engine in this process: the sync's work runs in `park`)."""
+
+        def __init__(self, steps: int):
+            super().__init__()
+            self.polls, self.steps = 0, steps
+
+        def sync_asked(self) -> bool:
+            self.polls += 1
+            return self.polls == self.steps
+
+        def park(self) -> int:
+            engine.update_weights(_b_weights(b_dir))
+            self.weights_version = 1
+            return self.weights_version
+
+    interrupted = engine.generate(PROMPTS, sampling, turns=SyncAfterSteps(6))
+    engine.shutdown()
+    as_lists = [[(r.prompt_index, r.token_ids, r.logprobs, r.finish_reason, r.versions) for r in rollouts]
+                for rollouts in (whole, uninterrupted, interrupted)]
+    return as_lists
+
+
+def _logprobs(model, prompt, tokens) -> list[float]:
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+@pytest.mark.slow
+def test_an_interrupted_generation_resumes_on_the_new_weights_and_records_each_tokens_version(model_root, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    shape = dict(hidden_size=128, intermediate_size=256)  # vLLM's CPU attention needs head_dim >= 32
+    a_dir, b_dir = (make_model_dir(model_root, "qwen3", seed=seed, **shape) for seed in (1, 2))
+    ((whole, uninterrupted, interrupted),) = spawn(1, _worker, a_dir, b_dir, str(tmp_path))
+    # not interrupted: the same samples as vLLM's own n-sample requests, every token of version 0
+    assert [r[:2] + r[3:4] for r in uninterrupted] == [r[:2] + r[3:4] for r in whole]
+    assert max(abs(x - y) for a, b in zip(whole, uninterrupted) for x, y in zip(a[2], b[2])) <= 1e-6
+    assert all(set(r[4]) == {0} for r in uninterrupted)
+
+    models = [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32) for d in (a_dir, b_dir)]
+    assert len(interrupted) == len(PROMPTS) * SAMPLES
+    partial, resumed_tokens, diffs, under_a = 0, 0, [], []
+    for index, tokens, logprobs, reason, versions in interrupted:
+        assert len(tokens) == len(logprobs) == len(versions) and 0 < len(tokens) <= MAX_NEW_TOKENS
+        assert reason in ("stop", "length") and versions == sorted(versions) and set(versions) <= {0, 1}
+        partial += len(set(versions)) > 1
+        resumed_tokens += versions.count(1)
+        by_version = [_logprobs(m, PROMPTS[index], tokens) for m in models]
+        diffs += [abs(logprob - by_version[v][i]) for i, (logprob, v) in enumerate(zip(logprobs, versions))]
+        under_a += [abs(logprob - by_version[0][i]) for i, (logprob, v) in enumerate(zip(logprobs, versions))
+                    if v == 1]
+    # the sync came after 5 decode steps: every sample still going then was resumed
+    assert partial == sum(len(r[1]) > 5 for r in interrupted) > 0
+    assert resumed_tokens > 20
+    assert max(diffs) <= 1e-4, f"a token's log-prob is not its version's: max |engine - transformers| {max(diffs):.2e}"
+    assert sum(under_a) / len(under_a) > 0.1, "the resumed tokens must be those of B's weights, not A's"
