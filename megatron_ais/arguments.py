@@ -169,6 +169,9 @@ class GRPORunConfig:
     def check(self, world_size: int) -> None:
         """Refuse flag combinations that describe an impossible run, naming the flags."""
         loop, training = self.loop, self.trainer.training
+        if self.correction.lambda_per_lag and not loop.max_off_policy_steps:
+            raise ArgumentValidationError("--ais-lambda-per-lag needs --max-off-policy-steps 1 or more (at 0 every "
+                                          "token has lag 0: one λ)")
         if loop.top_p < 1 and self.correction.correction != "none":
             raise ArgumentValidationError(
                 f"--top-p {loop.top_p} with --is-correction {self.correction.correction}: the engine's log-probs are "

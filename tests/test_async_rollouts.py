@@ -6,7 +6,8 @@ to FP32 rounding (the precision mismatch alone) and those of lag 1 and 2 do not 
 diagnostics are the batch's; a run resumed from the checkpoint of step 3 regenerates the batches the uninterrupted run
 trained on and logs its metrics. η = 2 with --partial-rollouts (one rank, slow generation): each step's weights reach
 the engine while it generates a later batch, whose unfinished samples resume on them; no token lags more than η
-(that each token's log-prob is its recorded version's: tests/rollout/test_partial_rollouts.py). η = 1: an engine
+(that each token's log-prob is its recorded version's: tests/rollout/test_partial_rollouts.py); with
+--ais-lambda-per-lag each lag's tokens get their own λ (a batch of one lag: the batch's). η = 1: an engine
 SIGKILLed after step 2 (one trainer rank, the engine bound to its own core by --rollout-cpu-core) is restarted once,
 by the background generation or the next sync, with the weights it had, so the run trains on the same batches; an
 engine restarted by the background thread outlives the generation that restarted it (tests/rollout/test_fleet.py
@@ -121,7 +122,7 @@ def test_an_engine_killed_mid_run_restarts_once_with_the_weights_it_had(model_ro
 @pytest.mark.slow
 def test_partial_rollouts_resume_on_the_new_weights_within_the_bound(model_root, tmp_path):
     checkpoint = _converted_checkpoint(model_root, tmp_path)
-    flags = (*ASYNC, *ONE_RANK, *SLOW_GENERATION, "--partial-rollouts", "--save-interval", "4")
+    flags = (*ASYNC, *ONE_RANK, *SLOW_GENERATION, "--partial-rollouts", "--ais-lambda-per-lag", "--save-interval", "4")
     out = tmp_path / "partial"
     run = subprocess.run(_one_rank(_command(checkpoint, out, 4, "--save", str(out / "ckpt"), *flags)),
                          capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
@@ -136,3 +137,10 @@ def test_partial_rollouts_resume_on_the_new_weights_within_the_bound(model_root,
     for h in history:  # tokens of the weights a step trains from match its log-probs (FP32), stale ones do not
         assert h.get("ais/lag0/max_abs_logratio", 0.0) < 1e-4, h
         assert all(h[f"ais/lag{k}/max_abs_logratio"] > 1e-3 for k in (1, 2) if f"ais/lag{k}/num_units" in h), h
+        # one λ per lag, from its tokens alone: a batch of one lag has the batch's λ
+        step_lags = [k for k in lags if f"ais/lag{k}/num_units" in h]
+        assert all(0.0 <= h[f"ais/lag{k}/lambda"] <= 1.0 for k in step_lags), h
+        if len(step_lags) == 1:
+            assert h[f"ais/lag{step_lags[0]}/lambda"] == pytest.approx(h["ais/lambda"], rel=1e-9), h
+        if 0 in step_lags and 1 in step_lags:  # FP32: lag 0 has no mismatch to correct, lag 1 a step's staleness
+            assert h["ais/lag0/lambda"] < 0.01 < h["ais/lag1/lambda"], h

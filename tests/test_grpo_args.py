@@ -72,6 +72,9 @@ def test_configs_take_the_flags_and_keep_one_default():
     (["--rollout-cpu-core", "one"], 1, "--rollout-cpu-core 'one' is not a CPU list (write 1, 2-3 or 0,2)"),
     (["--max-off-policy-steps", "-1"], 1, "--max-off-policy-steps -1 must be >= 0 (0: the synchronous loop)"),
     (["--partial-rollouts"], 1, "--partial-rollouts needs --max-off-policy-steps 1 or more"),
+    (["--ais-lambda-per-lag"], 1, "--ais-lambda-per-lag needs --max-off-policy-steps 1 or more"),
+    (["--ais-lambda-per-lag", "--is-correction", "tis", "--max-off-policy-steps", "1", "--rollout-placement",
+      "separate"], 1, "--ais-lambda-per-lag with --is-correction tis: only AIS has a λ"),
     (["--max-off-policy-steps", "1", "--rollout-placement", "colocated"], 1,
      "--max-off-policy-steps 1 with --rollout-placement colocated: a colocated engine shares its trainer rank's"),
 ])

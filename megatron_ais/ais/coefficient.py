@@ -21,16 +21,25 @@ class AISState:
     anchor_sum: float = 0.0
     anchor_count: int = 0
     lam_ema: float | None = None
+    per_lag: dict[int, "AISState"] = dataclasses.field(default_factory=dict)  # --ais-lambda-per-lag: each lag's
 
     def anchor_mean(self) -> float | None:
         """Return D0, the mean severity D over the anchoring batches seen so far (None before the first)."""
         return self.anchor_sum / self.anchor_count if self.anchor_count else None
 
+    def of_lag(self, lag: int) -> "AISState":
+        """The state of the λ of the tokens of policy-version lag `lag` (--ais-lambda-per-lag)."""
+        return self.per_lag.setdefault(lag, AISState())
+
     def state_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        state = dataclasses.asdict(self)
+        state["per_lag"] = {str(lag): lag_state for lag, lag_state in state["per_lag"].items()}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
+            if key == "per_lag":
+                value = {int(lag): AISState(**lag_state) for lag, lag_state in value.items()}
             setattr(self, key, value)
 
 
@@ -51,6 +60,8 @@ class AISResult:
     truncated_fraction: float
     num_units: float
     sequence_ess: float = 1.0  # (Σ W)² / (N Σ W²) of the sequences' raw weights W = Π_t w_t, whatever the level
+    # --ais-lambda-per-lag: each token's λ, that of its lag (`lambda_per_token`); the correction uses it, not `lam`
+    token_lambda: torch.Tensor | None = None
 
     def metrics(self, prefix: str = "ais/") -> dict[str, float]:
         """Return the scalars to log, named as in docs/ais-method.md §2.5."""
@@ -130,7 +141,46 @@ def correction_weights(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.T
     if mask is None:
         mask = torch.ones_like(trainer_logprobs, dtype=torch.float32)
     truncated = unit_weights(trainer_logprobs, rollout_logprobs, mask, config).clamp(max=config.cap)
-    return ((1.0 - result.lam) + result.lam * truncated).detach()
+    lam = result.lam if result.token_lambda is None else result.token_lambda
+    return ((1.0 - lam) + lam * truncated).detach()
+
+
+def statistics_per_lag(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
+                       mask: torch.Tensor, lags: torch.Tensor, max_lag: int, config: AISConfig, group=None
+                       ) -> dict[int, tuple[torch.Tensor, float]]:
+    """For each policy-version lag 0 .. `max_lag` that has tokens: the statistics of its tokens alone over the
+    DP-global batch, and their max |δ|. Collective over `group`: every rank computes every lag."""
+    per_lag = {}
+    for lag in range(max_lag + 1):
+        lag_mask = mask * (lags == lag).to(mask.dtype)
+        stats = reduce_statistics(mismatch_statistics(trainer_logprobs, rollout_logprobs, advantages, lag_mask,
+                                                      config), group)
+        largest = max_abs_logratio(trainer_logprobs, rollout_logprobs, lag_mask, config, group)
+        if stats[STAT_NAMES.index("n")] > 0:
+            per_lag[lag] = (stats, largest)
+    return per_lag
+
+
+def lag_metrics(results: dict[int, AISResult], largest: dict[int, float], with_lambda: bool = False
+                ) -> dict[str, float]:
+    """Each lag's diagnostics as `ais/lag{k}/<name>` (and its λ, `with_lambda`)."""
+    metrics = {}
+    for lag, result in results.items():
+        names = [("num_units", result.num_units), ("mean_abs_logratio", result.mean_abs_logratio),
+                 ("max_abs_logratio", largest[lag]), ("k3_kl", result.k3_kl), ("chi2", result.chi2),
+                 ("ess_ratio_raw", result.ess_ratio_raw), ("sequence_ess", result.sequence_ess)]
+        if with_lambda:
+            names.append(("lambda", result.lam))
+        metrics.update({f"ais/lag{lag}/{name}": value for name, value in names})
+    return metrics
+
+
+def lambda_per_token(results: dict[int, AISResult], lags: torch.Tensor) -> torch.Tensor:
+    """Each token's λ: that of its lag (0 where its lag has no tokens in the batch: off the response)."""
+    lam = torch.zeros(lags.shape, dtype=torch.float32, device=lags.device)
+    for lag, result in results.items():
+        lam = torch.where(lags == lag, torch.tensor(result.lam, dtype=torch.float32, device=lags.device), lam)
+    return lam
 
 
 def metrics_per_lag(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -138,18 +188,7 @@ def metrics_per_lag(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tens
                     ) -> dict[str, float]:
     """The mismatch diagnostics of the tokens of each policy-version lag 0 .. `max_lag` on their own (lag 0: the
     precision mismatch alone; lag k adds k steps of staleness), each over the DP-global batch, as
-    `ais/lag{k}/<name>` for every lag that has tokens. Collective over `group`: every rank computes every lag."""
-    metrics = {}
-    for lag in range(max_lag + 1):
-        lag_mask = mask * (lags == lag).to(mask.dtype)
-        stats = reduce_statistics(mismatch_statistics(trainer_logprobs, rollout_logprobs, advantages, lag_mask,
-                                                      config), group)
-        largest = max_abs_logratio(trainer_logprobs, rollout_logprobs, lag_mask, config, group)
-        result = ais_coefficient(stats, config)  # a fresh state: these tokens' diagnostics alone
-        if result.num_units > 0:
-            prefix = f"ais/lag{lag}/"
-            metrics.update({prefix + name: value for name, value in (
-                ("num_units", result.num_units), ("mean_abs_logratio", result.mean_abs_logratio),
-                ("max_abs_logratio", largest), ("k3_kl", result.k3_kl), ("chi2", result.chi2),
-                ("ess_ratio_raw", result.ess_ratio_raw), ("sequence_ess", result.sequence_ess))})
-    return metrics
+    `ais/lag{k}/<name>` for every lag that has tokens. Collective over `group`."""
+    per_lag = statistics_per_lag(trainer_logprobs, rollout_logprobs, advantages, mask, lags, max_lag, config, group)
+    return lag_metrics({lag: ais_coefficient(stats, config) for lag, (stats, _) in per_lag.items()},
+                       {lag: largest for lag, (_, largest) in per_lag.items()})

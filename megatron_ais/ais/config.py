@@ -54,6 +54,11 @@ class AISConfig(FlagConfig):
                          choices=functools.partial(sorted, registry.COMBINERS))
     anchor_steps: int = flag(10, "Batches that define the anchored severity D0.", name="--ais-anchor-steps")
     anchor_kappa: float = flag(1.0, "Anchored severity scale kappa.", name="--ais-anchor-kappa")
+    lambda_per_lag: bool = flag(
+        False, "With --max-off-policy-steps > 0: one λ for the tokens of each policy-version lag, each from that lag's "
+               "DP-global statistics (and state), instead of one λ for the batch. Batches mix lags with "
+               "--partial-rollouts; otherwise every batch has one lag and the two agree.",
+        name="--ais-lambda-per-lag")
     logratio_clamp: float = 20.0
 
     def __post_init__(self):
@@ -75,6 +80,9 @@ class AISConfig(FlagConfig):
             raise ValueError(f"--ais-ema {self.ema} must be in [0, 1)")
         if not 0 < self.mis_band[0] < self.mis_band[1]:
             raise ValueError(f"--is-mask-low/--is-mask-high give an empty band {self.mis_band}")
+        if self.lambda_per_lag and self.correction != "ais":
+            raise ValueError(f"--ais-lambda-per-lag with --is-correction {self.correction}: only AIS has a λ; use "
+                             "--is-correction ais or drop the flag")
         if not 0 <= self.icepop_low < self.icepop_high:
             raise ValueError(f"--icepop-low {self.icepop_low} must be below --icepop-high {self.icepop_high}")
 

@@ -10,9 +10,8 @@ import torch.distributed as dist
 
 from megatron_ais import platform
 from megatron_ais.ais import (AISConfig, AISResult, AISState, ais_coefficient, apply_correction, check_trainer_logprobs,
-                              exclude_invalid_sequences, max_abs_logratio, metrics_per_lag, mismatch_statistics,
-                              reduce_statistics)
-from megatron_ais.ais.coefficient import EMPTY_RESULT
+                              exclude_invalid_sequences, max_abs_logratio, mismatch_statistics, reduce_statistics)
+from megatron_ais.ais.coefficient import EMPTY_RESULT, lag_metrics, lambda_per_token, statistics_per_lag
 from megatron_ais.batch import RolloutBatch, data_parallel_rows, row_lengths
 from megatron_ais.errors import RoutingReplayError
 from megatron_ais.forward import (MicroBatchPlan, ParallelGroups, fixed_plan, micro_batches, score_rows,
@@ -129,8 +128,8 @@ def _correct(ddp_chunks: list, local: dict, mask: torch.Tensor, rollout_lp: torc
         metrics["ais/max_abs_logratio"] = max_abs_logratio(old_logprobs, rollout_lp, mask, config.correction,
                                                            groups.data_parallel_group)
         if lags is not None:
-            metrics.update(metrics_per_lag(old_logprobs, rollout_lp, local["advantages"], mask, lags, config.max_lag,
-                                           config.correction, groups.data_parallel_group))
+            result = _per_lag(old_logprobs, rollout_lp, local["advantages"], mask, lags, config, state, groups,
+                              metrics, result)
         correction = apply_correction(old_logprobs, rollout_lp, mask, config.correction, result)
         coefficient, keep = correction.coefficient, correction.keep
         metrics["guard/rejected_fraction"] = 1.0 - global_normalizer(keep, "token-mean", groups.data_parallel_group) \
@@ -140,6 +139,23 @@ def _correct(ddp_chunks: list, local: dict, mask: torch.Tensor, rollout_lp: torc
         local["old_logprobs"] = torch.zeros_like(mask)
     local.update(coefficient=coefficient, keep=keep)
     return result
+
+
+def _per_lag(old_logprobs: torch.Tensor, rollout_lp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+             lags: torch.Tensor, config: GRPOConfig, state: AISState, groups: ParallelGroups, metrics: dict,
+             result: AISResult) -> AISResult:
+    """Log the mismatch of each policy-version lag's tokens alone (DP-global); with --ais-lambda-per-lag each lag's
+    λ from them (and its own state) becomes its tokens' λ in `result`."""
+    correction = config.correction
+    per_lag = statistics_per_lag(old_logprobs, rollout_lp, advantages, mask, lags, config.max_lag, correction,
+                                 groups.data_parallel_group)
+    results = {lag: ais_coefficient(stats, correction, state.of_lag(lag) if correction.lambda_per_lag else None)
+               for lag, (stats, _) in per_lag.items()}
+    metrics.update(lag_metrics(results, {lag: largest for lag, (_, largest) in per_lag.items()},
+                               with_lambda=correction.lambda_per_lag))
+    if not correction.lambda_per_lag:
+        return result
+    return dataclasses.replace(result, token_lambda=lambda_per_token(results, lags))
 
 
 def _update(ddp_chunks: list, optimizer, local: dict, lengths: list[int], config: GRPOConfig,

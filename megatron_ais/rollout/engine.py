@@ -305,11 +305,12 @@ class RolloutEngine:
 
     def generate_resumable(self, prompts: list[list[int]], params: list, turns: EngineTurns,
                            timeout_s: float | None = None) -> list[Rollout]:
-        """`generate` (`params`: each prompt's, with DELTA outputs) one request per sample (vLLM's n samples of a seeded prompt are n requests seeded seed,
-        seed + 1, ...: the same draws), stepping the engine here so that a weight sync can interrupt it: when one
-        asks (`turns`), the unfinished requests are aborted and the generation parks; once the sync is done they
-        are resumed on the new weights, each from its prompt and the tokens it has (their log-probs kept; the rest
-        seeded from the sample's seed and length). Every token records the version that sampled it."""
+        """`generate` (`params`: each prompt's, with DELTA outputs) as one request per sample (vLLM's n samples of a
+        seeded prompt are n requests seeded seed, seed + 1, ...: the same draws), stepping the engine here so that a
+        weight sync can interrupt it: when one asks (`turns`), the unfinished requests are aborted and the generation
+        parks; once the sync is done they are resumed on the new weights, each from its prompt and the tokens it has
+        (their log-probs kept; the rest seeded from the sample's seed and length). Every token records the version
+        that sampled it."""
         samples = [_Sample(index, list(prompt), prompt_params, j)
                    for index, (prompt, prompt_params) in enumerate(zip(prompts, params)) for j in range(params[0].n)]
         engine, version, segment = self.llm.llm_engine, turns.weights_version, 0

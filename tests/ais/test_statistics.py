@@ -278,3 +278,55 @@ def test_per_lag_diagnostics_are_those_of_each_lags_rows_alone(level):
             assert metrics[f"ais/lag{lag}/chi2"] == pytest.approx(
                 float(len(w) * (w * w).sum() / w.sum() ** 2 - 1), rel=1e-9)
             assert metrics[f"ais/lag{lag}/max_abs_logratio"] == pytest.approx(float(delta.abs().max()), rel=1e-6)
+
+
+def test_lambda_per_lag_is_each_lags_own_lambda_on_its_tokens():
+    """--ais-lambda-per-lag: rows one policy version stale (a larger mismatch) beside current ones; each lag's λ is
+    the closed-form λ of its rows alone, and each token's coefficient is (1 − λ_k) + λ_k · min(w, C) with its lag's
+    λ_k (by hand). With one lag in the batch, that lag's λ is the batch's λ."""
+    import dataclasses
+
+    from megatron_ais.ais.coefficient import lambda_per_token, statistics_per_lag
+
+    trainer, rollout, adv, mask = _batch(seed=5, b=6, s=7, scale=0.05)
+    stale = torch.tensor([False, True, False, True, True, False])
+    rollout = torch.where(stale[:, None], rollout + 0.4 * torch.randn(6, 7, generator=torch.Generator().manual_seed(9)),
+                          rollout)
+    lags = stale.long()[:, None].expand(6, 7)
+    config, state = AISConfig(lambda_per_lag=True), AISState()
+    per_lag = statistics_per_lag(trainer, rollout, adv, mask, lags, 2, config)
+    assert sorted(per_lag) == [0, 1]
+    results = {lag: ais_coefficient(stats, config, state.of_lag(lag)) for lag, (stats, _) in per_lag.items()}
+    expected = {lag: reference_lambda(trainer[stale == bool(lag)], rollout[stale == bool(lag)],
+                                      adv[stale == bool(lag)], mask[stale == bool(lag)]) for lag in (0, 1)}
+    for lag in (0, 1):
+        assert results[lag].lam == pytest.approx(expected[lag], rel=1e-6)
+    assert abs(expected[0] - expected[1]) > 0.1, expected
+    batch = ais_coefficient(mismatch_statistics(trainer, rollout, adv, mask, config), config)
+    coefficient = correction_weights(trainer, rollout,
+                                     dataclasses.replace(batch, token_lambda=lambda_per_token(results, lags)), config,
+                                     mask)
+    w = (trainer - rollout).exp().clamp(max=config.cap)
+    lam = torch.where(stale[:, None], expected[1], expected[0]).expand(6, 7)
+    valid = mask > 0
+    assert torch.allclose(coefficient[valid], ((1 - lam) + lam * w)[valid].float(), atol=1e-6)
+    assert state.batches == 0 and state.of_lag(0).batches == 1 and state.of_lag(1).batches == 1
+
+    current = torch.zeros_like(lags)
+    (stats, _), = statistics_per_lag(trainer, rollout, adv, mask, current, 2, config).values()
+    assert ais_coefficient(stats, config).lam == pytest.approx(batch.lam, rel=1e-12)
+
+
+def test_per_lag_state_round_trips_through_json():
+    import json
+
+    config = AISConfig(ema=0.5, severity="anchored", lambda_per_lag=True)
+    state = AISState()
+    for seed in range(3):
+        trainer, rollout, adv, mask = _batch(seed=seed)
+        for lag in (0, 2):
+            ais_coefficient(mismatch_statistics(trainer, rollout + 0.1 * lag, adv, mask, config), config,
+                            state.of_lag(lag))
+    restored = AISState()
+    restored.load_state_dict(json.loads(json.dumps(state.state_dict())))
+    assert restored == state and restored.of_lag(2).anchor_count == 3 and restored.of_lag(2).lam_ema is not None
