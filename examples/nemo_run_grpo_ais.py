@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     slurm.add_argument("--max-off-policy-steps", type=int, default=None,
                        help="MAX_OFF_POLICY_STEPS of the qwen3_8b recipe (1: rollouts of the next step overlap "
                             "training, 0: synchronous; default: the recipe's, 1).")
+    slurm.add_argument("--partial-rollouts", action="store_true",
+                       help="PARTIAL_ROLLOUTS=1 of the qwen3_8b recipe: syncs interrupt the engines' requests, "
+                            "which resume on the new weights (needs --max-off-policy-steps >= 1).")
     slurm.add_argument("--time", default="04:00:00", help="Wall-clock limit.")
     slurm.add_argument("--container-image", default="megatron-ais:latest", help="Image built from our Dockerfile.")
     slurm.add_argument("--container-mounts", nargs="*", default=[], help="host:container mounts (models, data, ckpt).")
@@ -103,7 +106,8 @@ def slurm_environment(args) -> dict[str, str]:
             "TORCH_NCCL_AVOID_RECORD_STREAMS": "1", "NCCL_NVLS_ENABLE": "0",
             **({"ENGINES_PER_NODE": str(args.engines_per_node)} if args.engines_per_node else {}),
             **({"MAX_OFF_POLICY_STEPS": str(args.max_off_policy_steps)}
-               if args.max_off_policy_steps is not None else {})}
+               if args.max_off_policy_steps is not None else {}),
+            **({"PARTIAL_ROLLOUTS": "1"} if args.partial_rollouts else {})}
 
 
 def build_experiment(args):

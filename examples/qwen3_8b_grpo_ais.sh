@@ -45,6 +45,9 @@ PP=${PP:-1}
 # with the weights step t starts from while the trainer trains step t; AIS sees the lag in the rollout log-probs.
 # Steps that evaluate or save (every 20 here) sync first. 0 gives the synchronous loop.
 MAX_OFF_POLICY_STEPS=${MAX_OFF_POLICY_STEPS:-1}
+# PARTIAL_ROLLOUTS=1: each step's weights reach the engines as soon as it has trained; requests in flight are aborted
+# and resumed on them with their tokens kept (slime's --partial-rollout). Not reproducible token for token.
+PARTIAL_ROLLOUTS=${PARTIAL_ROLLOUTS:-0}
 
 DISTRIBUTED_ARGS=(
     --nproc-per-node "$TRAINER_GPUS_PER_NODE"  # the engines' GPUs come after these (vLLM device_ids)
@@ -119,6 +122,7 @@ ROLLOUT_ARGS=(
     --bridge-bucket-size-mb 512
     --verify-refit-interval 10            # probe-sequence refit check every 10 syncs
 )
+if [ "$PARTIAL_ROLLOUTS" = 1 ]; then ROLLOUT_ARGS+=(--partial-rollouts); fi
 
 AIS_ARGS=(
     --is-correction ais

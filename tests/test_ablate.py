@@ -19,18 +19,25 @@ def test_the_regime_changes_only_the_fp8_arms():
     assert w8a8[-4:] == ["--rollout-fp8-activations", "emulate", "--rollout-kv-cache-dtype", "fp8"]
     assert "--is-level" in w8a8 and ablate.arm_flags("fp8", arms["fp8"], "w8a16") == arms["fp8"]
     assert ablate.arm_flags("fp8", arms["fp8"], "gpu")[-2:] == ["--rollout-kv-cache-dtype", "fp8"]  # W8A8 natively
-    assert len(arms) == 10
+    assert len(arms) == 11
+    stale = ablate.arm_flags("fp8-ais-lag", arms["fp8-ais-lag"], "w8a16", eta=2)
+    assert stale[-4:] == ["--max-off-policy-steps", "2", "--rollout-placement", "separate"]
+    assert "--ais-lambda-per-lag" in stale
 
 
 def test_a_row_gives_mean_and_sample_std_over_seeds():
     runs = [_summary(0.5, 1e-3, 0.8, 0.1, (0.0, 0.2)), _summary(0.6, 3e-3, 0.6, 0.3, (0.9, 0.3)),
             _summary(0.7, 2e-3, 0.7, 0.2, (0.5, 0.4))]
-    row = ablate.table_row("fp8-ais", "FP8 + AIS", runs).split(" | ")
-    assert row[1:5] == ["3", "0.250", "0.600 ± 0.100", "0.600 ± 0.100"]
-    assert row[5] == "0.300 ± 0.100"  # the second half of the steps' training reward (step 2 here)
-    assert row[6] == "4.00e-03"  # per-step mean 2·k3, averaged over seeds
-    assert row[7:11] == ["0.9800", "0.700", "0.020", "0.000"] and row[11] == "0.100–0.600"
-    assert ablate.table_row("fp8", "FP8", runs).split(" | ")[11] == "–"  # λ only for AIS arms
+    baseline = [_summary(0.4, 1e-3, 0.8, 0.1), _summary(0.6, 1e-3, 0.8, 0.1), _summary(0.5, 1e-3, 0.8, 0.1)]
+    row = ablate.table_row("fp8-ais", "FP8 + AIS", runs, baseline, eta=2).split(" | ")
+    assert row[1:5] == ["2", "3", "0.250", "0.600 ± 0.100"]
+    assert row[5] == "0.100 ± 0.100"  # paired with the baseline seed by seed: 0.1, 0.0, 0.2
+    assert row[6] == "0.600 ± 0.100"  # best step
+    assert row[7] == "0.300 ± 0.100"  # the second half of the steps' training reward (step 2 here)
+    assert row[8] == "4.00e-03"  # per-step mean 2·k3, averaged over seeds
+    assert row[9:13] == ["0.9800", "0.700", "0.020", "0.000"] and row[13] == "0.100–0.600"
+    assert ablate.table_row("fp8", "FP8", runs).split(" | ")[13] == "–"  # λ only for AIS arms
+    assert ablate.table_row("fp8", "FP8", runs).split(" | ")[5] == "–"  # no baseline
 
 
 def test_report_only_tables_the_summaries_already_written(tmp_path):
@@ -43,5 +50,23 @@ def test_report_only_tables_the_summaries_already_written(tmp_path):
     assert ablate.main(["--load", "unused", "--output-dir", str(tmp_path), "--arms", "fp8", "fp8-ais", "--seeds", "1",
                         "2", "--report-only"]) == 0
     table = (tmp_path / "ablation.md").read_text()
-    assert "| FP8, uncorrected | 2 | 0.250 | 0.500 ± 0.000 |" in table and "| FP8 + AIS | 2 | 0.250 | 0.700" in table
+    assert "| FP8, uncorrected | 0 | 2 | 0.250 | 0.500 ± 0.000 | – |" in table
+    assert "| FP8 + AIS | 0 | 2 | 0.250 | 0.700 ± 0.000 | 0.200 ± 0.000 |" in table
     assert (tmp_path / "ablation.png").stat().st_size > 10_000
+
+
+def test_report_only_sweeps_eta_with_a_figure_of_accuracy_against_it(tmp_path):
+    import json
+
+    for arm, eta, after in (("fp8", 0, 0.5), ("fp8-ais", 0, 0.6), ("fp8-eta2", 2, 0.3), ("fp8-ais-eta2", 2, 0.55),
+                            ("fp8-ais-lag-eta2", 2, 0.58)):
+        for seed in (1, 2):
+            (tmp_path / arm / f"seed{seed}").mkdir(parents=True)
+            (tmp_path / arm / f"seed{seed}" / "summary.json").write_text(
+                json.dumps(_summary(after + 0.01 * seed, 1e-3, 0.8, 0.1)))
+    assert ablate.main(["--load", "unused", "--output-dir", str(tmp_path), "--arms", "fp8", "fp8-ais", "fp8-ais-lag",
+                        "--seeds", "1", "2", "--off-policy-steps", "0", "2", "--report-only"]) == 0
+    table = (tmp_path / "ablation.md").read_text()
+    assert "| FP8 + AIS | 2 | 2 | 0.250 | 0.565 ± 0.007 | 0.250 ± 0.000 |" in table
+    assert "| FP8 + AIS, one λ per lag | 2 |" in table and "| FP8 + AIS, one λ per lag | 0 |" not in table
+    assert (tmp_path / "accuracy_by_eta.png").stat().st_size > 10_000

@@ -7,7 +7,10 @@ trajectories.
 
 Regimes: `w8a16` (the CPU engine: e4m3 weights, BF16 activations, BF16 KV cache), `w8a8` (H100's numerics on a
 CPU: `--rollout-fp8-activations emulate` and an FP8 KV cache) and `gpu` (a GPU engine, W8A8 natively, with an FP8 KV
-cache). Flags after `--` go to every pretrain_grpo_ais.py run unchanged.
+cache). `--off-policy-steps 0 2 4` sweeps the staleness bound η (`--max-off-policy-steps`, separate engines when
+η > 0; add `--partial-rollouts` after `--` for mixed-lag batches). Each arm's after-accuracy is also compared seed by
+seed with the uncorrected FP8 arm at the same η (paired differences). Flags after `--` go to every
+pretrain_grpo_ais.py run unchanged.
 """
 from __future__ import annotations
 
@@ -34,23 +37,32 @@ ARMS = (
     ("fp8-ais", "FP8 + AIS", FP8 + ["--is-correction", "ais"]),
     ("fp8-ais-seq", "FP8 + AIS, sequence level", FP8 + ["--is-correction", "ais", "--is-level", "sequence"]),
     ("fp8-ais-cv", "FP8 + AIS, CV variance", FP8 + ["--is-correction", "ais", "--ais-variance", "cv"]),
+    ("fp8-ais-lag", "FP8 + AIS, one λ per lag", FP8 + ["--is-correction", "ais", "--ais-lambda-per-lag"]),
 )
+PER_LAG_ARMS = ("fp8-ais-lag",)  # need η > 0
 # the FP8 engine's numerics: the CPU kernel's W8A16; H100's W8A8 emulated on a CPU; on a GPU vLLM's own W8A8 path
 REGIMES = {"w8a16": [], "w8a8": ["--rollout-fp8-activations", "emulate", "--rollout-kv-cache-dtype", "fp8"],
            "gpu": ["--rollout-kv-cache-dtype", "fp8"]}
 
 
-def arm_flags(name: str, flags: list[str], regime: str) -> list[str]:
-    """An arm's flags in a regime: the regime's engine numerics apply to the FP8 arms only."""
-    return flags + (REGIMES[regime] if name != "bf16" else [])
+def arm_flags(name: str, flags: list[str], regime: str, eta: int = 0) -> list[str]:
+    """An arm's flags in a regime at staleness bound η: the regime's engine numerics apply to the FP8 arms only;
+    η > 0 runs separate engines that many steps ahead."""
+    stale = ["--max-off-policy-steps", str(eta), "--rollout-placement", "separate"] if eta else []
+    return flags + (REGIMES[regime] if name != "bf16" else []) + stale
 
 
-def run_arm(name: str, flags: list[str], seed: int, args, extra: list[str]) -> dict:
+def cell(name: str, eta: int) -> str:
+    """An arm's directory name at η (η = 0 keeps the arm's name: earlier studies' directories)."""
+    return name if eta == 0 else f"{name}-eta{eta}"
+
+
+def run_arm(name: str, flags: list[str], seed: int, args, extra: list[str], eta: int = 0) -> dict:
     """Run one arm at one seed with torchrun; return its summary (raises with the tail of its log on failure)."""
-    out = os.path.join(args.output_dir, name, f"seed{seed}")
+    out = os.path.join(args.output_dir, cell(name, eta), f"seed{seed}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(args.nproc_per_node), os.path.join(ROOT, "pretrain_grpo_ais.py"), "--load", args.load,
-           "--seed", str(seed), "--output-dir", out, *extra, *arm_flags(name, flags, args.regime)]
+           "--seed", str(seed), "--output-dir", out, *extra, *arm_flags(name, flags, args.regime, eta)]
     os.makedirs(out, exist_ok=True)
     start = time.time()
     with open(os.path.join(out, "log.txt"), "w") as log:
@@ -93,8 +105,15 @@ def spread(values: list[float], digits: int = 3) -> str:
     return f"{_mean(values):.{digits}f} ± {std:.{digits}f}"
 
 
-def table_row(name: str, label: str, summaries: list[dict]) -> str:
-    """One markdown row over an arm's seeds."""
+def paired_difference(summaries: list[dict], baseline: list[dict] | None) -> str:
+    """after − the baseline's after, seed by seed (the runs in seed order), as mean ± std; "–" without a baseline."""
+    if not baseline or summaries is baseline:
+        return "–"
+    return spread([s["accuracy_after"] - b["accuracy_after"] for s, b in zip(summaries, baseline)])
+
+
+def table_row(name: str, label: str, summaries: list[dict], baseline: list[dict] | None = None, eta: int = 0) -> str:
+    """One markdown row over an arm's seeds (at η; `baseline`: the uncorrected FP8 arm's runs at the same seeds)."""
     figures = [seed_figures(s) for s in summaries]
 
     def column(key):
@@ -102,16 +121,18 @@ def table_row(name: str, label: str, summaries: list[dict]) -> str:
 
     lam = f"{min(column('lambda_min')):.3f}–{max(column('lambda_max')):.3f}" if "ais" in name else "–"
     before = _mean([s["accuracy_before"] for s in summaries])
-    return (f"| {label} | {len(figures)} | {before:.3f} | {spread(column('after'))} | "
+    return (f"| {label} | {eta} | {len(figures)} | {before:.3f} | {spread(column('after'))} | "
+            f"{paired_difference(summaries, baseline)} | "
             f"{spread(column('best'))} | {spread(column('late_reward'))} | {_mean(column('k3')):.2e} | {_mean(column('token_ess')):.4f} | "
             f"{_mean(column('sequence_ess')):.3f} | "
             f"{_mean(column('truncated')):.3f} | "
             f"{_mean(column('rejected')):.3f} | {lam} | {_mean(column('wall_s')):.0f} |")
 
 
-TABLE_HEADER = ("| arm | seeds | held-out acc. before (mean) | after (mean ± std) | best step (mean ± std) | training reward, "
-                "second half (mean ± std) | mean k3 KL (trainer‖engine) | token ESS | sequence ESS | units with w > C | "
-                "rejected tokens | λ range | wall s per run |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+TABLE_HEADER = ("| arm | η | seeds | held-out acc. before (mean) | after (mean ± std) | after − FP8 uncorrected, paired "
+                "(mean ± std) | best step (mean ± std) | training reward, second half (mean ± std) | mean k3 KL "
+                "(trainer‖engine) | token ESS | sequence ESS | units with w > C | rejected tokens | λ range | wall s per "
+                "run |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def plot(summaries: dict[str, list[dict]], labels: dict[str, str], path: str) -> str:
@@ -137,6 +158,28 @@ def plot(summaries: dict[str, list[dict]], labels: dict[str, str], path: str) ->
     return save_step_figure(plt, fig, axes, path)
 
 
+def plot_against_eta(summaries: dict[str, list[dict]], cells: list[tuple[str, str, int]], path: str) -> str:
+    """Held-out accuracy after the run against η, one line per arm: mean over seeds, sample std as error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(6, 4))
+    for name, label in dict((name, label) for name, label, _ in cells).items():
+        etas = sorted(eta for arm, _, eta in cells if arm == name)
+        runs = [[s["accuracy_after"] for s in summaries[cell(name, eta)]] for eta in etas]
+        axis.errorbar(etas, [_mean(r) for r in runs], yerr=[statistics.stdev(r) if len(r) > 1 else 0.0 for r in runs],
+                      marker="o", capsize=3, label=label)
+    axis.set_xlabel("η (--max-off-policy-steps)")
+    axis.set_ylabel("held-out accuracy after (mean ± std over seeds)")
+    axis.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -154,28 +197,39 @@ def main(argv=None) -> int:
     parser.add_argument("--nproc-per-node", type=int, default=2, help="Trainer ranks per run.")
     parser.add_argument("--arms", nargs="*", default=[a[0] for a in ARMS], choices=[a[0] for a in ARMS],
                         help="Arms to run.")
+    parser.add_argument("--off-policy-steps", type=int, nargs="+", default=[0],
+                        help="Staleness bounds η (--max-off-policy-steps) to sweep; every arm runs each.")
     parser.add_argument("--report-only", action="store_true",
                         help="Run nothing: table and figure from the summaries already in --output-dir.")
     args = parser.parse_args(own)
     os.makedirs(args.output_dir, exist_ok=True)
-    labels = {name: label for name, label, _ in ARMS}
-    summaries: dict[str, list[dict]] = {}
-    for name, label, flags in ARMS:
-        if name not in args.arms:
-            continue
-        for seed in args.seeds:
-            if args.report_only:
-                with open(os.path.join(args.output_dir, name, f"seed{seed}", "summary.json")) as f:
-                    summaries.setdefault(name, []).append(json.load(f))
+    labels, summaries, cells = {}, {}, []
+    for eta in args.off_policy_steps:
+        for name, label, flags in ARMS:
+            if name not in args.arms or (name in PER_LAG_ARMS and eta == 0):
                 continue
-            print(f"[ablate] {label}, seed {seed} ...", flush=True)
-            summaries.setdefault(name, []).append(run_arm(name, flags, seed, args, extra))
-        print(f"[ablate] {table_row(name, label, summaries[name])}", flush=True)
+            key = cell(name, eta)
+            labels[key] = label if eta == 0 else f"{label}, η {eta}"
+            for seed in args.seeds:
+                if args.report_only:
+                    with open(os.path.join(args.output_dir, key, f"seed{seed}", "summary.json")) as f:
+                        summaries.setdefault(key, []).append(json.load(f))
+                    continue
+                print(f"[ablate] {labels[key]}, seed {seed} ...", flush=True)
+                summaries.setdefault(key, []).append(run_arm(name, flags, seed, args, extra, eta))
+            cells.append((name, label, eta))
+            print(f"[ablate] {table_row(name, label, summaries[key], eta=eta)}", flush=True)
+    rows = [table_row(name, label, summaries[cell(name, eta)], summaries.get(cell("fp8", eta)), eta)
+            for name, label, eta in cells]
     figure = plot(summaries, labels, os.path.join(args.output_dir, "ablation.png"))
+    if len(args.off_policy_steps) > 1:
+        by_eta = plot_against_eta(summaries, cells, os.path.join(args.output_dir, "accuracy_by_eta.png"))
     command = " ".join(["tools/ablate.py", *own, "--", *extra])
-    table = "\n".join([TABLE_HEADER] + [table_row(n, labels[n], s) for n, s in summaries.items()])
+    table = "\n".join([TABLE_HEADER] + rows)
     with open(os.path.join(args.output_dir, "ablation.md"), "w") as f:
         f.write(f"Command: `{command}`\n\n{table}\n\n![ablation]({os.path.basename(figure)})\n")
+        if len(args.off_policy_steps) > 1:
+            f.write(f"\n![accuracy by η]({os.path.basename(by_eta)})\n")
     print(table)
     print(f"wrote {os.path.join(args.output_dir, 'ablation.md')} and {figure}")
     return 0

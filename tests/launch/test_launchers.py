@@ -64,7 +64,12 @@ def test_example_script_is_valid_bash_and_its_flags_parse(script, monkeypatch):
         assert 32 % args.tensor_model_parallel_size == 0
         assert args.rollout_placement == "separate" and args.rollout_engines_per_node > 1
         assert args.max_off_policy_steps == (0 if moe else 1)  # the dense recipe overlaps rollouts and training
+        assert not args.partial_rollouts
         parsed.append(args)
+    if not moe:
+        printed = subprocess.run(["bash", script], env={**os.environ, "PRINT_ARGS": "1", "PARTIAL_ROLLOUTS": "1"},
+                                 check=True, capture_output=True, text=True).stdout.splitlines()
+        assert _grpo_parser().parse_args(printed).partial_rollouts
     args = parsed[0]
     # at every documented size: the rollout batch splits into whole DP shares, mini-batches and micro-batches, the
     # engines (on GPUs of their own) fit an 80 GB H100 with their KV cache, and a trainer GPU keeps at least 20 GiB
@@ -95,7 +100,7 @@ def test_nemo_run_slurm_dryrun_has_nodes_and_gpus(tmp_path):
     proc = subprocess.run([LAUNCH_PYTHON, NEMO_RUN, "--executor", "slurm", "--account", "acct", "--partition", "batch",
                            "--nodes", "3", "--gpus-per-node", "8", "--container-image", "registry/megatron-ais:1",
                            "--container-mounts", "/lustre/models:/models", "--job-dir", str(tmp_path / "jobs"),
-                           "--max-off-policy-steps", "0", "--dryrun"],
+                           "--max-off-policy-steps", "2", "--partial-rollouts", "--dryrun"],
                           capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
                           env={**os.environ, "COLUMNS": "400"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -104,7 +109,7 @@ def test_nemo_run_slurm_dryrun_has_nodes_and_gpus(tmp_path):
                      "#SBATCH --account=acct", "registry/megatron-ais:1", "/lustre/models:/models",
                      "job command: cd /workspace/megatron-ais && bash examples/qwen3_8b_grpo_ais.sh",
                      "export HF_MODEL=/models/Qwen3-8B", "export MASTER_ADDR=$head_node_ip",
-                     "export MAX_OFF_POLICY_STEPS=0"):
+                     "export MAX_OFF_POLICY_STEPS=2", "export PARTIAL_ROLLOUTS=1"):
         assert expected in out, expected
 
 
