@@ -217,10 +217,10 @@ def step_figure(columns: int):
     return plt, fig, axes
 
 
-def save_step_figure(plt, fig, axes, path: str) -> str:
-    """Label the step axes, add legends and write the figure as a PNG."""
+def save_step_figure(plt, fig, axes, path: str, xlabel: str = "GRPO step") -> str:
+    """Label the step axes (or whatever `xlabel` names), add legends and write the figure as a PNG."""
     for ax in axes:
-        ax.set_xlabel("GRPO step")
+        ax.set_xlabel(xlabel)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

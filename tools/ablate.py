@@ -160,24 +160,16 @@ def plot(summaries: dict[str, list[dict]], labels: dict[str, str], path: str) ->
 
 def plot_against_eta(summaries: dict[str, list[dict]], cells: list[tuple[str, str, int]], path: str) -> str:
     """Held-out accuracy after the run against η, one line per arm: mean over seeds, sample std as error bars."""
-    import matplotlib
+    from megatron_ais.logging import save_step_figure, step_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axis = plt.subplots(figsize=(6, 4))
+    plt, fig, axis = step_figure(1)
     for name, label in dict((name, label) for name, label, _ in cells).items():
         etas = sorted(eta for arm, _, eta in cells if arm == name)
         runs = [[s["accuracy_after"] for s in summaries[cell(name, eta)]] for eta in etas]
         axis.errorbar(etas, [_mean(r) for r in runs], yerr=[statistics.stdev(r) if len(r) > 1 else 0.0 for r in runs],
                       marker="o", capsize=3, label=label)
-    axis.set_xlabel("η (--max-off-policy-steps)")
     axis.set_ylabel("held-out accuracy after (mean ± std over seeds)")
-    axis.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_step_figure(plt, fig, [axis], path, xlabel="η (--max-off-policy-steps)")
 
 
 def main(argv=None) -> int:
