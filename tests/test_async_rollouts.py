@@ -134,8 +134,12 @@ def test_partial_rollouts_resume_on_the_new_weights_within_the_bound(model_root,
     assert any(h["rollout/partial_fraction"] > 0 for h in history), [h["rollout/partial_fraction"] for h in history]
     lags = {int(name.split("/")[1][3:]) for h in history for name in h if name.startswith("ais/lag")}
     assert lags <= {0, 1, 2} and len(lags) > 1, lags  # no token more than η = 2 versions stale
+    for h in history:
+        counts = {k: h[f"ais/lag{k}/num_units"] for k in lags if f"ais/lag{k}/num_units" in h}
+        assert h["rollout/token_lag_max"] == max(counts) <= h["rollout/version_lag"]
+        assert h["rollout/token_lag_mean"] == pytest.approx(sum(k * n for k, n in counts.items()) / sum(counts.values()))
     for h in history:  # tokens of the weights a step trains from match its log-probs (FP32), stale ones do not
-        assert h.get("ais/lag0/max_abs_logratio", 0.0) < 1e-4, h
+        assert h.get("ais/lag0/max_abs_logratio", 0.0) < 1e-5, h
         assert all(h[f"ais/lag{k}/max_abs_logratio"] > 1e-3 for k in (1, 2) if f"ais/lag{k}/num_units" in h), h
         # one λ per lag, from its tokens alone: a batch of one lag has the batch's λ
         step_lags = [k for k in lags if f"ais/lag{k}/num_units" in h]

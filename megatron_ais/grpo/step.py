@@ -153,6 +153,10 @@ def _per_lag(old_logprobs: torch.Tensor, rollout_lp: torch.Tensor, advantages: t
                for lag, (stats, _) in per_lag.items()}
     metrics.update(lag_metrics(results, {lag: largest for lag, (_, largest) in per_lag.items()},
                                with_lambda=correction.lambda_per_lag))
+    if results:  # over the batch's response tokens (units), DP-global
+        units = sum(result.num_units for result in results.values())
+        metrics.update({"rollout/token_lag_mean": sum(lag * r.num_units for lag, r in results.items()) / units,
+                        "rollout/token_lag_max": max(results)})
     if not correction.lambda_per_lag:
         return result
     return dataclasses.replace(result, token_lambda=lambda_per_token(results, lags))

@@ -165,5 +165,5 @@ def test_an_interrupted_generation_resumes_on_the_new_weights_and_records_each_t
     # the sync came after 5 decode steps: every sample still going then was resumed
     assert partial == sum(len(r[1]) > 5 for r in interrupted) > 0
     assert resumed_tokens > 20
-    assert max(diffs) <= 1e-4, f"a token's log-prob is not its version's: max |engine - transformers| {max(diffs):.2e}"
+    assert max(diffs) <= 1e-5, f"a token's log-prob is not its version's: max |engine - transformers| {max(diffs):.2e}"
     assert sum(under_a) / len(under_a) > 0.1, "the resumed tokens must be those of B's weights, not A's"
