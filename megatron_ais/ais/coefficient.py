@@ -183,12 +183,23 @@ def lambda_per_token(results: dict[int, AISResult], lags: torch.Tensor) -> torch
     return lam
 
 
+def results_per_lag(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
+                    mask: torch.Tensor, lags: torch.Tensor, max_lag: int, config: AISConfig, group=None,
+                    state: AISState | None = None) -> tuple[dict[int, AISResult], dict[int, float]]:
+    """For each policy-version lag that has tokens: λ and the diagnostics of its tokens alone over the DP-global
+    batch (`state`: each lag's λ advances its own, `AISState.of_lag`; None: a fresh one, the diagnostics alone), and
+    their max |δ|. Collective over `group`."""
+    per_lag = statistics_per_lag(trainer_logprobs, rollout_logprobs, advantages, mask, lags, max_lag, config, group)
+    results = {lag: ais_coefficient(stats, config, None if state is None else state.of_lag(lag))
+               for lag, (stats, _) in per_lag.items()}
+    return results, {lag: largest for lag, (_, largest) in per_lag.items()}
+
+
 def metrics_per_lag(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
                     mask: torch.Tensor, lags: torch.Tensor, max_lag: int, config: AISConfig, group=None
                     ) -> dict[str, float]:
     """The mismatch diagnostics of the tokens of each policy-version lag 0 .. `max_lag` on their own (lag 0: the
     precision mismatch alone; lag k adds k steps of staleness), each over the DP-global batch, as
     `ais/lag{k}/<name>` for every lag that has tokens. Collective over `group`."""
-    per_lag = statistics_per_lag(trainer_logprobs, rollout_logprobs, advantages, mask, lags, max_lag, config, group)
-    return lag_metrics({lag: ais_coefficient(stats, config) for lag, (stats, _) in per_lag.items()},
-                       {lag: largest for lag, (_, largest) in per_lag.items()})
+    return lag_metrics(*results_per_lag(trainer_logprobs, rollout_logprobs, advantages, mask, lags, max_lag, config,
+                                        group))

@@ -82,8 +82,7 @@ class GRPOLoopConfig(FlagConfig):
                "engines generate: their unfinished requests are aborted, and resumed on the new weights with the "
                "tokens they have and those tokens' log-probs kept (slime's --partial-rollout, AReaL's interruptible "
                "generation). Every token records the version that sampled it (never more than η behind); which "
-               "tokens a sync interrupts depends on timing, so such a run is not reproducible token for token.",
-        action="store_true")
+               "tokens a sync interrupts depends on timing, so such a run is not reproducible token for token.")
     moe_routing_replay: str | None = flag(
         None, "MoE routing replay (R3). rollout: the engine returns the experts it routes every rollout token to and "
               "the trainer's forwards (old, reference and training log-probs) use them, so the importance ratio "

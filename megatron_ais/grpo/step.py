@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megatron_ais import platform
 from megatron_ais.ais import (AISConfig, AISResult, AISState, ais_coefficient, apply_correction, check_trainer_logprobs,
                               exclude_invalid_sequences, max_abs_logratio, mismatch_statistics, reduce_statistics)
-from megatron_ais.ais.coefficient import EMPTY_RESULT, lag_metrics, lambda_per_token, statistics_per_lag
+from megatron_ais.ais.coefficient import EMPTY_RESULT, lag_metrics, lambda_per_token, results_per_lag
 from megatron_ais.batch import RolloutBatch, data_parallel_rows, row_lengths
 from megatron_ais.errors import RoutingReplayError
 from megatron_ais.forward import (MicroBatchPlan, ParallelGroups, fixed_plan, micro_batches, score_rows,
@@ -147,12 +147,9 @@ def _per_lag(old_logprobs: torch.Tensor, rollout_lp: torch.Tensor, advantages: t
     """Log the mismatch of each policy-version lag's tokens alone (DP-global); with --ais-lambda-per-lag each lag's
     λ from them (and its own state) becomes its tokens' λ in `result`."""
     correction = config.correction
-    per_lag = statistics_per_lag(old_logprobs, rollout_lp, advantages, mask, lags, config.max_lag, correction,
-                                 groups.data_parallel_group)
-    results = {lag: ais_coefficient(stats, correction, state.of_lag(lag) if correction.lambda_per_lag else None)
-               for lag, (stats, _) in per_lag.items()}
-    metrics.update(lag_metrics(results, {lag: largest for lag, (_, largest) in per_lag.items()},
-                               with_lambda=correction.lambda_per_lag))
+    results, largest = results_per_lag(old_logprobs, rollout_lp, advantages, mask, lags, config.max_lag, correction,
+                                       groups.data_parallel_group, state if correction.lambda_per_lag else None)
+    metrics.update(lag_metrics(results, largest, with_lambda=correction.lambda_per_lag))
     if results:  # over the batch's response tokens (units), DP-global
         units = sum(result.num_units for result in results.values())
         metrics.update({"rollout/token_lag_mean": sum(lag * r.num_units for lag, r in results.items()) / units,

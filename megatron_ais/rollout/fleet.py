@@ -151,9 +151,7 @@ class RolloutFleet:
         they are."""
         def apply_here(node_weights) -> int:
             with as_sync_error(f"sync {sync_id}: ", passing=(EngineRetiredError,)):
-                version = self.manager.apply_weights(node_weights, reference)
-                self.manager.turns.weights_version = sync_id
-                return version
+                return self.manager.apply_weights(node_weights, reference, sync_id)
 
         results = apply_on_every_engine(weights, self.node_copies, self.layout, self.node_of, apply_here, sync_id)
         self.policy_version = sync_id

@@ -216,13 +216,15 @@ class RolloutManager:
                      "evaluation")
             return {}
 
-    def apply_weights(self, weights, reference: RefitReference) -> int:
-        """Install a verified sync whose probe log-probs on the trainer are `reference` (the refit check of every
-        later restart); return the engine's weight version. An engine that died meanwhile is restarted with this
-        sync's weights, not its last ones (the staging arena it read those from holds this sync's now), and serves
-        once it agrees with `reference` (while the restart budget lasts)."""
+    def apply_weights(self, weights, reference: RefitReference, policy_version: int) -> int:
+        """Install a verified sync of the trainer's step `policy_version` whose probe log-probs on the trainer are
+        `reference` (the refit check of every later restart); return the engine's weight version. An engine that
+        died meanwhile is restarted with this sync's weights, not its last ones (the staging arena it read those
+        from holds this sync's now), and serves once it agrees with `reference` (while the restart budget lasts)."""
         self.refit_reference = reference
-        return self._serving(lambda: self.engine.update_weights(weights), "weight sync", weights)
+        version = self._serving(lambda: self.engine.update_weights(weights), "weight sync", weights)
+        self.turns.weights_version = policy_version
+        return version
 
     def set_kv_cache_scales(self, scales) -> int:
         """Install FP8 KV-cache scales; an engine that died meanwhile is restarted (while the budget lasts) and given

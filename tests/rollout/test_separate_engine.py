@@ -138,7 +138,7 @@ def _worker(old_dir, new_dir, work):
     # the next sync (new weights) meets the dead engine: its manager restarts it with the sync's weights (the arena
     # its last ones came from holds these now), checks its refit against the sync's reference, then applies the sync
     _scale_weights(chunks)
-    restarted = (sync(2, lambda weights: manager.apply_weights(weights, refit_reference())), list(messages))
+    restarted = (sync(2, lambda weights: manager.apply_weights(weights, refit_reference(), 2)), list(messages))
     alive_after_restart = engine.health_check()
     refit_checks.append(manager.refit_reference.check_unless_dead(engine)[0])
     after_restart = _max_diff(engine, chunks, build, groups)
@@ -168,7 +168,7 @@ def _worker(old_dir, new_dir, work):
         worker.kill()
     time.sleep(1)
     try:
-        manager.apply_weights(fed[-1], refit_reference(shift=1.0))
+        manager.apply_weights(fed[-1], refit_reference(shift=1.0), 3)
         retired = None
     except EngineRetiredError as err:
         retired = str(err)
