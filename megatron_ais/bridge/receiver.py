@@ -7,8 +7,13 @@ reading bucket k overlaps the writing of bucket k + 1: every bucket has its own 
 the arena's tensors to the engine in one call only when every stage has delivered everything intact; a refused sync
 leaves the engine's weights untouched (the arena is a staging copy, not the engine's weights). The engine gets the
 arena itself (`arena.ArenaWeights`: a separate engine maps it, a colocated one takes views). On CUDA nodes the arena
-is GPU memory shared by CUDA IPC instead of
-/dev/shm unless `--bridge-arena host` keeps it in host memory (`arena.staging_buffer`).
+is GPU memory shared by CUDA IPC instead of /dev/shm unless `--bridge-arena host` keeps it in host memory
+(`arena.staging_buffer`).
+
+Double-buffered (`slots=2`, the asynchronous loop's): the arena is two buffers, and a sync writes the one the last
+committed sync did not, so that a sync's writes, made while the engines generate, never touch the weights an engine
+restarted meanwhile reloads (the last committed ones). The writers pick the same slot: the count of committed syncs
+modulo the slots, which every rank knows (`WeightBridge.completed`).
 """
 from __future__ import annotations
 
@@ -34,21 +39,28 @@ class SyncReceiver:
     """
 
     apply: Callable[[object], object]
-    arena: SharedBuffer | CudaBuffer | None = None
+    slots: int = 1  # staging buffers: 2 double-buffers the arena
+    arenas: list = dataclasses.field(default_factory=list)  # one SharedBuffer or CudaBuffer per slot
+    slot: int = 0  # the buffer the current (or last) sync writes
     stage_offsets: tuple[int, ...] = ()
     expected: tuple[tuple[EngineTensor, ...], ...] = ()
     sync_id: int | None = None
     received: dict = dataclasses.field(default_factory=dict)
     error: str | None = None
     pending: list = dataclasses.field(default_factory=list)  # checksum verifications of delivered buckets
-    views: dict = dataclasses.field(default_factory=dict)  # (stage, name) -> the tensor's view of the arena
+    views: dict = dataclasses.field(default_factory=dict)  # (slot, stage, name) -> the tensor's view of the arena
     verifier: concurrent.futures.ThreadPoolExecutor | None = None
     arena_on_gpu: bool | None = None  # None: GPU memory where CUDA is available (`arena.staging_buffer`)
 
+    @property
+    def arena(self) -> SharedBuffer | CudaBuffer | None:
+        """The buffer of the current (or last) sync."""
+        return self.arenas[self.slot] if self.arenas else None
+
     def prepare(self, stages: list[list[EngineTensor]], stage_bytes: list[int], scratch_bytes: list[int]
-                ) -> tuple[object, tuple[int, ...], tuple[int, ...]]:
-        """Size the arena for `stages` (reusing it when the layout is unchanged); return (its ref: a path or a CUDA
-        IPC handle, stage offsets, scratch offsets)."""
+                ) -> tuple[tuple, tuple[int, ...], tuple[int, ...]]:
+        """Size the arena's buffers for `stages` (reusing them when the layout is unchanged); return (their refs,
+        paths or CUDA IPC handles, one per slot; stage offsets; scratch offsets), the same in every slot."""
         offsets, total = [], 0
         for nbytes in stage_bytes:
             offsets.append(total)
@@ -58,20 +70,21 @@ class SyncReceiver:
             scratch.append(total)
             total += nbytes
         expected = tuple(tuple(s) for s in stages)
-        if self.arena is None or self.arena.nbytes < total or expected != self.expected:
-            if self.arena is not None:
-                self.arena.close()
+        if len(self.arenas) != self.slots or self.arena.nbytes < total or expected != self.expected:
+            self._release_arenas()
             remove_stale_shared_files()
-            self.arena = staging_buffer("bridge-arena", total, self.arena_on_gpu)
+            self.arenas = [staging_buffer(f"bridge-arena{slot}", total, self.arena_on_gpu)
+                           for slot in range(self.slots)]
         self.stage_offsets, self.expected, self.views = tuple(offsets), expected, {}
-        return self.arena.ref, self.stage_offsets, tuple(scratch)
+        return tuple(a.ref for a in self.arenas), self.stage_offsets, tuple(scratch)
 
-    def begin(self, sync_id: int) -> None:
+    def begin(self, sync_id: int, slot: int = 0) -> None:
+        """Take sync `sync_id`'s deliveries into buffer `slot`."""
         concurrent.futures.wait(self.pending)  # a sync that failed before its commit may have left some
-        self.sync_id, self.received, self.error, self.pending = sync_id, {}, None, []
+        self.sync_id, self.received, self.error, self.pending, self.slot = sync_id, {}, None, [], slot
 
     def window(self, stage: int, start: int, end: int) -> torch.Tensor:
-        """Return the arena bytes [start, end) of a stage's layout."""
+        """Return the current slot's arena bytes [start, end) of a stage's layout."""
         base = self.stage_offsets[stage]
         return self.arena.data[base + start: base + end]
 
@@ -111,10 +124,10 @@ class SyncReceiver:
                 self.abort(f"sync {self.sync_id} refused, engine keeps its weights: {error}")
 
     def _tensor(self, stage: int, t: EngineTensor) -> torch.Tensor:
-        view = self.views.get((stage, t.name))
+        view = self.views.get((self.slot, stage, t.name))
         if view is None:
-            view = self.views[stage, t.name] = self.arena.view(self.stage_offsets[stage] + t.offset, t.torch_dtype,
-                                                              t.shape)
+            view = self.views[self.slot, stage, t.name] = self.arena.view(self.stage_offsets[stage] + t.offset,
+                                                                         t.torch_dtype, t.shape)
         return view
 
     def abort(self, reason: str) -> None:
@@ -145,9 +158,12 @@ class SyncReceiver:
             self.verifier.shutdown(wait=True)
             self.verifier = None
         self.views = {}
-        if self.arena is not None:
-            self.arena.close()
-            self.arena = None
+        self._release_arenas()
+
+    def _release_arenas(self) -> None:
+        for arena in self.arenas:
+            arena.close()
+        self.arenas = []
 
 
 def _verify_tensors(checks: list[tuple[ManifestEntry, torch.Tensor]]) -> str | None:

@@ -54,10 +54,10 @@ class StageInfo:
 
 @dataclasses.dataclass(frozen=True)
 class ArenaPlacement:
-    """The staging arena as the engine's rank shares it: its ref and size, and where each stage's layout and
-    scratch region start in it."""
+    """The staging arena as the engine's rank shares it: its buffers' refs (one per slot: two when double-buffered)
+    and size, and where each stage's layout and scratch region start in each of them."""
 
-    ref: object
+    refs: tuple
     nbytes: int
     stage_offsets: tuple[int, ...]
     scratch_offsets: tuple[int, ...]
@@ -67,8 +67,9 @@ class WeightBridge:
     """Syncs a model's weights into a rollout engine, every call a complete, verified, atomic update.
 
     Every rank calls `sync` together; the engine's rank passes the receiver. The first sync exchanges the stages'
-    layouts once, maps the shared buffers and builds each rank's pieces (views that do not move); later syncs only
-    move bytes and manifests. Usable as a context manager (`close` on exit).
+    layouts once, maps the shared buffers and builds each rank's pieces (views that do not move, one set per slot of
+    a double-buffered arena); later syncs only move bytes and manifests. Usable as a context manager (`close` on
+    exit).
     """
 
     def __init__(self, chunks: list, build, config: BridgeConfig, layout: BridgeLayout,
@@ -79,9 +80,9 @@ class WeightBridge:
         self.plan: StagePlan | None = None
         self.transport: StageTransport | None = None
         self.stage_bytes: list[int] = []
-        self.pieces: list[list[CopyPiece | QuantizePiece]] = []
+        self.pieces: list[list[list[CopyPiece | QuantizePiece]]] = []  # per slot, per bucket
         self.connected = False
-        self.completed = 0
+        self.completed = 0  # committed syncs: the next one writes slot `completed % slots`
 
     def __enter__(self) -> "WeightBridge":
         return self
@@ -111,19 +112,20 @@ class WeightBridge:
         engine = infos[lay.engine_rank]
         modes = stage_transports(lay.hosts, self.config.transport, engine.host, engine.pp_rank)
         arena = self._share_arena(stages, modes)
+        self.slots = len(arena.refs)
         if lay.writes:
             self.transport = self._stage_transport(modes[lay.pp_rank], arena)
-            self.pieces = self._pieces()
+            self.pieces = [self._pieces(slot) for slot in range(self.slots)]
 
     def _share_arena(self, stages: list[StageInfo], modes: list[str]) -> ArenaPlacement:
         """The engine's rank sizes the arena for every stage (and the scratch regions of stages that write into it);
         every rank learns where it is."""
         def prepare():
             self.receiver.arena_on_gpu = self.config.arena_on_gpu
-            ref, offsets, scratch = self.receiver.prepare([i.tensors for i in stages], self.stage_bytes,
+            refs, offsets, scratch = self.receiver.prepare([i.tensors for i in stages], self.stage_bytes,
                                                           [i.scratch_bytes if m == "shm" else 0
                                                            for i, m in zip(stages, modes)])
-            return ArenaPlacement(ref, self.receiver.arena.nbytes, offsets, scratch)
+            return ArenaPlacement(refs, self.receiver.arena.nbytes, offsets, scratch)
 
         return share(prepare, src=self.layout.engine_rank)
 
@@ -131,25 +133,28 @@ class WeightBridge:
         lay = self.layout
         if mode == "shm":
             return SharedMemoryTransport(lay.engine_rank, self.receiver if lay.is_engine_rank else None, lay.pp_rank,
-                                         arena.ref, arena.nbytes, arena.stage_offsets[lay.pp_rank],
+                                         arena.refs, arena.nbytes, arena.stage_offsets[lay.pp_rank],
                                          arena.scratch_offsets[lay.pp_rank])
         return PointToPointTransport(lay.engine_rank, self.plan, self.writers.group, lay.stage_senders[lay.pp_rank],
                                      lay.is_sender, lay.pp_rank, self.config.arena_on_gpu)
 
-    def _pieces(self) -> list[list[CopyPiece | QuantizePiece]]:
-        """This rank's pieces of every bucket as ready-made views, built once per bridge (the buffers and the
-        parameters' storage do not move)."""
+    def _pieces(self, slot: int) -> list[list[CopyPiece | QuantizePiece]]:
+        """This rank's pieces of every bucket as ready-made views into slot `slot`'s buffer, built once per bridge
+        (the buffers and the parameters' storage do not move)."""
         first_index = {t.name: i for i, t in enumerate(self.plan.tensors)}
+        buffer = self.transport.slot_buffer(slot)
         return [bucket_pieces(self.plan, [t for t in self.plan.targets if b.first <= first_index[t.name] < b.last],
-                              b, self.transport.buffer, *self.transport.placement(b), self.config.policy.block_size)
+                              b, buffer, *self.transport.placement(b), self.config.policy.block_size)
                 for b in self.plan.buckets]
 
-    def _write_bucket(self, index: int, bucket, stats: SyncStats) -> tuple[list[ManifestEntry] | None, str | None]:
-        """Write this rank's pieces of bucket `index` (FP8 pieces quantized on the way; the sender then quantizes
-        the stage's scratch-assembled tensors); return the bucket's manifest (sender) and the first error."""
+    def _write_bucket(self, index: int, bucket, stats: SyncStats, slot: int
+                      ) -> tuple[list[ManifestEntry] | None, str | None]:
+        """Write this rank's pieces of bucket `index` into slot `slot` (FP8 pieces quantized on the way; the sender
+        then quantizes the stage's scratch-assembled tensors); return the bucket's manifest (sender) and the first
+        error."""
         error, sums, policy = None, BucketSums(), self.config.policy
         try:
-            stats.written_bytes += sum(piece.write(sums, policy) for piece in self.pieces[index])
+            stats.written_bytes += sum(piece.write(sums, policy) for piece in self.pieces[slot][index])
             sums.resolve()
         except ValueError as err:
             error = str(err)
@@ -166,11 +171,12 @@ class WeightBridge:
                 wait_for_device_writes(self.transport.buffer)
         return self.writers.manifest(self.plan.tensors[bucket.first: bucket.last], sums.totals, error)
 
-    def _send_stage(self, sync_id: int, stats: SyncStats) -> None:
+    def _send_stage(self, sync_id: int, stats: SyncStats, slot: int) -> None:
         error = None
+        self.transport.use_slot(slot)
         for index, bucket in enumerate(self.plan.buckets):
             self.transport.before_bucket(index)
-            manifest, error = self._write_bucket(index, bucket, stats)
+            manifest, error = self._write_bucket(index, bucket, stats, slot)
             if error is not None:
                 break
             if self.layout.is_sender:
@@ -198,10 +204,11 @@ class WeightBridge:
             self._connect()
             self.connected = True
         stats = SyncStats(transport=self.transport.name if self.transport else "")
+        slot = self.completed % self.slots
         if self.layout.is_engine_rank:
-            self.receiver.begin(sync_id)
+            self.receiver.begin(sync_id, slot)
         if self.layout.writes:
-            self._send_stage(sync_id, stats)
+            self._send_stage(sync_id, stats, slot)
         stats.committed = share(lambda: self._receive_and_commit(sync_id), src=self.layout.engine_rank)
         stats.seconds = time.perf_counter() - start
         self.completed += 1

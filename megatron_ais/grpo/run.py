@@ -116,6 +116,12 @@ class GRPOLoopConfig(FlagConfig):
     def evaluates_at(self, step: int) -> bool:
         return step % self.eval_interval == 0 or step == self.grpo_steps
 
+    @property
+    def staging_slots(self) -> int:
+        """Buffers of the bridge's staging arena: two when syncs are written while the engines generate (η ≥ 1), so
+        that a sync never writes the buffer of the weights the engines hold (a restarted engine reloads them)."""
+        return 2 if self.max_off_policy_steps else 1
+
     def verifies_at(self, step: int) -> bool:
         return bool(self.verify_refit_interval) and step % self.verify_refit_interval == 0
 
@@ -132,7 +138,7 @@ class GRPOLoopConfig(FlagConfig):
 
 
 class PhaseTimes:
-    """Wall-clock seconds of a step's phases."""
+    """Wall-clock seconds of a step's phases (a phase entered twice: the sum)."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
@@ -141,7 +147,17 @@ class PhaseTimes:
     def phase(self, name: str):
         start = time.time()
         yield
-        self.seconds[name] = time.time() - start
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.time() - start
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedSync:
+    """A step's weights written and verified in the bridge's staging arena, not yet applied by the engines: the
+    receiver's verified arena (`bridge.arena.ArenaWeights`), the trainer's probe log-probs of those weights."""
+
+    step: int
+    weights: object
+    reference: RefitReference
 
 
 class GRPORun:
@@ -156,23 +172,26 @@ class GRPORun:
         self.trainer, self.loop = config.trainer, config.loop
 
     def run(self) -> dict:
-        """Set up or resume, train every remaining step, and return the summary. With --max-off-policy-steps η the
-        batches of the next η steps are submitted before a step trains (`submit_ahead`), and the weights a step
-        trained reach the engines once the batches submitted before are in (`sync_behind`), or, with
-        --partial-rollouts, as soon as it has trained, interrupting them."""
+        """Set up or resume, train every remaining step, and return the summary. Each step's weights are written
+        into the staging arena once it has trained (`stage`). With --max-off-policy-steps η the batches of the next
+        η steps are submitted before a step trains (`submit_ahead`), generating while the step trains and its
+        weights are staged (the other buffer of the arena), and the engines apply them once the batches submitted
+        before are in (`sync_behind`), or, with --partial-rollouts, at once, interrupting them."""
         self.setup()
-        pending, previous = {}, None  # step -> PendingRollouts submitted ahead
+        pending, previous, staged = {}, None, None  # step -> PendingRollouts submitted ahead
         for step in range(self.state.step + 1, self.loop.grpo_steps + 1):
             times = PhaseTimes()
             with times.phase("rollout"):
                 rollouts = (pending.pop(step, None) or self.submit(step)).wait()
-            synced = self.sync_behind(step, previous, pending, times)
+            synced = self.sync_behind(staged, previous, pending, times)
             pending.update(self.submit_ahead(step, max(pending, default=step)))
             with times.phase("train"):
                 result = self.train(rollouts.batch, step - 1)
-            if not pending or self.loop.partial_rollouts:
-                with times.phase("sync"):
-                    synced.update(self.sync(step, rollouts))
+            with times.phase("sync"):
+                staged = self.stage(step, rollouts)
+                if not pending or self.loop.partial_rollouts:
+                    synced.update(self.apply_staged(staged))
+                    staged = None
             evaluated = self.evaluate(step)
             self.record(step, rollouts, result.metrics, synced, evaluated, times.seconds)
             self.save(step)
@@ -263,10 +282,11 @@ class GRPORun:
                                  self.groups.data_parallel_rank, self.arena_rank)
 
     def _setup_bridge(self) -> None:
-        """Global rank 0 receives syncs into the staging arena and verifies them once; every rank writes its
-        shards; the fleet forwards each committed sync to the other nodes and every engine applies it
-        (`sync_weights`)."""
-        self.receiver = SyncReceiver(apply=lambda weights: weights) if dist.get_rank() == self.arena_rank else None
+        """Global rank 0 receives syncs into the staging arena (double-buffered with η ≥ 1) and verifies them once;
+        every rank writes its shards (`write_weights`); the fleet forwards each committed sync to the other nodes
+        and every engine applies it (`apply_staged`)."""
+        self.receiver = SyncReceiver(apply=lambda weights: weights, slots=self.loop.staging_slots) \
+            if dist.get_rank() == self.arena_rank else None
         self.bridge = WeightBridge(self.model.chunks, self.build, self.config.bridge, self.bridge_layout, self.receiver)
 
     def _start_or_resume(self) -> None:
@@ -288,7 +308,8 @@ class GRPORun:
         changed = changed_flags(state.saved.get("args", {}), self.trainer.flags)
         if changed:
             self.log.info("flags that differ from the saved run: " + ", ".join(changed))
-        self.sync_weights(state.step, self.refit_reference())
+        reference = self.refit_reference()
+        self.fleet.apply(self.write_weights(state.step), state.step, reference)
         if self.config.engine.kv_cache_dtype != "fp8":
             state.kv_cache_scales = None
         elif state.kv_cache_scales is None:
@@ -310,46 +331,53 @@ class GRPORun:
 
         return {later: self.submit(later, ahead=True) for later in self.loop.steps_ahead(step, submitted, syncs_first)}
 
-    def sync_behind(self, step: int, previous: StepRollouts | None, pending: dict[int, PendingRollouts],
-                    times: PhaseTimes) -> dict:
-        """The sync of the previous step's weights when that step trained while batches were generated: once every
-        batch submitted before is in (the engines change weights between batches, never during one); what the step
-        logs of it."""
-        if self.fleet.policy_version == step - 1:
+    def sync_behind(self, staged: StagedSync | None, previous: StepRollouts | None,
+                    pending: dict[int, PendingRollouts], times: PhaseTimes) -> dict:
+        """The engines apply the previous step's staged weights (that step trained while batches were generated)
+        once every batch submitted before is in (the engines change weights between batches, never during one);
+        what the step logs of it."""
+        if staged is None:
             return {}
         with times.phase("sync"):
             for later in sorted(pending):
                 pending[later].wait()
-            return self.sync(step - 1, previous)
+            return self.apply_staged(staged)
 
     def train(self, batch, policy_version: int):
         """One GRPO update of the weights of step `policy_version` on the batch (λ once for the batch)."""
         return grpo_train_step(self.model.ddp_chunks, self.model.optimizer, batch, self.grpo, self.state.ais,
                                self.groups, self.reference, policy_version)
 
-    def sync(self, step: int, rollouts: StepRollouts) -> dict:
-        """Bridge the updated policy into every engine, re-measure the FP8 KV-cache scales on this step's first
-        rollouts (the first engine's), check the refit of every engine (or of this turn's few, --verify-refit-engines);
-        return what the step logs of it. Each host's generation in the background, if any, ends or steps aside first
-        (`RolloutFleet.generation_paused`)."""
+    def stage(self, step: int, rollouts: StepRollouts) -> StagedSync:
+        """The weights step `step` trained, before any engine holds them (collective; the engines may be generating):
+        their probe log-probs, their FP8 KV-cache scales measured on this step's first rollouts (the first engine's),
+        and the bridge's write of them into the staging arena, verified once."""
+        reference = self.refit_reference()
+        if self.config.engine.kv_cache_dtype == "fp8":
+            first, count = rollouts.first_rows, self.config.kv_calibration.sequences
+            self.measure_kv_cache(share(lambda: rollout_sequences(first.tokens, first.mask, count),
+                                        src=rollouts.first_host))
+        return StagedSync(step, self.write_weights(step), reference)
+
+    def apply_staged(self, staged: StagedSync) -> dict:
+        """Every engine applies the staged weights and their KV-cache scales, then the refit of every engine (or of
+        this turn's few, --verify-refit-engines) is checked; return what the step logs of it. Each host's generation
+        in the background, if any, ends or steps aside first (`RolloutFleet.generation_paused`)."""
+        step, scales = staged.step, self.state.kv_cache_scales
         with self.fleet.generation_paused():
-            reference = self.refit_reference()
-            self.sync_weights(step, reference)
+            self.fleet.apply(staged.weights, step, staged.reference)
             if self.config.engine.kv_cache_dtype == "fp8":
-                first, count = rollouts.first_rows, self.config.kv_calibration.sequences
-                self.calibrate_kv_cache(share(lambda: rollout_sequences(first.tokens, first.mask, count),
-                                              src=rollouts.first_host))
+                self.fleet.set_kv_cache_scales(scales)
             metrics = {f"rollout/engine{host}_weight_version": v for host, v in self.fleet.engine_versions.items()}
             if self.loop.verifies_at(step):
                 metrics.update(self.fleet.verify_refit(
-                    self.model.ddp_chunks, self.probe, self.groups, self.build.shape.vocab_size, reference,
+                    self.model.ddp_chunks, self.probe, self.groups, self.build.shape.vocab_size, staged.reference,
                     self.loop.verify_refit_engines, step // self.loop.verify_refit_interval - 1,
                     self.build.shape.is_moe))
-            scales = self.state.kv_cache_scales
-            if scales is not None:
-                metrics.update({"rollout/kv_cache_k_scale_max": max(k for _, k, _ in scales.scales),
-                                "rollout/kv_cache_v_scale_max": max(v for _, _, v in scales.scales)})
-            return metrics
+        if scales is not None:
+            metrics.update({"rollout/kv_cache_k_scale_max": max(k for _, k, _ in scales.scales),
+                            "rollout/kv_cache_v_scale_max": max(v for _, _, v in scales.scales)})
+        return metrics
 
     def refit_reference(self) -> RefitReference:
         """The trainer's probe log-probs for its current weights (collective): an engine given them serves (after a
@@ -429,27 +457,31 @@ class GRPORun:
         if iteration is not None:
             self.log.info(f"saved checkpoint {self.trainer.checkpoint.save} iteration {iteration}")
 
-    def sync_weights(self, sync_id: int, reference: RefitReference) -> None:
-        """Bridge the current policy into the arena, verified once, forward it to the other nodes' copies (each
-        verified) and apply it to every engine (collective on every rank; `reference`: the policy's probe log-probs,
-        the refit check of a restarted engine); a sync is complete when every engine has applied it."""
+    def write_weights(self, sync_id: int):
+        """Bridge the current policy into the staging arena, verified once (collective on every rank); return the
+        verified arena, which `RolloutFleet.apply` forwards to the other nodes' copies (each verified) and every
+        engine applies."""
         stats = self.bridge.sync(sync_id)
-        self.fleet.apply(stats.committed, sync_id, reference)
         if self.bridge_layout.is_sender and self.bridge.completed == 1:
             self.log.info(f"bridge: {stats.tensors} tensors in {stats.buckets} buckets, {stats.bytes / 1e6:.1f} MB "
                           f"from this stage by {stats.transport}, {stats.seconds:.2f} s")
+        return stats.committed
 
     def calibrate_kv_cache(self, sequences: list[list[int]]) -> None:
-        """FP8 KV cache: measure the synced policy's K/V scales on `sequences` (split over DP ranks; collective on
-        every rank) and install them in the engine."""
+        """FP8 KV cache: measure the policy's K/V scales on `sequences` and install them in the engines."""
         if self.config.engine.kv_cache_dtype != "fp8":
             return
+        self.measure_kv_cache(sequences)
+        self.fleet.set_kv_cache_scales(self.state.kv_cache_scales)
+
+    def measure_kv_cache(self, sequences: list[list[int]]) -> None:
+        """The trainer's policy's FP8 KV-cache K/V scales on `sequences` (split over DP ranks; collective on every
+        rank), kept in the run's state."""
         calibration = self.config.kv_calibration
         self.state.kv_cache_scales = calibrate_kv_cache_scales(
             self.model.ddp_chunks, sequences[:calibration.sequences], self.build.seq_length,
             self.trainer.training.micro_batch_size, self.groups, self.build.shape.vocab_size,
             self.build.shape.num_layers, calibration.scale_margin)
-        self.fleet.set_kv_cache_scales(self.state.kv_cache_scales)
 
     def finish(self) -> dict:
         """Commit an outstanding background save, write the summary (and the run's figure) and release the engine,

@@ -77,7 +77,8 @@ class EngineConfig(FlagConfig):
                                       "binding of its workers.", name="--rollout-cpu-core", type=str)
     gpus: tuple[int, ...] | None = None  # GPU: its workers' GPUs (vLLM's device_ids, among the visible ones);
     # None: vLLM's default, from GPU 0
-    gpu_staging_arena: bool = False  # the bridge's staging arena will be allocated on its first GPU too
+    staging_arena_gpu_copies: int = 0  # copies of its tensors the bridge's staging arena allocates on its first GPU
+    # (one per slot: 2 when double-buffered; 0: the arena is elsewhere)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:

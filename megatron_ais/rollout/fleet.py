@@ -260,7 +260,7 @@ def engine_config(engine: EngineConfig, model_dir: str, index: int, several: boo
                            torch.cuda.device_count())
     arena_here = dist.get_rank() == arena_rank and (gpus or (local_rank,))[0] == torch.cuda.current_device()
     return dataclasses.replace(engine, model_dir=model_dir, gpus=gpus,
-                               gpu_staging_arena=engine.gpu_staging_arena and arena_here)
+                               staging_arena_gpu_copies=engine.staging_arena_gpu_copies if arena_here else 0)
 
 
 def serving_policy(config: FleetConfig, separate: bool) -> ServingPolicy:

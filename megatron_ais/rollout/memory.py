@@ -33,8 +33,8 @@ def engine_memory_fraction(kv_cache_bytes: int, weight_bytes: int, tensor_parall
 def engine_gpu_memory_utilization(config: EngineConfig, engine_dir: str, arena_allocated: bool) -> float:
     """`--rollout-gpu-memory-utilization`, or the engine's own budget. An engine whose first worker shares this
     trainer rank's GPU is refused here, with the flags to change, when that GPU has not that much free; the
-    bridge's staging arena holds the engine's tensors once more, unless it is already allocated (`arena_allocated`:
-    a crashed engine restarted). On GPUs of its own vLLM checks their free memory itself."""
+    bridge's staging arena holds the engine's tensors once more per slot (twice double-buffered), unless it is
+    already allocated (`arena_allocated`: a crashed engine restarted). On GPUs of its own vLLM checks their free memory itself."""
     if config.gpu_memory_utilization is not None:
         return config.gpu_memory_utilization
     gpu = config.gpus[0] if config.gpus else torch.cuda.current_device() if config.placement == "colocated" else 0
@@ -44,7 +44,7 @@ def engine_gpu_memory_utilization(config: EngineConfig, engine_dir: str, arena_a
     if gpu != torch.cuda.current_device():
         return fraction
     free, _ = torch.cuda.mem_get_info()
-    arena = weights if config.gpu_staging_arena and not arena_allocated else 0
+    arena = 0 if arena_allocated else weights * config.staging_arena_gpu_copies
     if fraction * total + arena > free:
         raise RuntimeError(f"the rollout engine needs about {fraction * total / 2**30:.1f} GiB of GPU "
                            f"{torch.cuda.current_device()}, the bridge's staging arena {arena / 2**30:.1f} GiB, "

@@ -313,3 +313,56 @@ def test_nan_on_a_gpu_rank_is_refused_by_name(model_root):
     applied, errors = results[False]
     assert len(applied) == 2 and any(t.dtype == torch.float8_e4m3fn for t in applied[1].values())
     assert len(errors) == 2 and all("model.layers.1.mlp.down_proj.weight: " in e and "NaN/Inf" in e for e in errors)
+
+
+def _double_buffered_worker(hf_dir, parallel_flag, transport):
+    """Three syncs into a double-buffered arena, the weights doubled before each later one; on the engine's rank:
+    each sync's buffer ref and tensors, and what the previous sync's buffer holds once the next one committed."""
+    import torch.distributed as dist
+
+    from megatron_ais.bridge.config import BridgeConfig
+    from megatron_ais.bridge.quantization import QuantizationPolicy
+    from megatron_ais.bridge.receiver import SyncReceiver
+    from megatron_ais.bridge.sync import WeightBridge
+    from megatron_ais.rollout.feeds.base import named_tensors
+
+    chunks, build, layout = _bf16_model(hf_dir, parallel_flag)
+    receiver = SyncReceiver(apply=lambda weights: weights, slots=2) if layout.rank == 0 else None
+    config = BridgeConfig(bucket_size_mb=BUCKET_MB, policy=QuantizationPolicy(precision="bf16"), transport=transport)
+    synced, previous_after = [], []
+    with WeightBridge(chunks, build, config, layout, receiver) as bridge:
+        for sync_id in range(3):
+            if sync_id:
+                with torch.no_grad():
+                    for chunk in chunks:
+                        for parameter in chunk.parameters():
+                            parameter.mul_(2)  # exact in BF16
+            weights = bridge.sync(sync_id).committed
+            if receiver is not None:
+                if synced:
+                    previous_after.append({n: t.clone() for n, t in named_tensors(synced[-1][0])})
+                synced.append((weights, {n: t.clone() for n, t in named_tensors(weights)}))
+            dist.barrier()  # the other ranks write the next sync once the engine's rank has read this one
+    if receiver is None:
+        return None
+    result = [weights.ref for weights, _ in synced], [tensors for _, tensors in synced], previous_after
+    receiver.close()
+    return result
+
+
+@pytest.mark.parametrize("parallel_flag,transport", [("--tensor-model-parallel-size", "shm"),
+                                                     ("--pipeline-model-parallel-size", "distributed")])
+def test_double_buffered_syncs_never_write_the_committed_buffer(model_root, parallel_flag, transport):
+    """With two slots (the asynchronous loop's arena) consecutive syncs alternate buffers: each sync's tensors equal
+    the weights it was given (HF tensors x 2^k, bit for bit), and once the next sync has committed, the buffer of
+    the one before it (what an engine restarted meanwhile reloads) still holds exactly its weights."""
+    model = make_model_dir(model_root, "qwen3", num_key_value_heads=1)
+    refs, synced, previous_after = spawn(2, _double_buffered_worker, model, parallel_flag, transport)[0]
+    assert refs[0] != refs[1] and refs[2] == refs[0]
+    source = HFCheckpointReader(model)
+    for k, tensors in enumerate(synced):
+        assert sorted(tensors) == sorted(source.names())
+        for name in source.names():
+            assert torch.equal(tensors[name], source.get(name) * 2 ** k), (k, name)
+    for k, held in enumerate(previous_after):
+        assert all(torch.equal(held[name], synced[k][name]) for name in held), k

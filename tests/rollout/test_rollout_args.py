@@ -29,7 +29,7 @@ def test_flags_to_configs():
     assert (engine.precision, engine.kv_cache_gb, engine.seed) == ("bf16", 1.0, 3)
     assert bridge.bucket_bytes == 8 << 20 and bridge.policy.precision == "bf16"
     assert bridge.policy.exclude == ("layers\\.0\\.",)
-    assert bridge.arena_on_gpu == torch.cuda.is_available() == engine.gpu_staging_arena
+    assert bridge.arena_on_gpu == torch.cuda.is_available() == bool(engine.staging_arena_gpu_copies)
     assert not _config("--bridge-arena", "host").bridge.arena_on_gpu
     assert engine.enforce_eager and engine.gpu_memory_utilization is None
     with pytest.raises(ValueError, match="--rollout-precision 'int4'"):

@@ -76,14 +76,24 @@ def receive_stage(src: int, stage: int, receiver, stage_bytes: int) -> None:
 
 
 class StageTransport:
-    """A stage's writers' side of one transport: the buffer they write into, where a bucket's bytes sit in it, and
-    how the stage's sender delivers each bucket and ends a sync. `receiver` is set on the engine's rank only."""
+    """A stage's writers' side of one transport: the buffer they write into (`buffer`, the current sync's slot's,
+    `use_slot`), where a bucket's bytes sit in it, and how the stage's sender delivers each bucket and ends a sync.
+    `receiver` is set on the engine's rank only."""
 
     name = ""
 
     def __init__(self, engine_rank: int, receiver=None):
         self.engine_rank, self.receiver = engine_rank, receiver
+        self.buffers = []  # what the writers write into, one per slot of the arena
         self.buffer = None
+
+    def slot_buffer(self, slot: int):
+        """The buffer a sync into the arena's slot `slot` writes."""
+        return self.buffers[slot]
+
+    def use_slot(self, slot: int) -> None:
+        """The next sync goes into the arena's slot `slot`."""
+        self.buffer = self.slot_buffer(slot)
 
     def placement(self, bucket: Bucket) -> tuple[int, int]:
         """(byte offset of the stage layout's 0 in `buffer`, byte offset of the scratch region)."""
@@ -105,6 +115,7 @@ class StageTransport:
             dist.send_object_list([StageEnd(sync_id, error)], dst=self.engine_rank)
 
     def close(self) -> None:
-        if self.buffer is not None and self.buffer is not getattr(self.receiver, "arena", None):
-            self.buffer.close()
-        self.buffer = None
+        for buffer in self.buffers:
+            if all(buffer is not arena for arena in getattr(self.receiver, "arenas", ())):
+                buffer.close()
+        self.buffers, self.buffer = [], None

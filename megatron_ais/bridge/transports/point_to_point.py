@@ -12,7 +12,7 @@ from megatron_ais.bridge.transports import StageTransport, send_manifest
 
 class PointToPointTransport(StageTransport):
     """Collective over the stage's writers (`group`) at construction: the sender creates the bucket buffer (the
-    largest bucket and the scratch region), the others map it."""
+    largest bucket and the scratch region), the others map it; it serves every slot of the arena."""
 
     name = "distributed"
 
@@ -30,6 +30,10 @@ class PointToPointTransport(StageTransport):
             dist.broadcast_object_list(shared, src=sender, group=group)
         if not is_sender:
             self.buffer = open_staging_buffer(shared[0], nbytes)
+        self.buffers = [self.buffer]
+
+    def slot_buffer(self, slot: int):
+        return self.buffer  # every slot's buckets: the receiver places the shipped bytes in its slot
 
     def placement(self, bucket: Bucket) -> tuple[int, int]:
         return -bucket.start, self.max_bucket

@@ -8,15 +8,17 @@ from megatron_ais.bridge.transports import StageTransport, send_manifest
 
 
 class SharedMemoryTransport(StageTransport):
-    """`arena_ref`/`arena_bytes`: the arena to map (the receiver's own on the engine's rank); `stage_offset` and
-    `scratch_offset`: where stage `stage`'s layout and its scratch region start in it."""
+    """`arena_refs`/`arena_bytes`: the arena's buffers to map, one per slot (the receiver's own on the engine's
+    rank); `stage_offset` and `scratch_offset`: where stage `stage`'s layout and its scratch region start in each."""
 
     name = "shm"
 
-    def __init__(self, engine_rank: int, receiver, stage: int, arena_ref, arena_bytes: int, stage_offset: int,
-                 scratch_offset: int):
+    def __init__(self, engine_rank: int, receiver, stage: int, arena_refs: tuple, arena_bytes: int,
+                 stage_offset: int, scratch_offset: int):
         super().__init__(engine_rank, receiver)
-        self.buffer = receiver.arena if receiver is not None else open_staging_buffer(arena_ref, arena_bytes)
+        self.buffers = list(receiver.arenas) if receiver is not None else [
+            open_staging_buffer(ref, arena_bytes) for ref in arena_refs]
+        self.use_slot(0)
         self.stage, self.offsets = stage, (stage_offset, scratch_offset)
 
     def placement(self, bucket: Bucket) -> tuple[int, int]:
