@@ -223,7 +223,7 @@ def build_fleet(config, tokenizer, task, seeds: tuple[int, int], model_dir: str,
     node_of = [node for node, _ in places]
     colocated = config.engine.placement == "colocated"  # then every rank holds an engine
     layout = FleetLayout.per_node(dist.get_world_size() if colocated else config.cluster.engines_per_node,
-                                  dist.get_rank(), node_of)
+                                  dist.get_rank(), node_of, dist.new_group())
     loop, trainer, index = config.loop, config.trainer, layout.engine_here
     manager = None
     if index is not None:

@@ -23,10 +23,13 @@ from megatron_ais.errors import ArgumentValidationError, EngineRetiredError, Syn
 
 @dataclasses.dataclass(frozen=True)
 class FleetLayout:
-    """The serving engines, each named by the global rank that drives it (`hosts`); `rank` is this process's."""
+    """The serving engines, each named by the global rank that drives it (`hosts`); `rank` is this process's.
+    `group`: the process group of every rank that the fleet's collectives run on (None: the world's), apart from the
+    groups training uses, so that rollout traffic never queues behind a training collective."""
 
     hosts: tuple[int, ...]
     rank: int
+    group: Any = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def first_ranks(cls, engines: int, rank: int) -> "FleetLayout":
@@ -34,13 +37,13 @@ class FleetLayout:
         return cls(tuple(range(engines)), rank)
 
     @classmethod
-    def per_node(cls, engines_per_node: int, rank: int, node_of: list[str]) -> "FleetLayout":
+    def per_node(cls, engines_per_node: int, rank: int, node_of: list[str], group=None) -> "FleetLayout":
         """`engines_per_node` engines on every node, driven by its first ranks (`node_of`: every global rank's
         node; `arguments` checks that each node has the ranks)."""
         hosts = []
         for node in dict.fromkeys(node_of):
             hosts += [r for r, n in enumerate(node_of) if n == node][:engines_per_node]
-        return cls(tuple(hosts), rank)
+        return cls(tuple(hosts), rank, group)
 
     @property
     def size(self) -> int:
@@ -131,7 +134,7 @@ def shared_outcomes(outcome: tuple[Any, tuple | None], layout: FleetLayout) -> l
     """Every host's `outcome_here`, on every rank, in `hosts` order (collective); raises the first engine's failure
     (see `from_every_engine`)."""
     parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, outcome)
+    dist.all_gather_object(parts, outcome, group=layout.group)
     for host in layout.hosts:
         if parts[host][1] is not None:
             kind, message = parts[host][1]

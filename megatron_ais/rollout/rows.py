@@ -261,7 +261,8 @@ def exchange_rows(rows: MadeRows, data_parallel_rank_of: list[int], data_paralle
             for rank, dp_rank in enumerate(data_parallel_rank_of):
                 wanted = record_rows(index, dp_rank)
                 if rank != me and wanted:
-                    requests += [dist.isend(t[wanted].contiguous(), dst=rank) for _, t in tensors]
+                    requests += [dist.isend(t[wanted].contiguous(), dst=rank, group=rows.layout.group)
+                                 for _, t in tensors]
             mine = record_rows(index, data_parallel_rank)
             if mine:
                 pieces.append({name: t[mine] for name, t in tensors})
@@ -269,7 +270,7 @@ def exchange_rows(rows: MadeRows, data_parallel_rank_of: list[int], data_paralle
         mine = record_rows(index, data_parallel_rank)
         if mine:
             piece = record.empty(len(mine))
-            requests += [dist.irecv(t, src=record.host) for t in piece.values()]
+            requests += [dist.irecv(t, src=record.host, group=rows.layout.group) for t in piece.values()]
             received += record.nbytes(len(mine))
             pieces.append(piece)
     for request in requests:

@@ -233,3 +233,36 @@ def test_a_process_started_by_the_background_worker_outlives_the_task_that_start
 
     assert _alive_after(_started_by(on_worker))
     assert not _alive_after(_started_by(on_a_thread_of_its_own))
+
+
+def _beside_a_training_collective_worker():
+    import torch.distributed as dist
+
+    from megatron_ais.distributed import initialize_distributed
+    from megatron_ais.grpo.advantages import AdvantageConfig, with_advantages
+    from megatron_ais.rollout.fleet_layout import FleetLayout
+    from megatron_ais.rollout.rows import exchange_rows, make_rows
+
+    if not dist.is_initialized():
+        initialize_distributed()
+    rank, group_size, prompts = dist.get_rank(), 4, 4
+    layout = FleetLayout((0, 1), rank, dist.new_group())
+    whole = with_advantages(_whole_batch(prompts * group_size, group_size, 12, seed=7), AdvantageConfig())
+    training = torch.ones(4)
+    # rank 0 has a training collective in flight on another group, which rank 1 joins only after the rollouts
+    pending = dist.all_reduce(training, async_op=True) if rank == 0 else None
+    made = make_rows(lambda share: whole.rows(list(range(share.start * group_size, share.stop * group_size))),
+                     layout, prompts, min_engines=1)
+    got = exchange_rows(made, [0, 1], rank, balanced=False)
+    if rank == 1:
+        dist.all_reduce(training)
+    else:
+        pending.wait()
+    return got.batch.tokens.shape[0], float(training[0])
+
+
+def test_rollout_collectives_do_not_wait_behind_a_training_one():
+    """The fleet's collectives (the hosts' records, the row exchange) run on the fleet's own process group: with a
+    collective in flight on another group that one rank joins only after the rollouts, the rollouts still go
+    through (on a shared group the ranks would issue their collectives in different orders and hang)."""
+    assert spawn(2, _beside_a_training_collective_worker, timeout=90) == [(8, 2.0), (8, 2.0)]
