@@ -44,6 +44,8 @@ PP=${PP:-1}
 # One step off policy (slime's train_async.py, verl's one-step-off-policy): the engines generate step t + 1's batch
 # with the weights step t starts from while the trainer trains step t; AIS sees the lag in the rollout log-probs.
 # Steps that evaluate or save (every 20 here) sync first. 0 gives the synchronous loop.
+# Caveat (docs/results.md, issue 30, CPU study): under staleness TIS recovered accuracy and one-λ AIS did not;
+# at this lr (1e-6) one step moves the policy far less, which no run here has measured yet.
 MAX_OFF_POLICY_STEPS=${MAX_OFF_POLICY_STEPS:-1}
 # PARTIAL_ROLLOUTS=1: each step's weights reach the engines as soon as it has trained; requests in flight are aborted
 # and resumed on them with their tokens kept (slime's --partial-rollout). Not reproducible token for token.
