@@ -82,6 +82,7 @@ class WeightBridge:
         self.stage_bytes: list[int] = []
         self.pieces: list[list[list[CopyPiece | QuantizePiece]]] = []  # per slot, per bucket
         self.connected = False
+        self.slots = 1  # buffers of the arena (the receiver's, learnt when the bridge connects)
         self.completed = 0  # committed syncs: the next one writes slot `completed % slots`
 
     def __enter__(self) -> "WeightBridge":

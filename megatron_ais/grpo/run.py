@@ -153,11 +153,13 @@ class PhaseTimes:
 @dataclasses.dataclass(frozen=True)
 class StagedSync:
     """A step's weights written and verified in the bridge's staging arena, not yet applied by the engines: the
-    receiver's verified arena (`bridge.arena.ArenaWeights`), the trainer's probe log-probs of those weights."""
+    receiver's verified arena (`bridge.arena.ArenaWeights`), the trainer's probe log-probs of those weights and
+    their FP8 KV-cache scales (None without an FP8 KV cache)."""
 
     step: int
     weights: object
     reference: RefitReference
+    kv_cache_scales: object = None
 
 
 class GRPORun:
@@ -178,12 +180,12 @@ class GRPORun:
         weights are staged (the other buffer of the arena), and the engines apply them once the batches submitted
         before are in (`sync_behind`), or, with --partial-rollouts, at once, interrupting them."""
         self.setup()
-        pending, previous, staged = {}, None, None  # step -> PendingRollouts submitted ahead
+        pending, staged = {}, None  # step -> PendingRollouts submitted ahead; weights staged, not yet applied
         for step in range(self.state.step + 1, self.loop.grpo_steps + 1):
             times = PhaseTimes()
             with times.phase("rollout"):
                 rollouts = (pending.pop(step, None) or self.submit(step)).wait()
-            synced = self.sync_behind(staged, previous, pending, times)
+            synced = self.sync_behind(staged, pending, times)
             pending.update(self.submit_ahead(step, max(pending, default=step)))
             with times.phase("train"):
                 result = self.train(rollouts.batch, step - 1)
@@ -195,7 +197,6 @@ class GRPORun:
             evaluated = self.evaluate(step)
             self.record(step, rollouts, result.metrics, synced, evaluated, times.seconds)
             self.save(step)
-            previous = rollouts
         return self.finish()
 
     def setup(self) -> None:
@@ -331,8 +332,7 @@ class GRPORun:
 
         return {later: self.submit(later, ahead=True) for later in self.loop.steps_ahead(step, submitted, syncs_first)}
 
-    def sync_behind(self, staged: StagedSync | None, previous: StepRollouts | None,
-                    pending: dict[int, PendingRollouts], times: PhaseTimes) -> dict:
+    def sync_behind(self, staged: StagedSync | None, pending: dict[int, PendingRollouts], times: PhaseTimes) -> dict:
         """The engines apply the previous step's staged weights (that step trained while batches were generated)
         once every batch submitted before is in (the engines change weights between batches, never during one);
         what the step logs of it."""
@@ -357,13 +357,13 @@ class GRPORun:
             first, count = rollouts.first_rows, self.config.kv_calibration.sequences
             self.measure_kv_cache(share(lambda: rollout_sequences(first.tokens, first.mask, count),
                                         src=rollouts.first_host))
-        return StagedSync(step, self.write_weights(step), reference)
+        return StagedSync(step, self.write_weights(step), reference, self.state.kv_cache_scales)
 
     def apply_staged(self, staged: StagedSync) -> dict:
         """Every engine applies the staged weights and their KV-cache scales, then the refit of every engine (or of
         this turn's few, --verify-refit-engines) is checked; return what the step logs of it. Each host's generation
         in the background, if any, ends or steps aside first (`RolloutFleet.generation_paused`)."""
-        step, scales = staged.step, self.state.kv_cache_scales
+        step, scales = staged.step, staged.kv_cache_scales
         with self.fleet.generation_paused():
             self.fleet.apply(staged.weights, step, staged.reference)
             if self.config.engine.kv_cache_dtype == "fp8":
