@@ -26,9 +26,9 @@ def test_the_regime_changes_only_the_fp8_arms():
 
 
 def test_a_row_gives_mean_and_sample_std_over_seeds():
-    runs = [_summary(0.5, 1e-3, 0.8, 0.1, (0.0, 0.2)), _summary(0.6, 3e-3, 0.6, 0.3, (0.9, 0.3)),
-            _summary(0.7, 2e-3, 0.7, 0.2, (0.5, 0.4))]
-    baseline = [_summary(0.4, 1e-3, 0.8, 0.1), _summary(0.6, 1e-3, 0.8, 0.1), _summary(0.5, 1e-3, 0.8, 0.1)]
+    runs = {1: _summary(0.5, 1e-3, 0.8, 0.1, (0.0, 0.2)), 2: _summary(0.6, 3e-3, 0.6, 0.3, (0.9, 0.3)),
+            3: _summary(0.7, 2e-3, 0.7, 0.2, (0.5, 0.4))}
+    baseline = {3: _summary(0.5, 1e-3, 0.8, 0.1), 1: _summary(0.4, 1e-3, 0.8, 0.1), 2: _summary(0.6, 1e-3, 0.8, 0.1)}
     row = ablate.table_row("fp8-ais", "FP8 + AIS", runs, baseline, eta=2).split(" | ")
     assert row[1:5] == ["2", "3", "0.250", "0.600 ± 0.100"]
     assert row[5] == "0.100 ± 0.100"  # paired with the baseline seed by seed: 0.1, 0.0, 0.2
@@ -38,6 +38,8 @@ def test_a_row_gives_mean_and_sample_std_over_seeds():
     assert row[9:13] == ["0.9800", "0.700", "0.020", "0.000"] and row[13] == "0.100–0.600"
     assert ablate.table_row("fp8", "FP8", runs).split(" | ")[13] == "–"  # λ only for AIS arms
     assert ablate.table_row("fp8", "FP8", runs).split(" | ")[5] == "–"  # no baseline
+    del baseline[2]  # pairs only over the seeds both have: 0.1, 0.2
+    assert ablate.table_row("fp8-ais", "FP8 + AIS", runs, baseline).split(" | ")[5] == "0.150 ± 0.071 (2 pairs)"
 
 
 def test_report_only_tables_the_summaries_already_written(tmp_path):
@@ -70,3 +72,42 @@ def test_report_only_sweeps_eta_with_a_figure_of_accuracy_against_it(tmp_path):
     assert "| FP8 + AIS | 2 | 2 | 0.250 | 0.565 ± 0.007 | 0.250 ± 0.000 |" in table
     assert "| FP8 + AIS, one λ per lag | 2 |" in table and "| FP8 + AIS, one λ per lag | 0 |" not in table
     assert (tmp_path / "accuracy_by_eta.png").stat().st_size > 10_000
+
+
+def test_the_grid_resumes_finished_runs_and_refuses_one_with_other_flags(tmp_path, monkeypatch):
+    import json
+    import subprocess
+
+    launched = []
+
+    def run(cmd, cwd, **_):
+        launched.append(cmd)
+        out = cmd[cmd.index("--output-dir") + 1]
+        with open(f"{out}/summary.json", "w") as f:
+            json.dump(_summary(0.5, 1e-3, 0.8, 0.1), f)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(ablate.subprocess, "run", run)
+    grid = ["--load", "ckpt", "--output-dir", str(tmp_path), "--arms", "fp8", "--seeds", "1", "--", "--lr", "3e-4"]
+    assert ablate.main(grid) == 0 and len(launched) == 1
+    assert ablate.main(grid[:6] + ["--seeds", "1", "2"] + grid[8:]) == 0 and len(launched) == 2  # only seed 2 runs
+    assert launched[1][launched[1].index("--seed") + 1] == "2"
+    try:
+        ablate.main(grid[:-1] + ["1e-3"])
+    except SystemExit as exit:
+        assert "holds a finished run with other flags" in str(exit) and len(launched) == 2
+    else:
+        raise AssertionError("a finished run with other flags was reused")
+
+
+def test_report_only_tables_the_seeds_each_cell_has(tmp_path):
+    import json
+
+    for arm, seeds in (("fp8", (1, 2, 3)), ("fp8-tis", (1, 3))):
+        for seed in seeds:
+            (tmp_path / arm / f"seed{seed}").mkdir(parents=True)
+            (tmp_path / arm / f"seed{seed}" / "summary.json").write_text(json.dumps(_summary(0.1 * seed, 1e-3, 0.8, 0.1)))
+    assert ablate.main(["--load", "unused", "--output-dir", str(tmp_path), "--arms", "fp8", "fp8-tis", "fp8-ais",
+                        "--seeds", "1", "2", "3", "--report-only"]) == 0
+    table = (tmp_path / "ablation.md").read_text()
+    assert "| FP8 + TIS | 0 | 2 | 0.250 | 0.200 ± 0.141 | 0.000 ± 0.000 |" in table and "FP8 + AIS" not in table

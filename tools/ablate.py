@@ -10,7 +10,8 @@ CPU: `--rollout-fp8-activations emulate` and an FP8 KV cache) and `gpu` (a GPU e
 cache). `--off-policy-steps 0 2 4` sweeps the staleness bound η (`--max-off-policy-steps`, separate engines when
 η > 0; add `--partial-rollouts` after `--` for mixed-lag batches). Each arm's after-accuracy is also compared seed by
 seed with the uncorrected FP8 arm at the same η (paired differences). Flags after `--` go to every
-pretrain_grpo_ais.py run unchanged.
+pretrain_grpo_ais.py run unchanged. The command resumes: a run finished with the same flags is read, not rerun, so a
+grid grows a seed or an arm at a time under one --output-dir.
 """
 from __future__ import annotations
 
@@ -57,12 +58,29 @@ def cell(name: str, eta: int) -> str:
     return name if eta == 0 else f"{name}-eta{eta}"
 
 
+def run_flags(name: str, flags: list[str], seed: int, args, extra: list[str], eta: int = 0) -> list[str]:
+    """The pretrain_grpo_ais.py flags of one arm at one seed and η."""
+    return ["--load", args.load, "--seed", str(seed), "--output-dir", run_dir(args.output_dir, name, seed, eta), *extra,
+            *arm_flags(name, flags, args.regime, eta)]
+
+
+def run_dir(output_dir: str, name: str, seed: int, eta: int = 0) -> str:
+    return os.path.join(output_dir, cell(name, eta), f"seed{seed}")
+
+
 def run_arm(name: str, flags: list[str], seed: int, args, extra: list[str], eta: int = 0) -> dict:
-    """Run one arm at one seed with torchrun; return its summary (raises with the tail of its log on failure)."""
-    out = os.path.join(args.output_dir, cell(name, eta), f"seed{seed}")
+    """Run one arm at one seed with torchrun and return its summary; a run already finished with the same flags is
+    read, not rerun (so the grid's command resumes), and one finished with other flags stops the grid."""
+    out = run_dir(args.output_dir, name, seed, eta)
+    own = run_flags(name, flags, seed, args, extra, eta)
+    if os.path.exists(os.path.join(out, "summary.json")):
+        recorded = os.path.join(out, "flags.json")
+        if not os.path.exists(recorded) or json.load(open(recorded)) != own:
+            raise SystemExit(f"ablate: {out} holds a finished run with other flags; pass another --output-dir or "
+                             "remove that directory")
+        return read_summary(out)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(args.nproc_per_node), os.path.join(ROOT, "pretrain_grpo_ais.py"), "--load", args.load,
-           "--seed", str(seed), "--output-dir", out, *extra, *arm_flags(name, flags, args.regime, eta)]
+           str(args.nproc_per_node), os.path.join(ROOT, "pretrain_grpo_ais.py"), *own]
     os.makedirs(out, exist_ok=True)
     start = time.time()
     with open(os.path.join(out, "log.txt"), "w") as log:
@@ -70,10 +88,16 @@ def run_arm(name: str, flags: list[str], seed: int, args, extra: list[str], eta:
     if proc.returncode != 0:
         tail = open(os.path.join(out, "log.txt")).read()[-3000:]
         raise RuntimeError(f"arm {name} seed {seed} failed (exit {proc.returncode}):\n{tail}")
-    with open(os.path.join(out, "summary.json")) as f:
-        summary = json.load(f)
+    with open(os.path.join(out, "flags.json"), "w") as f:
+        json.dump(own, f)
+    summary = read_summary(out)
     summary["launcher_wall_s"] = time.time() - start
     return summary
+
+
+def read_summary(out: str) -> dict:
+    with open(os.path.join(out, "summary.json")) as f:
+        return json.load(f)
 
 
 def _values(history: list[dict], key: str) -> list[float]:
@@ -105,15 +129,20 @@ def spread(values: list[float], digits: int = 3) -> str:
     return f"{_mean(values):.{digits}f} ± {std:.{digits}f}"
 
 
-def paired_difference(summaries: list[dict], baseline: list[dict] | None) -> str:
-    """after − the baseline's after, seed by seed (the runs in seed order), as mean ± std; "–" without a baseline."""
-    if not baseline or summaries is baseline:
+def paired_difference(runs: dict[int, dict], baseline: dict[int, dict] | None) -> str:
+    """after − the baseline's after at the same seed, over the seeds both have, as mean ± std (with the number of
+    pairs when the baseline lacks some of the arm's seeds); "–" without a baseline."""
+    seeds = sorted(set(runs) & set(baseline or {}))
+    if not seeds or runs is baseline:
         return "–"
-    return spread([s["accuracy_after"] - b["accuracy_after"] for s, b in zip(summaries, baseline)])
+    pairs = "" if len(seeds) == len(runs) else f" ({len(seeds)} pairs)"
+    return spread([runs[seed]["accuracy_after"] - baseline[seed]["accuracy_after"] for seed in seeds]) + pairs
 
 
-def table_row(name: str, label: str, summaries: list[dict], baseline: list[dict] | None = None, eta: int = 0) -> str:
-    """One markdown row over an arm's seeds (at η; `baseline`: the uncorrected FP8 arm's runs at the same seeds)."""
+def table_row(name: str, label: str, runs: dict[int, dict], baseline: dict[int, dict] | None = None,
+              eta: int = 0) -> str:
+    """One markdown row over an arm's runs by seed (at η; `baseline`: the uncorrected FP8 arm's runs by seed)."""
+    summaries = list(runs.values())
     figures = [seed_figures(s) for s in summaries]
 
     def column(key):
@@ -122,7 +151,7 @@ def table_row(name: str, label: str, summaries: list[dict], baseline: list[dict]
     lam = f"{min(column('lambda_min')):.3f}–{max(column('lambda_max')):.3f}" if "ais" in name else "–"
     before = _mean([s["accuracy_before"] for s in summaries])
     return (f"| {label} | {eta} | {len(figures)} | {before:.3f} | {spread(column('after'))} | "
-            f"{paired_difference(summaries, baseline)} | "
+            f"{paired_difference(runs, baseline)} | "
             f"{spread(column('best'))} | {spread(column('late_reward'))} | {_mean(column('k3')):.2e} | {_mean(column('token_ess')):.4f} | "
             f"{_mean(column('sequence_ess')):.3f} | "
             f"{_mean(column('truncated')):.3f} | "
@@ -192,10 +221,11 @@ def main(argv=None) -> int:
     parser.add_argument("--off-policy-steps", type=int, nargs="+", default=[0],
                         help="Staleness bounds η (--max-off-policy-steps) to sweep; every arm runs each.")
     parser.add_argument("--report-only", action="store_true",
-                        help="Run nothing: table and figure from the summaries already in --output-dir.")
+                        help="Run nothing: table and figure from the summaries already in --output-dir (a cell "
+                             "lists the seeds it has; a cell with none is left out).")
     args = parser.parse_args(own)
     os.makedirs(args.output_dir, exist_ok=True)
-    labels, summaries, cells = {}, {}, []
+    labels, runs, cells = {}, {}, []
     for eta in args.off_policy_steps:
         for name, label, flags in ARMS:
             if name not in args.arms or (name in PER_LAG_ARMS and eta == 0):
@@ -204,14 +234,18 @@ def main(argv=None) -> int:
             labels[key] = label if eta == 0 else f"{label}, η {eta}"
             for seed in args.seeds:
                 if args.report_only:
-                    with open(os.path.join(args.output_dir, key, f"seed{seed}", "summary.json")) as f:
-                        summaries.setdefault(key, []).append(json.load(f))
+                    if os.path.exists(os.path.join(run_dir(args.output_dir, name, seed, eta), "summary.json")):
+                        runs.setdefault(key, {})[seed] = read_summary(run_dir(args.output_dir, name, seed, eta))
                     continue
                 print(f"[ablate] {labels[key]}, seed {seed} ...", flush=True)
-                summaries.setdefault(key, []).append(run_arm(name, flags, seed, args, extra, eta))
-            cells.append((name, label, eta))
-            print(f"[ablate] {table_row(name, label, summaries[key], eta=eta)}", flush=True)
-    rows = [table_row(name, label, summaries[cell(name, eta)], summaries.get(cell("fp8", eta)), eta)
+                runs.setdefault(key, {})[seed] = run_arm(name, flags, seed, args, extra, eta)
+            if key in runs:
+                cells.append((name, label, eta))
+                print(f"[ablate] {table_row(name, label, runs[key], eta=eta)}", flush=True)
+    if not cells:
+        raise SystemExit(f"ablate: no finished run of these arms, seeds and η under {args.output_dir}")
+    summaries = {key: list(by_seed.values()) for key, by_seed in runs.items()}
+    rows = [table_row(name, label, runs[cell(name, eta)], runs.get(cell("fp8", eta)), eta)
             for name, label, eta in cells]
     figure = plot(summaries, labels, os.path.join(args.output_dir, "ablation.png"))
     if len(args.off_policy_steps) > 1:
