@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_ais.bridge.arena import ARENA_PLACES, arena_on_gpu
+from megatron_ais.bridge.delta import DELTA_MODES
 from megatron_ais.bridge.quantization import QuantizationPolicy
 from megatron_ais.bridge.transports import TRANSPORTS
 from megatron_ais.flags import FlagConfig, flag
@@ -28,10 +29,23 @@ class BridgeConfig(FlagConfig):
                 "(device-to-device writes); host = shared host memory (/dev/shm: no GPU memory, PCIe copies both "
                 "ways; for models whose arena does not fit beside the trainer and the engine); auto = gpu on CUDA "
                 "nodes, host otherwise.", name="--bridge-arena", choices=ARENA_PLACES)
+    delta: str = flag(
+        "off", "fp8: once another node's copy of the arena holds the previous sync, forward only the FP8 codes that "
+               "changed (position + code) and the other tensors in full, verified against the full tensors' "
+               "checksums; a full copy after a refused sync, a layout change and every --bridge-full-sync-interval "
+               "syncs. Costs the arena rank one copy of the FP8 codes.", name="--bridge-delta", choices=DELTA_MODES)
+    full_sync_interval: int = flag(32, "With --bridge-delta fp8: the most delta syncs in a row before a full one.",
+                                   name="--bridge-full-sync-interval")
     policy: QuantizationPolicy = QuantizationPolicy()
 
     def __post_init__(self):
         arena_on_gpu(self.arena)  # refuses an unknown place, or gpu without CUDA
+        if self.full_sync_interval < 1:
+            raise ValueError(f"--bridge-full-sync-interval {self.full_sync_interval}: give at least 1 (delta syncs "
+                             "between full ones)")
+        if self.delta == "fp8" and self.policy.precision != "fp8":
+            raise ValueError(f"--bridge-delta fp8 sends the FP8 codes that changed, but the engine's weights are "
+                             f"{self.policy.precision}: use --rollout-precision fp8 or --bridge-delta off")
 
     @classmethod
     def from_args(cls, args, precision: str = "fp8", **fields) -> "BridgeConfig":

@@ -4,11 +4,18 @@ first engine host over a process group of the arena rank and those hosts (a broa
 on GPUs), so what crosses nodes crosses once per node, not once per engine. Each copy is verified against the
 sync's manifest (every tensor's layout and checksum) before any engine applies anything: a copy that differs
 refuses the sync on every rank, and every engine keeps the weights it had.
+
+With `--bridge-delta fp8` a node whose copy holds the previous sync's weights receives only the FP8 codes that
+changed and the other tensors in full (`bridge.delta`), applied to its copy in place and verified the same way.
 """
 from __future__ import annotations
 
+import zlib
+
+import torch
 import torch.distributed as dist
 
+from megatron_ais.bridge import delta
 from megatron_ais.bridge.arena import ArenaWeights, SharedBuffer, buffer_data, entry_views
 from megatron_ais.bridge.buckets import verify_tensors
 from megatron_ais.distributed import CHUNK_BYTES, broadcast_bytes, receive_bytes
@@ -26,32 +33,78 @@ def node_leaders(engine_hosts: tuple[int, ...], node_of: list[str], arena_rank: 
 
 class NodeCopies:
     """Forwards each committed sync from the arena rank to the node leaders and verifies it there. Built by every
-    rank together (it creates a process group)."""
+    rank together (it creates a process group).
 
-    def __init__(self, arena_rank: int, leaders: tuple[int, ...], rank: int):
+    `delta` ('off' or 'fp8', `--bridge-delta`): whether a forward may send only the FP8 codes that changed since the
+    copy every leader verified last; a full copy goes whenever a member lacks that copy (the first forward, a
+    refused one, a new layout) and after `full_sync_interval` deltas."""
+
+    def __init__(self, arena_rank: int, leaders: tuple[int, ...], rank: int, delta_mode: str = "off",
+                 full_sync_interval: int = 32):
         self.arena_rank, self.leaders, self.rank = arena_rank, leaders, rank
         self.group = dist.new_group(sorted({arena_rank, *leaders})) if leaders else None
         self.copy: SharedBuffer | None = None
+        self.delta_mode, self.full_sync_interval = delta_mode, full_sync_interval
+        self.forwards = 0  # forwards this member took part in (the same count on every member)
+        self.version: tuple[int, int] | None = None  # (forward, layout) of the copy this member shares; None: none
+        self.base: dict[str, torch.Tensor] = {}  # the arena rank: the FP8 codes of that copy
+        self.deltas_since_full = 0
+        self.sent_bytes = 0  # what the arena rank's last forward broadcast
 
     def forward(self, weights: ArenaWeights) -> tuple[ArenaWeights | None, str | None]:
-        """Collective on every rank. The arena rank sends the sync's bytes; each leader receives them into its
-        node's copy and verifies every tensor: it returns (the copy as ArenaWeights, None) or (None, why it differs);
-        other ranks return (None, None)."""
+        """Collective on every rank. The arena rank sends the sync's bytes (or their delta); each leader receives
+        them into its node's copy and verifies every tensor: it returns (the copy as ArenaWeights, None) or (None,
+        why it differs); other ranks return (None, None)."""
         if self.group is None or (self.rank != self.arena_rank and self.rank not in self.leaders):
             return None, None
-        nbytes = max(e.offset + e.nbytes for e in weights.entries)
+        self.forwards += 1
+        entries = list(weights.entries)
+        nbytes = max(e.offset + e.nbytes for e in entries)
+        layout = zlib.crc32(repr(delta.layout_key(entries)).encode())
+        versions = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(versions, self.version, group=self.group)
+        send_delta = (self.delta_mode == "fp8" and self.deltas_since_full < self.full_sync_interval
+                      and versions[0] is not None and versions[0][1] == layout and len(set(versions)) == 1)
+        plan = delta.DeltaPlan.of(entries)
         if self.rank == self.arena_rank:
-            broadcast_bytes(self.group, buffer_data(weights.ref)[:nbytes], CHUNK_BYTES)
+            self._send(buffer_data(weights.ref)[:nbytes], plan, send_delta)
+            self.version = (self.forwards, layout)
             return None, None
-        if self.copy is None or self.copy.nbytes < nbytes:
-            self.copy = SharedBuffer.create("node-arena", nbytes)
-        receive_bytes(self.group, self.copy.data[:nbytes], CHUNK_BYTES)
-        views = entry_views(self.copy.data, list(weights.entries))
+        header = [None]
+        dist.broadcast_object_list(header, src=self.arena_rank, group=self.group)
+        self.version = None
         try:
-            verify_tensors([(entry, view) for entry, (_, view) in zip(weights.entries, views)])
+            self._receive(nbytes, plan, header[0])
+            views = entry_views(self.copy.data, entries)
+            verify_tensors([(entry, view) for entry, (_, view) in zip(entries, views)])
         except ValueError as err:
             return None, f"the copy of sync's arena on this node differs: {err}"
+        self.version = (self.forwards, layout)
         return ArenaWeights(self.copy.ref, weights.entries), None
+
+    def _send(self, data: torch.Tensor, plan: delta.DeltaPlan, send_delta: bool) -> None:
+        """The arena rank: broadcast the header (None: a full copy follows) and the bytes."""
+        if send_delta:
+            header, payload = delta.encode(data, plan, self.base)
+            self.deltas_since_full += 1
+        else:
+            header, payload = None, data
+            self.base = delta.snapshot(data, plan) if self.delta_mode == "fp8" else {}
+            self.deltas_since_full = 0
+        dist.broadcast_object_list([header], src=self.arena_rank, group=self.group)
+        broadcast_bytes(self.group, payload, CHUNK_BYTES)
+        self.sent_bytes = payload.numel()
+
+    def _receive(self, nbytes: int, plan: delta.DeltaPlan, header: delta.DeltaHeader | None) -> None:
+        """A leader: the full copy into its node's copy, or a delta applied to it (which holds the version the
+        delta was encoded against: every member said so before it was sent)."""
+        if header is None:
+            if self.copy is None or self.copy.nbytes < nbytes:
+                self.copy = SharedBuffer.create("node-arena", nbytes)
+            receive_bytes(self.group, self.copy.data[:nbytes], CHUNK_BYTES)
+            return
+        payload = receive_bytes(self.group, torch.empty(header.payload_bytes(plan), dtype=torch.uint8), CHUNK_BYTES)
+        delta.apply(self.copy.data, plan, header, payload)
 
     def close(self) -> None:
         if self.copy is not None:

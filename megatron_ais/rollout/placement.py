@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_ais.bridge.delta import POSITION_BYTES as DELTA_POSITION_BYTES
 from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import FlagConfig, flag
 from megatron_ais.model import ModelShape
@@ -74,10 +75,16 @@ class ModelBytes:
     dense_parameters: int
     expert_parameters: int
     kv_bytes_per_token: int
+    fp8_codes: int = 0  # FP8 linear weights' elements (one byte each), which a delta sync sends element-sparse
 
     @property
     def sync(self) -> int:
         return self.dense_sync + self.expert_sync
+
+    def delta_sync(self, changed_fraction: float) -> int:
+        """Bytes of an FP8 delta sync (`bridge.delta`) when `changed_fraction` of the codes changed: every other
+        byte in full, and a 4-byte position and the code per changed code."""
+        return round(self.sync - self.fp8_codes + self.fp8_codes * changed_fraction * (DELTA_POSITION_BYTES + 1))
 
     @classmethod
     def of(cls, shape, precision: str, kv_cache_dtype: str = "auto") -> "ModelBytes":
@@ -100,7 +107,8 @@ class ModelBytes:
         return cls(dense_sync=round(dense_linear * linear_bytes + dense_other * other_bytes),
                    expert_sync=round(layers * experts * linear_bytes),
                    dense_parameters=dense_linear + dense_other, expert_parameters=layers * experts,
-                   kv_bytes_per_token=2 * layers * shape.num_key_value_heads * hd * kv_element)
+                   kv_bytes_per_token=2 * layers * shape.num_key_value_heads * hd * kv_element,
+                   fp8_codes=dense_linear + layers * experts if precision == "fp8" else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,8 +292,9 @@ def _ranks(ranks: tuple[int, ...]) -> str:
     return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
 
 
-def format_placement(plan: Placement, layout, model_name: str) -> str:
-    """The plan as a person reads it: the layout, one line per node, the engines, memory and one sync's traffic."""
+def format_placement(plan: Placement, layout, model_name: str, delta: str = "off") -> str:
+    """The plan as a person reads it: the layout, one line per node, the engines, memory and one sync's traffic
+    (`delta`: --bridge-delta, whose node copies' bytes it adds)."""
     c, gb = plan.cluster, 1e9
     lines = [
         f"placement for {model_name}: {c.nodes} node(s) x {c.gpus_per_node} GPUs ({c.gpu_memory_gb:g} GiB), "
@@ -306,6 +315,12 @@ def format_placement(plan: Placement, layout, model_name: str) -> str:
     lines.append(f"across nodes per sync: {plan.cross_node_bytes / gb:.2f} GB in all (each node's arena fed once, "
                  f"not once per engine); busiest link {max(max(n.received, n.sent) for n in plan.nodes) / gb:.2f} GB "
                  f"≈ {plan.sync_seconds:.2f} s at --cluster-link-gb-per-s {c.link_gb_per_s:g}")
+    if delta == "fp8" and plan.model.fp8_codes:
+        lines.append(f"--bridge-delta fp8: each other node's copy of the arena receives {plan.model.delta_sync(0) / gb:.2f} "
+                     f"GB in full (scales, BF16 tensors) + 5 bytes per changed FP8 code: "
+                     f"{plan.model.delta_sync(0.01) / gb:.2f} GB with 1 % of the codes changed, "
+                     f"{plan.model.delta_sync(0.001) / gb:.2f} GB with 0.1 %, against {plan.model.sync / gb:.2f} GB "
+                     "for a full sync")
     return "\n".join(lines)
 
 
@@ -317,4 +332,4 @@ def describe_placement(config, hf_config: dict, model_name: str) -> str:
                           rollout_tp=engine.tensor_parallel_size, precision=engine.precision,
                           kv_cache_gb=engine.kv_cache_gb, kv_cache_dtype=engine.kv_cache_dtype,
                           distributed_optimizer=config.trainer.training.use_distributed_optimizer)
-    return format_placement(plan, layout, model_name)
+    return format_placement(plan, layout, model_name, config.bridge.delta)

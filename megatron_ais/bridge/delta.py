@@ -1,0 +1,122 @@
+"""FP8 delta syncs (`--bridge-delta fp8`): once a receiver holds a verified full copy of the engine's weights, a sync
+sends only the FP8 codes that changed since that copy — each as its position in its tensor and its new code — and
+every other tensor (the FP8 block scales, the tensors kept in BF16) in full.
+
+Element-sparse on purpose: an optimizer step changes a small fraction of the codes (one Adam step at lr 1e-6 moves a
+weight of std 0.02 by about a tenth of a percent of an e4m3 code step, measured by `tools/bench_bridge.py --delta`)
+but spread over nearly every 128 x 128 block, so whole-block deltas would save nothing. A tensor whose changed codes
+would take more bytes as (position, code) pairs than in full is sent in full.
+
+Integrity stays end to end: the receiver verifies every tensor of its updated copy against the sync's manifest (the
+sender's checksums of the full tensors), so a dropped, altered or misplaced code refuses the sync like a flipped
+byte. Both ends keep the version of the copy they share; the sender sends a full copy whenever they differ (the
+first sync, a refused one, a new layout) and every `--bridge-full-sync-interval` syncs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron_ais.bridge.arena import byte_view
+
+DELTA_MODES = ("off", "fp8")
+FP8_CODES = "float8_e4m3fn"
+POSITION_BYTES = 4  # int32 positions: every FP8 tensor has fewer than 2^31 codes (`DeltaPlan.of`)
+FULL = -1  # in `DeltaHeader.changed`: the tensor is sent in full
+
+
+def layout_key(entries) -> tuple:
+    """What must be unchanged for a delta to apply: every tensor's name, dtype, shape and place."""
+    return tuple((e.name, e.dtype, tuple(e.shape), e.offset) for e in entries)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaHeader:
+    """What a delta payload holds: per FP8 tensor (in manifest order) how many changed codes it carries, or FULL."""
+
+    changed: tuple[int, ...]
+
+    def payload_bytes(self, plan: "DeltaPlan") -> int:
+        sparse = sum(n for n in self.changed if n != FULL)
+        return (plan.dense_bytes + sum(e.nbytes for e, n in zip(plan.codes, self.changed) if n == FULL)
+                + sparse * (POSITION_BYTES + 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaPlan:
+    """A manifest split into the FP8 code tensors a delta sends element-sparse and the tensors it sends in full."""
+
+    codes: tuple  # manifest entries of FP8 codes
+    dense: tuple  # every other entry
+
+    @classmethod
+    def of(cls, entries) -> "DeltaPlan":
+        codes = tuple(e for e in entries if e.dtype == FP8_CODES and e.nbytes < 2 ** 31)
+        return cls(codes, tuple(e for e in entries if e not in codes))
+
+    @property
+    def dense_bytes(self) -> int:
+        return sum(e.nbytes for e in self.dense)
+
+
+def changed_codes(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """The int32 flat positions at which two FP8 tensors' codes (compared as bytes) differ."""
+    return torch.nonzero(new.reshape(-1).view(torch.uint8) != base.reshape(-1).view(torch.uint8)).view(-1).to(
+        torch.int32)
+
+
+def encode(data: torch.Tensor, plan: DeltaPlan, base: dict[str, torch.Tensor]) -> tuple[DeltaHeader, torch.Tensor]:
+    """The delta of the arena bytes `data` against `base` (each FP8 tensor's codes in the receiver's copy, as uint8,
+    brought up to `data` on the way): one uint8 payload of every changed position (int32, first, so that they stay
+    aligned), the dense tensors' bytes, then per FP8 tensor its changed codes, or its bytes in full when that is
+    smaller."""
+    positions, codes, changed = [], [], []
+    for entry in plan.codes:
+        new = data[entry.offset: entry.offset + entry.nbytes]
+        where = changed_codes(new, base[entry.name])
+        if where.numel() * (POSITION_BYTES + 1) >= entry.nbytes:
+            changed.append(FULL)
+            codes.append(new)
+            base[entry.name].copy_(new)
+            continue
+        changed.append(where.numel())
+        positions.append(where.view(torch.uint8))
+        codes.append(new[where.long()])
+        base[entry.name][where.long()] = codes[-1]
+    parts = positions + [data[e.offset: e.offset + e.nbytes] for e in plan.dense] + codes
+    payload = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=data.device)
+    return DeltaHeader(tuple(changed)), payload
+
+
+def apply(data: torch.Tensor, plan: DeltaPlan, header: DeltaHeader, payload: torch.Tensor) -> None:
+    """Write a delta payload into the arena bytes `data`, which hold the version it was encoded against: the dense
+    tensors' bytes in place, each FP8 tensor's changed codes at their positions (or its bytes in full). A payload
+    whose size its header does not describe, or a position outside its tensor, raises ValueError; whether the codes
+    are right is for the manifest's checksums to say."""
+    if payload.numel() != header.payload_bytes(plan):
+        raise ValueError(f"the delta payload holds {payload.numel()} bytes, its header describes "
+                         f"{header.payload_bytes(plan)}")
+    sparse = sum(n for n in header.changed if n != FULL)
+    positions = byte_view(payload, 0, torch.int32, (sparse,)).long()
+    start, first = sparse * POSITION_BYTES, 0
+    for entry in plan.dense:
+        data[entry.offset: entry.offset + entry.nbytes].copy_(payload[start: start + entry.nbytes])
+        start += entry.nbytes
+    for entry, count in zip(plan.codes, header.changed):
+        codes = data[entry.offset: entry.offset + entry.nbytes]
+        if count == FULL:
+            codes.copy_(payload[start: start + entry.nbytes])
+            start += entry.nbytes
+            continue
+        where = positions[first: first + count]
+        first += count
+        if count and not (0 <= int(where.min()) and int(where.max()) < entry.nbytes):
+            raise ValueError(f"{entry.name}: a delta position lies outside its {entry.nbytes} codes")
+        codes[where] = payload[start: start + count]
+        start += count
+
+
+def snapshot(data: torch.Tensor, plan: DeltaPlan) -> dict[str, torch.Tensor]:
+    """Each FP8 tensor's codes in `data`, copied: the base the next delta is encoded against."""
+    return {e.name: data[e.offset: e.offset + e.nbytes].clone() for e in plan.codes}
