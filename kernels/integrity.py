@@ -16,6 +16,12 @@ import torch
 from kernels.cpu_library import DTYPE_CODES, library, rows_view, sums_array
 
 
+def summed_where_it_lives(t: torch.Tensor) -> bool:
+    """Whether a tensor's checks run as torch ops where it lives (a device tensor of a summable width) rather than
+    in the host kernels."""
+    return t.device.type != "cpu" and t.element_size() in _SIGNED_VIEWS
+
+
 def all_finite(t: torch.Tensor) -> bool:
     """Return True when every element is finite (one min/max pass: both propagate NaN, Inf is an extreme)."""
     if not t.is_floating_point() or t.numel() == 0:
@@ -53,7 +59,7 @@ def copy_check_finite(src: torch.Tensor, dst: torch.Tensor, position: Position |
         raise ValueError(f"copy of {tuple(src.shape)} {src.dtype} into {tuple(dst.shape)} {dst.dtype}")
     position = position or Position.whole(dst)
     lib = library()
-    if src.device.type != "cpu" and src.element_size() in _SIGNED_VIEWS:
+    if summed_where_it_lives(src):
         return copy_check_finite_torch(src, dst, position)
     if lib is None or dst.device.type != "cpu" or src.numel() == 0:
         bad = int((~torch.isfinite(src)).sum()) if src.is_floating_point() else 0
@@ -86,7 +92,7 @@ def checksum_sums(t: torch.Tensor, position: Position | None = None) -> tuple[in
     """Return the checksum sums (A, B) of a tensor or 2-D view (contiguous last dim) at `position`: the C kernel
     for CPU tensors, torch integer ops where the tensor lives for device tensors (no copy to the host)."""
     position = position or Position.whole(t)
-    if t.device.type != "cpu" and t.element_size() in _SIGNED_VIEWS:
+    if summed_where_it_lives(t):
         return checksum_sums_torch(t, position)
     lib = library()
     if lib is None or t.element_size() not in (1, 2, 4, 8):
@@ -114,7 +120,7 @@ def checksums(tensors: list[torch.Tensor]) -> list[int]:
         if not t.is_contiguous():
             raise ValueError("checksum needs a contiguous tensor")
         flat = t.detach().reshape(-1)
-        if flat.device.type != "cpu" and flat.element_size() in _SIGNED_VIEWS:
+        if summed_where_it_lives(flat):
             deferred.append(i)
             figures.append(checksum_sums_device(flat))
         else:

@@ -6,12 +6,17 @@ staging arena, the quantizer (Triton) and the baseline copy are on the GPU, one 
     .venv/bin/python tools/bench_bridge.py [--hidden-size 768 --num-layers 10 --vocab-size 16384] [--repeats 5]
 
 Prints a table and, as its last line,
-`bridge_sync_ratio=<x> fp8_quant_gbps=<x> bf16_sync_s=<y> fp8_sync_s=<z>` (ratio = BF16 sync seconds ÷ seconds of
-a plain copy of the same bytes).
+`bridge_sync_ratio=<x> fp8_quant_gbps=<x> bf16_sync_s=<y> fp8_sync_s=<z> ops_per_sync=<n> host_syncs_per_sync=<n>`
+(ratio = BF16 sync seconds ÷ seconds of a plain copy of the same bytes; ops and host synchronisations of one FP8
+sync on the engine's rank along the path a GPU takes — torch ops where the tensors live, here run on CPU tensors —
+counted with a TorchDispatchMode and a TorchFunctionMode, the receiver's verifier thread included), and with
+`--delta`, `delta_bytes_fraction=<x>`: an FP8 delta's bytes (`bridge.delta`) over a full sync's after one Megatron
+Adam step at lr 1e-6.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -19,8 +24,97 @@ import tempfile
 import time
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+READ_BACKS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__"}
+# where the bridge reads figures computed where the tensors live back to the host (on a GPU, a synchronisation);
+# every other read-back is of a host tensor there too (the manifest's all-reduced sums, the writers' agreement)
+DEVICE_READ_BACK_SITES = (os.path.join("kernels", "integrity.py"),)
+
+
+class SyncCounts:
+    """What one sync costs in torch: aten ops, host synchronisations a GPU would make (read-backs of figures
+    computed where the tensors live, waits for the device's writes) and the bytes of the tensors those ops allocated (temporaries: neither views nor in-place results), over every thread that
+    `counting` is entered on."""
+
+    def __init__(self):
+        self.ops, self.read_backs, self.new_bytes = 0, 0, 0
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self, counts: SyncCounts):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.counts.ops += 1
+        schema = func._schema
+        if not schema.is_mutable and not any(r.alias_info is not None for r in schema.returns):
+            self.counts.new_bytes += sum(t.nbytes for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+class _CountReadBacks(TorchFunctionMode):
+    def __init__(self, counts: SyncCounts):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in READ_BACKS:
+            caller = sys._getframe(1).f_code.co_filename
+            self.counts.read_backs += caller.endswith(DEVICE_READ_BACK_SITES)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def counting(counts: SyncCounts):
+    with _CountReadBacks(counts), _CountOps(counts):
+        yield
+
+
+@contextlib.contextmanager
+def device_path(counts: SyncCounts):
+    """Run the bridge's GPU path (torch ops where the tensors live, figures read back) on CPU tensors, counting into
+    `counts`, the receiver's verifier thread included."""
+    from kernels import integrity
+    from megatron_ais.bridge import pieces, receiver, sync
+
+    saved = integrity.summed_where_it_lives, pieces._on_host, receiver._verify_tensors, sync.wait_for_device_writes
+    verify = receiver._verify_tensors
+
+    def counted_verify(checks):
+        with counting(counts):
+            return verify(checks)
+
+    def counted_wait(buffer):  # on a GPU it waits for the device's queued writes
+        counts.read_backs += buffer is not None
+
+    integrity.summed_where_it_lives = lambda t: t.element_size() in (1, 2, 4, 8)
+    pieces._on_host = lambda *tensors: False
+    receiver._verify_tensors = counted_verify
+    sync.wait_for_device_writes = counted_wait
+    try:
+        with counting(counts):
+            yield
+    finally:
+        integrity.summed_where_it_lives, pieces._on_host, receiver._verify_tensors, sync.wait_for_device_writes = saved
+
+
+def _adam_step(setup, trainer) -> None:
+    """One Megatron training step (Adam, fp32 main weights) on random tokens."""
+    from megatron_ais.training import lm_forward_step, train_step
+
+    seq = trainer.model.seq_length
+    tokens = torch.randint(0, 1000, (1, seq), generator=torch.Generator().manual_seed(0)).to(
+        next(setup.chunks[0].parameters()).device)
+    batch = {"tokens": tokens, "labels": tokens.roll(-1, 1), "loss_mask": torch.ones_like(tokens),
+             "position_ids": torch.arange(seq, device=tokens.device).unsqueeze(0)}
+    train_step(setup.ddp_chunks, setup.optimizer, lm_forward_step, iter([batch]), 1, seq, 1)
 
 
 def _wall(cuda: bool) -> float:
@@ -30,7 +124,8 @@ def _wall(cuda: bool) -> float:
     return time.perf_counter()
 
 
-def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, parallel: list[str]) -> dict:
+def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, parallel: list[str],
+                  measure_delta: bool) -> dict:
     import torch.distributed as dist
 
     from kernels.cpu_library import library
@@ -44,19 +139,22 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, p
     from megatron_ais.bridge.receiver import SyncReceiver
     from megatron_ais.bridge.sync import WeightBridge
     from megatron_ais.platform import device, is_cuda
-    from megatron_ais.training import initialize_trainer, load_policy_chunks
+    from megatron_ais.bridge import delta
+    from megatron_ais.training import initialize_trainer, setup_model_and_optimizer
 
-    args = build_parser("bench").parse_args(["--hf-dir", hf_dir, "--bf16", "--seq-length", "64", *parallel])
+    args = build_parser("bench").parse_args(["--hf-dir", hf_dir, "--bf16", "--seq-length", "64", "--lr", "1e-6",
+                                             *parallel])
     trainer = TrainerConfig.from_args(args, int(os.environ["WORLD_SIZE"]))
     _, build = initialize_trainer(trainer)
-    chunks, _, _ = load_policy_chunks(build, trainer.weights)
+    setup = setup_model_and_optimizer(build, trainer.weights, trainer.training)
+    chunks = setup.chunks
     layout = BridgeLayout.from_parallel_state()
     cuda = is_cuda()
     result = {}
     for precision in ("bf16", "fp8"):
         config = BridgeConfig(bucket_size_mb=bucket_mb, policy=QuantizationPolicy(precision=precision),
                               transport=transport)
-        receiver = SyncReceiver(apply=lambda tensors: None) if layout.rank == 0 else None
+        receiver = SyncReceiver(apply=lambda weights: weights) if layout.rank == 0 else None
         bridge = WeightBridge(chunks, build, config, layout, receiver)
         times, moved = [], 0
         for sync_id in range(repeats + 1):  # the first sync maps the shared buffers
@@ -67,7 +165,22 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, p
             if sync_id:
                 times.append(_wall(cuda) - t0)
             moved = stats.bytes or moved
-        result[precision] = {"seconds": statistics.median(times), "bytes": moved}
+        result[precision] = {"seconds": statistics.median(times), "bytes": moved, "buckets": stats.buckets}
+        counts = SyncCounts()
+        with device_path(counts):
+            bridge.sync(repeats + 1)
+        result[precision]["counts"] = vars(counts)
+        if precision == "fp8" and measure_delta:
+            weights = bridge.sync(repeats + 2).committed
+            plan = delta.DeltaPlan.of(weights.entries)
+            base = delta.snapshot(receiver.arena.data, plan) if receiver is not None else None
+            _adam_step(setup, trainer)
+            bridge.sync(repeats + 3)
+            if receiver is not None:
+                header, payload = delta.encode(receiver.arena.data, plan, base)
+                codes = sum(e.nbytes for e in plan.codes)
+                result["delta"] = {"bytes_fraction": payload.numel() / moved,
+                                   "codes_fraction": sum(max(n, 0) for n in header.changed) / codes}
         bridge.close()
         if receiver is not None:
             receiver.close()
@@ -121,6 +234,8 @@ def main(argv=None) -> int:
                         help="qwen3: TP size = number of ranks (on CUDA one GPU per rank).")
     parser.add_argument("--transport", choices=("auto", "shm", "distributed"), default="auto",
                         help="--bridge-transport of the measured syncs (auto = shm on one machine)")
+    parser.add_argument("--delta", action="store_true",
+                        help="Also measure an FP8 delta sync's bytes after one Adam step at lr 1e-6.")
     args = parser.parse_args(argv)
     import make_tiny_model
     from megatron_ais.launch import spawn
@@ -136,7 +251,8 @@ def main(argv=None) -> int:
         parallel = (["--expert-model-parallel-size", "2"] if args.arch == "qwen3_moe" else
                     ["--tensor-model-parallel-size", str(tp)])
         world = 2 if args.arch == "qwen3_moe" else tp
-        results = spawn(world, _bench_worker, hf_dir, args.repeats, args.bucket_size_mb, args.transport, parallel)
+        results = spawn(world, _bench_worker, hf_dir, args.repeats, args.bucket_size_mb, args.transport, parallel,
+                        args.delta)
     r = results[0]
     bf16, fp8 = r["bf16"], r["fp8"]
     layout = "EP2 (MoE)" if args.arch == "qwen3_moe" else f"TP{tp}"
@@ -151,9 +267,21 @@ def main(argv=None) -> int:
           f"{bf16['bytes'] / r['copy_seconds'] / 1e9:.3f} |")
     for name, gbps in r["quant_gbps"].items():
         print(f"| FP8 quantize (4096x4096 bf16, {name}) | | | {gbps:.3f} |")
+    print("\n| one sync on the engine's rank, the GPU's path on CPU tensors | buckets | aten ops | per bucket | host "
+          "synchronisations (GPU) | per bucket | new tensor bytes per synced byte |\n|---|---|---|---|---|---|---|")
+    for name, row in (("BF16 sync", bf16), ("FP8 sync", fp8)):
+        c, buckets = row["counts"], max(row["buckets"], 1)
+        print(f"| {name} | {row['buckets']} | {c['ops']} | {c['ops'] / buckets:.0f} | {c['read_backs']} | "
+              f"{c['read_backs'] / buckets:.1f} | {c['new_bytes'] / row['bytes']:.2f} |")
     quant = max(r["quant_gbps"].values())
-    print(f"bridge_sync_ratio={bf16['seconds'] / r['copy_seconds']:.2f} fp8_quant_gbps={quant:.3f} "
-          f"bf16_sync_s={bf16['seconds']:.3f} fp8_sync_s={fp8['seconds']:.3f}")
+    figures = (f"bridge_sync_ratio={bf16['seconds'] / r['copy_seconds']:.2f} fp8_quant_gbps={quant:.3f} "
+               f"bf16_sync_s={bf16['seconds']:.3f} fp8_sync_s={fp8['seconds']:.3f} ops_per_sync={fp8['counts']['ops']} "
+               f"host_syncs_per_sync={fp8['counts']['read_backs']}")
+    if "delta" in r:
+        print(f"\nFP8 delta after one Adam step at lr 1e-6: {r['delta']['codes_fraction']:.4%} of the codes changed, "
+              f"{r['delta']['bytes_fraction']:.4%} of a full sync's bytes")
+        figures += f" delta_bytes_fraction={r['delta']['bytes_fraction']:.5f}"
+    print(figures)
     return 0
 
 
