@@ -114,18 +114,27 @@ def checksum(t: torch.Tensor) -> int:
 def checksums(tensors: list[torch.Tensor]) -> list[int]:
     """Return the 64-bit checksum of each contiguous tensor: the C kernel on host tensors, torch ops where device
     tensors live, whose sums come back together (`read_back`: one synchronisation, not one per tensor)."""
-    sums: list = [None] * len(tensors)
-    deferred, figures = [], []
-    for i, t in enumerate(tensors):
+    return finish_checksums(tensors, checksum_figures(tensors))
+
+
+def checksum_figures(tensors: list[torch.Tensor]) -> list:
+    """Each contiguous tensor's checksum sums without a host synchronisation: (A, B) from the C kernel for a host
+    tensor, an int64 [2] tensor where a device tensor lives; `finish_checksums` reads them back together (several
+    calls' figures at once)."""
+    figures = []
+    for t in tensors:
         if not t.is_contiguous():
             raise ValueError("checksum needs a contiguous tensor")
         flat = t.detach().reshape(-1)
-        if summed_where_it_lives(flat):
-            deferred.append(i)
-            figures.append(checksum_sums_device(flat))
-        else:
-            sums[i] = checksum_sums(flat)
-    for i, (a, b) in zip(deferred, read_back(figures)):
+        figures.append(checksum_sums_device(flat) if summed_where_it_lives(flat) else checksum_sums(flat))
+    return figures
+
+
+def finish_checksums(tensors: list[torch.Tensor], figures: list) -> list[int]:
+    """The 64-bit checksums of `tensors` from their `checksum_figures`, the device ones read back at once."""
+    sums = list(figures)
+    deferred = [i for i, f in enumerate(figures) if isinstance(f, torch.Tensor)]
+    for i, (a, b) in zip(deferred, read_back([figures[i] for i in deferred])):
         sums[i] = unsigned_sums(a, b)
     return [fold_checksum(t.numel() * t.element_size(), s) for t, s in zip(tensors, sums)]
 

@@ -84,25 +84,25 @@ def device_path(counts: SyncCounts):
     from kernels import integrity
     from megatron_ais.bridge import pieces, receiver, sync
 
-    saved = integrity.summed_where_it_lives, pieces._on_host, receiver._verify_tensors, sync.wait_for_device_writes
-    verify = receiver._verify_tensors
+    saved = integrity.summed_where_it_lives, pieces._on_host, receiver._start_checksums, sync.wait_for_device_writes
+    start = receiver._start_checksums
 
-    def counted_verify(checks):
+    def counted_start(checks):
         with counting(counts):
-            return verify(checks)
+            return start(checks)
 
     def counted_wait(buffer):  # on a GPU it waits for the device's queued writes
         counts.read_backs += buffer is not None
 
     integrity.summed_where_it_lives = lambda t: t.element_size() in (1, 2, 4, 8)
     pieces._on_host = lambda *tensors: False
-    receiver._verify_tensors = counted_verify
+    receiver._start_checksums = counted_start
     sync.wait_for_device_writes = counted_wait
     try:
         with counting(counts):
             yield
     finally:
-        integrity.summed_where_it_lives, pieces._on_host, receiver._verify_tensors, sync.wait_for_device_writes = saved
+        integrity.summed_where_it_lives, pieces._on_host, receiver._start_checksums, sync.wait_for_device_writes = saved
 
 
 def _adam_step(setup, trainer) -> None:

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from kernels.integrity import checksum, checksums, fold_checksum
+from kernels.integrity import checksum, checksum_figures, finish_checksums, fold_checksum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,11 +36,27 @@ def manifest_entry(name: str, tensor: torch.Tensor, offset: int = 0) -> Manifest
 def verify_tensors(checks: list[tuple[ManifestEntry, torch.Tensor]]) -> None:
     """Raise ValueError naming the first tensor that is not what its entry describes. Every layout is checked
     before any byte is read; the checksums of GPU tensors come back together (one synchronisation per call)."""
-    layouts = [ManifestEntry(e.name, str(t.dtype).removeprefix("torch."), tuple(t.shape), e.offset,
-                             t.numel() * t.element_size(), e.checksum) for e, t in checks]
-    _first_difference(layouts, [e for e, _ in checks])
-    sums = checksums([t.detach().contiguous() for _, t in checks])
-    _first_difference([dataclasses.replace(e, checksum=c) for e, c in zip(layouts, sums)], [e for e, _ in checks])
+    verify_checksums(checks, start_checksums(checks))
+
+
+def start_checksums(checks: list[tuple[ManifestEntry, torch.Tensor]]) -> list:
+    """Check every tensor's layout against its entry (ValueError naming the first that differs) and start their
+    checksums: `kernels.integrity.checksum_figures`, which `verify_checksums` finishes."""
+    _first_difference([_layout(e, t) for e, t in checks], [e for e, _ in checks])
+    return checksum_figures([t.detach().contiguous() for _, t in checks])
+
+
+def verify_checksums(checks: list[tuple[ManifestEntry, torch.Tensor]], figures: list) -> None:
+    """Raise ValueError naming the first tensor whose checksum (from `start_checksums`' figures, the device ones
+    read back at once) is not its entry's."""
+    sums = finish_checksums([t for _, t in checks], figures)
+    _first_difference([dataclasses.replace(_layout(e, t), checksum=c) for (e, t), c in zip(checks, sums)],
+                      [e for e, _ in checks])
+
+
+def _layout(entry: ManifestEntry, t: torch.Tensor) -> ManifestEntry:
+    return ManifestEntry(entry.name, str(t.dtype).removeprefix("torch."), tuple(t.shape), entry.offset,
+                         t.numel() * t.element_size(), entry.checksum)
 
 
 def _first_difference(got: list[ManifestEntry], expected: list[ManifestEntry]) -> None:

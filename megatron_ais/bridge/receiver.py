@@ -3,7 +3,8 @@ each stage's buckets as its transport delivers them (`bridge.transports`), verif
 
 The receiver verifies every tensor of every bucket against its manifest (name, dtype, shape, place, bytes,
 checksum) and the layout it expects (the layout at once, the bytes' checksums on a thread of its own, so that
-reading bucket k overlaps the writing of bucket k + 1: every bucket has its own place in the arena), and applies
+reading bucket k overlaps the writing of bucket k + 1: every bucket has its own place in the arena; a GPU arena's
+figures stay on the GPU until the commit reads every bucket's back at once), and applies
 the arena's tensors to the engine in one call only when every stage has delivered everything intact; a refused sync
 leaves the engine's weights untouched (the arena is a staging copy, not the engine's weights). The engine gets the
 arena itself (`arena.ArenaWeights`: a separate engine maps it, a colocated one takes views). On CUDA nodes the arena
@@ -24,7 +25,7 @@ from typing import Callable
 import torch
 
 from megatron_ais.bridge.arena import ArenaWeights, CudaBuffer, SharedBuffer, remove_stale_shared_files, staging_buffer
-from megatron_ais.bridge.buckets import ManifestEntry, verify_tensors
+from megatron_ais.bridge.buckets import ManifestEntry, start_checksums, verify_checksums
 from megatron_ais.bridge.plan import EngineTensor
 from megatron_ais.errors import SyncError
 
@@ -47,7 +48,7 @@ class SyncReceiver:
     sync_id: int | None = None
     received: dict = dataclasses.field(default_factory=dict)
     error: str | None = None
-    pending: list = dataclasses.field(default_factory=list)  # checksum verifications of delivered buckets
+    pending: list = dataclasses.field(default_factory=list)  # delivered buckets' checksums, started
     views: dict = dataclasses.field(default_factory=dict)  # (slot, stage, name) -> the tensor's view of the arena
     verifier: concurrent.futures.ThreadPoolExecutor | None = None
     arena_on_gpu: bool | None = None  # None: GPU memory where CUDA is available (`arena.staging_buffer`)
@@ -113,15 +114,19 @@ class SyncReceiver:
             return
         if self.verifier is None:
             self.verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megatron-ais-verify")
-        self.pending.append(self.verifier.submit(_verify_tensors, checks))
+        self.pending.append(self.verifier.submit(_start_checksums, checks))
 
     def _wait_for_verification(self) -> None:
-        """Wait for every delivered bucket's checksums; the first mismatch refuses the sync."""
+        """Finish every delivered bucket's checksums (a GPU arena's figures read back at once); the first mismatch
+        refuses the sync."""
         pending, self.pending = self.pending, []
-        for future in pending:
-            error = future.result()
-            if error is not None:
-                self.abort(f"sync {self.sync_id} refused, engine keeps its weights: {error}")
+        started = [future.result() for future in pending]
+        error = next((s for s in started if isinstance(s, str)), None)
+        if error is None and started:
+            checks = [check for checks, _ in started for check in checks]
+            error = _verify_checksums(checks, [f for _, figures in started for f in figures])
+        if error is not None:
+            self.abort(f"sync {self.sync_id} refused, engine keeps its weights: {error}")
 
     def _tensor(self, stage: int, t: EngineTensor) -> torch.Tensor:
         view = self.views.get((self.slot, stage, t.name))
@@ -166,10 +171,19 @@ class SyncReceiver:
         self.arenas = []
 
 
-def _verify_tensors(checks: list[tuple[ManifestEntry, torch.Tensor]]) -> str | None:
-    """Return the first mismatch between tensors and their manifest entries, None when all match."""
+def _start_checksums(checks: list[tuple[ManifestEntry, torch.Tensor]]) -> tuple[list, list] | str:
+    """A bucket's layouts checked and checksums started (`buckets.start_checksums`): (checks, figures), or the
+    first mismatch."""
     try:
-        verify_tensors(checks)
+        return checks, start_checksums(checks)
+    except ValueError as err:
+        return str(err)
+
+
+def _verify_checksums(checks: list[tuple[ManifestEntry, torch.Tensor]], figures: list) -> str | None:
+    """The first tensor whose checksum is not its entry's, None when all match."""
+    try:
+        verify_checksums(checks, figures)
     except ValueError as err:
         return str(err)
     return None
