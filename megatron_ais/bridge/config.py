@@ -30,10 +30,12 @@ class BridgeConfig(FlagConfig):
                 "ways; for models whose arena does not fit beside the trainer and the engine); auto = gpu on CUDA "
                 "nodes, host otherwise.", name="--bridge-arena", choices=ARENA_PLACES)
     delta: str = flag(
-        "off", "fp8: once another node's copy of the arena holds the previous sync, forward only the FP8 codes that "
-               "changed (position + code) and the other tensors in full, verified against the full tensors' "
-               "checksums; a full copy after a refused sync, a layout change and every --bridge-full-sync-interval "
-               "syncs. Costs the arena rank one copy of the FP8 codes.", name="--bridge-delta", choices=DELTA_MODES)
+        "off", "fp8: where weights cross nodes (a pipeline stage's buckets shipped to the arena, the arena forwarded "
+               "to other nodes' copies), once the receiving copy holds what was sent there last, send only the FP8 "
+               "codes that changed (position + code) and the other tensors in full, verified against the full "
+               "tensors' checksums; a full sync after a refused one, a layout change and every "
+               "--bridge-full-sync-interval syncs. Costs each sender one copy of the FP8 codes it sends (per arena "
+               "buffer).", name="--bridge-delta", choices=DELTA_MODES)
     full_sync_interval: int = flag(32, "With --bridge-delta fp8: the most delta syncs in a row before a full one.",
                                    name="--bridge-full-sync-interval")
     policy: QuantizationPolicy = QuantizationPolicy()

@@ -1,5 +1,6 @@
-"""FP8 delta syncs (`--bridge-delta fp8`): once a receiver holds a verified full copy of the engine's weights, a sync
-sends only the FP8 codes that changed since that copy — each as its position in its tensor and its new code — and
+"""FP8 delta syncs (`--bridge-delta fp8`) wherever bytes cross nodes — a stage's buckets shipped to the arena
+(`DeltaSender`), the arena forwarded to other nodes' copies (`node_copies`): once a receiver holds a verified copy
+of the engine's weights, a sync sends only the FP8 codes that changed since that copy — each as its position in its tensor and its new code — and
 every other tensor (the FP8 block scales, the tensors kept in BF16) in full.
 
 Element-sparse on purpose: an optimizer step changes a small fraction of the codes (one Adam step at lr 1e-6 moves a
@@ -10,7 +11,9 @@ would take more bytes as (position, code) pairs than in full is sent in full.
 Integrity stays end to end: the receiver verifies every tensor of its updated copy against the sync's manifest (the
 sender's checksums of the full tensors), so a dropped, altered or misplaced code refuses the sync like a flipped
 byte. Both ends keep the version of the copy they share; the sender sends a full copy whenever they differ (the
-first sync, a refused one, a new layout) and every `--bridge-full-sync-interval` syncs.
+first sync, a refused one, a new layout) and every `--bridge-full-sync-interval` syncs. An engine restart needs no
+full sync: the copies belong to the trainer ranks (the arena to its rank, a node's copy to its first engine host),
+and a restarted engine reloads them.
 """
 from __future__ import annotations
 
@@ -120,3 +123,40 @@ def apply(data: torch.Tensor, plan: DeltaPlan, header: DeltaHeader, payload: tor
 def snapshot(data: torch.Tensor, plan: DeltaPlan) -> dict[str, torch.Tensor]:
     """Each FP8 tensor's codes in `data`, copied: the base the next delta is encoded against."""
     return {e.name: data[e.offset: e.offset + e.nbytes].clone() for e in plan.codes}
+
+
+def relative(entries, start: int) -> list:
+    """Manifest entries with offsets from byte `start` (a bucket's window) instead of the stage layout's 0."""
+    return [dataclasses.replace(e, offset=e.offset - start) for e in entries]
+
+
+class DeltaSender:
+    """A stage sender's side of delta syncs into the arena's slots: the FP8 codes it last shipped into each slot
+    and the sync that shipped them. A sync ships deltas when the slot still holds that sync (the receiver says,
+    `SyncReceiver.slot_syncs`) and fewer than `full_sync_interval` deltas came in a row; else full buckets. Costs one
+    copy of the stage's FP8 codes per slot, where the stage's buffer lives."""
+
+    def __init__(self, mode: str, full_sync_interval: int):
+        self.mode, self.full_sync_interval = mode, full_sync_interval
+        self.bases: dict[int, dict[str, torch.Tensor]] = {}  # slot -> FP8 tensor name -> its codes, as shipped
+        self.shipped: dict[int, int] = {}  # slot -> the sync whose codes `bases` holds
+        self.deltas_in_a_row = 0
+        self.slot, self.active = 0, False
+
+    def begin(self, sync_id: int, slot: int, held: int | None) -> None:
+        """Sync `sync_id` goes into `slot`, which holds committed sync `held` (None: none, or not known)."""
+        self.slot = slot
+        self.active = (self.mode == "fp8" and held is not None and self.shipped.get(slot) == held
+                       and self.deltas_in_a_row < self.full_sync_interval)
+        self.deltas_in_a_row = self.deltas_in_a_row + 1 if self.active else 0
+        self.shipped[slot] = sync_id
+
+    def bucket(self, window: torch.Tensor, entries) -> tuple[DeltaHeader | None, torch.Tensor]:
+        """What to ship of one written bucket (`window`: its bytes; `entries`: its manifest, offsets relative to
+        the window): (its delta's header, payload), or (None, the bytes) for a full bucket."""
+        plan, base = DeltaPlan.of(entries), self.bases.setdefault(self.slot, {})
+        if self.active:
+            return encode(window, plan, base)
+        if self.mode == "fp8":
+            base.update(snapshot(window, plan))
+        return None, window

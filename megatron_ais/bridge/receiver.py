@@ -52,6 +52,7 @@ class SyncReceiver:
     views: dict = dataclasses.field(default_factory=dict)  # (slot, stage, name) -> the tensor's view of the arena
     verifier: concurrent.futures.ThreadPoolExecutor | None = None
     arena_on_gpu: bool | None = None  # None: GPU memory where CUDA is available (`arena.staging_buffer`)
+    slot_syncs: list = dataclasses.field(default_factory=list)  # per slot: the committed sync it holds, or None
 
     @property
     def arena(self) -> SharedBuffer | CudaBuffer | None:
@@ -76,6 +77,7 @@ class SyncReceiver:
             remove_stale_shared_files()
             self.arenas = [staging_buffer(f"bridge-arena{slot}", total, self.arena_on_gpu)
                            for slot in range(self.slots)]
+            self.slot_syncs = [None] * self.slots
         self.stage_offsets, self.expected, self.views = tuple(offsets), expected, {}
         return tuple(a.ref for a in self.arenas), self.stage_offsets, tuple(scratch)
 
@@ -83,6 +85,7 @@ class SyncReceiver:
         """Take sync `sync_id`'s deliveries into buffer `slot`."""
         concurrent.futures.wait(self.pending)  # a sync that failed before its commit may have left some
         self.sync_id, self.received, self.error, self.pending, self.slot = sync_id, {}, None, [], slot
+        self.slot_syncs[slot] = None  # from now on the slot holds no committed sync until this one commits
 
     def window(self, stage: int, start: int, end: int) -> torch.Tensor:
         """Return the current slot's arena bytes [start, end) of a stage's layout."""
@@ -153,6 +156,7 @@ class SyncReceiver:
         self.sync_id = None
         if self.error is not None:
             raise SyncError(self.error)
+        self.slot_syncs[self.slot] = sync_id
         return self.apply(ArenaWeights(self.arena.ref, tuple(
             ManifestEntry(t.name, t.dtype, t.shape, self.stage_offsets[s] + t.offset, t.nbytes,
                           self.received[s][t.name])

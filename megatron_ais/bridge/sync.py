@@ -34,6 +34,7 @@ class SyncStats:
     bytes: int = 0
     max_bucket_bytes: int = 0
     written_bytes: int = 0  # what this rank wrote itself (its pieces; FP8 ones as codes)
+    shipped_bytes: int = 0  # what this stage's sender shipped point-to-point (full buckets or their FP8 deltas)
     seconds: float = 0.0
     transport: str = ""
     committed: object = None  # what the receiver's `apply` returned, on every rank (small: it is pickled)
@@ -137,7 +138,8 @@ class WeightBridge:
                                          arena.refs, arena.nbytes, arena.stage_offsets[lay.pp_rank],
                                          arena.scratch_offsets[lay.pp_rank])
         return PointToPointTransport(lay.engine_rank, self.plan, self.writers.group, lay.stage_senders[lay.pp_rank],
-                                     lay.is_sender, lay.pp_rank, self.config.arena_on_gpu)
+                                     lay.is_sender, lay.pp_rank, self.config.arena_on_gpu, self.config.delta,
+                                     self.config.full_sync_interval)
 
     def _pieces(self, slot: int) -> list[list[CopyPiece | QuantizePiece]]:
         """This rank's pieces of every bucket as ready-made views into slot `slot`'s buffer, built once per bridge
@@ -172,16 +174,16 @@ class WeightBridge:
                 wait_for_device_writes(self.transport.buffer)
         return self.writers.manifest(self.plan.tensors[bucket.first: bucket.last], sums.totals, error)
 
-    def _send_stage(self, sync_id: int, stats: SyncStats, slot: int) -> None:
+    def _send_stage(self, sync_id: int, stats: SyncStats, slot: int, held: int | None) -> None:
         error = None
-        self.transport.use_slot(slot)
+        self.transport.use_slot(sync_id, slot, held)
         for index, bucket in enumerate(self.plan.buckets):
             self.transport.before_bucket(index)
             manifest, error = self._write_bucket(index, bucket, stats, slot)
             if error is not None:
                 break
             if self.layout.is_sender:
-                self.transport.deliver(sync_id, bucket, manifest)
+                stats.shipped_bytes += self.transport.deliver(sync_id, bucket, manifest)
                 stats.buckets += 1
                 stats.tensors += bucket.last - bucket.first
                 stats.bytes += bucket.nbytes
@@ -206,10 +208,13 @@ class WeightBridge:
             self.connected = True
         stats = SyncStats(transport=self.transport.name if self.transport else "")
         slot = self.completed % self.slots
+        # with delta syncs the senders ship deltas only against the sync the slot holds
+        held = share(lambda: self.receiver.slot_syncs[slot], src=self.layout.engine_rank) \
+            if self.config.delta == "fp8" else None
         if self.layout.is_engine_rank:
             self.receiver.begin(sync_id, slot)
         if self.layout.writes:
-            self._send_stage(sync_id, stats, slot)
+            self._send_stage(sync_id, stats, slot, held)
         stats.committed = share(lambda: self._receive_and_commit(sync_id), src=self.layout.engine_rank)
         stats.seconds = time.perf_counter() - start
         self.completed += 1

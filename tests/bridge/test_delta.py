@@ -173,3 +173,94 @@ def test_a_second_node_follows_the_arena_through_deltas(world, tmp_path):
     assert errors[:4] == [None] * 4 and errors[5] is None
     assert "differs" in errors[4] and "checksum" in errors[4]
     assert [same for _, _, _, same in leader] == [True, True, True, True, None, True]
+
+
+def _shipping_worker(hf_dir):
+    """PP2, every stage shipping its buckets point-to-point into a double-buffered arena, FP8: one bridge with
+    delta syncs (at most 3 in a row), one without, synced after the same Adam steps; a NaN in stage 1 refuses the
+    seventh sync. On the engine's rank: per sync whether both bridges' engine tensors are byte for byte equal (and
+    whether the weights changed); on stage 1's sender: each bridge's shipped bytes per sync."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_bridge_sync import _bf16_model
+
+    from megatron_ais.bridge.config import BridgeConfig
+    from megatron_ais.bridge.quantization import QuantizationPolicy
+    from megatron_ais.bridge.receiver import SyncReceiver
+    from megatron_ais.bridge.sync import WeightBridge
+    from megatron_ais.errors import SyncError
+    from megatron_ais.rollout.feeds.base import named_tensors
+
+    chunks, build, layout = _bf16_model(hf_dir, "--pipeline-model-parallel-size")
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    masters = [p.detach().float().clone().requires_grad_() for p in params]
+    optimizer = torch.optim.Adam(masters, lr=1e-5)
+    generator = torch.Generator().manual_seed(layout.rank)
+    bridges = {}
+    for mode in ("fp8", "off"):
+        receiver = SyncReceiver(apply=lambda weights: weights, slots=2) if layout.rank == 0 else None
+        config = BridgeConfig(bucket_size_mb=0.05, policy=QuantizationPolicy(precision="fp8"), transport="distributed",
+                              delta=mode, full_sync_interval=3)
+        bridges[mode] = (WeightBridge(chunks, build, config, layout, receiver), receiver)
+    fc2 = next(p for n, p in chunks[0].named_parameters() if n.endswith("linear_fc2.weight"))
+    equal, changed, shipped, previous = [], [], {"fp8": [], "off": []}, None
+    for sync_id in range(9):
+        if sync_id:
+            optimizer.zero_grad()
+            for master in masters:
+                master.grad = torch.randn(master.shape, generator=generator)
+            optimizer.step()
+            with torch.no_grad():
+                for p, master in zip(params, masters):
+                    p.copy_(master)
+        corrupt = sync_id == 6 and layout.rank == 1
+        if corrupt:
+            with torch.no_grad():
+                fc2[0, 0] = float("nan")
+        synced = {}
+        for mode, (bridge, _) in bridges.items():
+            try:
+                stats = bridge.sync(sync_id)
+                synced[mode] = {n: t.view(torch.uint8).clone() for n, t in named_tensors(stats.committed)} \
+                    if layout.rank == 0 else None
+                shipped[mode].append(stats.shipped_bytes)
+            except SyncError:
+                shipped[mode].append(None)
+        if corrupt:
+            with torch.no_grad():
+                fc2.copy_(next(m for p, m in zip(params, masters) if p is fc2))
+        if layout.rank == 0 and synced:
+            equal.append(synced["fp8"].keys() == synced["off"].keys()
+                         and all(torch.equal(synced["fp8"][n], synced["off"][n]) for n in synced["off"]))
+            changed.append(previous is not None and any(not torch.equal(previous[n], t)
+                                                        for n, t in synced["off"].items()))
+            previous = synced["off"]
+        dist.barrier()
+    tensors = bridges["off"][0].plan.tensors
+    codes = sum(t.nbytes for t in tensors if t.dtype == "float8_e4m3fn"), sum(t.nbytes for t in tensors)
+    for bridge, receiver in bridges.values():
+        bridge.close()
+        if receiver is not None:
+            receiver.close()
+    return equal, changed, shipped, codes
+
+
+def test_delta_syncs_shipped_by_a_stage_equal_full_ones(model_root):
+    """Slots alternate: syncs 0 and 1 fill them in full, 2-4 are deltas against the sync each slot holds, 5 is full
+    (three deltas in a row), 6 is refused (a NaN), 7 rewrites the refused sync's slot in full (it holds no committed
+    sync any more), 8 is a delta again; every committed sync's engine tensors equal the full bridge's byte for byte."""
+    from conftest import make_model_dir as model_dir
+
+    model = model_dir(model_root, "qwen3", num_key_value_heads=1)
+    (equal, changed, _, _), (_, _, shipped, (codes, everything)) = spawn(2, _shipping_worker, model)
+    assert equal == [True] * 8 and all(changed[1:]), (equal, changed)
+    delta, full = shipped["fp8"], shipped["off"]
+    assert full[6] is None and delta[6] is None  # refused
+    assert [delta[k] == full[k] for k in (0, 1, 5, 7)] == [True] * 4, (delta, full)
+    # a delta ships the stage's BF16 tensors and scales in full, and 5 bytes per changed code: a few % of the codes
+    dense = everything - codes
+    assert all(0 < delta[k] - dense < codes / 10 for k in (2, 3, 4, 8)), (delta, full, codes)

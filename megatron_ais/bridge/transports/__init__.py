@@ -17,6 +17,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from megatron_ais.bridge import delta
 from megatron_ais.bridge.buckets import ManifestEntry
 from megatron_ais.bridge.plan import Bucket
 
@@ -26,11 +27,13 @@ TRANSPORTS = ("auto", "shm", "distributed")
 @dataclasses.dataclass(frozen=True)
 class BucketMessage:
     """One delivered bucket: its manifest, and where its shipped bytes go in the stage's layout (`span`: start and
-    byte count; None when the bytes are in the arena already)."""
+    byte count; None when the bytes are in the arena already); `delta`: the bytes that follow are the bucket's FP8
+    delta (`bridge.delta`) against what the arena's slot holds, not the bucket itself."""
 
     sync_id: int
     manifest: list[ManifestEntry]
     span: tuple[int, int] | None = None
+    delta: delta.DeltaHeader | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,16 +44,21 @@ class StageEnd:
     error: str | None = None
 
 
-def send_manifest(dst: int, sync_id: int, manifest: list[ManifestEntry], window: torch.Tensor | None) -> None:
-    """Point-to-point delivery of one bucket's manifest, followed by its bytes when `window` is given."""
+def send_manifest(dst: int, sync_id: int, manifest: list[ManifestEntry], window: torch.Tensor | None,
+                  payload: torch.Tensor | None = None, header: delta.DeltaHeader | None = None) -> int:
+    """Point-to-point delivery of one bucket's manifest, followed, when the bucket's bytes `window` are given, by
+    them or by `payload`, their delta of `header`; return the bytes shipped."""
     span = None if window is None else (manifest[0].offset if manifest else 0, window.numel())
-    dist.send_object_list([BucketMessage(sync_id, manifest, span)], dst=dst)
-    if window is not None:
-        dist.send(window, dst=dst)
-        if window.is_cuda:
-            # NCCL's wait only orders this GPU's stream: the stage's other writers refill the buffer with the next
-            # bucket as soon as they pass the next barrier, so the bytes must be gone before this returns
-            torch.cuda.current_stream(window.device).synchronize()
+    dist.send_object_list([BucketMessage(sync_id, manifest, span, header)], dst=dst)
+    if window is None:
+        return 0
+    shipped = window if header is None else payload
+    dist.send(shipped, dst=dst)
+    if shipped.is_cuda:
+        # NCCL's wait only orders this GPU's stream: the stage's other writers refill the buffer with the next
+        # bucket as soon as they pass the next barrier, so the bytes must be gone before this returns
+        torch.cuda.current_stream(shipped.device).synchronize()
+    return shipped.numel()
 
 
 def receive_stage(src: int, stage: int, receiver, stage_bytes: int) -> None:
@@ -65,14 +73,32 @@ def receive_stage(src: int, stage: int, receiver, stage_bytes: int) -> None:
                 receiver.abort(f"sync {message.sync_id} refused, engine keeps its weights: {message.error}")
             return
         if message.span is not None:
-            start, nbytes = message.span
-            if 0 <= start and start + nbytes <= stage_bytes:
-                dist.recv(receiver.window(stage, start, start + nbytes), src=src)
-            else:
-                dist.recv(torch.empty(nbytes, dtype=torch.uint8, device=receiver.arena.data.device), src=src)
-                receiver.abort(f"sync {message.sync_id} refused: stage {stage} sent bytes [{start}, {start + nbytes}) "
-                               f"outside its {stage_bytes} bytes")
+            _receive_bytes(src, stage, receiver, stage_bytes, message)
         receiver.receive(message.sync_id, stage, message.manifest)
+
+
+def _receive_bytes(src: int, stage: int, receiver, stage_bytes: int, message: BucketMessage) -> None:
+    """A shipped bucket's bytes into its place in the arena's slot, or its delta applied there (the slot holds what
+    the delta was encoded against: the sender checked); bytes out of the stage's bounds go nowhere and fail the
+    sync."""
+    start, nbytes = message.span
+    inside = 0 <= start and start + nbytes <= stage_bytes
+    device = receiver.arena.data.device
+    if message.delta is None:
+        dist.recv(receiver.window(stage, start, start + nbytes) if inside else
+                  torch.empty(nbytes, dtype=torch.uint8, device=device), src=src)
+    else:
+        plan = delta.DeltaPlan.of(delta.relative(message.manifest, start))
+        payload = torch.empty(message.delta.payload_bytes(plan), dtype=torch.uint8, device=device)
+        dist.recv(payload, src=src)
+        if inside:
+            try:
+                delta.apply(receiver.window(stage, start, start + nbytes), plan, message.delta, payload)
+            except ValueError as err:
+                receiver.abort(f"sync {message.sync_id} refused, engine keeps its weights: stage {stage}: {err}")
+    if not inside:
+        receiver.abort(f"sync {message.sync_id} refused: stage {stage} sent bytes [{start}, {start + nbytes}) "
+                       f"outside its {stage_bytes} bytes")
 
 
 class StageTransport:
@@ -91,8 +117,9 @@ class StageTransport:
         """The buffer a sync into the arena's slot `slot` writes."""
         return self.buffers[slot]
 
-    def use_slot(self, slot: int) -> None:
-        """The next sync goes into the arena's slot `slot`."""
+    def use_slot(self, sync_id: int, slot: int, held: int | None = None) -> None:
+        """Sync `sync_id` goes into the arena's slot `slot`, which holds committed sync `held` (None: none, or
+        not asked: without delta syncs)."""
         self.buffer = self.slot_buffer(slot)
 
     def placement(self, bucket: Bucket) -> tuple[int, int]:
@@ -102,8 +129,9 @@ class StageTransport:
     def before_bucket(self, index: int) -> None:
         """Called on every writer before it writes bucket `index`."""
 
-    def deliver(self, sync_id: int, bucket: Bucket, manifest: list[ManifestEntry]) -> None:
-        """The stage's sender: hand one written, checksummed bucket to the engine's rank."""
+    def deliver(self, sync_id: int, bucket: Bucket, manifest: list[ManifestEntry]) -> int:
+        """The stage's sender: hand one written, checksummed bucket to the engine's rank; return the bytes it
+        shipped (0: they are in the arena already)."""
         raise NotImplementedError
 
     def finish(self, sync_id: int, error: str | None) -> None:

@@ -18,14 +18,14 @@ class SharedMemoryTransport(StageTransport):
         super().__init__(engine_rank, receiver)
         self.buffers = list(receiver.arenas) if receiver is not None else [
             open_staging_buffer(ref, arena_bytes) for ref in arena_refs]
-        self.use_slot(0)
+        self.buffer = self.buffers[0]
         self.stage, self.offsets = stage, (stage_offset, scratch_offset)
 
     def placement(self, bucket: Bucket) -> tuple[int, int]:
         return self.offsets
 
-    def deliver(self, sync_id: int, bucket: Bucket, manifest: list[ManifestEntry]) -> None:
+    def deliver(self, sync_id: int, bucket: Bucket, manifest: list[ManifestEntry]) -> int:
         if self.receiver is not None:
             self.receiver.receive(sync_id, self.stage, manifest)
-        else:
-            send_manifest(self.engine_rank, sync_id, manifest, None)
+            return 0
+        return send_manifest(self.engine_rank, sync_id, manifest, None)
