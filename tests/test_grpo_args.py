@@ -26,6 +26,8 @@ def test_configs_take_the_flags_and_keep_one_default():
     config = _config("--is-cap", "3", "--ais-exponents", "1", "0", "2", "--rollout-precision", "bf16",
                      "--bridge-fp8-exclude", "q_proj", "--rollout-kv-cache-calibration-sequences", "4",
                      "--advantage-no-std", "--no-rollout-enforce-eager", "--fp32")
+    delta = _config("--bridge-delta", "fp8", "--bridge-full-sync-interval", "4").bridge
+    assert (delta.delta, delta.full_sync_interval) == ("fp8", 4)
     assert config.correction.cap == 3.0 and config.correction.exponents == (1.0, 0.0, 2.0)
     assert config.correction.variance_exponent == 2.0
     assert config.engine.precision == "bf16" and not config.engine.enforce_eager
@@ -77,6 +79,9 @@ def test_configs_take_the_flags_and_keep_one_default():
       "separate"], 1, "--ais-lambda-per-lag with --is-correction tis: only AIS has a λ"),
     (["--max-off-policy-steps", "1", "--rollout-placement", "colocated"], 1,
      "--max-off-policy-steps 1 with --rollout-placement colocated: a colocated engine shares its trainer rank's"),
+    (["--bridge-delta", "fp8", "--rollout-precision", "bf16"], 1,
+     "--bridge-delta fp8 sends the FP8 codes that changed, but the engine's weights are bf16"),
+    (["--bridge-full-sync-interval", "0"], 1, "--bridge-full-sync-interval 0: give at least 1"),
 ])
 def test_bad_loop_flags_are_refused_up_front(argv, world, expected):
     with pytest.raises(ArgumentValidationError, match=expected.replace("(", r"\(").replace(")", r"\)")):
