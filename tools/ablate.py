@@ -108,15 +108,19 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def seed_figures(summary: dict) -> dict[str, float]:
-    """One run's figures: final and best held-out accuracy, and the per-step means of the mismatch metrics."""
+def seed_figures(summary: dict, eta: int = 0) -> dict[str, float]:
+    """One run's figures: final and best held-out accuracy, and the per-step means of the mismatch metrics, overall
+    and of the tokens at lag η (the steady state of a run at η; at η = 0 every token)."""
     history = summary["history"]
+    lag = f"ais/lag{eta}/" if eta else "ais/"
     evals = _values(history, "eval/accuracy")
     rewards = _values(history, "rollout/reward")
     return {"after": summary["accuracy_after"], "best": max(evals) if evals else summary["accuracy_after"],
             "late_reward": _mean(rewards[len(rewards) // 2:]),
             "k3": _mean(_values(history, "ais/k3_kl")), "token_ess": _mean(_values(history, "ais/ess_ratio_raw")),
             "sequence_ess": _mean(_values(history, "ais/sequence_ess")),
+            "k3_at_lag": _mean(_values(history, lag + "k3_kl")),
+            "sequence_ess_at_lag": _mean(_values(history, lag + "sequence_ess")),
             "truncated": _mean(_values(history, "ais/frac_truncated")),
             "rejected": _mean(_values(history, "guard/rejected_fraction")),
             "lambda_min": min(_values(history, "ais/lambda"), default=float("nan")),
@@ -143,7 +147,7 @@ def table_row(name: str, label: str, runs: dict[int, dict], baseline: dict[int, 
               eta: int = 0) -> str:
     """One markdown row over an arm's runs by seed (at η; `baseline`: the uncorrected FP8 arm's runs by seed)."""
     summaries = list(runs.values())
-    figures = [seed_figures(s) for s in summaries]
+    figures = [seed_figures(s, eta) for s in summaries]
 
     def column(key):
         return [f[key] for f in figures]
@@ -155,13 +159,15 @@ def table_row(name: str, label: str, runs: dict[int, dict], baseline: dict[int, 
             f"{spread(column('best'))} | {spread(column('late_reward'))} | {_mean(column('k3')):.2e} | {_mean(column('token_ess')):.4f} | "
             f"{_mean(column('sequence_ess')):.3f} | "
             f"{_mean(column('truncated')):.3f} | "
-            f"{_mean(column('rejected')):.3f} | {lam} | {_mean(column('wall_s')):.0f} |")
+            f"{_mean(column('rejected')):.3f} | {lam} | {_mean(column('k3_at_lag')):.2e} | "
+            f"{_mean(column('sequence_ess_at_lag')):.3f} | {_mean(column('wall_s')):.0f} |")
 
 
 TABLE_HEADER = ("| arm | η | seeds | held-out acc. before (mean) | after (mean ± std) | after − FP8 uncorrected, paired "
                 "(mean ± std) | best step (mean ± std) | training reward, second half (mean ± std) | mean k3 KL "
-                "(trainer‖engine) | token ESS | sequence ESS | units with w > C | rejected tokens | λ range | wall s per "
-                "run |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                "(trainer‖engine) | token ESS | sequence ESS | units with w > C | rejected tokens | λ range | k3 at lag η "
+                "| sequence ESS at lag η | wall s per run |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+                "---|")
 
 
 def plot(summaries: dict[str, list[dict]], labels: dict[str, str], path: str) -> str:
@@ -251,7 +257,10 @@ def main(argv=None) -> int:
     if len(args.off_policy_steps) > 1:
         by_eta = plot_against_eta(summaries, cells, os.path.join(args.output_dir, "accuracy_by_eta.png"))
     command = " ".join(["tools/ablate.py", *own, "--", *extra])
-    table = "\n".join([TABLE_HEADER] + rows)
+    pairs = sum(len(set(runs[cell(name, eta)]) & set(runs.get(cell("fp8", eta), {})))
+                for name, _, eta in cells if name != "fp8")
+    table = "\n".join([TABLE_HEADER] + rows) + (f"\n\n{pairs} paired comparisons (arm − uncorrected FP8, same seed and "
+                                               "η) over the table." if pairs else "")
     with open(os.path.join(args.output_dir, "ablation.md"), "w") as f:
         f.write(f"Command: `{command}`\n\n{table}\n\n![ablation]({os.path.basename(figure)})\n")
         if len(args.off_policy_steps) > 1:
