@@ -73,6 +73,7 @@ def test_report_only_sweeps_eta_with_a_figure_of_accuracy_against_it(tmp_path):
     table = (tmp_path / "ablation.md").read_text()
     assert "| FP8 + AIS | 2 | 2 | 0.250 | 0.565 ± 0.007 | 0.250 ± 0.000 |" in table
     assert "6 paired comparisons (arm − uncorrected FP8, same seed and η)" in table
+    assert "| arm | η | step 2 |" in table and "| FP8 + AIS | 2 | 0.565 ± 0.007 |" in table  # per evaluation step
     assert "| FP8 + AIS, one λ per lag | 2 |" in table and "| FP8 + AIS, one λ per lag | 0 |" not in table
     assert (tmp_path / "accuracy_by_eta.png").stat().st_size > 10_000
 

@@ -170,6 +170,19 @@ TABLE_HEADER = ("| arm | η | seeds | held-out acc. before (mean) | after (mean 
                 "---|")
 
 
+def accuracy_by_step(runs: dict[str, dict[int, dict]], cells: list[tuple[str, str, int]]) -> str:
+    """A markdown table of each cell's held-out accuracy at every evaluation step (mean ± std over its seeds)."""
+    steps = sorted({h["step"] for by_seed in runs.values() for s in by_seed.values() for h in s["history"]
+                    if "eval/accuracy" in h})
+    lines = ["| arm | η | " + " | ".join(f"step {step}" for step in steps) + " |", "|---|---|" + "---|" * len(steps)]
+    for name, label, eta in cells:
+        summaries = list(runs[cell(name, eta)].values())
+        values = [[h["eval/accuracy"] for s in summaries for h in s["history"] if h["step"] == step
+                   and "eval/accuracy" in h] for step in steps]
+        lines.append(f"| {label} | {eta} | " + " | ".join(spread(v) if v else "–" for v in values) + " |")
+    return "\n".join(lines)
+
+
 def plot(summaries: dict[str, list[dict]], labels: dict[str, str], path: str) -> str:
     """One figure of the trajectories, averaged over seeds: held-out accuracy, training reward, k3, token and
     sequence ESS, λ."""
@@ -261,6 +274,7 @@ def main(argv=None) -> int:
                 for name, _, eta in cells if name != "fp8")
     table = "\n".join([TABLE_HEADER] + rows) + (f"\n\n{pairs} paired comparisons (arm − uncorrected FP8, same seed and "
                                                "η) over the table." if pairs else "")
+    table += "\n\nHeld-out accuracy at each evaluation (mean ± std over seeds):\n\n" + accuracy_by_step(runs, cells)
     with open(os.path.join(args.output_dir, "ablation.md"), "w") as f:
         f.write(f"Command: `{command}`\n\n{table}\n\n![ablation]({os.path.basename(figure)})\n")
         if len(args.off_policy_steps) > 1:
