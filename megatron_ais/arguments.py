@@ -173,6 +173,9 @@ class GRPORunConfig:
         if self.correction.lambda_per_lag and not loop.max_off_policy_steps:
             raise ArgumentValidationError("--ais-lambda-per-lag needs --max-off-policy-steps 1 or more (at 0 every "
                                           "token has lag 0: one λ)")
+        if self.correction.stale_lambda_floor and not loop.max_off_policy_steps:
+            raise ArgumentValidationError("--ais-stale-lambda-floor needs --max-off-policy-steps 1 or more (at 0 no "
+                                          "token is stale)")
         if loop.top_p < 1 and self.correction.correction != "none":
             raise ArgumentValidationError(
                 f"--top-p {loop.top_p} with --is-correction {self.correction.correction}: the engine's log-probs are "

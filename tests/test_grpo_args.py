@@ -82,6 +82,10 @@ def test_configs_take_the_flags_and_keep_one_default():
     (["--bridge-delta", "fp8", "--rollout-precision", "bf16"], 1,
      "--bridge-delta fp8 sends the FP8 codes that changed, but the engine's weights are bf16"),
     (["--bridge-full-sync-interval", "0"], 1, "--bridge-full-sync-interval 0: give at least 1"),
+    (["--ais-stale-lambda-floor", "1"], 1, "--ais-stale-lambda-floor needs --max-off-policy-steps 1 or more"),
+    (["--ais-stale-lambda-floor", "1.5"], 1, "--ais-stale-lambda-floor 1.5 must be between 0 and 1"),
+    (["--ais-stale-lambda-floor", "1", "--is-correction", "tis", "--max-off-policy-steps", "1",
+      "--rollout-placement", "separate"], 1, "--ais-stale-lambda-floor with --is-correction tis: only AIS has a λ"),
 ])
 def test_bad_loop_flags_are_refused_up_front(argv, world, expected):
     with pytest.raises(ArgumentValidationError, match=expected.replace("(", r"\(").replace(")", r"\)")):

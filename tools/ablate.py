@@ -39,8 +39,9 @@ ARMS = (
     ("fp8-ais-seq", "FP8 + AIS, sequence level", FP8 + ["--is-correction", "ais", "--is-level", "sequence"]),
     ("fp8-ais-cv", "FP8 + AIS, CV variance", FP8 + ["--is-correction", "ais", "--ais-variance", "cv"]),
     ("fp8-ais-lag", "FP8 + AIS, one λ per lag", FP8 + ["--is-correction", "ais", "--ais-lambda-per-lag"]),
+    ("fp8-ais-floor", "FP8 + AIS, stale λ ≥ 1", FP8 + ["--is-correction", "ais", "--ais-stale-lambda-floor", "1"]),
 )
-PER_LAG_ARMS = ("fp8-ais-lag",)  # need η > 0
+PER_LAG_ARMS = ("fp8-ais-lag", "fp8-ais-floor")  # need η > 0
 # the FP8 engine's numerics: the CPU kernel's W8A16; H100's W8A8 emulated on a CPU; on a GPU vLLM's own W8A8 path
 REGIMES = {"w8a16": [], "w8a8": ["--rollout-fp8-activations", "emulate", "--rollout-kv-cache-dtype", "fp8"],
            "gpu": ["--rollout-kv-cache-dtype", "fp8"]}

@@ -183,6 +183,19 @@ def lambda_per_token(results: dict[int, AISResult], lags: torch.Tensor) -> torch
     return lam
 
 
+def lambda_of_tokens(result: AISResult, results: dict[int, AISResult], lags: torch.Tensor, config: AISConfig
+                     ) -> torch.Tensor | None:
+    """Each token's λ where it is not the batch's one: its lag's (--ais-lambda-per-lag, from `results`), and at
+    least --ais-stale-lambda-floor for the tokens of a stale policy version (lag >= 1); None when neither applies."""
+    if not config.lambda_per_lag and not config.stale_lambda_floor:
+        return None
+    lam = lambda_per_token(results, lags) if config.lambda_per_lag else \
+        torch.full(lags.shape, result.lam, dtype=torch.float32, device=lags.device)
+    if config.stale_lambda_floor:
+        lam = torch.where(lags >= 1, lam.clamp(min=config.stale_lambda_floor), lam)
+    return lam
+
+
 def results_per_lag(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
                     mask: torch.Tensor, lags: torch.Tensor, max_lag: int, config: AISConfig, group=None,
                     state: AISState | None = None) -> tuple[dict[int, AISResult], dict[int, float]]:

@@ -59,6 +59,11 @@ class AISConfig(FlagConfig):
                "DP-global statistics (and state), instead of one λ for the batch. Batches mix lags with "
                "--partial-rollouts; otherwise every batch has one lag and the two agree.",
         name="--ais-lambda-per-lag")
+    stale_lambda_floor: float = flag(
+        0.0, "With --max-off-policy-steps > 0: the least λ of the tokens a stale policy version sampled (lag >= 1). "
+             "1 corrects them fully (truncated IS) while λ still adapts to the precision mismatch of the current "
+             "version's tokens; 0: off. docs/results.md: at η = 4, TIS recovered the accuracy staleness cost and "
+             "AIS-R's one λ did not.", name="--ais-stale-lambda-floor")
     logratio_clamp: float = 20.0
 
     def __post_init__(self):
@@ -83,6 +88,11 @@ class AISConfig(FlagConfig):
         if self.lambda_per_lag and self.correction != "ais":
             raise ValueError(f"--ais-lambda-per-lag with --is-correction {self.correction}: only AIS has a λ; use "
                              "--is-correction ais or drop the flag")
+        if not 0.0 <= self.stale_lambda_floor <= 1.0:
+            raise ValueError(f"--ais-stale-lambda-floor {self.stale_lambda_floor} must be between 0 and 1")
+        if self.stale_lambda_floor and self.correction != "ais":
+            raise ValueError(f"--ais-stale-lambda-floor with --is-correction {self.correction}: only AIS has a λ; "
+                             "use --is-correction ais or drop the flag")
         if not 0 <= self.icepop_low < self.icepop_high:
             raise ValueError(f"--icepop-low {self.icepop_low} must be below --icepop-high {self.icepop_high}")
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megatron_ais import platform
 from megatron_ais.ais import (AISConfig, AISResult, AISState, ais_coefficient, apply_correction, check_trainer_logprobs,
                               exclude_invalid_sequences, max_abs_logratio, mismatch_statistics, reduce_statistics)
-from megatron_ais.ais.coefficient import EMPTY_RESULT, lag_metrics, lambda_per_token, results_per_lag
+from megatron_ais.ais.coefficient import EMPTY_RESULT, lag_metrics, lambda_of_tokens, results_per_lag
 from megatron_ais.batch import RolloutBatch, data_parallel_rows, row_lengths
 from megatron_ais.errors import RoutingReplayError
 from megatron_ais.forward import (MicroBatchPlan, ParallelGroups, fixed_plan, micro_batches, score_rows,
@@ -145,7 +145,8 @@ def _per_lag(old_logprobs: torch.Tensor, rollout_lp: torch.Tensor, advantages: t
              lags: torch.Tensor, config: GRPOConfig, state: AISState, groups: ParallelGroups, metrics: dict,
              result: AISResult) -> AISResult:
     """Log the mismatch of each policy-version lag's tokens alone (DP-global); with --ais-lambda-per-lag each lag's
-    λ from them (and its own state) becomes its tokens' λ in `result`."""
+    λ from them (and its own state) becomes its tokens' λ in `result`, and with --ais-stale-lambda-floor stale
+    tokens' λ is at least the floor."""
     correction = config.correction
     results, largest = results_per_lag(old_logprobs, rollout_lp, advantages, mask, lags, config.max_lag, correction,
                                        groups.data_parallel_group, state if correction.lambda_per_lag else None)
@@ -154,9 +155,7 @@ def _per_lag(old_logprobs: torch.Tensor, rollout_lp: torch.Tensor, advantages: t
         units = sum(result.num_units for result in results.values())
         metrics.update({"rollout/token_lag_mean": sum(lag * r.num_units for lag, r in results.items()) / units,
                         "rollout/token_lag_max": max(results)})
-    if not correction.lambda_per_lag:
-        return result
-    return dataclasses.replace(result, token_lambda=lambda_per_token(results, lags))
+    return dataclasses.replace(result, token_lambda=lambda_of_tokens(result, results, lags, correction))
 
 
 def _update(ddp_chunks: list, optimizer, local: dict, lengths: list[int], config: GRPOConfig,

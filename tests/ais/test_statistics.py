@@ -317,6 +317,37 @@ def test_lambda_per_lag_is_each_lags_own_lambda_on_its_tokens():
     assert ais_coefficient(stats, config).lam == pytest.approx(batch.lam, rel=1e-12)
 
 
+@pytest.mark.parametrize("per_lag", [False, True])
+def test_a_stale_lambda_floor_of_one_corrects_stale_tokens_as_tis(per_lag):
+    """--ais-stale-lambda-floor 1: a stale token's coefficient is min(w, C) (truncated IS, by hand) and a current
+    token's keeps (1 − λ) + λ · min(w, C) with the batch's λ (or its lag's); a floor of 0.5 lifts only stale λ below
+    it."""
+    import dataclasses
+
+    from megatron_ais.ais.coefficient import lambda_of_tokens, results_per_lag
+
+    trainer, rollout, adv, mask = _batch(seed=7, b=6, s=7, scale=0.05)
+    stale = torch.tensor([False, True, False, True, False, False])
+    lags = (2 * stale.long())[:, None].expand(6, 7)
+    config = AISConfig(lambda_per_lag=per_lag, stale_lambda_floor=1.0)
+    batch = ais_coefficient(mismatch_statistics(trainer, rollout, adv, mask, config), config)
+    results, _ = results_per_lag(trainer, rollout, adv, mask, lags, 2, config, state=AISState())
+    token_lambda = lambda_of_tokens(batch, results, lags, config)
+    coefficient = correction_weights(trainer, rollout, dataclasses.replace(batch, token_lambda=token_lambda), config,
+                                     mask)
+    w = (trainer - rollout).exp().clamp(max=config.cap)
+    current = results[0].lam if per_lag else batch.lam
+    assert current < 0.9
+    expected = torch.where(stale[:, None], w, (1 - current) + current * w)
+    valid = mask > 0
+    assert torch.allclose(coefficient[valid], expected[valid].float(), atol=1e-6)
+    half = lambda_of_tokens(batch, results, lags, dataclasses.replace(config, stale_lambda_floor=0.5))
+    stale_lambda = results[2].lam if per_lag else batch.lam
+    assert torch.allclose(half[stale], torch.tensor(max(stale_lambda, 0.5)))
+    assert torch.allclose(half[~stale], torch.tensor(current))
+    assert lambda_of_tokens(batch, results, lags, AISConfig()) is None
+
+
 def test_per_lag_state_round_trips_through_json():
     import json
 
