@@ -61,17 +61,15 @@ class NodeCopies:
         entries = list(weights.entries)
         nbytes = max(e.offset + e.nbytes for e in entries)
         layout = zlib.crc32(repr(delta.layout_key(entries)).encode())
-        versions = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(versions, self.version, group=self.group)
-        send_delta = (self.delta_mode == "fp8" and self.deltas_since_full < self.full_sync_interval
-                      and versions[0] is not None and versions[0][1] == layout and len(set(versions)) == 1)
         plan = delta.DeltaPlan.of(entries)
         if self.rank == self.arena_rank:
-            self._send(buffer_data(weights.ref)[:nbytes], plan, send_delta)
+            self._send(buffer_data(weights.ref)[:nbytes], plan, self._may_send_delta(layout))
             self.version = (self.forwards, layout)
             return None, None
+        self._may_send_delta(layout)  # its collective: every member takes part
         header = [None]
-        dist.broadcast_object_list(header, src=self.arena_rank, group=self.group)
+        if self.delta_mode == "fp8":
+            dist.broadcast_object_list(header, src=self.arena_rank, group=self.group)
         self.version = None
         try:
             self._receive(nbytes, plan, header[0])
@@ -82,8 +80,18 @@ class NodeCopies:
         self.version = (self.forwards, layout)
         return ArenaWeights(self.copy.ref, weights.entries), None
 
+    def _may_send_delta(self, layout: int) -> bool:
+        """With delta syncs (collective over the group): whether every member holds the copy of the last forward,
+        in this layout, and fewer than the interval's deltas came in a row."""
+        if self.delta_mode != "fp8":
+            return False
+        versions = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(versions, self.version, group=self.group)
+        return (self.deltas_since_full < self.full_sync_interval and versions[0] is not None
+                and versions[0][1] == layout and len(set(versions)) == 1)
+
     def _send(self, data: torch.Tensor, plan: delta.DeltaPlan, send_delta: bool) -> None:
-        """The arena rank: broadcast the header (None: a full copy follows) and the bytes."""
+        """The arena rank: with delta syncs broadcast the header (None: a full copy follows); then the bytes."""
         if send_delta:
             header, payload = delta.encode(data, plan, self.base)
             self.deltas_since_full += 1
@@ -91,7 +99,8 @@ class NodeCopies:
             header, payload = None, data
             self.base = delta.snapshot(data, plan) if self.delta_mode == "fp8" else {}
             self.deltas_since_full = 0
-        dist.broadcast_object_list([header], src=self.arena_rank, group=self.group)
+        if self.delta_mode == "fp8":
+            dist.broadcast_object_list([header], src=self.arena_rank, group=self.group)
         broadcast_bytes(self.group, payload, CHUNK_BYTES)
         self.sent_bytes = payload.numel()
 
