@@ -15,13 +15,13 @@ from megatron.core import parallel_state as ps
 from megatron_ais.bridge.layout import BridgeLayout
 from megatron_ais.bridge.quantization import check_engine_shapes
 from megatron_ais.bridge.receiver import SyncReceiver
-from megatron_ais.bridge.sync import WeightBridge
+from megatron_ais.bridge.sync import SyncStats, WeightBridge
 from megatron_ais.checkpointing.config import checkpoint_metadata
 from megatron_ais.checkpointing.ranks import CheckpointRanks
 from megatron_ais.checkpointing.background import BackgroundSaver
 from megatron_ais.checkpointing.store import FORMATS, begin_save, commit_staged, write_staged
 from megatron_ais.data.tasks import build_task
-from megatron_ais.distributed import from_last_stage, share
+from megatron_ais.distributed import from_last_stage, gather_on, share
 from megatron_ais.errors import ArgumentValidationError, TaskError
 from megatron_ais.flags import FlagConfig, flag
 from megatron_ais.forward import ParallelGroups
@@ -160,6 +160,7 @@ class StagedSync:
     weights: object
     reference: RefitReference
     kv_cache_scales: object = None
+    shipped_bytes: int | None = None  # with --bridge-delta fp8: what every stage shipped to the arena (all ranks)
 
 
 class GRPORun:
@@ -310,7 +311,7 @@ class GRPORun:
         if changed:
             self.log.info("flags that differ from the saved run: " + ", ".join(changed))
         reference = self.refit_reference()
-        self.fleet.apply(self.write_weights(state.step), state.step, reference)
+        self.fleet.apply(self.write_weights(state.step).committed, state.step, reference)
         if self.config.engine.kv_cache_dtype != "fp8":
             state.kv_cache_scales = None
         elif state.kv_cache_scales is None:
@@ -357,7 +358,12 @@ class GRPORun:
             first, count = rollouts.first_rows, self.config.kv_calibration.sequences
             self.measure_kv_cache(share(lambda: rollout_sequences(first.tokens, first.mask, count),
                                         src=rollouts.first_host))
-        return StagedSync(step, self.write_weights(step), reference, self.state.kv_cache_scales)
+        stats = self.write_weights(step)
+        shipped = None
+        if self.config.bridge.delta == "fp8":  # what the delta saves, logged with the apply: the stages' senders'
+            gathered = gather_on(stats.shipped_bytes, dst=0)
+            shipped = sum(gathered) if gathered is not None else None
+        return StagedSync(step, stats.committed, reference, self.state.kv_cache_scales, shipped)
 
     def apply_staged(self, staged: StagedSync) -> dict:
         """Every engine applies the staged weights and their KV-cache scales, then the refit of every engine (or of
@@ -374,6 +380,9 @@ class GRPORun:
                     self.model.ddp_chunks, self.probe, self.groups, self.build.shape.vocab_size, staged.reference,
                     self.loop.verify_refit_engines, step // self.loop.verify_refit_interval - 1,
                     self.build.shape.is_moe))
+        if staged.shipped_bytes is not None:
+            metrics.update({"bridge/shipped_bytes": staged.shipped_bytes,
+                            "bridge/node_copy_bytes": self.fleet.node_copies.sent_bytes})
         if scales is not None:
             metrics.update({"rollout/kv_cache_k_scale_max": max(k for _, k, _ in scales.scales),
                             "rollout/kv_cache_v_scale_max": max(v for _, _, v in scales.scales)})
@@ -457,15 +466,15 @@ class GRPORun:
         if iteration is not None:
             self.log.info(f"saved checkpoint {self.trainer.checkpoint.save} iteration {iteration}")
 
-    def write_weights(self, sync_id: int):
+    def write_weights(self, sync_id: int) -> SyncStats:
         """Bridge the current policy into the staging arena, verified once (collective on every rank); return the
-        verified arena, which `RolloutFleet.apply` forwards to the other nodes' copies (each verified) and every
-        engine applies."""
+        sync's stats, whose `committed` is the verified arena, which `RolloutFleet.apply` forwards to the other nodes'
+        copies (each verified) and every engine applies."""
         stats = self.bridge.sync(sync_id)
         if self.bridge_layout.is_sender and self.bridge.completed == 1:
             self.log.info(f"bridge: {stats.tensors} tensors in {stats.buckets} buckets, {stats.bytes / 1e6:.1f} MB "
                           f"from this stage by {stats.transport}, {stats.seconds:.2f} s")
-        return stats.committed
+        return stats
 
     def calibrate_kv_cache(self, sequences: list[list[int]]) -> None:
         """FP8 KV cache: measure the policy's K/V scales on `sequences` and install them in the engines."""
