@@ -44,8 +44,11 @@ PP=${PP:-1}
 # One step off policy (slime's train_async.py, verl's one-step-off-policy): the engines generate step t + 1's batch
 # with the weights step t starts from while the trainer trains step t; AIS sees the lag in the rollout log-probs.
 # Steps that evaluate or save (every 20 here) sync first. 0 gives the synchronous loop.
-# Caveat (docs/results.md, issue 30, CPU study): under staleness TIS recovered accuracy and one-λ AIS did not;
-# at this lr (1e-6) one step moves the policy far less, which no run here has measured yet.
+# Stale tokens are corrected fully (--ais-stale-lambda-floor 1, below): in issue 30's CPU study (docs/results.md,
+# tiny model, lr 3e-4) staleness of 2 and 4 steps cost uncorrected GRPO 0.11-0.16 of held-out accuracy, truncated
+# IS recovered most of it and AIS's one λ did not; with the floor AIS corrects stale tokens as TIS does and adapts
+# only to the current version's precision mismatch. At this lr (1e-6) one step moves the policy far less, which no
+# run here has measured.
 MAX_OFF_POLICY_STEPS=${MAX_OFF_POLICY_STEPS:-1}
 # PARTIAL_ROLLOUTS=1: each step's weights reach the engines as soon as it has trained; requests in flight are aborted
 # and resumed on them with their tokens kept (slime's --partial-rollout). Not reproducible token for token.
@@ -136,6 +139,7 @@ AIS_ARGS=(
     --ais-combiner product
     --ais-ema 0.9
 )
+if [ "$MAX_OFF_POLICY_STEPS" -gt 0 ]; then AIS_ARGS+=(--ais-stale-lambda-floor 1); fi
 
 DATA_ARGS=(
     --task jsonl
