@@ -273,8 +273,9 @@ def main(argv=None) -> int:
     command = " ".join(["tools/ablate.py", *own, "--", *extra])
     pairs = sum(len(set(runs[cell(name, eta)]) & set(runs.get(cell("fp8", eta), {})))
                 for name, _, eta in cells if name != "fp8")
-    table = "\n".join([TABLE_HEADER] + rows) + (f"\n\n{pairs} paired comparisons (arm − uncorrected FP8, same seed and "
-                                               "η) over the table." if pairs else "")
+    table = "\n".join([TABLE_HEADER] + rows)
+    if pairs:
+        table += f"\n\n{pairs} paired comparisons (arm − uncorrected FP8, same seed and η) over the table."
     table += "\n\nHeld-out accuracy at each evaluation (mean ± std over seeds):\n\n" + accuracy_by_step(runs, cells)
     with open(os.path.join(args.output_dir, "ablation.md"), "w") as f:
         f.write(f"Command: `{command}`\n\n{table}\n\n![ablation]({os.path.basename(figure)})\n")

@@ -38,8 +38,8 @@ DEVICE_READ_BACK_SITES = (os.path.join("kernels", "integrity.py"),)
 
 class SyncCounts:
     """What one sync costs in torch: aten ops, host synchronisations a GPU would make (read-backs of figures
-    computed where the tensors live, waits for the device's writes) and the bytes of the tensors those ops allocated (temporaries: neither views nor in-place results), over every thread that
-    `counting` is entered on."""
+    computed where the tensors live, waits for the device's writes) and the bytes of the tensors those ops allocated
+    (temporaries: neither views nor in-place results), over every thread that `counting` is entered on."""
 
     def __init__(self):
         self.ops, self.read_backs, self.new_bytes = 0, 0, 0

@@ -46,7 +46,7 @@ class NodeCopies:
         self.copy: SharedBuffer | None = None
         self.delta_mode, self.full_sync_interval = delta_mode, full_sync_interval
         self.forwards = 0  # forwards this member took part in (the same count on every member)
-        self.version: tuple[int, int] | None = None  # (forward, layout) of the copy this member shares; None: none
+        self.version: tuple[int, int | None] | None = None  # (forward, layout) of the copy this member shares
         self.base: dict[str, torch.Tensor] = {}  # the arena rank: the FP8 codes of that copy
         self.deltas_since_full = 0
         self.sent_bytes = 0  # what the arena rank's last forward broadcast
@@ -60,15 +60,17 @@ class NodeCopies:
         self.forwards += 1
         entries = list(weights.entries)
         nbytes = max(e.offset + e.nbytes for e in entries)
-        layout = zlib.crc32(repr(delta.layout_key(entries)).encode())
-        plan = delta.DeltaPlan.of(entries)
+        # what a delta needs, worked out only with delta syncs (a full forward does not look at it)
+        with_delta = self.delta_mode == "fp8"
+        layout = zlib.crc32(repr(delta.layout_key(entries)).encode()) if with_delta else None
+        plan = delta.DeltaPlan.of(entries) if with_delta else None
         if self.rank == self.arena_rank:
             self._send(buffer_data(weights.ref)[:nbytes], plan, self._may_send_delta(layout))
             self.version = (self.forwards, layout)
             return None, None
         self._may_send_delta(layout)  # its collective: every member takes part
         header = [None]
-        if self.delta_mode == "fp8":
+        if with_delta:
             dist.broadcast_object_list(header, src=self.arena_rank, group=self.group)
         self.version = None
         try:
@@ -80,7 +82,7 @@ class NodeCopies:
         self.version = (self.forwards, layout)
         return ArenaWeights(self.copy.ref, weights.entries), None
 
-    def _may_send_delta(self, layout: int) -> bool:
+    def _may_send_delta(self, layout: int | None) -> bool:
         """With delta syncs (collective over the group): whether every member holds the copy of the last forward,
         in this layout, and fewer than the interval's deltas came in a row."""
         if self.delta_mode != "fp8":
@@ -90,7 +92,7 @@ class NodeCopies:
         return (self.deltas_since_full < self.full_sync_interval and versions[0] is not None
                 and versions[0][1] == layout and len(set(versions)) == 1)
 
-    def _send(self, data: torch.Tensor, plan: delta.DeltaPlan, send_delta: bool) -> None:
+    def _send(self, data: torch.Tensor, plan: delta.DeltaPlan | None, send_delta: bool) -> None:
         """The arena rank: with delta syncs broadcast the header (None: a full copy follows); then the bytes."""
         if send_delta:
             header, payload = delta.encode(data, plan, self.base)
@@ -104,7 +106,7 @@ class NodeCopies:
         broadcast_bytes(self.group, payload, CHUNK_BYTES)
         self.sent_bytes = payload.numel()
 
-    def _receive(self, nbytes: int, plan: delta.DeltaPlan, header: delta.DeltaHeader | None) -> None:
+    def _receive(self, nbytes: int, plan: delta.DeltaPlan | None, header: delta.DeltaHeader | None) -> None:
         """A leader: the full copy into its node's copy, or a delta applied to it (which holds the version the
         delta was encoded against: every member said so before it was sent)."""
         if header is None:

@@ -160,7 +160,7 @@ class StagedSync:
     weights: object
     reference: RefitReference
     kv_cache_scales: object = None
-    shipped_bytes: int | None = None  # with --bridge-delta fp8: what every stage shipped to the arena (all ranks)
+    shipped_bytes: int | None = None  # with --bridge-delta fp8, on rank 0: what every stage shipped to the arena
 
 
 class GRPORun:

@@ -95,8 +95,9 @@ def test_a_delta_after_adam_steps_equals_the_full_sync_and_a_changed_code_is_ref
         assert all(base[e.name].equal(new[e.offset: e.offset + e.nbytes]) for e in plan.codes)  # the next base
         codes = sum(e.nbytes for e in plan.codes)
         fractions.append(sum(header.changed) / codes)
-        assert delta.FULL not in header.changed and 0 < sum(header.changed) and payload.numel() == header.payload_bytes(plan) < new.numel() // 10
-    assert max(fractions) < 0.02, fractions  # about 0.1-0.3 % of the codes change per step at lr 1e-6
+        assert delta.FULL not in header.changed and 0 < sum(header.changed)
+        assert payload.numel() == header.payload_bytes(plan) < new.numel() // 10
+    assert max(fractions) < 0.02, fractions  # about 0.4 % of the codes change per step at lr 1e-6
 
     layer.step()
     new, entries = arena_of(layer.engine_tensors())

@@ -22,7 +22,8 @@ class PointToPointTransport(StageTransport):
                  on_gpu: bool, delta_mode: str = "off", full_sync_interval: int = 32):
         super().__init__(engine_rank)
         self.group = group
-        self.delta = DeltaSender(delta_mode, full_sync_interval) if is_sender else None
+        # only a sender with delta syncs keeps what it shipped; without, a bucket goes whole at no extra cost
+        self.delta = DeltaSender(full_sync_interval) if is_sender and delta_mode == "fp8" else None
         self.max_bucket = max((b.nbytes for b in plan.buckets), default=0)
         nbytes = self.max_bucket + plan.scratch_bytes
         shared = [None]
@@ -52,5 +53,7 @@ class PointToPointTransport(StageTransport):
 
     def deliver(self, sync_id: int, bucket: Bucket, manifest: list[ManifestEntry]) -> int:
         window = self.buffer.data[: bucket.nbytes]
+        if self.delta is None:
+            return send_manifest(self.engine_rank, sync_id, manifest, window)
         header, payload = self.delta.bucket(window, relative(manifest, bucket.start))
         return send_manifest(self.engine_rank, sync_id, manifest, window, payload, header)
