@@ -97,7 +97,7 @@ def library() -> ctypes.CDLL | None:
 
 
 def rows_view(t: torch.Tensor) -> tuple[int, int, int]:
-    """Return (rows, row elements, row stride in elements) of a CPU tensor whose last dim is contiguous."""
+    """Return (rows, row elements, row stride in elements) of a tensor whose last dim is contiguous."""
     if t.dim() == 0:
         return 1, 1, 1
     if t.dim() == 1:

@@ -32,7 +32,11 @@ def check_shape(w: torch.Tensor, block_size: int, name: str) -> None:
 
 def refuse_non_finite(w: torch.Tensor, name: str) -> None:
     """Raise the error for a weight holding NaN/Inf, with their count and the tensor's name."""
-    bad = int((~torch.isfinite(w)).sum())
+    refuse_corrupt(name, int((~torch.isfinite(w)).sum()))
+
+
+def refuse_corrupt(name: str, bad: int) -> None:
+    """Raise the error for a weight holding `bad` NaN/Inf values."""
     raise ValueError(f"{name}: {bad} NaN/Inf values; refusing to quantize a corrupt weight")
 
 

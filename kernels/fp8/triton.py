@@ -17,15 +17,9 @@ except ImportError:  # optional: CPU images ship a metadata-only triton stub or 
 
 if triton is not None:
     @triton.jit
-    def _blockwise_fp8_quantize_kernel(w_ptr, q_ptr, s_ptr, m, n, stride_wm, stride_qm, n_blocks_n,
-                                       BLOCK: tl.constexpr, POW2: tl.constexpr):
-        # consecutive programs walk along a row of blocks: their reads share DRAM pages (+7-9 % on an H100)
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        rows = pid_m * BLOCK + tl.arange(0, BLOCK)
-        cols = pid_n * BLOCK + tl.arange(0, BLOCK)
-        inside = (rows[:, None] < m) & (cols[None, :] < n)
-        x = tl.load(w_ptr + rows[:, None] * stride_wm + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    def quantize_block(x, POW2: tl.constexpr):
+        """One block's blockwise FP8 quantization in registers (`x` fp32, out-of-range lanes 0): (codes, scale_inv,
+        finite mask). Shared by this quantizer and the bridge's one-pass kernel (`kernels.bucket_pass`)."""
         magnitude = tl.abs(x)
         finite = magnitude <= 3.4028234663852886e38  # false for NaN and Inf
         amax = tl.maximum(tl.max(tl.where(finite, magnitude, 0.0)), 1e-10)
@@ -36,8 +30,21 @@ if triton is not None:
             bits = tl.where((bits & 0x7FFFFF) != 0, (bits & 0x7F800000) + 0x800000, bits)
             scale = bits.to(tl.float32, bitcast=True)
             factor = tl.math.div_rn(1.0, scale)
-        q = tl.clamp(x * factor, -448.0, 448.0)
-        tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(tl.float8e4nv), mask=inside)
+        q = tl.clamp(x * factor, -448.0, 448.0).to(tl.float8e4nv)
+        return q, scale, finite
+
+    @triton.jit
+    def _blockwise_fp8_quantize_kernel(w_ptr, q_ptr, s_ptr, m, n, stride_wm, stride_qm, n_blocks_n,
+                                       BLOCK: tl.constexpr, POW2: tl.constexpr):
+        # consecutive programs walk along a row of blocks: their reads share DRAM pages (+7-9 % on an H100)
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        rows = pid_m * BLOCK + tl.arange(0, BLOCK)
+        cols = pid_n * BLOCK + tl.arange(0, BLOCK)
+        inside = (rows[:, None] < m) & (cols[None, :] < n)
+        x = tl.load(w_ptr + rows[:, None] * stride_wm + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        q, scale, finite = quantize_block(x, POW2)
+        tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=inside)
         # the NaN/Inf check rides on this pass: a corrupt block gets scale -1 (valid scales are > 0), so the host
         # reads the small scale tensor instead of the weight a second time
         corrupt = tl.max(tl.where(finite, 0, 1))
