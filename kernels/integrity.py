@@ -164,17 +164,43 @@ def copy_check_finite_deferred(src: torch.Tensor, dst: torch.Tensor, position: P
 def read_back(figures: list[torch.Tensor]) -> list[list[int]]:
     """Read 1-D int64 tensors back to the host with one transfer per device (one synchronisation for a whole
     bucket's figures instead of one per tensor piece); return their values in order."""
-    values: list = [None] * len(figures)
-    by_device: dict = {}
-    for i, f in enumerate(figures):
-        by_device.setdefault(f.device, []).append(i)
-    for indices in by_device.values():
-        flat = torch.cat([figures[i] for i in indices]).tolist()
-        start = 0
-        for i in indices:
-            values[i] = flat[start: start + figures[i].numel()]
-            start += figures[i].numel()
-    return values
+    return ReadBack(figures).values()
+
+
+class ReadBack:
+    """1-D int64 figures on their way to the host: one transfer per device, started at once — a GPU's into pinned
+    memory without waiting, an event recorded behind it — and finished by `values`, which waits for that event
+    only: the caller queues more work (the next bucket) in between, so the GPU does not drain."""
+
+    def __init__(self, figures: list[torch.Tensor]):
+        self.sizes = [f.numel() for f in figures]
+        self.transfers = []  # (indices, host tensor, event or None)
+        by_device: dict = {}
+        for i, f in enumerate(figures):
+            by_device.setdefault(f.device, []).append(i)
+        for device, indices in by_device.items():
+            flat = torch.cat([figures[i] for i in indices])
+            event = None
+            if device.type == "cuda":
+                with torch.cuda.device(device):
+                    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                    host.copy_(flat, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record()
+                flat = host
+            self.transfers.append((indices, flat, event))
+
+    def values(self) -> list[list[int]]:
+        """The figures' values in order, once their transfers are done (one wait per device)."""
+        values: list = [None] * len(self.sizes)
+        for indices, host, event in self.transfers:
+            if event is not None:
+                event.synchronize()
+            flat, start = host.tolist(), 0
+            for i in indices:
+                values[i] = flat[start: start + self.sizes[i]]
+                start += self.sizes[i]
+        return values
 
 
 def unsigned_sums(a: int, b: int) -> tuple[int, int]:

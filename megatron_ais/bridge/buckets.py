@@ -7,6 +7,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from kernels.bucket_pass import BucketPass, flat_sums_pieces, supports_pass
 from kernels.integrity import checksum, checksum_figures, finish_checksums, fold_checksum
 
 
@@ -39,11 +40,20 @@ def verify_tensors(checks: list[tuple[ManifestEntry, torch.Tensor]]) -> None:
     verify_checksums(checks, start_checksums(checks))
 
 
-def start_checksums(checks: list[tuple[ManifestEntry, torch.Tensor]]) -> list:
+def start_checksums(checks: list[tuple[ManifestEntry, torch.Tensor]], passes: dict | None = None) -> list:
     """Check every tensor's layout against its entry (ValueError naming the first that differs) and start their
-    checksums: `kernels.integrity.checksum_figures`, which `verify_checksums` finishes."""
+    checksums, which `verify_checksums` finishes: on one GPU with Triton one `sums` pass over the bucket (its
+    tables built once and kept in `passes`, keyed by where the tensors are), else
+    `kernels.integrity.checksum_figures`."""
     _first_difference([_layout(e, t) for e, t in checks], [e for e, _ in checks])
-    return checksum_figures([t.detach().contiguous() for _, t in checks])
+    tensors = [t.detach().contiguous() for _, t in checks]
+    if passes is None or not supports_pass(tensors, sums_only=True):
+        return checksum_figures(tensors)
+    key = tuple((t.data_ptr(), t.numel(), t.element_size()) for t in tensors)
+    if key not in passes:
+        passes[key] = BucketPass([p for row, t in enumerate(tensors) for p in flat_sums_pieces(t, row)],
+                                 len(tensors))
+    return list(passes[key].run()[:, 1:].unbind(0))
 
 
 def verify_checksums(checks: list[tuple[ManifestEntry, torch.Tensor]], figures: list) -> None:

@@ -1,7 +1,8 @@
 """What one rank writes in a weight sync: its pieces of each bucket's HF tensors, copied or quantized to
 blockwise FP8 into place (the staging arena or its stage's bucket buffer), each checked for NaN/Inf and
-checksummed on the way. The host kernels give their figures at once; torch ops on a GPU keep theirs where they are
-computed until the bucket's end (`BucketSums`)."""
+checksummed on the way. The host kernels give their figures at once. On a GPU with Triton a bucket is one pass
+(`kernels.bucket_pass`: one launch per dtype group, figures in one device array); otherwise torch ops where the
+pieces live. Device figures stay where they are computed until the bucket's end (`BucketSums`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,11 +13,12 @@ import torch
 
 from kernels.fp8.cpu import fp8_quantize_into, supports_quantize
 from kernels.fp8.dispatch import blockwise_fp8_quantize
-from kernels.fp8.format import refuse_non_finite
+from kernels.bucket_pass import BucketPass, PassPiece, supports_pass
+from kernels.fp8.format import refuse_corrupt, refuse_non_finite
 from kernels.fp8.reference import blockwise_fp8_quantize_reference_deferred
 from kernels.fp8.triton import blockwise_fp8_quantize_deferred, triton_available
-from kernels.integrity import (Position, all_finite, checksum_sums, checksum_sums_device, copy_check_finite,
-                               copy_check_finite_deferred, read_back, unsigned_sums)
+from kernels.integrity import (Position, ReadBack, all_finite, checksum_sums, checksum_sums_device,
+                               copy_check_finite, copy_check_finite_deferred, unsigned_sums)
 from megatron_ais.bridge.plan import Bucket, HFTarget, StagePlan
 from megatron_ais.bridge.quantization import SCALE_SUFFIX, QuantizationPolicy
 
@@ -39,6 +41,8 @@ class BucketSums:
     def __init__(self):
         self.totals: dict[str, list[int]] = {}
         self._deferred: list[tuple[torch.Tensor, tuple[str | None, ...], Callable[[int], None]]] = []
+        self._rows: list[tuple[torch.Tensor, tuple[str | None, ...], tuple[Callable[[int], None], ...]]] = []
+        self._reading: tuple | None = None
 
     def add(self, name: str, piece: tuple[int, int]) -> None:
         total = self.totals.setdefault(name, [0, 0])
@@ -50,15 +54,38 @@ class BucketSums:
         (A, B) sums of each named tensor (None: not counted); `refuse(count)` raises for a corrupt piece."""
         self._deferred.append((figures, names, refuse))
 
+    def defer_rows(self, figures: torch.Tensor, names: tuple[str | None, ...],
+                   refusals: tuple[Callable[[int], None], ...]) -> None:
+        """`figures`: int64 [len(names), 3] where they were computed (a bucket pass's) — each row's corrupt count and
+        the (A, B) sums of its tensor (None: not counted); `refusals[r](count)` raises for a corrupt row."""
+        self._rows.append((figures, names, refusals))
+
+    def start(self) -> None:
+        """Start reading the deferred figures back without waiting for them (`ReadBack`); `resolve` finishes."""
+        self._reading = (self._deferred, self._rows,
+                         ReadBack([f for f, _, _ in self._deferred] + [f.view(-1) for f, _, _ in self._rows]))
+        self._deferred, self._rows = [], []
+
     def resolve(self) -> dict[str, list[int]]:
-        """Read the deferred figures back, refuse the first corrupt piece, and return every tensor's sums."""
-        deferred, self._deferred = self._deferred, []
-        for (_, names, refuse), values in zip(deferred, read_back([f for f, _, _ in deferred])):
-            if values[0]:
-                refuse(values[0])
+        """Read the deferred figures back (started by `start`, or now), refuse the first corrupt piece, and return
+        every tensor's sums."""
+        if self._reading is None:
+            self.start()
+        (deferred, rows, reading), self._reading = self._reading, None
+        values = reading.values()
+        for (_, names, refuse), figures in zip(deferred, values):
+            if figures[0]:
+                refuse(figures[0])
             for k, name in enumerate(names):
                 if name is not None:
-                    self.add(name, unsigned_sums(values[1 + 2 * k], values[2 + 2 * k]))
+                    self.add(name, unsigned_sums(figures[1 + 2 * k], figures[2 + 2 * k]))
+        for (_, names, refusals), figures in zip(rows, values[len(deferred):]):
+            for k, (name, refuse) in enumerate(zip(names, refusals)):
+                count, a, b = figures[3 * k: 3 * k + 3]
+                if count:
+                    refuse(count)
+                if name is not None:
+                    self.add(name, unsigned_sums(a, b))
         return self.totals
 
 
@@ -183,6 +210,59 @@ def bucket_pieces(plan: StagePlan, targets: list[HFTarget], bucket: Bucket, buff
                                         Position.of_piece(scale.shape, p.dim, p.dst_start // block_size), target.name,
                                         scale.name, p.length * q.numel() // q.shape[p.dim]))
     return pieces
+
+
+class PieceWrites:
+    """A bucket's pieces written one by one: host kernels, or torch ops where they live (a GPU without Triton,
+    or pieces spread over devices)."""
+
+    read_back_waits = False  # reading the figures back does not wait for every write: `wait_for_device_writes`
+
+    def __init__(self, pieces: list[CopyPiece | QuantizePiece]):
+        self.pieces = pieces
+
+    def write(self, sums: BucketSums, policy: QuantizationPolicy) -> int:
+        return sum(piece.write(sums, policy) for piece in self.pieces)
+
+
+class OnePassWrites:
+    """A bucket's pieces written by one pass (`kernels.bucket_pass`, tables built once): its figures, one row per
+    tensor, go to `sums`; reading them back waits for the pass's writes too (same stream, same device)."""
+
+    read_back_waits = True
+
+    def __init__(self, pieces: list[CopyPiece | QuantizePiece], policy: QuantizationPolicy):
+        rows: dict[str, int] = {}
+        refusals: dict[str, Callable[[int], None]] = {}
+
+        def row(name: str, refuse: Callable[[str, int], None]) -> int:
+            refusals.setdefault(name, functools.partial(refuse, name))
+            return rows.setdefault(name, len(rows))
+
+        passes = []
+        for p in pieces:
+            if isinstance(p, CopyPiece):
+                passes.append(PassPiece("copy", p.src, p.position, row(p.name, _refuse_copy), p.counted, p.dst))
+            else:
+                passes.append(PassPiece("quantize", p.src, p.q_position, row(p.name, refuse_corrupt), True, p.q, p.s,
+                                        p.s_position, row(p.scale_name, refuse_corrupt)))
+        counted = {p.name for p in pieces if not isinstance(p, CopyPiece) or p.counted} | {
+            p.scale_name for p in pieces if isinstance(p, QuantizePiece)}
+        self.names = tuple(n if n in counted else None for n in rows)
+        self.refusals = tuple(refusals[n] for n in rows)
+        self.nbytes = sum(p.nbytes for p in pieces)
+        self.bucket_pass = BucketPass(passes, len(rows), policy.block_size, policy.pow2_scale)
+
+    def write(self, sums: BucketSums, policy: QuantizationPolicy) -> int:
+        sums.defer_rows(self.bucket_pass.run(), self.names, self.refusals)
+        return self.nbytes
+
+
+def bucket_writes(pieces: list[CopyPiece | QuantizePiece], policy: QuantizationPolicy
+                  ) -> PieceWrites | OnePassWrites:
+    """How a bucket's pieces are written: one pass where the kernel takes every tensor, else piece by piece."""
+    tensors = [t for p in pieces for t in ((p.src, p.dst) if isinstance(p, CopyPiece) else (p.src, p.q, p.s))]
+    return OnePassWrites(pieces, policy) if supports_pass(tensors) else PieceWrites(pieces)
 
 
 def quantize_scratch(plan: StagePlan, bucket: Bucket, buffer, base: int, scratch_base: int,

@@ -53,6 +53,7 @@ class SyncReceiver:
     verifier: concurrent.futures.ThreadPoolExecutor | None = None
     arena_on_gpu: bool | None = None  # None: GPU memory where CUDA is available (`arena.staging_buffer`)
     slot_syncs: list = dataclasses.field(default_factory=list)  # per slot: the committed sync it holds, or None
+    sums_passes: dict = dataclasses.field(default_factory=dict)  # a GPU arena's buckets' checksum passes, built once
 
     @property
     def arena(self) -> SharedBuffer | CudaBuffer | None:
@@ -78,7 +79,7 @@ class SyncReceiver:
             self.arenas = [staging_buffer(f"bridge-arena{slot}", total, self.arena_on_gpu)
                            for slot in range(self.slots)]
             self.slot_syncs = [None] * self.slots
-        self.stage_offsets, self.expected, self.views = tuple(offsets), expected, {}
+        self.stage_offsets, self.expected, self.views, self.sums_passes = tuple(offsets), expected, {}, {}
         return tuple(a.ref for a in self.arenas), self.stage_offsets, tuple(scratch)
 
     def begin(self, sync_id: int, slot: int = 0) -> None:
@@ -117,7 +118,7 @@ class SyncReceiver:
             return
         if self.verifier is None:
             self.verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megatron-ais-verify")
-        self.pending.append(self.verifier.submit(_start_checksums, checks))
+        self.pending.append(self.verifier.submit(_start_checksums, checks, self.sums_passes))
 
     def _wait_for_verification(self) -> None:
         """Finish every delivered bucket's checksums (a GPU arena's figures read back at once); the first mismatch
@@ -175,11 +176,11 @@ class SyncReceiver:
         self.arenas = []
 
 
-def _start_checksums(checks: list[tuple[ManifestEntry, torch.Tensor]]) -> tuple[list, list] | str:
-    """A bucket's layouts checked and checksums started (`buckets.start_checksums`): (checks, figures), or the
-    first mismatch."""
+def _start_checksums(checks: list[tuple[ManifestEntry, torch.Tensor]], passes: dict) -> tuple[list, list] | str:
+    """A bucket's layouts checked and checksums started (`buckets.start_checksums`, its one-pass tables kept in
+    `passes`): (checks, figures), or the first mismatch."""
     try:
-        return checks, start_checksums(checks)
+        return checks, start_checksums(checks, passes)
     except ValueError as err:
         return str(err)
 

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from megatron_ais.bridge.buckets import ManifestEntry, StageWriters
 from megatron_ais.bridge.config import BridgeConfig
 from megatron_ais.bridge.layout import BridgeLayout, stage_transports
-from megatron_ais.bridge.pieces import (BucketSums, CopyPiece, QuantizePiece, bucket_pieces, quantize_scratch,
-                                        wait_for_device_writes)
-from megatron_ais.bridge.plan import EngineTensor, StagePlan, hf_targets, plan_stage
+from megatron_ais.bridge.pieces import (BucketSums, OnePassWrites, PieceWrites, bucket_pieces, bucket_writes,
+                                        quantize_scratch, wait_for_device_writes)
+from megatron_ais.bridge.plan import Bucket, EngineTensor, StagePlan, hf_targets, plan_stage
 from megatron_ais.bridge.receiver import SyncReceiver
 from megatron_ais.bridge.transports import StageTransport, receive_stage
 from megatron_ais.bridge.transports.point_to_point import PointToPointTransport
@@ -38,6 +38,17 @@ class SyncStats:
     seconds: float = 0.0
     transport: str = ""
     committed: object = None  # what the receiver's `apply` returned, on every rank (small: it is pickled)
+
+
+@dataclasses.dataclass(frozen=True)
+class WrittenBucket:
+    """A bucket this rank has written (or failed to write: `error`), its figures on their way back (`sums`);
+    `read_back_waits`: reading them back also waits for its writes."""
+
+    bucket: Bucket
+    sums: BucketSums
+    read_back_waits: bool
+    error: str | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +92,7 @@ class WeightBridge:
         self.plan: StagePlan | None = None
         self.transport: StageTransport | None = None
         self.stage_bytes: list[int] = []
-        self.pieces: list[list[list[CopyPiece | QuantizePiece]]] = []  # per slot, per bucket
+        self.pieces: list[list[PieceWrites | OnePassWrites]] = []  # per slot, per bucket
         self.connected = False
         self.slots = 1  # buffers of the arena (the receiver's, learnt when the bridge connects)
         self.completed = 0  # committed syncs: the next one writes slot `completed % slots`
@@ -141,27 +152,38 @@ class WeightBridge:
                                      lay.is_sender, lay.pp_rank, self.config.arena_on_gpu, self.config.delta,
                                      self.config.full_sync_interval)
 
-    def _pieces(self, slot: int) -> list[list[CopyPiece | QuantizePiece]]:
-        """This rank's pieces of every bucket as ready-made views into slot `slot`'s buffer, built once per bridge
-        (the buffers and the parameters' storage do not move)."""
+    def _pieces(self, slot: int) -> list[PieceWrites | OnePassWrites]:
+        """This rank's pieces of every bucket as ready-made views into slot `slot`'s buffer (and, on a GPU, the
+        bucket's one-pass tables), built once per bridge (the buffers and the parameters' storage do not move)."""
         first_index = {t.name: i for i, t in enumerate(self.plan.tensors)}
-        buffer = self.transport.slot_buffer(slot)
-        return [bucket_pieces(self.plan, [t for t in self.plan.targets if b.first <= first_index[t.name] < b.last],
-                              b, buffer, *self.transport.placement(b), self.config.policy.block_size)
+        buffer, policy = self.transport.slot_buffer(slot), self.config.policy
+        return [bucket_writes(bucket_pieces(self.plan, [t for t in self.plan.targets
+                                                        if b.first <= first_index[t.name] < b.last],
+                                            b, buffer, *self.transport.placement(b), policy.block_size), policy)
                 for b in self.plan.buckets]
 
-    def _write_bucket(self, index: int, bucket, stats: SyncStats, slot: int
-                      ) -> tuple[list[ManifestEntry] | None, str | None]:
-        """Write this rank's pieces of bucket `index` into slot `slot` (FP8 pieces quantized on the way; the sender
-        then quantizes the stage's scratch-assembled tensors); return the bucket's manifest (sender) and the first
-        error."""
-        error, sums, policy = None, BucketSums(), self.config.policy
+    def _start_bucket(self, index: int, bucket: Bucket, stats: SyncStats, slot: int) -> WrittenBucket:
+        """Write this rank's pieces of bucket `index` into slot `slot` (FP8 pieces quantized on the way) and start
+        reading their figures back without waiting."""
+        sums, writes, error = BucketSums(), self.pieces[slot][index], None
         try:
-            stats.written_bytes += sum(piece.write(sums, policy) for piece in self.pieces[slot][index])
-            sums.resolve()
+            stats.written_bytes += writes.write(sums, self.config.policy)
+            sums.start()
         except ValueError as err:
             error = str(err)
-        wait_for_device_writes(self.transport.buffer)
+        return WrittenBucket(bucket, sums, writes.read_back_waits and error is None, error)
+
+    def _finish_bucket(self, written: WrittenBucket) -> tuple[list[ManifestEntry] | None, str | None]:
+        """Read a written bucket's figures (refusing NaN/Inf by name), have the sender quantize the stage's
+        scratch-assembled tensors, and agree on the manifest; return it (sender) and the first error."""
+        bucket, sums, error = written.bucket, written.sums, written.error
+        if error is None:
+            try:
+                sums.resolve()
+            except ValueError as err:
+                error = str(err)
+        if not written.read_back_waits:
+            wait_for_device_writes(self.transport.buffer)
         if bucket.scratch:
             error = self.writers.agree(error)  # every piece is in the scratch area before the sender quantizes it
             if error is None and self.layout.is_sender:
@@ -174,20 +196,40 @@ class WeightBridge:
                 wait_for_device_writes(self.transport.buffer)
         return self.writers.manifest(self.plan.tensors[bucket.first: bucket.last], sums.totals, error)
 
+    def _deliver(self, sync_id: int, written: WrittenBucket, stats: SyncStats) -> str | None:
+        """Finish a written bucket and, on the sender, deliver it; return the first writer's error."""
+        manifest, error = self._finish_bucket(written)
+        if error is None and self.layout.is_sender:
+            bucket = written.bucket
+            stats.shipped_bytes += self.transport.deliver(sync_id, bucket, manifest)
+            stats.buckets += 1
+            stats.tensors += bucket.last - bucket.first
+            stats.bytes += bucket.nbytes
+            stats.max_bucket_bytes = max(stats.max_bucket_bytes, bucket.nbytes)
+        return error
+
     def _send_stage(self, sync_id: int, stats: SyncStats, slot: int, held: int | None) -> None:
-        error = None
+        """Write and deliver every bucket in order. A bucket whose figures come back with its writes (one pass on
+        a GPU) into a transport whose buckets do not share bytes is finished one bucket later, after the next one is
+        queued: the host reads, agrees and delivers while the device writes. Every writer finishes the buckets in
+        order, so the writers' collectives match whichever buckets each one lags."""
+        error, pending = None, None
         self.transport.use_slot(sync_id, slot, held)
         for index, bucket in enumerate(self.plan.buckets):
             self.transport.before_bucket(index)
-            manifest, error = self._write_bucket(index, bucket, stats, slot)
+            written = self._start_bucket(index, bucket, stats, slot)
+            if pending is not None:
+                error, pending = self._deliver(sync_id, pending, stats), None
+                if error is not None:
+                    break
+            if self.transport.lags and written.read_back_waits and not bucket.scratch:
+                pending = written
+                continue
+            error = self._deliver(sync_id, written, stats)
             if error is not None:
                 break
-            if self.layout.is_sender:
-                stats.shipped_bytes += self.transport.deliver(sync_id, bucket, manifest)
-                stats.buckets += 1
-                stats.tensors += bucket.last - bucket.first
-                stats.bytes += bucket.nbytes
-                stats.max_bucket_bytes = max(stats.max_bucket_bytes, bucket.nbytes)
+        if pending is not None and error is None:
+            error = self._deliver(sync_id, pending, stats)
         if self.layout.is_sender:
             self.transport.finish(sync_id, error)
 

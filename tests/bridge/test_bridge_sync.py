@@ -2,6 +2,10 @@
 tensors bit for bit, FP8 codes and scales equal the reference quantizer's of the whole tensor bit for bit (on shapes
 with several 128 x 128 blocks per rank, so that each rank's scales must land in their place), senders stay within one
 bucket."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -244,10 +248,24 @@ def test_stage_transports_follow_the_hosts(transport, hosts, expected):
             stage_transports(hosts, transport, "a", 0)
 
 
+def _one_at_a_time(launch):
+    import threading
+
+    lock = threading.Lock()
+
+    def locked(*args):
+        with lock:
+            return launch(*args)
+    return locked
+
+
 def _written_by_worker(hf_dir, paths, tp=2):
-    """Syncs at TP `tp` through each of `paths`: the host kernels (True) or the torch path GPU ranks take (False:
-    figures kept where they are computed and read back once per bucket). Per path: the applied tensors, then the
-    errors of syncs with a NaN in the last rank's shard of a down_proj."""
+    """Syncs at TP `tp` through each of `paths`: "host" (the host kernels), "torch" (the torch path of GPU ranks
+    without Triton: figures kept where they are computed and read back once per bucket) or "one-pass" (the Triton
+    bucket pass of GPU ranks, here under the interpreter on CPU tensors; the receiver's checksums too). Per path:
+    the applied tensors, then the errors of syncs with a NaN in the last rank's shard of a down_proj."""
+    from kernels import bucket_pass
+    from megatron_ais.bridge import buckets as bridge_buckets
     from megatron_ais.bridge import pieces as bridge_pieces
     from megatron_ais.bridge.quantization import QuantizationPolicy
     from megatron_ais.bridge.config import BridgeConfig
@@ -258,10 +276,16 @@ def _written_by_worker(hf_dir, paths, tp=2):
 
     chunks, build, layout = _bf16_model(hf_dir, "--tensor-model-parallel-size", tp)
     fc2 = next(p for n, p in chunks[0].named_parameters() if n.endswith("decoder.layers.1.mlp.linear_fc2.weight"))
-    original_on_host, sync_id, results = bridge_pieces._on_host, 0, {}
-    for host_kernels in paths:
-        bridge_pieces._on_host = original_on_host if host_kernels else (lambda *tensors: False)
-        applied, errors = results.setdefault(host_kernels, ([], []))
+    on_host, one_pass, sync_id, results = bridge_pieces._on_host, bridge_pieces.supports_pass, 0, {}
+    passes = {"host": one_pass, "torch": lambda tensors, sums_only=False: False,
+              "one-pass": one_pass if torch.cuda.is_available() else
+              (lambda tensors, sums_only=False: bucket_pass.triton_available() and bool(tensors))}
+    if not torch.cuda.is_available():  # the interpreter's state is global: the writer's and the verifier's launches
+        bucket_pass._launch = _one_at_a_time(bucket_pass._launch)  # take turns
+    for path in paths:
+        bridge_pieces._on_host = on_host if path == "host" else (lambda *tensors: False)
+        bridge_pieces.supports_pass = bridge_buckets.supports_pass = passes[path]
+        applied, errors = results.setdefault(path, ([], []))
         receiver = SyncReceiver(apply=lambda w: applied.append({n: t.cpu().clone() for n, t in named_tensors(w)})) \
             if layout.rank == 0 else None
         for precision, corrupt in [("bf16", False), ("fp8", False), ("bf16", True), ("fp8", True)]:
@@ -290,17 +314,52 @@ def test_torch_path_writes_what_the_host_kernels_write_and_refuses_nan(model_roo
     with one KV head (pieces assembled in the scratch area) on CPU; a NaN in one rank's shard refuses the sync on
     every rank, naming the tensor, and nothing is applied."""
     model = make_model_dir(model_root, "qwen3", num_key_value_heads=1)
-    results = dict(spawn(2, _written_by_worker, model, (True, False)))
-    host, torch_path = results[0][True][0], results[0][False][0]
+    results = dict(spawn(2, _written_by_worker, model, ("host", "torch")))
+    host, torch_path = results[0]["host"][0], results[0]["torch"][0]
     assert len(host) == len(torch_path) == 2  # bf16 then fp8; the corrupt syncs applied nothing
     for expected, got in zip(host, torch_path):
         assert expected.keys() == got.keys()
         assert all(torch.equal(expected[n].view(torch.uint8), got[n].view(torch.uint8)) for n in expected)
     assert any(t.dtype == torch.float8_e4m3fn for t in torch_path[1].values())
     for rank, per_path in results.items():
-        for host_kernels, (_, errors) in per_path.items():
-            assert len(errors) == 2, (rank, host_kernels)
+        for path, (_, errors) in per_path.items():
+            assert len(errors) == 2, (rank, path)
             assert all("model.layers.1.mlp.down_proj.weight: " in e and "NaN/Inf" in e for e in errors), errors
+
+
+@pytest.mark.slow
+def test_one_pass_under_the_interpreter_syncs_and_refuses_nan(model_root, tmp_path):
+    """The GPU's one-pass path (`kernels.bucket_pass`: one Triton launch per dtype group per bucket, figures in one
+    device array read back once; the receiver's checksums one `sums` pass per bucket), run by Triton's interpreter
+    on CPU tensors at TP2 with one KV head: BF16 syncs write the host kernels' bytes; FP8 syncs commit (the fused
+    sums agree end to end with the receiver's), with the host kernels' scales and codes but for the interpreter's
+    FP8 rounding (docs/install.md: a few % of codes a step or a binade off); a NaN in one rank's shard is refused on every rank by name."""
+    pytest.importorskip("triton.language")
+    model = make_model_dir(model_root, "qwen3", num_key_value_heads=1)
+    # a fresh interpreter whose forkserver imports triton under TRITON_INTERPRET (this one's imported it without)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(here)), os.path.dirname(here), here])}
+    out = tmp_path / "results.pt"
+    script = ("import sys, torch; from distributed import spawn; from test_bridge_sync import _written_by_worker; "
+              "torch.save(dict(spawn(2, _written_by_worker, sys.argv[1], ('host', 'one-pass'))), sys.argv[2])")
+    run = subprocess.run([sys.executable, "-c", script, model, str(out)], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = torch.load(out)
+    (bf16, fp8), (one_bf16, one_fp8) = results[0]["host"][0], results[0]["one-pass"][0]
+    assert bf16.keys() == one_bf16.keys() and fp8.keys() == one_fp8.keys()
+    assert all(torch.equal(bf16[n].view(torch.uint8), one_bf16[n].view(torch.uint8)) for n in bf16)
+    codes = [n for n in fp8 if fp8[n].dtype == torch.float8_e4m3fn]
+    assert codes and all(torch.equal(fp8[n], one_fp8[n]) for n in fp8 if n not in codes)  # scales, BF16 tensors
+    for n in codes:
+        slipped = fp8[n].view(torch.uint8) != one_fp8[n].view(torch.uint8)
+        assert float(slipped.float().mean()) < 0.05, n
+        ratio = fp8[n].float()[slipped] / one_fp8[n].float()[slipped]
+        assert bool(((ratio >= 0.5) & (ratio <= 2)).all()), n  # the interpreter's rounding: same sign, within 2x
+    for rank, per_path in results.items():
+        errors = per_path["one-pass"][1]
+        assert len(errors) == 2 and all("model.layers.1.mlp.down_proj.weight: " in e and "NaN/Inf" in e
+                                        for e in errors), (rank, errors)
 
 
 @pytest.mark.gpu
@@ -309,8 +368,11 @@ def test_nan_on_a_gpu_rank_is_refused_by_name(model_root):
     still refused with the tensor's name and nothing is applied, while clean syncs go through."""
     assert torch.cuda.is_available()
     model = make_model_dir(model_root, "qwen3", num_key_value_heads=1)
-    ((_, results),) = spawn(1, _written_by_worker, model, (False,), 1)
-    applied, errors = results[False]
+    ((_, results),) = spawn(1, _written_by_worker, model, ("torch", "one-pass"), 1)
+    (applied, errors), (one_pass, one_pass_errors) = results["torch"], results["one-pass"]
+    for expected, got in zip(applied, one_pass):  # the kernel writes the torch path's bits on a GPU
+        assert all(torch.equal(expected[n].view(torch.uint8), got[n].view(torch.uint8)) for n in expected)
+    assert len(one_pass) == 2 and len(one_pass_errors) == 2
     assert len(applied) == 2 and any(t.dtype == torch.float8_e4m3fn for t in applied[1].values())
     assert len(errors) == 2 and all("model.layers.1.mlp.down_proj.weight: " in e and "NaN/Inf" in e for e in errors)
 

@@ -107,6 +107,7 @@ class StageTransport:
     `receiver` is set on the engine's rank only."""
 
     name = ""
+    lags = False  # whether a bucket may be written before the one before it is delivered (no bytes shared)
 
     def __init__(self, engine_rank: int, receiver=None):
         self.engine_rank, self.receiver = engine_rank, receiver

@@ -12,6 +12,7 @@ class SharedMemoryTransport(StageTransport):
     rank); `stage_offset` and `scratch_offset`: where stage `stage`'s layout and its scratch region start in each."""
 
     name = "shm"
+    lags = True  # every bucket has its own bytes of the arena
 
     def __init__(self, engine_rank: int, receiver, stage: int, arena_refs: tuple, arena_bytes: int,
                  stage_offset: int, scratch_offset: int):
