@@ -9,18 +9,22 @@ Prints a table and, as its last line,
 `bridge_sync_ratio=<x> fp8_quant_gbps=<x> bf16_sync_s=<y> fp8_sync_s=<z> ops_per_sync=<n> host_syncs_per_sync=<n>`
 (ratio = BF16 sync seconds ÷ seconds of a plain copy of the same bytes; ops and host synchronisations of one FP8
 sync on the engine's rank along the path a GPU takes — torch ops where the tensors live, here run on CPU tensors —
-counted with a TorchDispatchMode and a TorchFunctionMode, the receiver's verifier thread included), and with
+counted with a TorchDispatchMode and a TorchFunctionMode, the receiver's verifier thread included), with
 `--delta`, `delta_bytes_fraction=<x>`: an FP8 delta's bytes (`bridge.delta`) over a full sync's after one Megatron
-Adam step at lr 1e-6.
+Adam step at lr 1e-6, and with `--one-pass`, `one_pass_ops_per_sync=<n> one_pass_host_syncs_per_sync=<n>`: the same
+counts along the path a GPU with Triton takes (`kernels.bucket_pass`, one launch per dtype group per bucket, here
+run by Triton's interpreter on CPU tensors; a launch counts as one op).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -39,10 +43,12 @@ DEVICE_READ_BACK_SITES = (os.path.join("kernels", "integrity.py"),)
 class SyncCounts:
     """What one sync costs in torch: aten ops, host synchronisations a GPU would make (read-backs of figures
     computed where the tensors live, waits for the device's writes) and the bytes of the tensors those ops allocated
-    (temporaries: neither views nor in-place results), over every thread that `counting` is entered on."""
+    (temporaries: neither views nor in-place results), over every thread that `counting` is entered on. A one-pass
+    kernel launch counts as one op (what the interpreter does inside it is not counted: a GPU runs it as one)."""
 
     def __init__(self):
         self.ops, self.read_backs, self.new_bytes = 0, 0, 0
+        self.inside_launch = threading.local()
 
 
 class _CountOps(TorchDispatchMode):
@@ -52,6 +58,8 @@ class _CountOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if getattr(self.counts.inside_launch, "value", False):
+            return out
         self.counts.ops += 1
         schema = func._schema
         if not schema.is_mutable and not any(r.alias_info is not None for r in schema.returns):
@@ -65,7 +73,7 @@ class _CountReadBacks(TorchFunctionMode):
         self.counts = counts
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in READ_BACKS:
+        if getattr(func, "__name__", "") in READ_BACKS and not getattr(self.counts.inside_launch, "value", False):
             caller = sys._getframe(1).f_code.co_filename
             self.counts.read_backs += caller.endswith(DEVICE_READ_BACK_SITES)
         return func(*args, **(kwargs or {}))
@@ -78,6 +86,34 @@ def counting(counts: SyncCounts):
 
 
 @contextlib.contextmanager
+def one_pass_on_cpu(counts: SyncCounts):
+    """Bridges built inside take the GPU's one-pass path (`kernels.bucket_pass`) on CPU tensors, under Triton's
+    interpreter (TRITON_INTERPRET=1 before triton is imported); each launch counts as one op, and the writer's and
+    the verifier's launches take turns (the interpreter's state is global)."""
+    from kernels import bucket_pass
+    from megatron_ais.bridge import buckets, pieces
+
+    saved = pieces.supports_pass, buckets.supports_pass, bucket_pass._launch
+    lock, launch = threading.Lock(), bucket_pass._launch
+
+    def counted_launch(*args):
+        with lock:
+            counts.ops += 1
+            counts.inside_launch.value = True
+            try:
+                return launch(*args)
+            finally:
+                counts.inside_launch.value = False
+
+    pieces.supports_pass = buckets.supports_pass = lambda tensors, sums_only=False: bool(tensors)
+    bucket_pass._launch = counted_launch
+    try:
+        yield
+    finally:
+        pieces.supports_pass, buckets.supports_pass, bucket_pass._launch = saved
+
+
+@contextlib.contextmanager
 def device_path(counts: SyncCounts):
     """Run the bridge's GPU path (torch ops where the tensors live, figures read back) on CPU tensors, counting into
     `counts`, the receiver's verifier thread included."""
@@ -87,9 +123,9 @@ def device_path(counts: SyncCounts):
     saved = integrity.summed_where_it_lives, pieces._on_host, receiver._start_checksums, sync.wait_for_device_writes
     start = receiver._start_checksums
 
-    def counted_start(checks):
+    def counted_start(checks, passes, stream):
         with counting(counts):
-            return start(checks)
+            return start(checks, passes, stream)
 
     def counted_wait(buffer):  # on a GPU it waits for the device's queued writes
         counts.read_backs += buffer is not None
@@ -124,8 +160,26 @@ def _wall(cuda: bool) -> float:
     return time.perf_counter()
 
 
+def _one_pass_counts(chunks, build, config, layout, sync_id: int) -> dict:
+    """The counts of one sync along the one-pass path (a bridge of its own, its first sync not counted: it builds
+    the tables)."""
+    from megatron_ais.bridge.receiver import SyncReceiver
+    from megatron_ais.bridge.sync import WeightBridge
+
+    counts = SyncCounts()
+    receiver = SyncReceiver(apply=lambda weights: weights) if layout.rank == 0 else None
+    with one_pass_on_cpu(counts), WeightBridge(chunks, build, config, layout, receiver) as bridge:
+        with device_path(SyncCounts()):
+            bridge.sync(sync_id)
+        with device_path(counts):
+            bridge.sync(sync_id + 1)
+    if receiver is not None:
+        receiver.close()
+    return vars(counts) | {"inside_launch": None}
+
+
 def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, parallel: list[str],
-                  measure_delta: bool) -> dict:
+                  measure_delta: bool, one_pass: bool) -> dict:
     import torch.distributed as dist
 
     from kernels.cpu_library import library
@@ -169,7 +223,9 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, p
         counts = SyncCounts()
         with device_path(counts):
             bridge.sync(repeats + 1)
-        result[precision]["counts"] = vars(counts)
+        result[precision]["counts"] = vars(counts) | {"inside_launch": None}
+        if one_pass:
+            result[precision]["one_pass_counts"] = _one_pass_counts(chunks, build, config, layout, repeats + 10)
         if precision == "fp8" and measure_delta:
             weights = bridge.sync(repeats + 2).committed
             plan = delta.DeltaPlan.of(weights.entries)
@@ -236,7 +292,12 @@ def main(argv=None) -> int:
                         help="--bridge-transport of the measured syncs (auto = shm on one machine)")
     parser.add_argument("--delta", action="store_true",
                         help="Also measure an FP8 delta sync's bytes after one Adam step at lr 1e-6.")
+    parser.add_argument("--one-pass", action="store_true",
+                        help="On CPU: also count the GPU's one-pass path (Triton bucket kernels), run by Triton's "
+                             "interpreter (slow: use a small model).")
     args = parser.parse_args(argv)
+    if args.one_pass:  # before any rank imports triton
+        os.environ["TRITON_INTERPRET"] = "1"
     import make_tiny_model
     from megatron_ais.launch import spawn
 
@@ -252,7 +313,7 @@ def main(argv=None) -> int:
                     ["--tensor-model-parallel-size", str(tp)])
         world = 2 if args.arch == "qwen3_moe" else tp
         results = spawn(world, _bench_worker, hf_dir, args.repeats, args.bucket_size_mb, args.transport, parallel,
-                        args.delta)
+                        args.delta, args.one_pass)
     r = results[0]
     bf16, fp8 = r["bf16"], r["fp8"]
     layout = "EP2 (MoE)" if args.arch == "qwen3_moe" else f"TP{tp}"
@@ -269,14 +330,18 @@ def main(argv=None) -> int:
         print(f"| FP8 quantize (4096x4096 bf16, {name}) | | | {gbps:.3f} |")
     print("\n| one sync on the engine's rank, the GPU's path on CPU tensors | buckets | aten ops | per bucket | host "
           "synchronisations (GPU) | per bucket | new tensor bytes per synced byte |\n|---|---|---|---|---|---|---|")
-    for name, row in (("BF16 sync", bf16), ("FP8 sync", fp8)):
-        c, buckets = row["counts"], max(row["buckets"], 1)
-        print(f"| {name} | {row['buckets']} | {c['ops']} | {c['ops'] / buckets:.0f} | {c['read_backs']} | "
+    paths = [("", "counts")] + ([(", one pass", "one_pass_counts")] if args.one_pass else [])
+    for (path, key), (name, row) in itertools.product(paths, (("BF16 sync", bf16), ("FP8 sync", fp8))):
+        c, buckets = row[key], max(row["buckets"], 1)
+        print(f"| {name}{path} | {row['buckets']} | {c['ops']} | {c['ops'] / buckets:.0f} | {c['read_backs']} | "
               f"{c['read_backs'] / buckets:.1f} | {c['new_bytes'] / row['bytes']:.2f} |")
     quant = max(r["quant_gbps"].values())
     figures = (f"bridge_sync_ratio={bf16['seconds'] / r['copy_seconds']:.2f} fp8_quant_gbps={quant:.3f} "
                f"bf16_sync_s={bf16['seconds']:.3f} fp8_sync_s={fp8['seconds']:.3f} ops_per_sync={fp8['counts']['ops']} "
                f"host_syncs_per_sync={fp8['counts']['read_backs']}")
+    if args.one_pass:
+        figures += (f" one_pass_ops_per_sync={fp8['one_pass_counts']['ops']} "
+                    f"one_pass_host_syncs_per_sync={fp8['one_pass_counts']['read_backs']}")
     if "delta" in r:
         print(f"\nFP8 delta after one Adam step at lr 1e-6: {r['delta']['codes_fraction']:.4%} of the codes changed, "
               f"{r['delta']['bytes_fraction']:.4%} of a full sync's bytes")

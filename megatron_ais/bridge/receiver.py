@@ -4,6 +4,7 @@ each stage's buckets as its transport delivers them (`bridge.transports`), verif
 The receiver verifies every tensor of every bucket against its manifest (name, dtype, shape, place, bytes,
 checksum) and the layout it expects (the layout at once, the bytes' checksums on a thread of its own, so that
 reading bucket k overlaps the writing of bucket k + 1: every bucket has its own place in the arena; a GPU arena's
+checksums — one pass per bucket where Triton is (`kernels.bucket_pass`) — run on a stream of their own and their
 figures stay on the GPU until the commit reads every bucket's back at once), and applies
 the arena's tensors to the engine in one call only when every stage has delivered everything intact; a refused sync
 leaves the engine's weights untouched (the arena is a staging copy, not the engine's weights). The engine gets the
@@ -19,6 +20,7 @@ modulo the slots, which every rank knows (`WeightBridge.completed`).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 from typing import Callable
 
@@ -54,6 +56,7 @@ class SyncReceiver:
     arena_on_gpu: bool | None = None  # None: GPU memory where CUDA is available (`arena.staging_buffer`)
     slot_syncs: list = dataclasses.field(default_factory=list)  # per slot: the committed sync it holds, or None
     sums_passes: dict = dataclasses.field(default_factory=dict)  # a GPU arena's buckets' checksum passes, built once
+    verify_stream: object = None  # a GPU arena's verification stream (`_verification_stream`)
 
     @property
     def arena(self) -> SharedBuffer | CudaBuffer | None:
@@ -118,7 +121,8 @@ class SyncReceiver:
             return
         if self.verifier is None:
             self.verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megatron-ais-verify")
-        self.pending.append(self.verifier.submit(_start_checksums, checks, self.sums_passes))
+        self.pending.append(self.verifier.submit(_start_checksums, checks, self.sums_passes,
+                                                 self._verification_stream()))
 
     def _wait_for_verification(self) -> None:
         """Finish every delivered bucket's checksums (a GPU arena's figures read back at once); the first mismatch
@@ -128,9 +132,21 @@ class SyncReceiver:
         error = next((s for s in started if isinstance(s, str)), None)
         if error is None and started:
             checks = [check for checks, _ in started for check in checks]
-            error = _verify_checksums(checks, [f for _, figures in started for f in figures])
+            with _on_stream(self._verification_stream()):  # the figures are read back behind their passes
+                error = _verify_checksums(checks, [f for _, figures in started for f in figures])
         if error is not None:
             self.abort(f"sync {self.sync_id} refused, engine keeps its weights: {error}")
+
+    def _verification_stream(self):
+        """A GPU arena's checksums run on a stream of their own, so that they overlap the writers' next buckets
+        instead of queueing behind them; no event orders them after the bytes they read: every writer waited for a
+        bucket's writes before it was delivered (its figures' read-back or `wait_for_device_writes`)."""
+        data = self.arena.data
+        if not data.is_cuda:
+            return None
+        if self.verify_stream is None or self.verify_stream.device != data.device:
+            self.verify_stream = torch.cuda.Stream(device=data.device)
+        return self.verify_stream
 
     def _tensor(self, stage: int, t: EngineTensor) -> torch.Tensor:
         view = self.views.get((self.slot, stage, t.name))
@@ -176,11 +192,17 @@ class SyncReceiver:
         self.arenas = []
 
 
-def _start_checksums(checks: list[tuple[ManifestEntry, torch.Tensor]], passes: dict) -> tuple[list, list] | str:
-    """A bucket's layouts checked and checksums started (`buckets.start_checksums`, its one-pass tables kept in
-    `passes`): (checks, figures), or the first mismatch."""
+def _on_stream(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _start_checksums(checks: list[tuple[ManifestEntry, torch.Tensor]], passes: dict, stream
+                     ) -> tuple[list, list] | str:
+    """A bucket's layouts checked and checksums started on `stream` (None: the host's or the current one;
+    `buckets.start_checksums`, its one-pass tables kept in `passes`): (checks, figures), or the first mismatch."""
     try:
-        return checks, start_checksums(checks, passes)
+        with _on_stream(stream):
+            return checks, start_checksums(checks, passes)
     except ValueError as err:
         return str(err)
 
