@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one run for a lent H100/H200 (the `device` tool copies the working tree there):
-# the gpu-marked tests that the image's packages allow (Triton quantizer bit-exact against the reference, CUDA IPC
-# staging buffers between processes; with megatron-core: a GRPO + AIS step with the trainer on the GPU, megatron's
-# MoE logits on the GPU against transformers, the bridge into a CUDA arena), the quantizer-against-copy benchmark of
+# the gpu-marked tests that the image's packages allow (Triton quantizer and one-pass bucket kernel bit-exact against
+# their references, CUDA IPC staging buffers between processes; with megatron-core: a GRPO + AIS step with the
+# trainer on the GPU, megatron's MoE logits on the GPU against transformers, the bridge into a CUDA arena), the quantizer-against-copy benchmark of
 # the bridge issue's GPU target and the bridge benchmark at TP1 on the GPU.
 # Everything it prints also lands in OUT_DIR; each step has a time limit so that one hang cannot eat the lease.
 #
@@ -27,7 +27,7 @@ run_tests() {  # run_tests SECONDS PYTEST_ARGS...: appends to the log, remembers
     timeout "$1" python3 -m pytest -q -rs --tb=short "${@:2}" 2>&1 | tee -a "$out/gpu_tests.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
-run_tests 120 -m gpu tests/kernels/test_fp8_blockwise.py tests/bridge/test_cuda_arena.py
+run_tests 150 -m gpu tests/kernels/test_fp8_blockwise.py tests/kernels/test_bucket_pass.py tests/bridge/test_cuda_arena.py
 megatron=0
 python3 -c "import megatron.core" 2>/dev/null && megatron=1
 bridge=$megatron

@@ -46,10 +46,10 @@ def start_checksums(checks: list[tuple[ManifestEntry, torch.Tensor]], passes: di
     tables built once and kept in `passes`, keyed by where the tensors are), else
     `kernels.integrity.checksum_figures`."""
     _first_difference([_layout(e, t) for e, t in checks], [e for e, _ in checks])
-    tensors = [t.detach().contiguous() for _, t in checks]
-    if passes is None or not supports_pass(tensors, sums_only=True):
-        return checksum_figures(tensors)
-    key = tuple((t.data_ptr(), t.numel(), t.element_size()) for t in tensors)
+    tensors = [t for _, t in checks]
+    if passes is None or not supports_pass(tensors, sums_only=True) or not all(t.is_contiguous() for t in tensors):
+        return checksum_figures([t.detach().contiguous() for t in tensors])
+    key = tuple((t.data_ptr(), t.numel(), t.element_size()) for t in tensors)  # no torch op per tensor
     if key not in passes:
         passes[key] = BucketPass([p for row, t in enumerate(tensors) for p in flat_sums_pieces(t, row)],
                                  len(tensors))
