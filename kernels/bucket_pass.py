@@ -53,21 +53,32 @@ if triton is not None:
     @triton.jit
     def _bucket_pass_kernel(pieces_ptr, tiles_ptr, figures_ptr, KIND: tl.constexpr, SRC_T: tl.constexpr,
                             DST_T: tl.constexpr, BITS_T: tl.constexpr, FLOAT: tl.constexpr, TILE_R: tl.constexpr,
-                            TILE_C: tl.constexpr, POW2: tl.constexpr):
+                            TILE_C: tl.constexpr, POW2: tl.constexpr, ALIGNED: tl.constexpr):
         tile = tiles_ptr + tl.program_id(0).to(tl.int64) * 3
         piece = pieces_ptr + tl.load(tile) * 16
         r_start = tl.load(tile + 1)
         c_start = tl.load(tile + 2)
+        cols = tl.load(piece + 5)
+        src = tl.load(piece + 0).to(tl.pointer_type(SRC_T))
+        src_stride = tl.load(piece + 1)
+        dst = tl.load(piece + 2).to(tl.pointer_type(DST_T))
+        dst_stride = tl.load(piece + 3)
+        if ALIGNED:  # what the host checked (`_aligned`), told to the compiler: 16-byte loads and stores
+            c_start = tl.multiple_of(c_start, TILE_C)
+            cols = tl.multiple_of(cols, 16)
+            src = tl.multiple_of(src, 16)
+            src_stride = tl.multiple_of(src_stride, 16)
+            dst = tl.multiple_of(dst, 16)
+            dst_stride = tl.multiple_of(dst_stride, 16)
         r = r_start + tl.arange(0, TILE_R)
         c = c_start + tl.arange(0, TILE_C)
-        inside = (r[:, None] < tl.load(piece + 4)) & (c[None, :] < tl.load(piece + 5))
-        src = tl.load(piece + 0).to(tl.pointer_type(SRC_T))
-        x = tl.load(src + r[:, None] * tl.load(piece + 1) + c[None, :], mask=inside, other=0)
+        inside = (r[:, None] < tl.load(piece + 4)) & (c[None, :] < cols)
+        x = tl.load(src + r[:, None] * src_stride + c[None, :], mask=inside, other=0)
         row = tl.load(piece + 9)
         if KIND == 2:
             y = x
         else:
-            dst = tl.load(piece + 2).to(tl.pointer_type(DST_T)) + r[:, None] * tl.load(piece + 3) + c[None, :]
+            dst = dst + r[:, None] * dst_stride + c[None, :]
             if KIND == 1:
                 y, scale, finite = quantize_block(x.to(tl.float32), POW2)
                 block_r = r_start // TILE_R
@@ -126,6 +137,13 @@ def flat_sums_pieces(t: torch.Tensor, row: int) -> list[PassPiece]:
     return pieces
 
 
+def _aligned(piece: PassPiece) -> bool:
+    """Whether the piece's addresses are 16-byte aligned and its row length and row strides multiples of 16
+    elements (its launch then lets the compiler use 16-byte loads and stores; the hidden sizes of real models are)."""
+    views = [piece.src] + ([piece.dst] if piece.dst is not None else [])
+    return all(v.data_ptr() % 16 == 0 and rows_view(v)[1] % 16 == 0 and rows_view(v)[2] % 16 == 0 for v in views)
+
+
 def _tile(kind: str, block_size: int) -> tuple[int, int]:
     return {"copy": COPY_TILE, "sums": SUMS_TILE}.get(kind, (block_size, block_size))
 
@@ -156,11 +174,13 @@ def _tiles(piece_index: int, piece: PassPiece, block_size: int) -> torch.Tensor:
 
 @dataclasses.dataclass
 class PassLaunch:
-    """One kernel launch: the pieces of one kind and pair of dtypes, as their tables on the device."""
+    """One kernel launch: the pieces of one kind and pair of dtypes (and alignment), as their tables on the
+    device."""
 
     kind: str
     src_dtype: torch.dtype
     out_dtype: torch.dtype
+    aligned: bool
     piece_table: torch.Tensor
     tile_table: torch.Tensor
 
@@ -175,12 +195,12 @@ class BucketPass:
         groups: dict[tuple, list[PassPiece]] = {}
         for p in pieces:
             if p.src.numel():
-                groups.setdefault((p.kind, p.src.dtype, p.out_dtype), []).append(p)
+                groups.setdefault((p.kind, p.src.dtype, p.out_dtype, _aligned(p)), []).append(p)
         self.launches = []
-        for (kind, src_dtype, out_dtype), group in groups.items():
+        for (kind, src_dtype, out_dtype, aligned), group in groups.items():
             piece_table = torch.tensor([_piece_row(p) for p in group], dtype=torch.int64)
             tile_table = torch.cat([_tiles(i, p, block_size) for i, p in enumerate(group)])
-            self.launches.append(PassLaunch(kind, src_dtype, out_dtype, piece_table.to(device),
+            self.launches.append(PassLaunch(kind, src_dtype, out_dtype, aligned, piece_table.to(device),
                                             tile_table.to(device)))
         self.figures = torch.zeros(rows, 3, dtype=torch.int64, device=device)
 
@@ -203,7 +223,7 @@ def _launch(launch: PassLaunch, figures: torch.Tensor, block_size: int, pow2_sca
             launch.piece_table, launch.tile_table, figures, KIND=KINDS[launch.kind], SRC_T=_TL[src],
             DST_T=_TL[out], BITS_T=_TL[_BITS[out.itemsize]],
             FLOAT=launch.kind != "sums" and launch.out_dtype.is_floating_point, TILE_R=tile[0], TILE_C=tile[1],
-            POW2=pow2_scale, num_warps=16 if launch.kind == "quantize" else 8)
+            POW2=pow2_scale, ALIGNED=launch.aligned, num_warps=16 if launch.kind == "quantize" else 8)
 
 
 # what the pass copies, converts and quantizes (a `sums` pass reads any width in `_BITS`)

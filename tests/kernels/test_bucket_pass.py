@@ -14,36 +14,44 @@ from kernels.fp8.format import scale_shape
 from kernels.fp8.reference import blockwise_fp8_quantize_reference
 from kernels.integrity import Position, checksum_sums
 
-ROWS = 6  # figures rows: copy dim 0, converted 1-D copy, codes, scales, int32 sums, scratch copy (not counted)
+ROWS = 8  # figures rows: copy dim 0, converted 1-D copy, codes, scales, int32 sums, scratch copy (not counted),
+# codes and scales of an aligned tensor
 
 
 def _case(device: str = "cpu", pow2: bool = False, corrupt: bool = False, seed: int = 0) -> dict:
     """Sources and zeroed destinations of one bucket: a BF16 piece at rows 100.. of a 400-row tensor, an FP32 1-D
     tensor converted to BF16, a BF16 piece quantized into columns 256.. of a 300 x 516 FP8 tensor (partial edge
-    blocks; its scales a column slice), an int32 tensor summed flat (a short last row), a scratch copy."""
+    blocks; its scales a column slice), an int32 tensor summed flat (a short last row), a scratch copy, a whole
+    256 x 384 tensor quantized. Aligned launches (16-byte addresses, rows of multiples of 16 elements): the first
+    copy, the int32 rows, the last tensor; the others not."""
     g = torch.Generator().manual_seed(seed)
-    t = {"a": torch.randn(300, 520, generator=g).to(torch.bfloat16), "a_full": torch.zeros(400, 520),
+    t = {"a": torch.randn(300, 512, generator=g).to(torch.bfloat16), "a_full": torch.zeros(400, 512),
          "b": torch.randn(1000, generator=g) * 1e3, "b_full": torch.zeros(1000),
          "w": torch.randn(300, 260, generator=g).to(torch.bfloat16),
          "q": torch.zeros(300, 516), "s": torch.zeros(*scale_shape((300, 516))),
          "i": torch.randint(-2 ** 31, 2 ** 31 - 1, (7, 1000), generator=g, dtype=torch.int32),
-         "scratch_src": torch.randn(64, 40, generator=g).to(torch.bfloat16), "scratch": torch.zeros(64, 40)}
+         "scratch_src": torch.randn(64, 40, generator=g).to(torch.bfloat16), "scratch": torch.zeros(64, 40),
+         "w2": torch.randn(256, 384, generator=g).to(torch.bfloat16), "q2": torch.zeros(256, 384),
+         "s2": torch.zeros(2, 3)}
     t["a_full"], t["b_full"] = t["a_full"].to(torch.bfloat16), t["b_full"].to(torch.bfloat16)
-    t["q"], t["scratch"] = t["q"].to(torch.float8_e4m3fn), t["scratch"].to(torch.bfloat16)
+    t["q"], t["q2"] = t["q"].to(torch.float8_e4m3fn), t["q2"].to(torch.float8_e4m3fn)
+    t["scratch"] = t["scratch"].to(torch.bfloat16)
     if corrupt:
         t["a"][5, 7], t["b"][3], t["w"][299, 259], t["w"][0, 0] = float("nan"), float("inf"), -float("inf"), float("nan")
-        t["scratch_src"][0, 0] = float("nan")
+        t["scratch_src"][0, 0], t["w2"][255, 383] = float("nan"), float("inf")
     return {k: v.to(device) for k, v in t.items()}
 
 
 def _pieces(t: dict) -> list[PassPiece]:
     s_shape = tuple(t["s"].shape)
-    return [PassPiece("copy", t["a"], Position.of_piece((400, 520), 0, 100), 0, True, t["a_full"].narrow(0, 100, 300)),
+    return [PassPiece("copy", t["a"], Position.of_piece((400, 512), 0, 100), 0, True, t["a_full"].narrow(0, 100, 300)),
             PassPiece("copy", t["b"], Position.whole(t["b_full"]), 1, True, t["b_full"]),
             PassPiece("quantize", t["w"], Position.of_piece((300, 516), 1, 256), 2, True, t["q"].narrow(1, 256, 260),
                       t["s"].narrow(1, 2, 3), Position.of_piece(s_shape, 1, 2), 3),
             *flat_sums_pieces(t["i"], 4),
-            PassPiece("copy", t["scratch_src"], Position.whole(t["scratch"]), 5, False, t["scratch"])]
+            PassPiece("copy", t["scratch_src"], Position.whole(t["scratch"]), 5, False, t["scratch"]),
+            PassPiece("quantize", t["w2"], Position.whole(t["q2"]), 6, True, t["q2"], t["s2"], Position.whole(t["s2"]),
+                      7)]
 
 
 def _unsigned(row) -> tuple[int, int]:
@@ -59,15 +67,18 @@ def test_reference_writes_todays_bytes_and_figures(pow2):
     assert torch.equal(t["b_full"], t["b"].to(torch.bfloat16)) and torch.equal(t["scratch"], t["scratch_src"])
     assert torch.equal(t["q"][:, 256:].view(torch.uint8), q.view(torch.uint8)) and torch.equal(t["s"][:, 2:], s)
     assert not t["q"][:, :256].view(torch.uint8).any() and not t["s"][:, :2].any()
+    q2, s2 = blockwise_fp8_quantize_reference(t["w2"], 128, pow2)
+    assert torch.equal(t["q2"].view(torch.uint8), q2.view(torch.uint8)) and torch.equal(t["s2"], s2)
     s_shape = tuple(t["s"].shape)
-    assert _unsigned(figures[0]) == checksum_sums(t["a_full"][100:], Position.of_piece((400, 520), 0, 100))
+    assert _unsigned(figures[0]) == checksum_sums(t["a_full"][100:], Position.of_piece((400, 512), 0, 100))
     assert _unsigned(figures[1]) == checksum_sums(t["b_full"])
     assert _unsigned(figures[2]) == checksum_sums(t["q"][:, 256:], Position.of_piece((300, 516), 1, 256))
     assert _unsigned(figures[3]) == checksum_sums(t["s"][:, 2:], Position.of_piece(s_shape, 1, 2))
     assert _unsigned(figures[4]) == checksum_sums(t["i"])
+    assert _unsigned(figures[6]) == checksum_sums(t["q2"]) and _unsigned(figures[7]) == checksum_sums(t["s2"])
     assert figures[5].tolist() == [0, 0, 0] and figures[:, 0].tolist() == [0] * ROWS  # not counted; all finite
     # the figures of a whole tensor add up from its pieces: the other half of the BF16 tensor, in another pass
-    rest = run_reference([PassPiece("sums", t["a_full"][:100], Position.of_piece((400, 520), 0, 0), 0)], 1)
+    rest = run_reference([PassPiece("sums", t["a_full"][:100], Position.of_piece((400, 512), 0, 0), 0)], 1)
     assert _unsigned(rest[0] + figures[0]) == checksum_sums(t["a_full"])
 
 
@@ -75,7 +86,7 @@ def test_reference_counts_nan_and_inf_per_row():
     t = _case(corrupt=True)
     figures = run_reference(_pieces(t), ROWS)
     # a quantized piece's NaN/Inf counted on its source, a copied one's on what it wrote
-    assert figures[:, 0].tolist() == [1, 1, 2, 0, 0, 1]
+    assert figures[:, 0].tolist() == [1, 1, 2, 0, 0, 1, 1, 0]
 
 
 def _kernel_against_reference(device: str) -> dict:
@@ -98,7 +109,8 @@ def _kernel_against_reference(device: str) -> dict:
             "codes_within_2x": bool(((ratio >= 0.5) & (ratio <= 2) | subnormal).all()),
             "own_sums": [_unsigned(figures[1]) == checksum_sums(got["b_full"]),
                          _unsigned(figures[2]) == checksum_sums(got["q"][:, 256:], Position.of_piece((300, 516), 1,
-                                                                                                     256))]}
+                                                                                                     256)),
+                         _unsigned(figures[6]) == checksum_sums(got["q2"])]}
     return out
 
 
@@ -111,20 +123,20 @@ def test_kernel_under_interpreter_matches_reference():
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     for (pow2, corrupt), r in eval(run.stdout.strip().splitlines()[-1]).items():
-        assert r["counts"] == ([1, 1, 2, 0, 0, 1] if corrupt else [0] * ROWS)
+        assert r["counts"] == ([1, 1, 2, 0, 0, 1, 1, 0] if corrupt else [0] * ROWS)
         if corrupt:
             continue  # what a corrupt pass writes is refused whole
         # copies of the same dtype, scales, untouched bytes, int32 sums and the uncounted row are exact; the
         # interpreter rounds FP32 -> BF16 and -> e4m3 its own way, so the converted copy and a few % of codes
         # differ — and the fused sums are still those of what it wrote
-        assert all(r["equal"][k] for k in ("a", "a_full", "s", "i", "scratch", "w")), r["equal"]
-        assert r["rows_equal"][0] and r["rows_equal"][3] and r["rows_equal"][4] and r["rows_equal"][5]
+        assert all(r["equal"][k] for k in ("a", "a_full", "s", "s2", "i", "scratch", "w", "w2")), r["equal"]
+        assert all(r["rows_equal"][k] for k in (0, 3, 4, 5, 7)), r["rows_equal"]
         assert r["code_slips"] < 0.1 and r["codes_within_2x"] and all(r["own_sums"])
 
 
 @pytest.mark.gpu
 def test_kernel_bit_exact_on_gpu():
     for (pow2, corrupt), r in _kernel_against_reference("cuda").items():
-        assert r["counts"] == ([1, 1, 2, 0, 0, 1] if corrupt else [0] * ROWS)
+        assert r["counts"] == ([1, 1, 2, 0, 0, 1, 1, 0] if corrupt else [0] * ROWS)
         if not corrupt:
             assert all(r["equal"].values()) and all(r["rows_equal"]) and r["code_slips"] == 0, r
