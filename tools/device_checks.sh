@@ -2,8 +2,9 @@
 # The checks that need a GPU, in one run for a lent H100/H200 (the `device` tool copies the working tree there):
 # the gpu-marked tests that the image's packages allow (Triton quantizer and one-pass bucket kernel bit-exact against
 # their references, CUDA IPC staging buffers between processes; with megatron-core: a GRPO + AIS step with the
-# trainer on the GPU, megatron's MoE logits on the GPU against transformers, the bridge into a CUDA arena), the quantizer-against-copy benchmark of
-# the bridge issue's GPU target and the bridge benchmark at TP1 on the GPU.
+# trainer on the GPU, megatron's MoE logits on the GPU against transformers, the bridge into a CUDA arena), the
+# quantizer-against-copy benchmark of the bridge issue's GPU target and the bridge benchmark at TP1 on the GPU, at
+# 88M parameters and at the Qwen3-4B shape.
 # Everything it prints also lands in OUT_DIR; each step has a time limit so that one hang cannot eat the lease.
 #
 #   bash tools/device_checks.sh [OUT_DIR]        # OUT_DIR defaults to $OUT (the device tool's), else /tmp/device-checks
@@ -43,5 +44,8 @@ fi
 } 2>&1 | tee "$out/bench_fp8_quant.txt"
 if [ "$bridge" = 1 ]; then
     timeout 150 python3 tools/bench_bridge.py --tensor-model-parallel-size 1 --repeats 5 2>&1 | tee "$out/bench_bridge.txt"
+    # issue 31's target shape (Qwen3-4B: BF16 sync <= 0.05 s, FP8 <= 1.1x BF16)
+    timeout 240 python3 tools/bench_bridge.py --tensor-model-parallel-size 1 --hidden-size 2560 --num-layers 36 \
+        --intermediate-size 9728 --vocab-size 151936 --repeats 3 2>&1 | tee "$out/bench_bridge_4b.txt"
 fi
 exit "$status"
