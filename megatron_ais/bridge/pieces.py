@@ -35,8 +35,9 @@ def _refuse_copy(name: str, bad: int) -> None:
 
 class BucketSums:
     """The checksum sums of the tensors this rank writes in one bucket. The host kernels' figures are added as they
-    come; figures that torch ops compute on a GPU stay there until `resolve` reads them all back at once — one host
-    synchronisation per bucket instead of one per piece — and refuses the first corrupt piece by name."""
+    come; figures computed on a GPU (torch ops' per piece, a bucket pass's per tensor row) stay there until `start`
+    sends them all back without waiting and `resolve` reads them — one host synchronisation per bucket instead of
+    one per piece, as late as the caller can wait — and refuses the first corrupt piece by name."""
 
     def __init__(self):
         self.totals: dict[str, list[int]] = {}
