@@ -33,7 +33,7 @@ except ImportError:  # optional: CPU images may ship none
 
 KINDS = {"copy": 0, "quantize": 1, "sums": 2}
 COPY_TILE = (32, 256)  # 8192 elements: 16 KB of BF16 per program, a handful of atomics per tile
-SUMS_TILE = (64, 256)  # the receiver's tiles: it only reads
+SUMS_TILE = (32, 256)  # the receiver's tiles: it only reads
 # columns of a piece's row in the piece table (the kernel reads them by number)
 (SRC, SRC_STRIDE, DST, DST_STRIDE, ROWS, COLS, POS_ROW0, POS_NCOLS, POS_COL0, ROW, COUNTED, SCALE, SCALE_STRIDE,
  SCALE_ROW, SCALE_INDEX, SCALE_NCOLS) = range(16)
@@ -46,9 +46,13 @@ if triton is not None:
            torch.uint16: tl.uint16, torch.uint32: tl.uint32, torch.int64: tl.int64}
 
     @triton.jit
-    def _sums_into(figures_ptr, row, bits, index):
-        tl.atomic_add(figures_ptr + row * 3 + 1, tl.sum(tl.sum(bits, 1), 0))
-        tl.atomic_add(figures_ptr + row * 3 + 2, tl.sum(tl.sum(bits * index, 1), 0))
+    def _sums_into(figures_ptr, row, bits, rows_index, cols_index):
+        # B = sum v (i + 1) with i + 1 = rows_index[r] + cols_index[c]: from the row and column sums, so that no
+        # index the size of the tile is held (the sums wrap mod 2^64 either way)
+        row_sums = tl.sum(bits, 1)
+        col_sums = tl.sum(bits, 0)
+        tl.atomic_add(figures_ptr + row * 3 + 1, tl.sum(row_sums, 0))
+        tl.atomic_add(figures_ptr + row * 3 + 2, tl.sum(row_sums * rows_index, 0) + tl.sum(col_sums * cols_index, 0))
 
     @triton.jit
     def _bucket_pass_kernel(pieces_ptr, tiles_ptr, figures_ptr, KIND: tl.constexpr, SRC_T: tl.constexpr,
@@ -100,8 +104,8 @@ if triton is not None:
                                                                    1), 0))
         if tl.load(piece + 10) != 0:
             bits = tl.where(inside, y.to(BITS_T, bitcast=True).to(tl.int64), 0)
-            index = (tl.load(piece + 6) + r[:, None]) * tl.load(piece + 7) + tl.load(piece + 8) + c[None, :] + 1
-            _sums_into(figures_ptr, row, bits, index)
+            _sums_into(figures_ptr, row, bits, (tl.load(piece + 6) + r) * tl.load(piece + 7),
+                       tl.load(piece + 8) + c + 1)
 
 
 @dataclasses.dataclass(frozen=True)
