@@ -261,8 +261,10 @@ def _one_at_a_time(launch):
 
 def _written_by_worker(hf_dir, paths, tp=2):
     """Syncs at TP `tp` through each of `paths`: "host" (the host kernels), "torch" (the torch path of GPU ranks
-    without Triton: figures kept where they are computed and read back once per bucket) or "one-pass" (the Triton
-    bucket pass of GPU ranks, here under the interpreter on CPU tensors; the receiver's checksums too). Per path:
+    without Triton: figures kept where they are computed and read back once per bucket), "one-pass" (the Triton
+    bucket pass of GPU ranks, here under the interpreter on CPU tensors; the receiver's checksums too) or "mixed"
+    (one pass on rank 0 only, the torch path elsewhere, as on a GPU node where only the engine's rank writes its own
+    GPU's arena). Per path:
     the applied tensors, then the errors of syncs with a NaN in the last rank's shard of a down_proj."""
     from kernels import bucket_pass
     from megatron_ais.bridge import buckets as bridge_buckets
@@ -280,6 +282,8 @@ def _written_by_worker(hf_dir, paths, tp=2):
     passes = {"host": one_pass, "torch": lambda tensors, sums_only=False: False,
               "one-pass": one_pass if torch.cuda.is_available() else
               (lambda tensors, sums_only=False: bucket_pass.triton_available() and bool(tensors))}
+    # a GPU node at TP > 1: the engine's rank writes its own GPU's arena in one pass (and lags), the others not
+    passes["mixed"] = passes["one-pass"] if layout.rank == 0 else passes["torch"]
     if not torch.cuda.is_available():  # the interpreter's state is global: the writer's and the verifier's launches
         bucket_pass._launch = _one_at_a_time(bucket_pass._launch)  # take turns
     for path in paths:
@@ -333,7 +337,9 @@ def test_one_pass_under_the_interpreter_syncs_and_refuses_nan(model_root, tmp_pa
     device array read back once; the receiver's checksums one `sums` pass per bucket), run by Triton's interpreter
     on CPU tensors at TP2 with one KV head: BF16 syncs write the host kernels' bytes; FP8 syncs commit (the fused
     sums agree end to end with the receiver's), with the host kernels' scales and codes but for the interpreter's
-    FP8 rounding (docs/install.md: a few % of codes a step or a binade off); a NaN in one rank's shard is refused on every rank by name."""
+    FP8 rounding (docs/install.md: a few % of codes a step or a binade off); a NaN in one rank's shard is refused on
+    every rank by name. The same with one pass on rank 0 only (it finishes buckets one late, the other rank at once:
+    their collectives still match)."""
     pytest.importorskip("triton.language")
     model = make_model_dir(model_root, "qwen3", num_key_value_heads=1)
     # a fresh interpreter whose forkserver imports triton under TRITON_INTERPRET (this one's imported it without)
@@ -342,7 +348,8 @@ def test_one_pass_under_the_interpreter_syncs_and_refuses_nan(model_root, tmp_pa
            "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(here)), os.path.dirname(here), here])}
     out = tmp_path / "results.pt"
     script = ("import sys, torch; from distributed import spawn; from test_bridge_sync import _written_by_worker; "
-              "torch.save(dict(spawn(2, _written_by_worker, sys.argv[1], ('host', 'one-pass'))), sys.argv[2])")
+              "torch.save(dict(spawn(2, _written_by_worker, sys.argv[1], ('host', 'one-pass', 'mixed'))), "
+              "sys.argv[2])")
     run = subprocess.run([sys.executable, "-c", script, model, str(out)], capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     results = torch.load(out)
@@ -356,10 +363,14 @@ def test_one_pass_under_the_interpreter_syncs_and_refuses_nan(model_root, tmp_pa
         assert float(slipped.float().mean()) < 0.05, n
         ratio = fp8[n].float()[slipped] / one_fp8[n].float()[slipped]
         assert bool(((ratio >= 0.5) & (ratio <= 2)).all()), n  # the interpreter's rounding: same sign, within 2x
+    mixed_bf16, mixed_fp8 = results[0]["mixed"][0]
+    assert all(torch.equal(bf16[n].view(torch.uint8), mixed_bf16[n].view(torch.uint8)) for n in bf16)
+    assert mixed_fp8.keys() == fp8.keys()
     for rank, per_path in results.items():
-        errors = per_path["one-pass"][1]
-        assert len(errors) == 2 and all("model.layers.1.mlp.down_proj.weight: " in e and "NaN/Inf" in e
-                                        for e in errors), (rank, errors)
+        for path in ("one-pass", "mixed"):
+            errors = per_path[path][1]
+            assert len(errors) == 2 and all("model.layers.1.mlp.down_proj.weight: " in e and "NaN/Inf" in e
+                                            for e in errors), (rank, path, errors)
 
 
 @pytest.mark.gpu
