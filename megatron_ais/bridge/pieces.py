@@ -266,13 +266,16 @@ def bucket_writes(pieces: list[CopyPiece | QuantizePiece], policy: QuantizationP
     return OnePassWrites(pieces, policy) if supports_pass(tensors) else PieceWrites(pieces)
 
 
-def quantize_scratch(plan: StagePlan, bucket: Bucket, buffer, base: int, scratch_base: int,
-                     policy: QuantizationPolicy, sums: BucketSums) -> None:
-    """The stage's sender: quantize the FP8 tensors of a bucket whose pieces were assembled in the scratch region."""
+def scratch_pieces(plan: StagePlan, bucket: Bucket, buffer, base: int, scratch_base: int) -> list[QuantizePiece]:
+    """The stage's sender: the FP8 tensors of a bucket whose pieces the writers assembled in the scratch region, as
+    whole tensors to quantize into place."""
     tensors, targets = {t.name: t for t in plan.tensors}, {t.name: t for t in plan.targets}
+    pieces = []
     for name, offset in bucket.scratch:
         full = buffer.view(scratch_base + offset, targets[name].param.dtype, targets[name].shape)
         main, scale = tensors[name], tensors[name + SCALE_SUFFIX]
         q = buffer.view(base + main.offset, main.torch_dtype, main.shape)
         s = buffer.view(base + scale.offset, scale.torch_dtype, scale.shape)
-        quantize_into(full, q, s, Position.whole(q), Position.whole(s), policy, main.name, scale.name, sums)
+        pieces.append(QuantizePiece(full, q, s, Position.whole(q), Position.whole(s), main.name, scale.name,
+                                    q.numel()))
+    return pieces

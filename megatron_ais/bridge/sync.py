@@ -14,7 +14,7 @@ from megatron_ais.bridge.buckets import ManifestEntry, StageWriters
 from megatron_ais.bridge.config import BridgeConfig
 from megatron_ais.bridge.layout import BridgeLayout, stage_transports
 from megatron_ais.bridge.pieces import (BucketSums, OnePassWrites, PieceWrites, bucket_pieces, bucket_writes,
-                                        quantize_scratch, wait_for_device_writes)
+                                        scratch_pieces, wait_for_device_writes)
 from megatron_ais.bridge.plan import Bucket, EngineTensor, StagePlan, hf_targets, plan_stage
 from megatron_ais.bridge.receiver import SyncReceiver
 from megatron_ais.bridge.transports import StageTransport, receive_stage
@@ -43,12 +43,14 @@ class SyncStats:
 @dataclasses.dataclass(frozen=True)
 class WrittenBucket:
     """A bucket this rank has written (or failed to write: `error`), its figures on their way back (`sums`);
-    `read_back_waits`: reading them back also waits for its writes."""
+    `read_back_waits`: reading them back also waits for its writes; `scratch`: what the stage's sender quantizes
+    once every writer's pieces are in the scratch region (None: nothing)."""
 
     bucket: Bucket
     sums: BucketSums
     read_back_waits: bool
     error: str | None
+    scratch: PieceWrites | OnePassWrites | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +95,7 @@ class WeightBridge:
         self.transport: StageTransport | None = None
         self.stage_bytes: list[int] = []
         self.pieces: list[list[PieceWrites | OnePassWrites]] = []  # per slot, per bucket
+        self.scratch_writes: list[list[PieceWrites | OnePassWrites | None]] = []  # the sender's, per slot, bucket
         self.connected = False
         self.slots = 1  # buffers of the arena (the receiver's, learnt when the bridge connects)
         self.completed = 0  # committed syncs: the next one writes slot `completed % slots`
@@ -129,6 +132,7 @@ class WeightBridge:
         if lay.writes:
             self.transport = self._stage_transport(modes[lay.pp_rank], arena)
             self.pieces = [self._pieces(slot) for slot in range(self.slots)]
+            self.scratch_writes = [self._scratch_writes(slot) for slot in range(self.slots)]
 
     def _share_arena(self, stages: list[StageInfo], modes: list[str]) -> ArenaPlacement:
         """The engine's rank sizes the arena for every stage (and the scratch regions of stages that write into it);
@@ -162,6 +166,12 @@ class WeightBridge:
                                             b, buffer, *self.transport.placement(b), policy.block_size), policy)
                 for b in self.plan.buckets]
 
+    def _scratch_writes(self, slot: int) -> list[PieceWrites | OnePassWrites | None]:
+        """The sender's quantization of each bucket's scratch-assembled tensors into slot `slot`, built once."""
+        buffer, policy = self.transport.slot_buffer(slot), self.config.policy
+        return [bucket_writes(scratch_pieces(self.plan, b, buffer, *self.transport.placement(b)), policy)
+                if b.scratch and self.layout.is_sender else None for b in self.plan.buckets]
+
     def _start_bucket(self, index: int, bucket: Bucket, stats: SyncStats, slot: int) -> WrittenBucket:
         """Write this rank's pieces of bucket `index` into slot `slot` (FP8 pieces quantized on the way) and start
         reading their figures back without waiting."""
@@ -171,7 +181,8 @@ class WeightBridge:
             sums.start()
         except ValueError as err:
             error = str(err)
-        return WrittenBucket(bucket, sums, writes.read_back_waits and error is None, error)
+        return WrittenBucket(bucket, sums, writes.read_back_waits and error is None, error,
+                             self.scratch_writes[slot][index])
 
     def _finish_bucket(self, written: WrittenBucket) -> tuple[list[ManifestEntry] | None, str | None]:
         """Read a written bucket's figures (refusing NaN/Inf by name), have the sender quantize the stage's
@@ -186,14 +197,14 @@ class WeightBridge:
             wait_for_device_writes(self.transport.buffer)
         if bucket.scratch:
             error = self.writers.agree(error)  # every piece is in the scratch area before the sender quantizes it
-            if error is None and self.layout.is_sender:
+            if error is None and written.scratch is not None:
                 try:
-                    quantize_scratch(self.plan, bucket, self.transport.buffer, *self.transport.placement(bucket),
-                                     self.config.policy, sums)
+                    written.scratch.write(sums, self.config.policy)
                     sums.resolve()
                 except ValueError as err:
                     error = str(err)
-                wait_for_device_writes(self.transport.buffer)
+                if not written.scratch.read_back_waits:
+                    wait_for_device_writes(self.transport.buffer)
         return self.writers.manifest(self.plan.tensors[bucket.first: bucket.last], sums.totals, error)
 
     def _deliver(self, sync_id: int, written: WrittenBucket, stats: SyncStats) -> str | None:
