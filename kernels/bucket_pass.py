@@ -19,9 +19,9 @@ import dataclasses
 import torch
 
 from kernels.cpu_library import rows_view
-from kernels.fp8.format import AMAX_EPS, FP8_E4M3_MAX, round_up_to_power_of_two
+from kernels.fp8.reference import blockwise_fp8_quantize_reference_deferred
 from kernels.fp8.triton import triton_available
-from kernels.integrity import Position
+from kernels.integrity import Position, checksum_sums_device
 
 try:
     import triton
@@ -194,7 +194,7 @@ class BucketPass:
     tensor row) where the pieces live. `run` zeroes the figures, launches, and returns them without waiting."""
 
     def __init__(self, pieces: list[PassPiece], rows: int, block_size: int = 128, pow2_scale: bool = False):
-        self.block_size, self.pow2_scale, self.rows = block_size, pow2_scale, rows
+        self.block_size, self.pow2_scale = block_size, pow2_scale
         device = pieces[0].src.device if pieces else torch.device("cpu")
         groups: dict[tuple, list[PassPiece]] = {}
         for p in pieces:
@@ -245,34 +245,17 @@ def supports_pass(tensors: list[torch.Tensor], sums_only: bool = False) -> bool:
         for t in tensors)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    width = t.element_size()
-    values = t.contiguous().view(torch.uint8).view(_BITS[width] if width < 8 else torch.int64)
-    values = values.to(torch.int64)
-    return values if width == 8 else values & ((1 << (8 * width)) - 1)
-
-
-def _index(position: Position, r0: int, c0: int, rows: int, cols: int) -> torch.Tensor:
-    r = torch.arange(r0, r0 + rows, dtype=torch.int64)
-    c = torch.arange(c0, c0 + cols, dtype=torch.int64)
-    return (position.row0 + r)[:, None] * position.ncols + position.col0 + c[None, :] + 1
-
-
-def _quantize_tile(x: torch.Tensor, pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    amax = x.float().abs().nan_to_num(0.0, 0.0, 0.0).amax().clamp(min=AMAX_EPS).reshape(1)
-    e4m3_max = torch.full_like(amax, FP8_E4M3_MAX)
-    scale, factor = amax / e4m3_max, e4m3_max / amax
-    if pow2_scale:
-        scale = round_up_to_power_of_two(scale)
-        factor = 1.0 / scale
-    return (x.float() * factor).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale
-
-
 def run_reference(pieces: list[PassPiece], rows: int, block_size: int = 128, pow2_scale: bool = False
                   ) -> torch.Tensor:
     """The kernel's torch reference, tile by tile over the same tiles: writes what it writes and returns the same
-    figures [rows, 3] (int64 sums wrap mod 2^64 as the kernel's do)."""
+    figures [rows, 3] — each tile quantized by the reference quantizer, its sums by `checksum_sums_device` at the
+    tile's position (int64 sums wrap mod 2^64 as the kernel's do)."""
     figures = torch.zeros(rows, 3, dtype=torch.int64)
+
+    def add_sums(row: int, t: torch.Tensor, position: Position, r0: int, c0: int) -> None:
+        at = Position(position.row0 + r0, position.ncols, position.col0 + c0)
+        figures[row, 1:] += checksum_sums_device(t, at).cpu()
+
     for p in pieces:
         src = p.src if p.src.dim() == 2 else p.src.reshape(1, -1)
         dst = None if p.dst is None else (p.dst if p.dst.dim() == 2 else p.dst.reshape(1, -1))
@@ -285,20 +268,15 @@ def run_reference(pieces: list[PassPiece], rows: int, block_size: int = 128, pow
                 elif p.kind == "copy":
                     y = x.to(dst.dtype)
                 else:
-                    y, scale = _quantize_tile(x, pow2_scale)
+                    y, scale, _ = blockwise_fp8_quantize_reference_deferred(x, block_size, pow2_scale)
                     s_row, s_col = r0 // block_size, c0 // block_size
-                    p.scale[s_row, s_col] = scale[0]
-                    s_index = _index(p.scale_position, s_row, s_col, 1, 1)
-                    s_bits = _bits(scale.cpu())
-                    figures[p.scale_row, 1] += s_bits.sum()
-                    figures[p.scale_row, 2] += (s_bits * s_index.reshape(-1)).sum()
+                    p.scale[s_row, s_col] = scale[0, 0]
+                    add_sums(p.scale_row, scale, p.scale_position, s_row, s_col)
                 if p.kind != "sums":
                     dst[r0:r0 + tr, c0:c0 + tc] = y
                     if p.out_dtype.is_floating_point:
                         source = x if p.kind == "quantize" else y
                         figures[p.row, 0] += int((~torch.isfinite(source.float())).sum())
                 if p.counted:
-                    bits = _bits(y.cpu())
-                    figures[p.row, 1] += bits.sum()
-                    figures[p.row, 2] += (bits * _index(p.position, r0, c0, *y.shape)).sum()
+                    add_sums(p.row, y, p.position, r0, c0)
     return figures
