@@ -7,8 +7,10 @@ through ctypes; their bindings live beside their torch / NumPy references:
     bridge_block_sums               position-weighted checksum sums of a tensor's elements (`kernels.integrity`)
 
 Without a compiler the references are used and one warning says so; `MEGATRON_AIS_CPU_KERNELS=0` forces that.
-The shared object is cached under `$MEGATRON_AIS_KERNEL_CACHE` (default ~/.cache/megatron_ais/kernels), keyed by
-the source, the flags and the CPU, so a cache shared between different machines never runs foreign code.
+Built for this CPU (`-march=native`: the AVX2 / AVX-512 paths where it has them); `MEGATRON_AIS_CPU_ARCH=x86-64`
+builds the portable scalar paths instead (what a CPU without those runs; the tests compare both with the
+references). The shared object is cached under `$MEGATRON_AIS_KERNEL_CACHE` (default ~/.cache/megatron_ais/kernels),
+keyed by the source, the flags and the CPU, so a cache shared between different machines never runs foreign code.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ log = logging.getLogger(__name__)
 
 # found from this module's own location: kernels/csrc/bridge_cpu.c
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "bridge_cpu.c")
-CFLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11")
+SIMD_PATHS = {1: "AVX2", 2: "AVX-512"}  # bits of bridge_simd()
 DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -42,6 +44,10 @@ def _cpu_signature() -> str:
         return os.uname().machine
 
 
+def _cflags() -> tuple[str, ...]:
+    return ("-O3", f"-march={os.environ.get('MEGATRON_AIS_CPU_ARCH', 'native')}", "-fPIC", "-shared", "-std=c11")
+
+
 def _build(path: str) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
@@ -51,7 +57,7 @@ def _build(path: str) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
-        subprocess.run([compiler, *CFLAGS, "-o", tmp, SOURCE], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *_cflags(), "-o", tmp, SOURCE], check=True, capture_output=True, text=True)
         os.replace(tmp, path)
     except subprocess.CalledProcessError as err:
         raise RuntimeError(f"{compiler} failed: {err.stderr.strip()[:2000]}") from err
@@ -72,7 +78,7 @@ def library() -> ctypes.CDLL | None:
             _load_error = "disabled by MEGATRON_AIS_CPU_KERNELS=0"
             return None
         with open(SOURCE, "rb") as f:
-            key = hashlib.sha256(f.read() + " ".join(CFLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+            key = hashlib.sha256(f.read() + " ".join(_cflags()).encode() + _cpu_signature().encode()).hexdigest()[:16]
         cache = os.environ.get("MEGATRON_AIS_KERNEL_CACHE",
                                os.path.join(os.path.expanduser("~"), ".cache", "megatron_ais", "kernels"))
         path = os.path.join(cache, f"bridge_cpu-{key}.so")
@@ -92,8 +98,17 @@ def library() -> ctypes.CDLL | None:
         lib.bridge_copy_rows_check_finite.restype = i64
         lib.bridge_block_sums.argtypes = [vp, i64, i64, i64, c_int, i64, i64, i64, vp]
         lib.bridge_block_sums.restype = None
+        lib.bridge_simd.argtypes = []
+        lib.bridge_simd.restype = c_int
         _library = lib
         return lib
+
+
+def simd_paths() -> list[str]:
+    """The vector instruction sets the loaded kernels were built with (empty: the portable scalar paths)."""
+    lib = library()
+    bits = lib.bridge_simd() if lib is not None else 0
+    return [name for bit, name in SIMD_PATHS.items() if bits & bit]
 
 
 def rows_view(t: torch.Tensor) -> tuple[int, int, int]:

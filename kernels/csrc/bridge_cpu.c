@@ -12,6 +12,19 @@
 
 enum { DT_BF16 = 0, DT_FP32 = 1, DT_FP16 = 2 };
 
+/* Which vector paths this build has: bit 0 AVX2 (16-bit and byte sums, the 16-bit checked copy), bit 1 AVX-512
+ * (FP8 quantization); 0: the portable scalar paths only. */
+int bridge_simd(void) {
+    int bits = 0;
+#if defined(__AVX2__)
+    bits |= 1;
+#endif
+#if defined(__AVX512F__)
+    bits |= 2;
+#endif
+    return bits;
+}
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t b = (uint32_t)h << 16;
     float f;
@@ -115,6 +128,10 @@ static inline float magnitude_bits_to_f32(uint32_t m, int dtype) {
     }
 DEFINE_RUN_SUMS(run_sums_u8_scalar, uint8_t, uint32_t, 4096)
 
+/* Software prefetch this far ahead of a streaming read: one core's hardware prefetchers alone left the 16-bit sums
+ * at 8 GB/s from memory, 11 GB/s with it (2 KB measured best among 0.5-8 KB on a 2-core Xeon VM). */
+#define PREFETCH_BYTES 2048
+
 #if defined(__AVX2__)
 /* Bytes are the FP8 codes: widening each to 32 bits for the position-weighted sum costs 4 vectors per 32 bytes.
  * Instead (as in zlib's Adler-32): per 32-byte chunk c, vpsadbw gives its byte sum S_c and vpmaddubsw/vpmaddwd
@@ -131,6 +148,7 @@ static inline void run_sums_u8(const uint8_t *v, int64_t n, uint64_t *S, uint64_
         __m256i sum64 = zero, weighted64 = zero, local32 = zero, index = _mm256_set1_epi64x(c0);
         const __m256i step = _mm256_set1_epi64x(1);
         for (int64_t c = c0; c < c1; ++c) {
+            _mm_prefetch((const char *)(v + 32 * c) + PREFETCH_BYTES, _MM_HINT_T0);
             const __m256i x = _mm256_loadu_si256((const __m256i *)(v + 32 * c));
             const __m256i sad = _mm256_sad_epu8(x, zero);
             sum64 = _mm256_add_epi64(sum64, sad);
@@ -155,7 +173,75 @@ static inline void run_sums_u8(const uint8_t *v, int64_t n, uint64_t *S, uint64_
 #else
 #define run_sums_u8 run_sums_u8_scalar
 #endif
-DEFINE_RUN_SUMS(run_sums_u16, uint16_t, uint32_t, 256)
+DEFINE_RUN_SUMS(run_sums_u16_scalar, uint16_t, uint32_t, 256)
+
+#if defined(__AVX2__)
+static inline int64_t hsum_epi32(__m256i v) {
+    int32_t l[8];
+    _mm256_storeu_si256((__m256i *)l, v);
+    int64_t s = 0;
+    for (int i = 0; i < 8; ++i) s += l[i];
+    return s;
+}
+
+/* Sums of a run of n 16-bit elements (n a multiple of 16), 16 per vector: S += sum v, T += sum c * v (c from 0,
+ * mod 2^64) — on the way copied to `out` (NULL: not copied; `stream`: non-temporal stores, `out` 32-byte
+ * aligned) and, where `emask` is not 0, checked for elements whose exponent bits (`emask`) are all set: *any_bad
+ * becomes 1 then. Made signed (v - 2^15), vpmaddwd multiplies elements by their place in the vector and adds
+ * pairs into 32-bit lanes; each vector's own offset comes from a running prefix sum P (Adler-32's trick: over K
+ * vectors, sum_c c S_c = K sum_c S_c - sum_c P_c). Flushed to 64 bits every 128 vectors: every lane stays below
+ * 2^30 in magnitude. One pass: each element is loaded once, the check, the sums and the store use the register. */
+static inline void run16_avx2(const uint16_t *in, uint16_t *out, int64_t n, int stream, uint16_t emask,
+                              uint64_t *S, uint64_t *T, int *any_bad) {
+    const __m256i zero = _mm256_setzero_si256(), flip = _mm256_set1_epi16((short)0x8000);
+    const __m256i ones = _mm256_set1_epi16(1), exponent = _mm256_set1_epi16((short)emask);
+    const __m256i weights = _mm256_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const int64_t vectors = n / 16;
+    __m256i bad = zero;
+    uint64_t s = 0, t = 0;
+    for (int64_t c0 = 0; c0 < vectors; c0 += 128) {
+        const int64_t k = vectors - c0 < 128 ? vectors - c0 : 128;
+        __m256i prefix = zero, running = zero, local = zero;
+        for (int64_t c = c0; c < c0 + k; ++c) {
+            _mm_prefetch((const char *)(in + 16 * c) + PREFETCH_BYTES, _MM_HINT_T0);
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(in + 16 * c));
+            if (out != NULL) {
+                if (stream)
+                    _mm256_stream_si256((__m256i *)(out + 16 * c), x);
+                else
+                    _mm256_storeu_si256((__m256i *)(out + 16 * c), x);
+            }
+            if (emask) bad = _mm256_or_si256(bad, _mm256_cmpeq_epi16(_mm256_and_si256(x, exponent), exponent));
+            const __m256i xs = _mm256_xor_si256(x, flip);
+            prefix = _mm256_add_epi32(prefix, _mm256_madd_epi16(xs, ones));
+            running = _mm256_add_epi32(running, prefix);
+            local = _mm256_add_epi32(local, _mm256_madd_epi16(xs, weights));
+        }
+        const int64_t m = 16 * k, sb = hsum_epi32(prefix);
+        /* back from signed: each element was v - 2^15 */
+        const uint64_t block_s = (uint64_t)sb + 32768u * (uint64_t)m;
+        const uint64_t block_t = (uint64_t)(16 * (k * sb - hsum_epi32(running)) + hsum_epi32(local)) +
+                                 32768u * (uint64_t)(m * (m - 1) / 2);
+        t += (uint64_t)(16 * c0) * block_s + block_t;
+        s += block_s;
+    }
+    if (!_mm256_testz_si256(bad, bad)) *any_bad = 1;
+    *S += s;
+    *T += t;
+}
+
+static inline void run_sums_u16(const uint16_t *v, int64_t n, uint64_t *S, uint64_t *T) {
+    const int64_t body = n & ~(int64_t)15;
+    int any_bad = 0;
+    uint64_t ts = 0, tt = 0;
+    run16_avx2(v, NULL, body, 0, 0, S, T, &any_bad);
+    run_sums_u16_scalar(v + body, n - body, &ts, &tt);
+    *S += ts;
+    *T += tt + (uint64_t)body * ts;
+}
+#else
+#define run_sums_u16 run_sums_u16_scalar
+#endif
 DEFINE_RUN_SUMS(run_sums_u32, uint32_t, uint64_t, 1024)
 DEFINE_RUN_SUMS(run_sums_u64, uint64_t, uint64_t, 1024)
 
@@ -306,16 +392,58 @@ static inline int64_t count_nonfinite(const char *p, int64_t nbytes, int dtype) 
     return bad;
 }
 
+#if defined(__AVX2__)
+/* One row of 16-bit elements (flat index of its first: `first`): a scalar head up to the first 32-byte aligned
+ * store (streaming stores need it), the vector body in one pass (`run16_avx2`), a scalar tail; returns the
+ * NaN/Inf count (counted exactly only where the body's check found one). */
+static inline int64_t copy_row16_check_finite(const uint16_t *in, uint16_t *out, int64_t n, int stream, int dtype,
+                                              int64_t first, uint64_t *sums) {
+    const uint16_t emask = dtype == DT_BF16 ? 0x7F80u : (dtype == DT_FP16 ? 0x7C00u : 0);
+    int64_t head = 0;
+    if (stream && ((uintptr_t)out & 1) == 0) {
+        head = (int64_t)(((32 - ((uintptr_t)out & 31)) & 31) / 2);
+        head = head < n ? head : n;
+    } else {
+        stream = 0;
+    }
+    const int64_t body = (n - head) & ~(int64_t)15, rest = head + body;
+    uint64_t S = 0, T = 0;
+    int any_bad = 0;
+    memcpy(out, in, (size_t)head * 2);
+    add_run(in, head, 2, first, sums);
+    run16_avx2(in + head, out + head, body, stream, emask, &S, &T, &any_bad);
+    sums[0] += S;
+    sums[1] += ((uint64_t)(first + head) + 1) * S + T;
+    memcpy(out + rest, in + rest, (size_t)(n - rest) * 2);
+    add_run(in + rest, n - rest, 2, first + rest, sums);
+    int64_t bad = count_nonfinite((const char *)in, head * 2, dtype) +
+                  count_nonfinite((const char *)(in + rest), (n - rest) * 2, dtype);
+    if (any_bad) bad += count_nonfinite((const char *)(in + head), body * 2, dtype);
+    return bad;
+}
+#endif
+
 /* Copy `rows` rows of `row_bytes` (strides in bytes), count the NaN/Inf elements copied (dtype < 0: no check)
  * and add the copy's checksum sums (elements of esize bytes; dst element (r, c) has flat index
- * (row0 + r) * ncols + col0 + c in its tensor). Works in 16 KiB pieces: the check and the sums read each piece of
- * the source while it is in L1 (the same bytes the copy writes), and large copies stream past the caches. */
+ * (row0 + r) * ncols + col0 + c in its tensor). 16-bit elements (BF16, the bulk of a sync) with AVX2 take one
+ * vector pass (`copy_row16_check_finite`); others work in 16 KiB pieces: the check and the sums read each piece of
+ * the source while it is in L1 (the same bytes the copy writes). Large copies stream past the caches. */
 int64_t bridge_copy_rows_check_finite(const void *src, int64_t src_stride, void *dst, int64_t dst_stride,
                                       int64_t rows, int64_t row_bytes, int dtype, int esize, int64_t row0,
                                       int64_t ncols, int64_t col0, uint64_t *sums) {
     const int64_t piece = 16384;
     const int stream = rows * row_bytes >= STREAM_COPY_BYTES;
     int64_t bad = 0;
+#if defined(__AVX2__)
+    if (esize == 2) {
+        for (int64_t r = 0; r < rows; ++r)
+            bad += copy_row16_check_finite((const uint16_t *)((const char *)src + r * src_stride),
+                                           (uint16_t *)((char *)dst + r * dst_stride), row_bytes / 2, stream, dtype,
+                                           (row0 + r) * ncols + col0, sums);
+        if (stream) _mm_sfence();
+        return bad;
+    }
+#endif
     for (int64_t r = 0; r < rows; ++r) {
         const char *in = (const char *)src + r * src_stride;
         char *out = (char *)dst + r * dst_stride;

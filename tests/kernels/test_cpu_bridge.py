@@ -3,6 +3,7 @@ reference (bf16 and fp32 inputs, partial blocks, power-of-two scales, strided ou
 checked copy against torch.isfinite, the checksum sums against their NumPy definition (pieces add up to the
 whole); and the fallback without them."""
 import os
+import platform
 import subprocess
 import sys
 
@@ -105,6 +106,36 @@ def test_copy_check_finite_counts_like_isfinite_and_sums_its_piece(dtype):
     assert sums == integrity.checksum_sums_reference(full)
 
 
+@pytest.mark.parametrize("fill", ["zeros", "ones", "random"])
+@pytest.mark.parametrize("rows, cols, offset", [(1, 5 * 2048 + 37, 3), (3, 70000, 0), (600, 1000, 5)])
+def test_16_bit_rows_in_one_pass_sum_exactly(fill, rows, cols, offset):
+    """16-bit elements are copied, checked and summed in one pass (the vector path: signed 32-bit lanes, flushed
+    every 2048 elements; a scalar head up to an aligned streaming store and a scalar tail): all-zero and all-one
+    bits (the largest lanes of either sign), rows of several flushes, short rows, streaming (>= 1 MB) and cached
+    copies into a wider tensor at an offset; NaN/Inf counted in the head, the body and the tail."""
+    g = torch.Generator().manual_seed(rows)
+    if fill == "random":
+        bits = torch.randint(-(1 << 15), 1 << 15, (rows, cols), dtype=torch.int16, generator=g)
+    else:
+        bits = torch.full((rows, cols), 0 if fill == "zeros" else -1, dtype=torch.int16)
+    for dtype in (torch.bfloat16, torch.int16):
+        src = bits.view(dtype)
+        full = torch.zeros(rows, cols + offset + 9, dtype=dtype)
+        dst = full[:, offset:offset + cols]
+        position = integrity.Position(0, full.shape[1], offset)
+        bad, sums = integrity.copy_check_finite(src, dst, position)
+        assert torch.equal(dst.contiguous().view(torch.int16), bits)
+        expected_bad = int((~torch.isfinite(src)).sum()) if dtype.is_floating_point else 0
+        assert bad == expected_bad
+        assert sums == integrity.checksum_sums_reference(dst, position) == integrity.checksum_sums(dst, position)
+    if fill == "random":
+        src = bits.view(torch.bfloat16).clone()
+        src[src.isnan() | src.isinf()] = 0
+        for col in (0, 1, cols // 2, cols - 1):  # head, body, tail
+            src[-1, col] = float("nan")
+        assert integrity.copy_check_finite(src, torch.empty_like(src))[0] == len({0, 1, cols // 2, cols - 1})
+
+
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.int64])
 @pytest.mark.parametrize("numel", [0, 1, 7, 8, 9, 33, 4099])
 def test_checksum_matches_its_definition_and_pieces_add_up(dtype, numel):
@@ -144,6 +175,45 @@ def test_without_the_kernels_the_references_are_used():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                          env={**os.environ, "MEGATRON_AIS_CPU_KERNELS": "0", "PYTHONPATH": root})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 vector paths")
+def test_native_build_takes_this_cpus_vector_paths():
+    """The kernels tested here are the ones this CPU runs: AVX2 and AVX-512 paths exactly where it has them."""
+    with open("/proc/cpuinfo") as f:
+        flags = next(line for line in f if line.startswith("flags")).split()
+    assert cpu_library.simd_paths() == [name for flag, name in (("avx2", "AVX2"), ("avx512f", "AVX-512"))
+                                        if flag in flags]
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the portable build is x86-64's baseline")
+def test_portable_build_equals_the_references(tmp_path):
+    """A CPU without AVX2 / AVX-512 runs the kernels' scalar paths: built with -march=x86-64, they too give the
+    references' FP8 codes and scales, checksum sums and NaN/Inf counts (this machine's vector paths are checked
+    against the same references above)."""
+    code = ("import torch\nfrom kernels import cpu_library, integrity\nfrom kernels.fp8 import cpu as fp8_cpu\n"
+            "from kernels.fp8.reference import blockwise_fp8_quantize_reference\n"
+            "assert cpu_library.simd_paths() == [], cpu_library.simd_paths()\n"
+            "g = torch.Generator().manual_seed(0)\n"
+            "for dtype in (torch.bfloat16, torch.float32):\n"
+            "    for pow2 in (False, True):\n"
+            "        w = (torch.randn(300, 1100, generator=g) * torch.rand(300, 1, generator=g) * 10).to(dtype)\n"
+            "        q, s = fp8_cpu.fp8_blockwise_quantize_cpu(w, 128, pow2)\n"
+            "        q_ref, s_ref = blockwise_fp8_quantize_reference(w, 128, pow2)\n"
+            "        assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))\n"
+            "for dtype in (torch.uint8, torch.bfloat16, torch.float32, torch.int64):\n"
+            "    d = torch.randint(0, 256, (8 * 70001,), dtype=torch.uint8, generator=g).view(dtype)\n"
+            "    assert integrity.checksum_sums(d) == integrity.checksum_sums_reference(d)\n"
+            "src = torch.randn(600, 1000, generator=g).bfloat16()\nsrc[5, 7] = float('nan')\n"
+            "dst = torch.zeros(600, 1009, dtype=torch.bfloat16)[:, 5:1005]\n"
+            "bad, sums = integrity.copy_check_finite(src, dst, integrity.Position(0, 1009, 5))\n"
+            "assert bad == 1 and sums == integrity.checksum_sums_reference(dst, integrity.Position(0, 1009, 5))\n"
+            "print('ok')\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         env={**os.environ, "MEGATRON_AIS_CPU_ARCH": "x86-64", "PYTHONPATH": root,
+                              "MEGATRON_AIS_KERNEL_CACHE": str(tmp_path)})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
