@@ -2,15 +2,15 @@
 each stage's buckets as its transport delivers them (`bridge.transports`), verifies them and commits a sync.
 
 The receiver verifies every tensor of every bucket against its manifest (name, dtype, shape, place, bytes,
-checksum) and the layout it expects (the layout at once, the bytes' checksums on a thread of its own, so that
-reading bucket k overlaps the writing of bucket k + 1: every bucket has its own place in the arena; a GPU arena's
-checksums — one pass per bucket where Triton is (`kernels.bucket_pass`) — run on a stream of their own and their
-figures stay on the GPU until the commit reads every bucket's back at once), and applies
-the arena's tensors to the engine in one call only when every stage has delivered everything intact; a refused sync
-leaves the engine's weights untouched (the arena is a staging copy, not the engine's weights). The engine gets the
-arena itself (`arena.ArenaWeights`: a separate engine maps it, a colocated one takes views). On CUDA nodes the arena
-is GPU memory shared by CUDA IPC instead of /dev/shm unless `--bridge-arena host` keeps it in host memory
-(`arena.staging_buffer`).
+checksum) and the layout it expects (the layout at once, the bytes' checksums on threads of their own —
+`HOST_VERIFIERS`, each a run of a bucket's tensors — so that reading bucket k overlaps the writing of bucket k + 1:
+every bucket has its own place in the arena; a GPU arena's checksums — one pass per bucket where Triton is
+(`kernels.bucket_pass`) — run on a stream of their own and their figures stay on the GPU until the commit reads
+every bucket's back at once), and applies the arena's tensors to the engine in one call only when every stage has
+delivered everything intact; a refused sync leaves the engine's weights untouched (the arena is a staging copy, not
+the engine's weights). The engine gets the arena itself (`arena.ArenaWeights`: a separate engine maps it, a
+colocated one takes views). On CUDA nodes the arena is GPU memory shared by CUDA IPC instead of /dev/shm unless
+`--bridge-arena host` keeps it in host memory (`arena.staging_buffer`).
 
 Double-buffered (`slots=2`, the asynchronous loop's): the arena is two buffers, and a sync writes the one the last
 committed sync did not, so that a sync's writes, made while the engines generate, never touch the weights an engine
@@ -30,6 +30,10 @@ from megatron_ais.bridge.arena import ArenaWeights, CudaBuffer, SharedBuffer, re
 from megatron_ais.bridge.buckets import ManifestEntry, start_checksums, verify_checksums
 from megatron_ais.bridge.plan import EngineTensor
 from megatron_ais.errors import SyncError
+
+# a host arena's buckets are checksummed by this many threads, each a run of about equal bytes: one core reads
+# memory slower than the writers, each on its own core, fill the arena (tools/bench_bridge.py, docs/benchmarks.md)
+HOST_VERIFIERS = 2
 
 
 @dataclasses.dataclass
@@ -120,9 +124,11 @@ class SyncReceiver:
             self.abort(f"sync {sync_id} refused, engine keeps its weights: {err}")
             return
         if self.verifier is None:
-            self.verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megatron-ais-verify")
-        self.pending.append(self.verifier.submit(_start_checksums, checks, self.sums_passes,
-                                                 self._verification_stream()))
+            self.verifier = concurrent.futures.ThreadPoolExecutor(HOST_VERIFIERS,
+                                                                  thread_name_prefix="megatron-ais-verify")
+        stream = self._verification_stream()
+        for part in split_by_bytes(checks, 1 if stream is not None else HOST_VERIFIERS):
+            self.pending.append(self.verifier.submit(_start_checksums, part, self.sums_passes, stream))
 
     def _wait_for_verification(self) -> None:
         """Finish every delivered bucket's checksums (a GPU arena's figures read back at once); the first mismatch
@@ -190,6 +196,19 @@ class SyncReceiver:
         for arena in self.arenas:
             arena.close()
         self.arenas = []
+
+
+def split_by_bytes(checks: list[tuple[ManifestEntry, torch.Tensor]], parts: int
+                   ) -> list[list[tuple[ManifestEntry, torch.Tensor]]]:
+    """`checks` in order, cut into at most `parts` runs of about equal bytes (a run holds whole tensors)."""
+    total, runs, run, done = sum(e.nbytes for e, _ in checks), [], [], 0
+    for check in checks:
+        run.append(check)
+        done += check[0].nbytes
+        if done * parts >= total * (len(runs) + 1) and len(runs) < parts - 1:
+            runs.append(run)
+            run = []
+    return runs + [run] if run else runs
 
 
 def _on_stream(stream):
