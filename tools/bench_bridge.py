@@ -6,9 +6,10 @@ staging arena, the quantizer (Triton) and the baseline copy are on the GPU, one 
     .venv/bin/python tools/bench_bridge.py [--hidden-size 768 --num-layers 10 --vocab-size 16384] [--repeats 5]
 
 Prints a table and, as its last line,
-`bridge_sync_ratio=<x> fp8_quant_gbps=<x> bf16_sync_s=<y> fp8_sync_s=<z> ops_per_sync=<n> host_syncs_per_sync=<n>`
-(ratio = BF16 sync seconds ÷ seconds of a plain copy of the same bytes; ops and host synchronisations of one FP8
-sync on the engine's rank along the path a GPU takes — torch ops where the tensors live, here run on CPU tensors —
+`bridge_sync_ratio=<x> over_whole_copy=<x> fp8_quant_gbps=<x> bf16_sync_s=<y> fp8_sync_s=<z> ops_per_sync=<n>
+host_syncs_per_sync=<n>` (ratio = BF16 sync seconds ÷ seconds of a plain copy of the same bytes, bucket by bucket
+through buffers the size of one bucket; over_whole_copy: ÷ one copy of them all, buffers the size of the sync; ops
+and host synchronisations of one FP8 sync on the engine's rank along the path a GPU takes — torch ops where the tensors live, here run on CPU tensors —
 counted with a TorchDispatchMode and a TorchFunctionMode, the receiver's verifier thread included), with
 `--delta`, `delta_bytes_fraction=<x>`: an FP8 delta's bytes (`bridge.delta`) over a full sync's after one Megatron
 Adam step at lr 1e-6, and with `--one-pass`, `one_pass_ops_per_sync=<n> one_pass_host_syncs_per_sync=<n>`: the same
@@ -254,6 +255,17 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, p
             left -= n
         copies.append(_wall(cuda) - t0)
     result["copy_seconds"] = statistics.median(copies)
+    # the same bytes copied at once, buffers the size of the sync: where the caches hold a bucket but not the sync
+    # (a large last-level cache), this copy runs at memory speed as the sync does, the bucket-sized one does not
+    whole_src = torch.empty(max(total, 1), dtype=torch.uint8, device=device()).random_()
+    whole_dst = torch.empty_like(whole_src)
+    whole = []
+    for _ in range(repeats):
+        t0 = _wall(cuda)
+        whole_dst.copy_(whole_src)
+        whole.append(_wall(cuda) - t0)
+    result["whole_copy_seconds"] = statistics.median(whole)
+    del whole_src, whole_dst
     weight = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device())
     quantizers = {"torch reference": blockwise_fp8_quantize_reference}
     if cuda:
@@ -326,6 +338,8 @@ def main(argv=None) -> int:
         print(f"| {name} | {row['bytes'] / 1e6:.1f} MB | {row['seconds']:.3f} | {row['bytes'] / row['seconds'] / 1e9:.3f} |")
     print(f"| plain copy of the BF16 bytes | {bf16['bytes'] / 1e6:.1f} MB | {r['copy_seconds']:.4f} | "
           f"{bf16['bytes'] / r['copy_seconds'] / 1e9:.3f} |")
+    print(f"| the same, at once (buffers the size of the sync) | {bf16['bytes'] / 1e6:.1f} MB | "
+          f"{r['whole_copy_seconds']:.4f} | {bf16['bytes'] / r['whole_copy_seconds'] / 1e9:.3f} |")
     for name, gbps in r["quant_gbps"].items():
         print(f"| FP8 quantize (4096x4096 bf16, {name}) | | | {gbps:.3f} |")
     print("\n| one sync on the engine's rank, the GPU's path on CPU tensors | buckets | aten ops | per bucket | host "
@@ -336,7 +350,8 @@ def main(argv=None) -> int:
         print(f"| {name}{path} | {row['buckets']} | {c['ops']} | {c['ops'] / buckets:.0f} | {c['read_backs']} | "
               f"{c['read_backs'] / buckets:.1f} | {c['new_bytes'] / row['bytes']:.2f} |")
     quant = max(r["quant_gbps"].values())
-    figures = (f"bridge_sync_ratio={bf16['seconds'] / r['copy_seconds']:.2f} fp8_quant_gbps={quant:.3f} "
+    figures = (f"bridge_sync_ratio={bf16['seconds'] / r['copy_seconds']:.2f} "
+               f"over_whole_copy={bf16['seconds'] / r['whole_copy_seconds']:.2f} fp8_quant_gbps={quant:.3f} "
                f"bf16_sync_s={bf16['seconds']:.3f} fp8_sync_s={fp8['seconds']:.3f} ops_per_sync={fp8['counts']['ops']} "
                f"host_syncs_per_sync={fp8['counts']['read_backs']}")
     if args.one_pass:
