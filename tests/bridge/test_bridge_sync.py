@@ -259,13 +259,27 @@ def _one_at_a_time(launch):
     return locked
 
 
+def _flipping_a_down_proj_byte(receiver):
+    """`receiver.receive` that first flips one byte of layer 1's down_proj in the arena, after its writers wrote it
+    and before the receiver verifies it."""
+    receive = receiver.receive
+
+    def flip_then_receive(sync_id, stage, manifest):
+        entry = next((e for e in manifest if e.name.endswith("layers.1.mlp.down_proj.weight")), None)
+        if entry is not None:
+            receiver.window(stage, entry.offset, entry.offset + entry.nbytes)[7] ^= 0x10
+        return receive(sync_id, stage, manifest)
+    return flip_then_receive
+
+
 def _written_by_worker(hf_dir, paths, tp=2):
     """Syncs at TP `tp` through each of `paths`: "host" (the host kernels), "torch" (the torch path of GPU ranks
     without Triton: figures kept where they are computed and read back once per bucket), "one-pass" (the Triton
     bucket pass of GPU ranks, here under the interpreter on CPU tensors; the receiver's checksums too) or "mixed"
     (one pass on rank 0 only, the torch path elsewhere, as on a GPU node where only the engine's rank writes its own
     GPU's arena). Per path:
-    the applied tensors, then the errors of syncs with a NaN in the last rank's shard of a down_proj."""
+    the applied tensors, then the errors of syncs with a NaN in the last rank's shard of a down_proj (BF16, FP8) and
+    of an FP8 sync whose down_proj has a byte flipped in the arena after it was written."""
     from kernels import bucket_pass
     from megatron_ais.bridge import buckets as bridge_buckets
     from megatron_ais.bridge import pieces as bridge_pieces
@@ -292,12 +306,14 @@ def _written_by_worker(hf_dir, paths, tp=2):
         applied, errors = results.setdefault(path, ([], []))
         receiver = SyncReceiver(apply=lambda w: applied.append({n: t.cpu().clone() for n, t in named_tensors(w)})) \
             if layout.rank == 0 else None
-        for precision, corrupt in [("bf16", False), ("fp8", False), ("bf16", True), ("fp8", True)]:
+        for precision, corrupt in [("bf16", None), ("fp8", None), ("bf16", "nan"), ("fp8", "nan"), ("fp8", "flip")]:
             config = BridgeConfig(bucket_size_mb=BUCKET_MB, policy=QuantizationPolicy(precision=precision))
             original = fc2.detach().clone()
-            if corrupt and layout.rank == tp - 1:
+            if corrupt == "nan" and layout.rank == tp - 1:
                 with torch.no_grad():
                     fc2[3, 5] = float("nan")
+            if corrupt == "flip" and receiver is not None:
+                receiver.receive = _flipping_a_down_proj_byte(receiver)
             try:
                 with WeightBridge(chunks, build, config, layout, receiver) as bridge:
                     bridge.sync(sync_id)
@@ -305,18 +321,27 @@ def _written_by_worker(hf_dir, paths, tp=2):
                 errors.append(str(err))
             with torch.no_grad():
                 fc2.copy_(original)
+            if receiver is not None:
+                vars(receiver).pop("receive", None)
             sync_id += 1
         if receiver is not None:
             receiver.close()
     return layout.rank, results
 
 
+def _assert_refused(errors, rank, path):
+    """Both NaN syncs and the flipped byte were refused on this rank, naming the tensor."""
+    assert len(errors) == 3, (rank, path, errors)
+    assert all("model.layers.1.mlp.down_proj.weight: " in e and "NaN/Inf" in e for e in errors[:2]), errors
+    assert "model.layers.1.mlp.down_proj.weight: checksum" in errors[2], errors
+
+
 @pytest.mark.slow
 def test_torch_path_writes_what_the_host_kernels_write_and_refuses_nan(model_root):
     """The path GPU ranks take (torch ops where the shard lives, NaN counts and checksum sums read back once per
     bucket, the torch reference quantizer) writes exactly the host kernels' bytes and the same manifests, here at TP2
-    with one KV head (pieces assembled in the scratch area) on CPU; a NaN in one rank's shard refuses the sync on
-    every rank, naming the tensor, and nothing is applied."""
+    with one KV head (pieces assembled in the scratch area) on CPU; a NaN in one rank's shard, or a byte flipped in
+    the arena, refuses the sync on every rank, naming the tensor, and nothing is applied."""
     model = make_model_dir(model_root, "qwen3", num_key_value_heads=1)
     results = dict(spawn(2, _written_by_worker, model, ("host", "torch")))
     host, torch_path = results[0]["host"][0], results[0]["torch"][0]
@@ -327,8 +352,7 @@ def test_torch_path_writes_what_the_host_kernels_write_and_refuses_nan(model_roo
     assert any(t.dtype == torch.float8_e4m3fn for t in torch_path[1].values())
     for rank, per_path in results.items():
         for path, (_, errors) in per_path.items():
-            assert len(errors) == 2, (rank, path)
-            assert all("model.layers.1.mlp.down_proj.weight: " in e and "NaN/Inf" in e for e in errors), errors
+            _assert_refused(errors, rank, path)
 
 
 @pytest.mark.slow
@@ -337,9 +361,9 @@ def test_one_pass_under_the_interpreter_syncs_and_refuses_nan(model_root, tmp_pa
     device array read back once; the receiver's checksums one `sums` pass per bucket), run by Triton's interpreter
     on CPU tensors at TP2 with one KV head: BF16 syncs write the host kernels' bytes; FP8 syncs commit (the fused
     sums agree end to end with the receiver's), with the host kernels' scales and codes but for the interpreter's
-    FP8 rounding (docs/install.md: a few % of codes a step or a binade off); a NaN in one rank's shard is refused on
-    every rank by name. The same with one pass on rank 0 only (it finishes buckets one late, the other rank at once:
-    their collectives still match)."""
+    FP8 rounding (docs/install.md: a few % of codes a step or a binade off); a NaN in one rank's shard, or a byte
+    flipped in the arena (the receiver's `sums` pass), is refused on every rank by name. The same with one pass on
+    rank 0 only (it finishes buckets one late, the other rank at once: their collectives still match)."""
     pytest.importorskip("triton.language")
     model = make_model_dir(model_root, "qwen3", num_key_value_heads=1)
     # a fresh interpreter whose forkserver imports triton under TRITON_INTERPRET (this one's imported it without)
@@ -368,9 +392,7 @@ def test_one_pass_under_the_interpreter_syncs_and_refuses_nan(model_root, tmp_pa
     assert mixed_fp8.keys() == fp8.keys()
     for rank, per_path in results.items():
         for path in ("one-pass", "mixed"):
-            errors = per_path[path][1]
-            assert len(errors) == 2 and all("model.layers.1.mlp.down_proj.weight: " in e and "NaN/Inf" in e
-                                            for e in errors), (rank, path, errors)
+            _assert_refused(per_path[path][1], rank, path)
 
 
 @pytest.mark.gpu
