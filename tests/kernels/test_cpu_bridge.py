@@ -55,7 +55,7 @@ def test_fp8_quantize_into_strided_views_of_a_larger_tensor():
 
 
 def test_large_outputs_stream_past_the_caches_bit_exact():
-    """Outputs of 1 MB and more take the streaming-store paths (row buffer + non-temporal stores): codes, copies
+    """Outputs of 64 KiB and more take the streaming-store paths (row buffer + non-temporal stores): codes, copies
     and sums stay bit-exact, into strided views at an odd byte offset too."""
     w = torch.randn(1536, 1024).bfloat16() * torch.rand(1536, 1) * 100
     q_ref, s_ref = blockwise_fp8_quantize_reference(w)
@@ -111,7 +111,7 @@ def test_copy_check_finite_counts_like_isfinite_and_sums_its_piece(dtype):
 def test_16_bit_rows_in_one_pass_sum_exactly(fill, rows, cols, offset):
     """16-bit elements are copied, checked and summed in one pass (the vector path: signed 32-bit lanes, flushed
     every 2048 elements; a scalar head up to an aligned streaming store and a scalar tail): all-zero and all-one
-    bits (the largest lanes of either sign), rows of several flushes, short rows, streaming (>= 1 MB) and cached
+    bits (the largest lanes of either sign), rows of several flushes, short rows, streaming (>= 64 KiB) and cached
     copies into a wider tensor at an offset; NaN/Inf counted in the head, the body and the tail."""
     g = torch.Generator().manual_seed(rows)
     if fill == "random":
