@@ -34,6 +34,7 @@ except ImportError:  # optional: CPU images may ship none
 KINDS = {"copy": 0, "quantize": 1, "sums": 2}
 COPY_TILE = (32, 256)  # 8192 elements: 16 KB of BF16 per program, a handful of atomics per tile
 SUMS_TILE = (32, 256)  # the receiver's tiles: it only reads
+NUM_WARPS = {"copy": 8, "quantize": 16, "sums": 8}  # tools/bench_bucket_pass.py --sweep times the alternatives
 # columns of a piece's row in the piece table (the kernel reads them by number)
 (SRC, SRC_STRIDE, DST, DST_STRIDE, ROWS, COLS, POS_ROW0, POS_NCOLS, POS_COL0, ROW, COUNTED, SCALE, SCALE_STRIDE,
  SCALE_ROW, SCALE_INDEX, SCALE_NCOLS) = range(16)
@@ -227,7 +228,7 @@ def _launch(launch: PassLaunch, figures: torch.Tensor, block_size: int, pow2_sca
             launch.piece_table, launch.tile_table, figures, KIND=KINDS[launch.kind], SRC_T=_TL[src],
             DST_T=_TL[out], BITS_T=_TL[_BITS[out.itemsize]],
             FLOAT=launch.kind != "sums" and launch.out_dtype.is_floating_point, TILE_R=tile[0], TILE_C=tile[1],
-            POW2=pow2_scale, ALIGNED=launch.aligned, num_warps=16 if launch.kind == "quantize" else 8)
+            POW2=pow2_scale, ALIGNED=launch.aligned, num_warps=NUM_WARPS[launch.kind])
 
 
 # what the pass copies, converts and quantizes (a `sums` pass reads any width in `_BITS`)

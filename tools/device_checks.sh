@@ -3,8 +3,8 @@
 # the gpu-marked tests that the image's packages allow (Triton quantizer and one-pass bucket kernel bit-exact against
 # their references, CUDA IPC staging buffers between processes; with megatron-core: a GRPO + AIS step with the
 # trainer on the GPU, megatron's MoE logits on the GPU against transformers, the bridge into a CUDA arena), the
-# quantizer-against-copy benchmark of the bridge issue's GPU target and the bridge benchmark at TP1 on the GPU, at
-# 88M parameters and at the Qwen3-4B shape.
+# quantizer-against-copy benchmark of the bridge issue's GPU target, the one-pass bucket kernel alone against a copy,
+# and the bridge benchmark at TP1 on the GPU, at 88M parameters and at the Qwen3-4B shape.
 # Everything it prints also lands in OUT_DIR; each step has a time limit so that one hang cannot eat the lease.
 #
 #   bash tools/device_checks.sh [OUT_DIR]        # OUT_DIR defaults to $OUT (the device tool's), else /tmp/device-checks
@@ -42,6 +42,8 @@ fi
 { timeout 60 python3 tools/bench_fp8_quant.py --repeats 50
   timeout 60 python3 tools/bench_fp8_quant.py --rows 4096 --cols 14336 --repeats 50
 } 2>&1 | tee "$out/bench_fp8_quant.txt"
+# the one-pass bucket kernel alone at two Qwen3-4B layers, default tiles and warps (`--sweep` tunes them: ~2 min)
+timeout 90 python3 tools/bench_bucket_pass.py 2>&1 | tee "$out/bench_bucket_pass.txt"
 if [ "$bridge" = 1 ]; then
     timeout 150 python3 tools/bench_bridge.py --tensor-model-parallel-size 1 --repeats 5 2>&1 | tee "$out/bench_bridge.txt"
     # issue 31's target shape (Qwen3-4B: BF16 sync <= 0.05 s, FP8 <= 1.1x BF16)

@@ -140,3 +140,23 @@ def test_kernel_bit_exact_on_gpu():
         assert r["counts"] == ([1, 1, 2, 0, 0, 1, 1, 0] if corrupt else [0] * ROWS)
         if not corrupt:
             assert all(r["equal"].values()) and all(r["rows_equal"]) and r["code_slips"] == 0, r
+
+
+def test_bench_bucket_pass_runs_and_its_tiles_agree_under_the_interpreter():
+    """`tools/bench_bucket_pass.py` (the kernel alone against a copy, tiles and warps swept) runs end to end on tiny
+    shapes under the interpreter: every tile writes the same figures as the defaults (else it exits 1), and its last
+    line has its figures; on a CPU without the interpreter it refuses in one line."""
+    pytest.importorskip("triton.language")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    tool = os.path.join(root, "tools", "bench_bucket_pass.py")
+    args = [sys.executable, tool, "--layers", "1", "--hidden-size", "256", "--intermediate-size", "384",
+            "--num-attention-heads", "2", "--num-key-value-heads", "1", "--repeats", "1", "--sweep", "--tiles",
+            "64x128", "--warps", "4"]
+    run = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    assert sum("| 64x128 | 4 |" in line for line in lines) == 3 and lines[-1].startswith("copy_pass_over_copy=")
+    if not torch.cuda.is_available():
+        refused = subprocess.run(args[:2], capture_output=True, text=True,
+                                 env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+        assert refused.returncode == 2 and "needs a CUDA GPU with Triton" in refused.stderr
