@@ -172,9 +172,14 @@ def test_without_the_kernels_the_references_are_used():
             "x = torch.randn(4, 4)\nx[0, 0] = float('nan')\ny = torch.empty_like(x)\n"
             "assert integrity.copy_check_finite(x, y)[0] == 1\n"
             "q, s = blockwise_fp8_quantize(torch.randn(130, 200))\nprint('ok')\n")
+    _prints_ok_in_a_fresh_process(code, MEGATRON_AIS_CPU_KERNELS="0")
+
+
+def _prints_ok_in_a_fresh_process(code: str, **environ: str) -> None:
+    """Run `code` in a fresh interpreter at the repository's root with `environ` added; it must print 'ok'."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
-                         env={**os.environ, "MEGATRON_AIS_CPU_KERNELS": "0", "PYTHONPATH": root})
+                         env={**os.environ, "PYTHONPATH": root, **environ})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
@@ -210,11 +215,7 @@ def test_portable_build_equals_the_references(tmp_path):
             "bad, sums = integrity.copy_check_finite(src, dst, integrity.Position(0, 1009, 5))\n"
             "assert bad == 1 and sums == integrity.checksum_sums_reference(dst, integrity.Position(0, 1009, 5))\n"
             "print('ok')\n")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
-                         env={**os.environ, "MEGATRON_AIS_CPU_ARCH": "x86-64", "PYTHONPATH": root,
-                              "MEGATRON_AIS_KERNEL_CACHE": str(tmp_path)})
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    _prints_ok_in_a_fresh_process(code, MEGATRON_AIS_CPU_ARCH="x86-64", MEGATRON_AIS_KERNEL_CACHE=str(tmp_path))
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.int64])
