@@ -183,23 +183,30 @@ def _prints_ok_in_a_fresh_process(code: str, **environ: str) -> None:
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+def _cpu_flags() -> list[str]:
+    with open("/proc/cpuinfo") as f:
+        return next(line for line in f if line.startswith("flags")).split()
+
+
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 vector paths")
 def test_native_build_takes_this_cpus_vector_paths():
     """The kernels tested here are the ones this CPU runs: AVX2 and AVX-512 paths exactly where it has them."""
-    with open("/proc/cpuinfo") as f:
-        flags = next(line for line in f if line.startswith("flags")).split()
+    flags = _cpu_flags()
     assert cpu_library.simd_paths() == [name for flag, name in (("avx2", "AVX2"), ("avx512f", "AVX-512"))
                                         if flag in flags]
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="the portable build is x86-64's baseline")
-def test_portable_build_equals_the_references(tmp_path):
-    """A CPU without AVX2 / AVX-512 runs the kernels' scalar paths: built with -march=x86-64, they too give the
-    references' FP8 codes and scales, checksum sums and NaN/Inf counts (this machine's vector paths are checked
-    against the same references above)."""
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="builds for x86-64 CPUs")
+@pytest.mark.parametrize("arch, paths, needs", [("x86-64", [], []), ("haswell", ["AVX2"], ["avx2", "fma", "bmi2"])])
+def test_builds_for_other_cpus_equal_the_references(arch, paths, needs, tmp_path):
+    """What CPUs without AVX-512 run — the scalar paths (-march=x86-64: no AVX2 either) or AVX2 sums and checked
+    copies with the scalar FP8 conversion (-march=haswell, as on AMD Zen 3) — gives the references' FP8 codes and
+    scales, checksum sums and NaN/Inf counts too (this machine's own paths are checked above)."""
+    if not set(needs) <= set(_cpu_flags()):
+        pytest.skip(f"this CPU cannot run a {arch} build")
     code = ("import torch\nfrom kernels import cpu_library, integrity\nfrom kernels.fp8 import cpu as fp8_cpu\n"
             "from kernels.fp8.reference import blockwise_fp8_quantize_reference\n"
-            "assert cpu_library.simd_paths() == [], cpu_library.simd_paths()\n"
+            f"assert cpu_library.simd_paths() == {paths!r}, cpu_library.simd_paths()\n"
             "g = torch.Generator().manual_seed(0)\n"
             "for dtype in (torch.bfloat16, torch.float32):\n"
             "    for pow2 in (False, True):\n"
@@ -215,7 +222,7 @@ def test_portable_build_equals_the_references(tmp_path):
             "bad, sums = integrity.copy_check_finite(src, dst, integrity.Position(0, 1009, 5))\n"
             "assert bad == 1 and sums == integrity.checksum_sums_reference(dst, integrity.Position(0, 1009, 5))\n"
             "print('ok')\n")
-    _prints_ok_in_a_fresh_process(code, MEGATRON_AIS_CPU_ARCH="x86-64", MEGATRON_AIS_KERNEL_CACHE=str(tmp_path))
+    _prints_ok_in_a_fresh_process(code, MEGATRON_AIS_CPU_ARCH=arch, MEGATRON_AIS_KERNEL_CACHE=str(tmp_path))
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.int64])
