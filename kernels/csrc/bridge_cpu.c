@@ -12,6 +12,10 @@
 
 enum { DT_BF16 = 0, DT_FP32 = 1, DT_FP16 = 2 };
 
+/* Software prefetch this far ahead of a streaming read: one core's hardware prefetchers alone left the 16-bit sums
+ * at 8 GB/s from memory, 11 GB/s with it (2 KB measured best among 0.5-8 KB on a 2-core Xeon VM). */
+#define PREFETCH_BYTES 2048
+
 /* Which vector paths this build has: bit 0 AVX2 (16-bit and byte sums, the 16-bit checked copy), bit 1 AVX-512
  * (FP8 quantization); 0: the portable scalar paths only. */
 int bridge_simd(void) {
@@ -51,12 +55,13 @@ static inline uint8_t f32_to_e4m3(float f) {
 }
 
 #if defined(__AVX512F__)
-/* f32_to_e4m3 of clamp(v, -448, 448), 16 lanes at once; the subnormal path only when a lane needs it (values
- * below 2^-6 of 448 x their block's amax are rare in weights). */
-static inline __m128i e4m3_x16(__m512 v) {
-    v = _mm512_max_ps(_mm512_min_ps(v, _mm512_set1_ps(448.0f)), _mm512_set1_ps(-448.0f));
+/* f32_to_e4m3 of clamp(v, -448, 448), 16 lanes at once, each code in its 32-bit lane's low byte; the subnormal
+ * path only when a lane needs it (values below 2^-6 of 448 x their block's amax are rare in weights). */
+static inline __m512i e4m3_lanes(__m512 v) {
     const __m512i bits = _mm512_castps_si512(v);
-    const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+    /* |v| clamped to 448 on its bits: non-negative floats order as unsigned integers */
+    const __m512i mag = _mm512_min_epu32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
+                                         _mm512_set1_epi32(0x43E00000));
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(mag, 20), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(
         _mm512_add_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32((int)(((uint32_t)(7 - 127) << 23) + 0x7FFFFu))), odd),
@@ -66,16 +71,38 @@ static inline __m128i e4m3_x16(__m512 v) {
         const __m512 d = _mm512_add_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(16384.0f));
         r = _mm512_mask_sub_epi32(r, small, _mm512_castps_si512(d), _mm512_set1_epi32((int)(141u << 23)));
     }
-    r = _mm512_or_si512(r, _mm512_srli_epi32(_mm512_xor_si512(bits, mag), 24));
-    return _mm512_cvtepi32_epi8(r); /* keeps each lane's low byte, as the scalar path's uint8_t casts do */
+    /* r | (the sign bit moved to bit 7), in one ternary-logic op */
+    return _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), 0xF8);
 }
 
-/* Quantize row[c0, c1) times the block's factor into q[c0, ...) 16 elements at a time; return where the scalar
- * tail starts. */
+#if defined(__AVX512VBMI__)
+/* Where output byte e of 32 BF16 codes lies in the two code vectors of `quantize_segment_avx512` (byte 4k of the
+ * first for dword k of the low unpack, 64 + 4k of the second for the high one): the unpacks hold, per 128-bit
+ * lane L, elements 8L..8L+3 (low) and 8L+4..8L+7 (high). */
+static const uint8_t BF16_CODE_ORDER[64] = {0,  4,  8,  12, 64, 68, 72,  76,  16, 20, 24, 28, 80,  84,  88,  92,
+                                            32, 36, 40, 44, 96, 100, 104, 108, 48, 52, 56, 60, 112, 116, 120, 124};
+#endif
+
+/* Quantize row[c0, c1) times the block's factor into q[c0, ...) 16 (BF16 with AVX-512 VBMI: 32) elements at a
+ * time; return where the scalar tail starts. */
 static inline int64_t quantize_segment_avx512(const char *row, int dtype, int64_t c0, int64_t c1, float factor,
                                               uint8_t *q) {
     const __m512 f = _mm512_set1_ps(factor);
     int64_t c = c0;
+#if defined(__AVX512VBMI__)
+    if (dtype != DT_FP32) {
+        /* unpacking 32 BF16 elements with zeros puts each in the high half of a 32-bit lane (its FP32 bits) in two
+         * vectors at once, cheaper than widening and shifting 16; one byte permute restores the order */
+        const __m512i zero = _mm512_setzero_si512(), order = _mm512_loadu_si512(BF16_CODE_ORDER);
+        for (; c + 32 <= c1; c += 32) {
+            const __m512i x = _mm512_loadu_si512((const uint16_t *)row + c);
+            const __m512i low = e4m3_lanes(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x)), f));
+            const __m512i high = e4m3_lanes(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x)), f));
+            _mm256_storeu_si256((__m256i *)(q + c),
+                                _mm512_castsi512_si256(_mm512_permutex2var_epi8(low, order, high)));
+        }
+    }
+#endif
     for (; c + 16 <= c1; c += 16) {
         __m512 x;
         if (dtype == DT_FP32)
@@ -83,14 +110,16 @@ static inline int64_t quantize_segment_avx512(const char *row, int dtype, int64_
         else
             x = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + c))), 16));
-        _mm_storeu_si128((__m128i *)(q + c), e4m3_x16(_mm512_mul_ps(x, f)));
+        /* keeps each lane's low byte, as the scalar path's uint8_t casts do */
+        _mm_storeu_si128((__m128i *)(q + c), _mm512_cvtepi32_epi8(e4m3_lanes(_mm512_mul_ps(x, f))));
     }
     return c;
 }
 #endif
 
 /* Largest |x| of a row segment as raw magnitude bits (order-preserving for IEEE floats); a value at or above
- * the infinity pattern means NaN/Inf. */
+ * the infinity pattern means NaN/Inf. BF16 with AVX-512: 32 words per max, prefetched (the first read of a strip
+ * comes from memory). */
 static inline uint32_t seg_amax_bits(const void *row, int dtype, int64_t c0, int64_t c1) {
     uint32_t m = 0;
     if (dtype == DT_FP32) {
@@ -98,7 +127,20 @@ static inline uint32_t seg_amax_bits(const void *row, int dtype, int64_t c0, int
         for (int64_t c = c0; c < c1; ++c) { uint32_t v = p[c] & 0x7FFFFFFFu; m = v > m ? v : m; }
     } else {
         const uint16_t *p = (const uint16_t *)row;
-        for (int64_t c = c0; c < c1; ++c) { uint32_t v = p[c] & 0x7FFFu; m = v > m ? v : m; }
+        int64_t c = c0;
+#if defined(__AVX512BW__)
+        __m512i vm = _mm512_setzero_si512();
+        const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
+        for (; c + 32 <= c1; c += 32) {
+            _mm_prefetch((const char *)(p + c) + PREFETCH_BYTES, _MM_HINT_T0);
+            vm = _mm512_max_epu16(vm, _mm512_and_si512(_mm512_loadu_si512(p + c), magnitude));
+        }
+        __m256i h = _mm256_max_epu16(_mm512_castsi512_si256(vm), _mm512_extracti64x4_epi64(vm, 1));
+        __m128i q = _mm_max_epu16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        /* the largest of 8 unsigned words: minpos of their complements */
+        m = 0xFFFFu - (uint32_t)_mm_extract_epi16(_mm_minpos_epu16(_mm_xor_si128(q, _mm_set1_epi16(-1))), 0);
+#endif
+        for (; c < c1; ++c) { uint32_t v = p[c] & 0x7FFFu; m = v > m ? v : m; }
     }
     return m;
 }
@@ -127,10 +169,6 @@ static inline float magnitude_bits_to_f32(uint32_t m, int dtype) {
         *T += t;                                                                                       \
     }
 DEFINE_RUN_SUMS(run_sums_u8_scalar, uint8_t, uint32_t, 4096)
-
-/* Software prefetch this far ahead of a streaming read: one core's hardware prefetchers alone left the 16-bit sums
- * at 8 GB/s from memory, 11 GB/s with it (2 KB measured best among 0.5-8 KB on a 2-core Xeon VM). */
-#define PREFETCH_BYTES 2048
 
 #if defined(__AVX2__)
 /* Bytes are the FP8 codes: widening each to 32 bits for the position-weighted sum costs 4 vectors per 32 bytes.
