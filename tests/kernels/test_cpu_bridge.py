@@ -197,11 +197,14 @@ def test_native_build_takes_this_cpus_vector_paths():
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="builds for x86-64 CPUs")
-@pytest.mark.parametrize("arch, paths, needs", [("x86-64", [], []), ("haswell", ["AVX2"], ["avx2", "fma", "bmi2"])])
+@pytest.mark.parametrize("arch, paths, needs", [
+    ("x86-64", [], []), ("haswell", ["AVX2"], ["avx2", "fma", "bmi2"]),
+    ("skylake-avx512", ["AVX2", "AVX-512"], ["avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512dq", "avx512vl"])])
 def test_builds_for_other_cpus_equal_the_references(arch, paths, needs, tmp_path):
-    """What CPUs without AVX-512 run — the scalar paths (-march=x86-64: no AVX2 either) or AVX2 sums and checked
-    copies with the scalar FP8 conversion (-march=haswell, as on AMD Zen 3) — gives the references' FP8 codes and
-    scales, checksum sums and NaN/Inf counts too (this machine's own paths are checked above)."""
+    """What other CPUs run — the scalar paths (-march=x86-64: no AVX2 either), AVX2 sums and checked copies with the
+    scalar FP8 conversion (-march=haswell, as on AMD Zen 3), or the FP8 conversion 16 elements at a time without
+    AVX-512 VBMI's byte permute (-march=skylake-avx512) — gives the references' FP8 codes and scales, checksum sums
+    and NaN/Inf counts too (this machine's own paths are checked above)."""
     if not set(needs) <= set(_cpu_flags()):
         pytest.skip(f"this CPU cannot run a {arch} build")
     code = ("import torch\nfrom kernels import cpu_library, integrity\nfrom kernels.fp8 import cpu as fp8_cpu\n"
