@@ -9,8 +9,9 @@ through ctypes; their bindings live beside their torch / NumPy references:
 Without a compiler the references are used and one warning says so; `MEGATRON_AIS_CPU_KERNELS=0` forces that.
 Built for this CPU (`-march=native`: the AVX2 / AVX-512 paths where it has them); `MEGATRON_AIS_CPU_ARCH` builds
 for another (`x86-64`: the portable scalar paths; `haswell`: AVX2 without AVX-512, as on AMD Zen 3;
-`skylake-avx512`: AVX-512 without VBMI), which the tests compare with the references too. The shared object is cached under `$MEGATRON_AIS_KERNEL_CACHE` (default ~/.cache/megatron_ais/kernels),
-keyed by the source, the flags and the CPU, so a cache shared between different machines never runs foreign code.
+`skylake-avx512`: AVX-512 without VBMI), which the tests compare with the references too. The shared object is
+cached under `$MEGATRON_AIS_KERNEL_CACHE` (default ~/.cache/megatron_ais/kernels), keyed by the source, the flags
+and the CPU, so a cache shared between different machines never runs foreign code.
 """
 from __future__ import annotations
 

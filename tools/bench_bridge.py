@@ -9,8 +9,9 @@ Prints a table and, as its last line,
 `bridge_sync_ratio=<x> over_whole_copy=<x> fp8_quant_gbps=<x> bf16_sync_s=<y> fp8_sync_s=<z> ops_per_sync=<n>
 host_syncs_per_sync=<n>` (ratio = BF16 sync seconds ÷ seconds of a plain copy of the same bytes, bucket by bucket
 through buffers the size of one bucket; over_whole_copy: ÷ one copy of them all, buffers the size of the sync; ops
-and host synchronisations of one FP8 sync on the engine's rank along the path a GPU takes — torch ops where the tensors live, here run on CPU tensors —
-counted with a TorchDispatchMode and a TorchFunctionMode, the receiver's verifier thread included), with
+and host synchronisations of one FP8 sync on the engine's rank along the path a GPU takes — torch ops where the
+tensors live, here run on CPU tensors — counted with a TorchDispatchMode and a TorchFunctionMode, the receiver's
+verifier threads included), with
 `--delta`, `delta_bytes_fraction=<x>`: an FP8 delta's bytes (`bridge.delta`) over a full sync's after one Megatron
 Adam step at lr 1e-6, and with `--one-pass`, `one_pass_ops_per_sync=<n> one_pass_host_syncs_per_sync=<n>`: the same
 counts along the path a GPU with Triton takes (`kernels.bucket_pass`, one launch per dtype group per bucket, here
