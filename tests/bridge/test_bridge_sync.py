@@ -277,9 +277,8 @@ def _written_by_worker(hf_dir, paths, tp=2):
     without Triton: figures kept where they are computed and read back once per bucket), "one-pass" (the Triton
     bucket pass of GPU ranks, here under the interpreter on CPU tensors; the receiver's checksums too) or "mixed"
     (one pass on rank 0 only, the torch path elsewhere, as on a GPU node where only the engine's rank writes its own
-    GPU's arena). Per path:
-    the applied tensors, then the errors of syncs with a NaN in the last rank's shard of a down_proj (BF16, FP8) and
-    of an FP8 sync whose down_proj has a byte flipped in the arena after it was written."""
+    GPU's arena). Per path: the applied tensors, then the errors of syncs with a NaN in the last rank's shard of a
+    down_proj (BF16, FP8) and of an FP8 sync whose down_proj has a byte flipped in the arena after it was written."""
     from kernels import bucket_pass
     from megatron_ais.bridge import buckets as bridge_buckets
     from megatron_ais.bridge import pieces as bridge_pieces
