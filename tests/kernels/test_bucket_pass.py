@@ -1,7 +1,7 @@
 """The bridge's one-pass bucket kernel (`kernels.bucket_pass`): its torch reference, walking the kernel's tiles,
 writes today's bytes and gives today's figures (the C kernel's checksum sums, the reference quantizer's codes and
-scales, NaN/Inf counts); the Triton kernel matches the reference under the interpreter on CPU (bit for bit but for
-the interpreter's float rounding, docs/install.md) and bit for bit on a GPU."""
+scales, NaN/Inf counts); the Triton kernel matches the reference bit for bit under the interpreter on CPU (given a
+GPU's float rounding, `interpreter_rounding`) and on a GPU."""
 import os
 import subprocess
 import sys
@@ -90,8 +90,8 @@ def test_reference_counts_nan_and_inf_per_row():
 
 
 def _kernel_against_reference(device: str) -> dict:
-    """Run the kernel and the reference on the same inputs: which outputs and figures rows are equal, how many FP8
-    codes differ, and whether the kernel's fused sums are those of what it wrote."""
+    """Run the kernel and the reference on the same inputs: which outputs and figures rows are equal, the NaN/Inf
+    counts, and the fraction of FP8 codes that differ."""
     out = {}
     for pow2, corrupt in [(False, False), (True, False), (False, True)]:
         ref, got = _case("cpu", pow2, corrupt), _case(device, pow2, corrupt)
@@ -99,47 +99,37 @@ def _kernel_against_reference(device: str) -> dict:
         figures = BucketPass(_pieces(got), ROWS, 128, pow2).run().cpu()
         got = {k: v.cpu() for k, v in got.items()}
         codes = got["q"][:, 256:].view(torch.uint8) != ref["q"][:, 256:].view(torch.uint8)
-        want, have = ref["q"][:, 256:].float()[codes], got["q"][:, 256:].float()[codes]
-        ratio = want / have
-        subnormal = torch.minimum(want.abs(), have.abs()) < 2.0 ** -6  # e4m3's smallest normal
         out[(pow2, corrupt)] = {
             "equal": {k: torch.equal(got[k].view(torch.uint8), ref[k].view(torch.uint8)) for k in got},
             "rows_equal": [torch.equal(figures[r], expected[r]) for r in range(ROWS)],
-            "counts": figures[:, 0].tolist(), "code_slips": float(codes.float().mean()),
-            "codes_within_2x": bool(((ratio >= 0.5) & (ratio <= 2) | subnormal).all()),
-            "own_sums": [_unsigned(figures[1]) == checksum_sums(got["b_full"]),
-                         _unsigned(figures[2]) == checksum_sums(got["q"][:, 256:], Position.of_piece((300, 516), 1,
-                                                                                                     256)),
-                         _unsigned(figures[6]) == checksum_sums(got["q2"])]}
+            "counts": figures[:, 0].tolist(), "code_slips": float(codes.float().mean())}
     return out
 
 
+def _assert_bit_exact(results: dict) -> None:
+    for (pow2, corrupt), r in results.items():
+        assert r["counts"] == ([1, 1, 2, 0, 0, 1, 1, 0] if corrupt else [0] * ROWS)
+        if not corrupt:  # what a corrupt pass writes is refused whole
+            assert all(r["equal"].values()) and all(r["rows_equal"]) and r["code_slips"] == 0, r
+
+
 def test_kernel_under_interpreter_matches_reference():
+    """Under the interpreter with a GPU's float rounding (`interpreter_rounding`: its own truncates FP32 -> BF16
+    and drops some e4m3 codes a binade), every byte and figure equals the reference's."""
     pytest.importorskip("triton.language")
     here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(here)), here])}
-    script = "from test_bucket_pass import _kernel_against_reference as k; print(repr(k('cpu')))"
+    tests = os.path.dirname(here)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), tests, here])}
+    script = ("import interpreter_rounding; interpreter_rounding.install(); "
+              "from test_bucket_pass import _kernel_against_reference as k; print(repr(k('cpu')))")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
-    for (pow2, corrupt), r in eval(run.stdout.strip().splitlines()[-1]).items():
-        assert r["counts"] == ([1, 1, 2, 0, 0, 1, 1, 0] if corrupt else [0] * ROWS)
-        if corrupt:
-            continue  # what a corrupt pass writes is refused whole
-        # copies of the same dtype, scales, untouched bytes, int32 sums and the uncounted row are exact; the
-        # interpreter rounds FP32 -> BF16 and -> e4m3 its own way, so the converted copy and a few % of codes
-        # differ — and the fused sums are still those of what it wrote
-        assert all(r["equal"][k] for k in ("a", "a_full", "s", "s2", "i", "scratch", "w", "w2")), r["equal"]
-        assert all(r["rows_equal"][k] for k in (0, 3, 4, 5, 7)), r["rows_equal"]
-        assert r["code_slips"] < 0.1 and r["codes_within_2x"] and all(r["own_sums"])
+    _assert_bit_exact(eval(run.stdout.strip().splitlines()[-1]))
 
 
 @pytest.mark.gpu
 def test_kernel_bit_exact_on_gpu():
-    for (pow2, corrupt), r in _kernel_against_reference("cuda").items():
-        assert r["counts"] == ([1, 1, 2, 0, 0, 1, 1, 0] if corrupt else [0] * ROWS)
-        if not corrupt:
-            assert all(r["equal"].values()) and all(r["rows_equal"]) and r["code_slips"] == 0, r
+    _assert_bit_exact(_kernel_against_reference("cuda"))
 
 
 def test_bench_bucket_pass_runs_and_its_tiles_agree_under_the_interpreter():
