@@ -20,7 +20,7 @@ import torch
 
 from kernels.cpu_library import rows_view
 from kernels.fp8.reference import blockwise_fp8_quantize_reference_deferred
-from kernels.fp8.triton import triton_available
+from kernels.fp8.triton import fp8_kernels_available, triton_available
 from kernels.integrity import Position, checksum_sums_device
 
 try:
@@ -216,19 +216,24 @@ class BucketPass:
         return self.figures
 
 
+def launch_constants(kind: str, src_dtype: torch.dtype, out_dtype: torch.dtype, aligned: bool, block_size: int,
+                     pow2_scale: bool) -> dict:
+    """The kernel's compile-time constants for a launch of `kind` (what Triton compiles one binary for)."""
+    tile = _tile(kind, block_size)
+    src, out = (_BITS[src_dtype.itemsize],) * 2 if kind == "sums" else (src_dtype, out_dtype)  # sums read raw bits
+    return dict(KIND=KINDS[kind], SRC_T=_TL[src], DST_T=_TL[out], BITS_T=_TL[_BITS[out.itemsize]],
+                FLOAT=kind != "sums" and out_dtype.is_floating_point, TILE_R=tile[0], TILE_C=tile[1], POW2=pow2_scale,
+                ALIGNED=aligned)
+
+
 def _launch(launch: PassLaunch, figures: torch.Tensor, block_size: int, pow2_scale: bool) -> None:
-    tile = _tile(launch.kind, block_size)
-    # a `sums` pass reads raw bits
-    src, out = (_BITS[launch.src_dtype.itemsize],) * 2 if launch.kind == "sums" else (launch.src_dtype,
-                                                                                        launch.out_dtype)
     device = launch.tile_table.device
     # Triton launches on the current device: make it the tables' (the arena may not be on the current one)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _bucket_pass_kernel[(launch.tile_table.shape[0],)](
-            launch.piece_table, launch.tile_table, figures, KIND=KINDS[launch.kind], SRC_T=_TL[src],
-            DST_T=_TL[out], BITS_T=_TL[_BITS[out.itemsize]],
-            FLOAT=launch.kind != "sums" and launch.out_dtype.is_floating_point, TILE_R=tile[0], TILE_C=tile[1],
-            POW2=pow2_scale, ALIGNED=launch.aligned, num_warps=NUM_WARPS[launch.kind])
+            launch.piece_table, launch.tile_table, figures, num_warps=NUM_WARPS[launch.kind],
+            **launch_constants(launch.kind, launch.src_dtype, launch.out_dtype, launch.aligned, block_size,
+                               pow2_scale))
 
 
 # what the pass copies, converts and quantizes (a `sums` pass reads any width in `_BITS`)
@@ -236,14 +241,17 @@ PASS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torc
 
 
 def supports_pass(tensors: list[torch.Tensor], sums_only: bool = False) -> bool:
-    """Whether the kernel takes these tensors: Triton present, all on one CUDA device, of dtypes it writes (or
-    widths it sums)."""
+    """Whether the kernel takes these tensors: Triton present, all on one CUDA device, of dtypes it writes (FP8 on a
+    GPU that Triton compiles e4m3 for) or widths it sums."""
     if not triton_available() or not tensors:
         return False
     device = tensors[0].device
-    return device.type == "cuda" and all(
-        t.device == device and (t.element_size() in _BITS if sums_only else t.dtype in PASS_DTYPES)
-        for t in tensors)
+    if device.type != "cuda" or any(t.device != device for t in tensors):
+        return False
+    if sums_only:
+        return all(t.element_size() in _BITS for t in tensors)
+    return all(t.dtype in PASS_DTYPES for t in tensors) and (
+        all(t.dtype != torch.float8_e4m3fn for t in tensors) or fp8_kernels_available(device))
 
 
 def run_reference(pieces: list[PassPiece], rows: int, block_size: int = 128, pow2_scale: bool = False

@@ -187,7 +187,7 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, p
     from kernels.cpu_library import library
     from kernels.fp8.cpu import fp8_blockwise_quantize_cpu
     from kernels.fp8.reference import blockwise_fp8_quantize_reference
-    from kernels.fp8.triton import blockwise_fp8_quantize_triton
+    from kernels.fp8.triton import blockwise_fp8_quantize_triton, fp8_kernels_available
     from megatron_ais.arguments import TrainerConfig, build_parser
     from megatron_ais.bridge.config import BridgeConfig
     from megatron_ais.bridge.layout import BridgeLayout
@@ -269,7 +269,7 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, p
     del whole_src, whole_dst
     weight = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device())
     quantizers = {"torch reference": blockwise_fp8_quantize_reference}
-    if cuda:
+    if fp8_kernels_available(weight.device):
         quantizers["Triton"] = blockwise_fp8_quantize_triton
     elif library() is not None:
         quantizers["C kernel"] = fp8_blockwise_quantize_cpu

@@ -32,7 +32,7 @@ from bench_fp8_quant import _seconds  # noqa: E402
 from kernels import bucket_pass  # noqa: E402
 from kernels.bucket_pass import BucketPass, PassPiece, flat_sums_pieces  # noqa: E402
 from kernels.fp8.format import scale_shape  # noqa: E402
-from kernels.fp8.triton import triton_available  # noqa: E402
+from kernels.fp8.triton import fp8_kernels_available, triton_available  # noqa: E402
 from kernels.integrity import Position  # noqa: E402
 
 TILES = ((16, 256), (32, 256), (64, 256), (32, 512), (16, 1024))
@@ -129,6 +129,10 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     device = torch.device("cuda" if cuda else "cpu")
+    if cuda and not fp8_kernels_available(device):
+        print(f"bench_bucket_pass.py: {torch.cuda.get_device_name()}: Triton compiles no e4m3 for this GPU (sm_89 or "
+              "later: Ada, Hopper)", file=sys.stderr)
+        return 2
     block = 128
     shapes = layer_shapes(args.hidden_size, args.intermediate_size, args.num_attention_heads,
                           args.num_key_value_heads, args.head_dim) * args.layers

@@ -56,12 +56,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from kernels.fp8.dispatch import blockwise_fp8_quantize
     from kernels.fp8.format import scale_shape
+    from kernels.fp8.triton import TRITON_NUM_WARPS, blockwise_fp8_quantize_triton_into, fp8_kernels_available
 
     cuda = torch.cuda.is_available()
     if not cuda:
         torch.set_num_threads(1)
     device = "cuda" if cuda else "cpu"
     name = torch.cuda.get_device_name() if cuda else "CPU, 1 thread"
+    if cuda and not fp8_kernels_available(torch.device("cuda")):
+        print(f"error: {name}: Triton compiles no e4m3 for this GPU (sm_89 or later: Ada, Hopper); nothing to measure",
+              file=sys.stderr)
+        return 1
     w = torch.randn(args.rows, args.cols, device=device).to(torch.bfloat16)
     copy_dst = torch.empty_like(w)
     numel = w.numel()
@@ -73,8 +78,6 @@ def main(argv=None) -> int:
     q, s = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=device), torch.empty(blocks, device=device)
     rows = []  # (label, seconds)
     if cuda:
-        from kernels.fp8.triton import TRITON_NUM_WARPS, blockwise_fp8_quantize_triton_into
-
         for warps in sorted({4, 8, 16, TRITON_NUM_WARPS}):
             seconds = _seconds(lambda: blockwise_fp8_quantize_triton_into(w, q, s, num_warps=warps), args.repeats,
                                cuda)

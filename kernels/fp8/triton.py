@@ -4,6 +4,7 @@ cast to e4m3 rounds differently, docs/install.md)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -12,6 +13,7 @@ from kernels.fp8.format import BLOCK_SIZE, check_shape, refuse_non_finite, scale
 try:
     import triton
     import triton.language as tl
+    from triton.compiler.compiler import make_backend
 except ImportError:  # optional: CPU images ship a metadata-only triton stub or none
     triton = None
 
@@ -54,6 +56,27 @@ if triton is not None:
 def triton_available() -> bool:
     """Whether Triton is installed (the kernel's launchers raise without it)."""
     return triton is not None
+
+
+def triton_writes_e4m3(target) -> bool:
+    """Whether Triton compiles e4m3 (`tl.float8e4nv`) for a GPU target (`triton.backends.compiler.GPUTarget`): its
+    backend's own rule — on NVIDIA from sm_89 (Ada, Hopper and later); an A100 (sm_80) has no e4m3 in Triton and
+    fails to compile any kernel that names it."""
+    return "fp8e4nv" in make_backend(target).parse_options({}).supported_fp8_dtypes
+
+
+@functools.cache
+def _device_writes_e4m3(index: int) -> bool:
+    with torch.cuda.device(index):
+        return triton_writes_e4m3(triton.runtime.driver.active.get_current_target())
+
+
+def fp8_kernels_available(device: torch.device) -> bool:
+    """Whether the Triton FP8 kernels run on `device`: Triton installed and a GPU it compiles e4m3 for. Elsewhere
+    (the CPU, a GPU before sm_89) the other quantizers write the same bits."""
+    if triton is None or device.type != "cuda":
+        return False
+    return _device_writes_e4m3(torch.cuda.current_device() if device.index is None else device.index)
 
 
 # a 128x128 block held in registers: 16 warps keep it at 32 fp32 values per thread, the fastest of 4/8/16 on an H100

@@ -16,7 +16,7 @@ from kernels.fp8.dispatch import blockwise_fp8_quantize
 from kernels.bucket_pass import BucketPass, PassPiece, supports_pass
 from kernels.fp8.format import refuse_corrupt, refuse_non_finite
 from kernels.fp8.reference import blockwise_fp8_quantize_reference_deferred
-from kernels.fp8.triton import blockwise_fp8_quantize_deferred, triton_available
+from kernels.fp8.triton import blockwise_fp8_quantize_deferred, fp8_kernels_available
 from kernels.integrity import (Position, ReadBack, all_finite, checksum_sums, checksum_sums_device,
                                copy_check_finite, copy_check_finite_deferred, unsigned_sums)
 from megatron_ais.bridge.plan import Bucket, HFTarget, StagePlan
@@ -127,7 +127,7 @@ def quantize_into(src: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, q
         q_out.copy_(q)
         s_out.copy_(s)
         return
-    quantize = blockwise_fp8_quantize_deferred if src.is_cuda and triton_available() \
+    quantize = blockwise_fp8_quantize_deferred if fp8_kernels_available(src.device) \
         else blockwise_fp8_quantize_reference_deferred
     q, s, corrupt = quantize(src, policy.block_size, policy.pow2_scale, name)
     # checksummed where the quantizer ran, as for copies

@@ -12,6 +12,7 @@ import torch
 from kernels.bucket_pass import BucketPass, PassPiece, flat_sums_pieces, run_reference
 from kernels.fp8.format import scale_shape
 from kernels.fp8.reference import blockwise_fp8_quantize_reference
+from kernels.fp8.triton import fp8_kernels_available
 from kernels.integrity import Position, checksum_sums
 
 ROWS = 8  # figures rows: copy dim 0, converted 1-D copy, codes, scales, int32 sums, scratch copy (not counted),
@@ -129,6 +130,8 @@ def test_kernel_under_interpreter_matches_reference():
 
 @pytest.mark.gpu
 def test_kernel_bit_exact_on_gpu():
+    if not fp8_kernels_available(torch.device("cuda")):
+        pytest.skip("Triton compiles no e4m3 for this GPU (before sm_89): the bridge quantizes with torch there")
     _assert_bit_exact(_kernel_against_reference("cuda"))
 
 

@@ -104,7 +104,10 @@ def test_triton_kernel_under_interpreter_matches_reference():
 
 @pytest.mark.gpu
 def test_triton_kernel_bit_exact_on_gpu():
-    from kernels.fp8.triton import blockwise_fp8_quantize_triton
+    from kernels.fp8.triton import blockwise_fp8_quantize_triton, fp8_kernels_available
+
+    if not fp8_kernels_available(torch.device("cuda")):
+        pytest.skip("Triton compiles no e4m3 for this GPU (before sm_89): the dispatcher quantizes with torch there")
 
     for m, n, pow2 in [(4096, 1024, False), (1000, 333, True)]:
         w = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
