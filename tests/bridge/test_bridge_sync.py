@@ -299,10 +299,6 @@ def _written_by_worker(hf_dir, paths, tp=2):
     passes["mixed"] = passes["one-pass"] if layout.rank == 0 else passes["torch"]
     if not torch.cuda.is_available():  # the interpreter's state is global: the writer's and the verifier's launches
         bucket_pass._launch = _one_at_a_time(bucket_pass._launch)  # take turns
-        if {"one-pass", "mixed"} & set(paths):
-            import interpreter_rounding
-
-            interpreter_rounding.install()  # a GPU's float rounding: the kernel's FP8 codes are the host kernels'
     for path in paths:
         bridge_pieces._on_host = on_host if path == "host" else (lambda *tensors: False)
         bridge_pieces.supports_pass = bridge_buckets.supports_pass = passes[path]
@@ -362,11 +358,10 @@ def test_torch_path_writes_what_the_host_kernels_write_and_refuses_nan(model_roo
 def test_one_pass_under_the_interpreter_syncs_and_refuses_nan(model_root, tmp_path):
     """The GPU's one-pass path (`kernels.bucket_pass`: one Triton launch per dtype group per bucket, figures in one
     device array read back once; the receiver's checksums one `sums` pass per bucket), run by Triton's interpreter
-    on CPU tensors (given a GPU's float rounding, `interpreter_rounding`) at TP2 with one KV head: BF16 and FP8
-    syncs write the host kernels' bytes bit for bit and commit (the fused sums agree end to end with the receiver's
-    `sums` pass); a NaN in one rank's shard, or a byte flipped in the arena, is refused on every rank by name. The
-    same with one pass on rank 0 only (it finishes buckets one late, the other rank at once: their collectives still
-    match)."""
+    on CPU tensors at TP2 with one KV head: BF16 and FP8 syncs write the host kernels' bytes bit for bit and commit
+    (the fused sums agree end to end with the receiver's `sums` pass); a NaN in one rank's shard, or a byte flipped
+    in the arena, is refused on every rank by name. The same with one pass on rank 0 only (it finishes buckets one
+    late, the other rank at once: their collectives still match)."""
     pytest.importorskip("triton.language")
     model = make_model_dir(model_root, "qwen3", num_key_value_heads=1)
     # a fresh interpreter whose forkserver imports triton under TRITON_INTERPRET (this one's imported it without)

@@ -115,8 +115,8 @@ def _assert_bit_exact(results: dict) -> None:
 
 
 def test_kernel_under_interpreter_matches_reference():
-    """Under the interpreter with a GPU's float rounding (`interpreter_rounding`: its own truncates FP32 -> BF16
-    and drops some e4m3 codes a binade), every byte and figure equals the reference's."""
+    """Under the interpreter with a GPU's float rounding (`interpreter_rounding`: its own truncates the FP32 -> BF16
+    copy), every byte and figure equals the reference's."""
     pytest.importorskip("triton.language")
     here = os.path.dirname(os.path.abspath(__file__))
     tests = os.path.dirname(here)
