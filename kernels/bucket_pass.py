@@ -20,7 +20,7 @@ import torch
 
 from kernels.cpu_library import rows_view
 from kernels.fp8.reference import blockwise_fp8_quantize_reference_deferred
-from kernels.fp8.triton import fp8_kernels_available, triton_available
+from kernels.fp8.triton import LAUNCH_LOCK, fp8_kernels_available, triton_available
 from kernels.integrity import Position, checksum_sums_device
 
 try:
@@ -229,7 +229,7 @@ def launch_constants(kind: str, src_dtype: torch.dtype, out_dtype: torch.dtype, 
 def _launch(launch: PassLaunch, figures: torch.Tensor, block_size: int, pow2_scale: bool) -> None:
     device = launch.tile_table.device
     # Triton launches on the current device: make it the tables' (the arena may not be on the current one)
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+    with LAUNCH_LOCK, torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _bucket_pass_kernel[(launch.tile_table.shape[0],)](
             launch.piece_table, launch.tile_table, figures, num_warps=NUM_WARPS[launch.kind],
             **launch_constants(launch.kind, launch.src_dtype, launch.out_dtype, launch.aligned, block_size,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
 import torch
 
@@ -94,6 +95,11 @@ def fp8_kernels_available(device: torch.device) -> bool:
     return _device_writes_e4m3(torch.cuda.current_device() if device.index is None else device.index)
 
 
+# One launch of this project's Triton kernels at a time in a process: Triton's runtime does not serialize its JIT
+# caches and compilation across threads, nor its interpreter's global state, and the bridge's writer and verifier
+# threads launch the same kernels. A launch only enqueues work, so the lock is held for microseconds.
+LAUNCH_LOCK = threading.Lock()
+
 # a 128x128 block held in registers: 16 warps keep it at 32 fp32 values per thread, the fastest of 4/8/16 on an H100
 # (docs/benchmarks.md; tools/bench_fp8_quant.py sweeps it)
 TRITON_NUM_WARPS = 16
@@ -107,7 +113,7 @@ def blockwise_fp8_quantize_triton_into(w: torch.Tensor, q_out: torch.Tensor, sca
     m, n = w.shape
     mb, nb = scale_shape((m, n), block_size)
     # Triton launches on the current device: make it the tensor's (an arena view may live on another GPU)
-    with torch.cuda.device(w.device) if w.is_cuda else contextlib.nullcontext():
+    with LAUNCH_LOCK, torch.cuda.device(w.device) if w.is_cuda else contextlib.nullcontext():
         _blockwise_fp8_quantize_kernel[(nb, mb)](w, q_out, scale_out, m, n, w.stride(0), q_out.stride(0), nb,
                                                  BLOCK=block_size, POW2=pow2_scale, num_warps=num_warps)
 

@@ -248,17 +248,6 @@ def test_stage_transports_follow_the_hosts(transport, hosts, expected):
             stage_transports(hosts, transport, "a", 0)
 
 
-def _one_at_a_time(launch):
-    import threading
-
-    lock = threading.Lock()
-
-    def locked(*args):
-        with lock:
-            return launch(*args)
-    return locked
-
-
 def _flipping_a_down_proj_byte(receiver):
     """`receiver.receive` that first flips one byte of layer 1's down_proj in the arena, after its writers wrote it
     and before the receiver verifies it."""
@@ -297,8 +286,6 @@ def _written_by_worker(hf_dir, paths, tp=2):
               (lambda tensors, sums_only=False: bucket_pass.triton_available() and bool(tensors))}
     # a GPU node at TP > 1: the engine's rank writes its own GPU's arena in one pass (and lags), the others not
     passes["mixed"] = passes["one-pass"] if layout.rank == 0 else passes["torch"]
-    if not torch.cuda.is_available():  # the interpreter's state is global: the writer's and the verifier's launches
-        bucket_pass._launch = _one_at_a_time(bucket_pass._launch)  # take turns
     for path in paths:
         bridge_pieces._on_host = on_host if path == "host" else (lambda *tensors: False)
         bridge_pieces.supports_pass = bridge_buckets.supports_pass = passes[path]
