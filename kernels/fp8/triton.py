@@ -1,6 +1,6 @@
 """The Triton kernel of the blockwise FP8 quantizer (`format.py`): one program per block, one read of `w`, the
-NaN/Inf check on the same pass; the same bits as the torch reference on a GPU (under the interpreter on CPU the
-cast to e4m3 rounds differently, docs/install.md)."""
+NaN/Inf check on the same pass; the same bits as the torch reference on any GPU Triton compiles e4m3 for, and under
+the interpreter on CPU (it rounds on the e4m3 grid itself, so the backend's cast only converts exact values)."""
 from __future__ import annotations
 
 import contextlib
