@@ -162,6 +162,16 @@ def _wall(cuda: bool) -> float:
     return time.perf_counter()
 
 
+def _median_seconds(work, repeats: int, cuda: bool) -> float:
+    """Median wall seconds of `work()` over `repeats` calls (device work included)."""
+    times = []
+    for _ in range(repeats):
+        t0 = _wall(cuda)
+        work()
+        times.append(_wall(cuda) - t0)
+    return statistics.median(times)
+
+
 def _one_pass_counts(chunks, build, config, layout, sync_id: int) -> dict:
     """The counts of one sync along the one-pass path (a bridge of its own, its first sync not counted: it builds
     the tables)."""
@@ -246,26 +256,20 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, p
     total = result["bf16"]["bytes"] if layout.rank == 0 else 0
     src = torch.empty(int(bucket_mb * (1 << 20)), dtype=torch.uint8, device=device()).random_()
     dst = torch.empty_like(src)
-    copies = []
-    for _ in range(repeats):
-        t0 = _wall(cuda)
+
+    def copy_by_buckets():
         left = total
         while left > 0:
             n = min(left, src.numel())
             dst[:n].copy_(src[:n])
             left -= n
-        copies.append(_wall(cuda) - t0)
-    result["copy_seconds"] = statistics.median(copies)
+
+    result["copy_seconds"] = _median_seconds(copy_by_buckets, repeats, cuda)
     # the same bytes copied at once, buffers the size of the sync: where the caches hold a bucket but not the sync
     # (a large last-level cache), this copy runs at memory speed as the sync does, the bucket-sized one does not
     whole_src = torch.empty(max(total, 1), dtype=torch.uint8, device=device()).random_()
     whole_dst = torch.empty_like(whole_src)
-    whole = []
-    for _ in range(repeats):
-        t0 = _wall(cuda)
-        whole_dst.copy_(whole_src)
-        whole.append(_wall(cuda) - t0)
-    result["whole_copy_seconds"] = statistics.median(whole)
+    result["whole_copy_seconds"] = _median_seconds(lambda: whole_dst.copy_(whole_src), repeats, cuda)
     del whole_src, whole_dst
     weight = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device())
     quantizers = {"torch reference": blockwise_fp8_quantize_reference}
@@ -276,12 +280,8 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, p
     result["quant_gbps"] = {}
     for name, quantize in quantizers.items():
         quantize(weight)  # warm-up: Triton compiles on the first call
-        quant = []
-        for _ in range(repeats):
-            t0 = _wall(cuda)
-            quantize(weight)
-            quant.append(_wall(cuda) - t0)
-        result["quant_gbps"][name] = weight.numel() * weight.element_size() / statistics.median(quant) / 1e9
+        seconds = _median_seconds(lambda: quantize(weight), repeats, cuda)
+        result["quant_gbps"][name] = weight.numel() * weight.element_size() / seconds / 1e9
     result["device"] = torch.cuda.get_device_name() if cuda else f"{torch.get_num_threads()} thread/rank"
     return result
 
