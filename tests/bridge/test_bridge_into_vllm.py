@@ -96,7 +96,7 @@ def _engine_worker(old_dir, new_dir, work):
 
 
 @pytest.mark.slow
-def test_bridge_into_real_vllm_engine(model_root, tmp_path):
+def test_bridge_into_real_vllm_engine(model_root, tmp_path, cpu_fp8_path):
     from megatron_ais.mapping.hf_io import HFCheckpointReader
     from megatron_ais.rollout.verify import RefitVerificationError, verify_refit
 

