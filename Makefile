@@ -32,17 +32,20 @@ $(LAUNCH_STAMP): requirements/launch.txt
 	$(VENV_LAUNCH)/bin/python -c "import nemo_run"
 	touch $@
 
-# The default recipe on 2 gloo ranks (DP2): tiny Qwen3 model and tokenizer, a supervised warm-up on the digit-sort
-# task (Megatron checkpoint), then GRPO + AIS with FP8 rollouts in two colocated vLLM engines (one inside each
-# trainer rank), micro-batches by tokens, checkpointed.
+# The default recipe on 2 gloo ranks (DP2): tiny Qwen3 model and tokenizer, a check that this machine runs the FP8
+# engine (seconds, before the long phases), a supervised warm-up on the digit-sort task (Megatron checkpoint), then
+# GRPO + AIS with FP8 rollouts in two colocated vLLM engines (one inside each trainer rank), micro-batches by
+# tokens, checkpointed. tools/torchrun.py: an error that stops a rank is one line, with the full log's path.
 RUN_DIR ?= runs/default
+TORCHRUN := OMP_NUM_THREADS=1 $(PY) tools/torchrun.py
 run: $(STAMP)
 	rm -rf $(RUN_DIR)
 	$(PY) tools/make_tiny_model.py --arch qwen3 --out $(TINY)
-	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) tools/train_sft.py \
+	OMP_NUM_THREADS=1 $(PY) tools/check_engine.py --hf-dir $(TINY) --rollout-precision fp8
+	$(TORCHRUN) --log $(RUN_DIR)/logs/sft.log --standalone --nproc-per-node $(NPROC) tools/train_sft.py \
 	    --hf-dir $(TINY) --task digit_sort --train-iters 150 --micro-batch-size 16 --global-batch-size 32 \
 	    --seq-length 64 --lr 3e-3 --log-interval 10 --output-dir $(RUN_DIR)/sft --save $(RUN_DIR)/sft/checkpoint
-	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) pretrain_grpo_ais.py \
+	$(TORCHRUN) --log $(RUN_DIR)/logs/grpo.log --standalone --nproc-per-node $(NPROC) pretrain_grpo_ais.py \
 	    --load $(RUN_DIR)/sft/checkpoint --task digit_sort --seq-length 64 --grpo-steps 50 --eval-interval 10 \
 	    --eval-prompts 128 --micro-batch-size 16 --max-tokens-per-microbatch 1024 --lr 3e-4 --prompts-per-step 32 \
 	    --group-size 8 --rollout-precision fp8 --is-correction ais --rollout-kv-cache-gb 0.5 \

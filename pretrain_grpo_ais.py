@@ -7,7 +7,7 @@ over megatron): the flags become typed configs once, here; the run lives in mega
 import os
 import sys
 
-from megatron_ais.errors import USAGE_ERRORS, ArgumentValidationError
+from megatron_ais.errors import USAGE_ERRORS, ArgumentValidationError, reported_as_one_line
 from megatron_ais.logging import apply_vllm_log_level, quiet_libraries
 
 apply_vllm_log_level()  # at import: vLLM's engine processes import this module first (see the function)
@@ -61,10 +61,8 @@ def main(argv=None) -> int:
     if args.print_placement:
         return print_placement(parser, args)
     world_size = launched_world_size(parser)
-    try:
+    with reported_as_one_line(parser.prog, parser):
         summary = GRPORun(GRPORunConfig.from_args(args, world_size)).run()
-    except USAGE_ERRORS as err:
-        parser.error(str(err))
     if int(os.environ["RANK"]) == 0:  # colocated engines may have torn torch.distributed down already
         print(f"accuracy_before={summary['accuracy_before']:.4f} accuracy_after={summary['accuracy_after']:.4f} "
               f"steps={summary['steps']} wall_s={summary['wall_s']:.1f}", flush=True)

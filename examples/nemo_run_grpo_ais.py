@@ -83,11 +83,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def local_command(args) -> str:
-    """The local job: make the tiny model if needed, then torchrun the recipe with the training venv."""
+    """The local job: make the tiny model if needed, then torchrun the recipe with the training venv (through
+    tools/torchrun.py: a rank's error is one line, the ranks' output in the run's log)."""
     python = os.path.join(REPO, ".venv", "bin", "python")
     make_model = (f"test -f {shlex.quote(os.path.join(args.hf_dir, 'config.json'))} || {python} "
                   f"tools/make_tiny_model.py --arch qwen3 --out {shlex.quote(args.hf_dir)}")
-    recipe = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc_per_node),
+    recipe = [python, "tools/torchrun.py", "--log", os.path.join(args.output_dir, "logs", "trainer.log"), "--standalone",
+              "--nproc-per-node", str(args.nproc_per_node),
               "pretrain_grpo_ais.py", "--hf-dir", args.hf_dir, "--seq-length", "64", "--grpo-steps",
               str(args.grpo_steps), "--eval-interval", str(args.grpo_steps), "--eval-prompts", "8",
               "--eval-samples", "2", "--prompts-per-step", "4", "--group-size", "4", "--micro-batch-size", "4",

@@ -183,4 +183,6 @@ fi
 echo "Qwen3-8B GRPO+AIS: ${NNODES} node(s) x ${GPUS_PER_NODE} GPUs, trainer TP${TP} PP${PP}" \
      "DP$((WORLD_SIZE / (TP * PP))) on ${TRAINER_GPUS_PER_NODE} GPUs per node, ${ENGINES_PER_NODE} engine(s) of TP${ROLLOUT_TP}" \
      "per node, node rank ${NODE_RANK}, master ${MASTER_ADDR}:${MASTER_PORT}"
-exec torchrun "${DISTRIBUTED_ARGS[@]}" pretrain_grpo_ais.py "${ALL_ARGS[@]}"
+# torchrun through tools/torchrun.py: a rank's error is one line on the console, every rank's output in the log
+exec python tools/torchrun.py --log "$OUTPUT_DIR/logs/node${NODE_RANK}.log" "${DISTRIBUTED_ARGS[@]}" \
+    pretrain_grpo_ais.py "${ALL_ARGS[@]}"

@@ -3,6 +3,9 @@
 The entry points report the first four as one line (no traceback): they describe a run that cannot start. The
 others stop a run that has started; every rank raises the same one (`distributed.share`)."""
 import contextlib
+import os
+import sys
+import traceback
 
 
 class ArgumentValidationError(ValueError):
@@ -65,3 +68,42 @@ def as_sync_error(prefix: str = "", passing: tuple[type, ...] = ()):
 USAGE_ERRORS = (ArgumentValidationError, CheckpointError, TaskError)
 # what every rank re-raises by type when the rank that met it shares it
 SHARED_ERRORS = USAGE_ERRORS + (SyncError, RefitVerificationError, RolloutError, FloatingPointError)
+
+
+# set by tools/torchrun.py for the ranks it launches: where an error that ends a rank is written as one line
+ERROR_FILE_ENV = "MEGATRON_AIS_ERROR_FILE"
+
+
+def one_line(prog: str, err: BaseException) -> str:
+    """'prog: error: message' on one line (a usage error without its type: the message names the flag and the fix)."""
+    message = " ".join(str(err).split())
+    kind = "" if isinstance(err, USAGE_ERRORS) else f"{type(err).__name__}: "
+    return f"{prog}: error: {kind}{message}"
+
+
+@contextlib.contextmanager
+def reported_as_one_line(prog: str, parser):
+    """An entry point's body. Launched by tools/torchrun.py (ERROR_FILE_ENV set), an error that ends this rank is
+    appended to that file as one line (`one_line`, prefixed with the rank) and its traceback goes to stderr, which
+    the launcher keeps in the run's log: the user sees the line, not every rank's traceback and torchrun's report.
+    Otherwise a usage error is the parser's error (usage and message, exit 2) and any other error propagates."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    try:
+        yield
+    except USAGE_ERRORS as err:
+        if not path:
+            parser.error(str(err))
+        _record(path, one_line(prog, err))
+        raise SystemExit(2) from None
+    except Exception as err:
+        if not path:
+            raise
+        _record(path, one_line(prog, err))
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise SystemExit(1) from None
+
+
+def _record(path: str, line: str) -> None:
+    with open(path, "a") as f:
+        f.write(f"{os.environ.get('RANK', '0')}\t{line}\n")

@@ -12,7 +12,7 @@ from megatron_ais.logging import quiet_libraries
 quiet_libraries(int(os.environ.get("RANK", "0")))
 
 from megatron_ais.arguments import SFT_FLAGS, SFTRunConfig, build_parser, launched_world_size  # noqa: E402
-from megatron_ais.errors import USAGE_ERRORS  # noqa: E402
+from megatron_ais.errors import reported_as_one_line  # noqa: E402
 from megatron_ais.sft import run_sft  # noqa: E402
 
 
@@ -20,10 +20,8 @@ def main(argv=None) -> int:
     parser = build_parser(__doc__.split("\n\n")[0], SFT_FLAGS, prog="train_sft.py")
     args = parser.parse_args(argv)
     world_size = launched_world_size(parser)
-    try:
+    with reported_as_one_line(parser.prog, parser):
         summary = run_sft(SFTRunConfig.from_args(args, world_size))
-    except USAGE_ERRORS as err:
-        parser.error(str(err))
     import torch.distributed as dist
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"loss_first={summary['loss_first']} loss_last={summary['loss_last']} steps={summary['steps']} "
