@@ -117,13 +117,16 @@ def _train(setup, encoded: list[dict], config, log) -> list[float]:
             raise RuntimeError(f"step {step}: optimizer skipped the update (non-finite gradients)")
         loss = reduce_lm_loss(result.losses, ps.get_data_parallel_group()) if ps.is_pipeline_last_stage() else None
         seconds = time.time() - t0
-        tokens = sum(int(b["loss_mask"].sum()) for b in batches) * dp_size
+        # processed: every position of the step's micro-batches (prompt, response, padding); trained: the loss's
+        trained = sum(int(b["loss_mask"].sum()) for b in batches) * dp_size
+        processed = sum(b["tokens"].numel() for b in batches) * dp_size
         if loss is not None:
             history.append(loss)
         if config.trainer.logging.prints(step, iters):
             log.step(step, {"sft/loss": loss, "sft/grad_norm": result.grad_norm, "sft/step_seconds": seconds},
                      f"step {step:5d}/{iters} | loss {loss if loss is None else f'{loss:.4f}'} | "
-                     f"grad norm {result.grad_norm:.3f} | {tokens / seconds:8.0f} tok/s | {seconds:.2f}s")
+                     f"grad norm {result.grad_norm:.3f} | {processed / seconds:6.0f} tok/s processed, "
+                     f"{trained / seconds:5.0f} trained | {seconds:.2f}s")
     return history
 
 

@@ -28,6 +28,7 @@ import io
 import os
 import pickle
 import queue
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,12 @@ from megatron_ais.checkpointing.optimizer_state import (check_optimizer_layout, 
 from megatron_ais.checkpointing.ranks import CheckpointRanks, gather
 from megatron_ais.errors import CheckpointError
 from megatron_ais.model import unwrap_model
+
+# megatron-core 0.16.1's dist_checkpointing calls torch.distributed.checkpoint's `load_state_dict` and builds
+# ShardedTensors, both deprecated in torch 2.13 with a FutureWarning at every save and load of a run: megatron's
+# choice, nothing a user can act on
+for _message in (r"`load_state_dict` is deprecated", r"Please use DTensor instead"):
+    warnings.filterwarnings("ignore", message=_message, category=FutureWarning)
 
 NAME = "torch_dist"
 RESHARDS_ON_LOAD = True  # vocabulary rows padded or cut by megatron-core (allow_shape_mismatch)
