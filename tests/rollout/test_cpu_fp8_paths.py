@@ -75,11 +75,13 @@ def dequantized_model_dir(hf_dir: str, engine_dir: str, out: str) -> str:
 
     from safetensors.torch import load_file, save_file
 
-    from megatron_ais.rollout.fp8_emulation import dequantize_blockwise_bf16
+    def dequantized(codes, scales):  # written out here, apart from the engine's own code: bf16(code x scale)
+        expanded = scales.float().repeat_interleave(128, 0)[:codes.shape[0]].repeat_interleave(128, 1)
+        return (codes.float() * expanded[:, :codes.shape[1]]).to(torch.bfloat16)
 
     tensors = load_file(os.path.join(engine_dir, "model.safetensors"))
-    weights = {name: (dequantize_blockwise_bf16(t, tensors[name + "_scale_inv"]) if name + "_scale_inv" in tensors
-                      else t) for name, t in tensors.items() if not name.endswith("_scale_inv")}
+    weights = {name: (dequantized(t, tensors[name + "_scale_inv"]) if name + "_scale_inv" in tensors else t)
+               for name, t in tensors.items() if not name.endswith("_scale_inv")}
     shutil.copytree(hf_dir, out)
     save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out, "config.json")) as f:
