@@ -20,10 +20,11 @@ import functools
 
 import torch
 
+from kernels.fp8.format import FP8_E4M3_MAX
+
 FP8_ACTIVATIONS_ENV = "MEGATRON_AIS_FP8_ACTIVATIONS"
 # set by the engine when its FP8 KV cache is emulated (the torch path): vLLM then holds a BF16 cache
 FP8_KV_CACHE_ENV = "MEGATRON_AIS_FP8_KV_CACHE"
-E4M3_MAX = 448.0
 
 
 def dequantize_blockwise(codes, scales, block_rows: int = 128, block_cols: int = 128):
@@ -41,7 +42,7 @@ def dequantize_blockwise_bf16(codes, scales, block_rows: int = 128, block_cols: 
 def fp8_kv_round_trip(x, scale: float):
     """Keys or values [tokens, heads, head_size] as an FP8 KV cache with `scale` holds them: x / scale saturated to
     ±448 and rounded to e4m3, times the scale in fp32, in x's dtype."""
-    codes = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    codes = (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return (codes.float() * scale).to(x.dtype)
 
 
