@@ -1,4 +1,5 @@
 """AIS statistics, λ, correction weights and baselines against closed forms and hand-computed examples."""
+import dataclasses
 import math
 
 import pytest
@@ -8,6 +9,7 @@ from hypothesis import strategies as st
 
 from megatron_ais.ais import (AISConfig, AISState, ais_coefficient, apply_correction, correction_weights,
                               exclude_invalid_sequences, mismatch_statistics)
+from megatron_ais.ais.coefficient import lambda_of_tokens, lambda_per_token, results_per_lag, statistics_per_lag
 from megatron_ais.ais.statistics import INDEX
 from megatron_ais.grpo.loss import PolicyLossConfig, aggregate, token_losses
 
@@ -284,10 +286,6 @@ def test_lambda_per_lag_is_each_lags_own_lambda_on_its_tokens():
     """--ais-lambda-per-lag: rows one policy version stale (a larger mismatch) beside current ones; each lag's λ is
     the closed-form λ of its rows alone, and each token's coefficient is (1 − λ_k) + λ_k · min(w, C) with its lag's
     λ_k (by hand). With one lag in the batch, that lag's λ is the batch's λ."""
-    import dataclasses
-
-    from megatron_ais.ais.coefficient import lambda_per_token, statistics_per_lag
-
     trainer, rollout, adv, mask = _batch(seed=5, b=6, s=7, scale=0.05)
     stale = torch.tensor([False, True, False, True, True, False])
     rollout = torch.where(stale[:, None], rollout + 0.4 * torch.randn(6, 7, generator=torch.Generator().manual_seed(9)),
@@ -319,19 +317,17 @@ def test_lambda_per_lag_is_each_lags_own_lambda_on_its_tokens():
 
 @pytest.mark.parametrize("per_lag", [False, True])
 def test_a_stale_lambda_floor_of_one_corrects_stale_tokens_as_tis(per_lag):
-    """--ais-stale-lambda-floor 1: a stale token's coefficient is min(w, C) (truncated IS, by hand) and a current
-    token's keeps (1 − λ) + λ · min(w, C) with the batch's λ (or its lag's); a floor of 0.5 lifts only stale λ below
-    it."""
-    import dataclasses
-
-    from megatron_ais.ais.coefficient import lambda_of_tokens, results_per_lag
-
-    trainer, rollout, adv, mask = _batch(seed=7, b=6, s=7, scale=0.05)
-    stale = torch.tensor([False, True, False, True, False, False])
-    lags = (2 * stale.long())[:, None].expand(6, 7)
+    """--ais-stale-lambda-floor 1: a stale token's coefficient is min(w, C) (truncated IS, by hand) at every lag
+    >= 1 (lag 1 is all there is at --max-off-policy-steps 1) and a current token's keeps (1 − λ) + λ · min(w, C)
+    with the batch's λ (or its lag's); a floor of 0.5 lifts only stale λ below it."""
+    trainer, rollout, adv, mask = _batch(seed=7, b=8, s=7, scale=0.05)
+    row_lags = torch.tensor([0, 1, 0, 2, 1, 3, 0, 0])
+    lags = row_lags[:, None].expand(8, 7)
+    stale = row_lags >= 1
     config = AISConfig(lambda_per_lag=per_lag, stale_lambda_floor=1.0)
     batch = ais_coefficient(mismatch_statistics(trainer, rollout, adv, mask, config), config)
-    results, _ = results_per_lag(trainer, rollout, adv, mask, lags, 2, config, state=AISState())
+    results, _ = results_per_lag(trainer, rollout, adv, mask, lags, 3, config, state=AISState())
+    assert sorted(results) == [0, 1, 2, 3]
     token_lambda = lambda_of_tokens(batch, results, lags, config)
     coefficient = correction_weights(trainer, rollout, dataclasses.replace(batch, token_lambda=token_lambda), config,
                                      mask)
@@ -341,10 +337,14 @@ def test_a_stale_lambda_floor_of_one_corrects_stale_tokens_as_tis(per_lag):
     expected = torch.where(stale[:, None], w, (1 - current) + current * w)
     valid = mask > 0
     assert torch.allclose(coefficient[valid], expected[valid].float(), atol=1e-6)
+    for lag in (1, 2, 3):
+        rows = row_lags == lag
+        assert torch.allclose(coefficient[rows][valid[rows]], w[rows][valid[rows]].float(), atol=1e-6), lag
     half = lambda_of_tokens(batch, results, lags, dataclasses.replace(config, stale_lambda_floor=0.5))
-    stale_lambda = results[2].lam if per_lag else batch.lam
-    assert torch.allclose(half[stale], torch.tensor(max(stale_lambda, 0.5)))
-    assert torch.allclose(half[~stale], torch.tensor(current))
+    for lag in (0, 1, 2, 3):
+        own = (results[lag] if per_lag else batch).lam
+        floor = 0.5 if lag >= 1 else 0.0
+        assert torch.allclose(half[row_lags == lag], torch.tensor(max(own, floor))), lag
     assert lambda_of_tokens(batch, results, lags, AISConfig()) is None
 
 
