@@ -5,8 +5,8 @@ generation: uninterrupted, it samples what `generate` does (the same seeds); int
 steps that installs other weights, it resumes every unfinished sample on them, and every token's log-prob equals
 transformers' under the weights its recorded version names (model A before the sync, B after) — no token mixes
 weights — while the resumed tokens' log-probs under A do not."""
+import collections
 import threading
-import time
 
 import pytest
 import torch
@@ -18,74 +18,122 @@ PROMPTS = [[5, 17, 42, 99], [7, 8, 9], [120, 3, 44, 250, 61]]
 SAMPLES, MAX_NEW_TOKENS = 2, 24
 
 
-def _run(target) -> threading.Thread:
-    thread = threading.Thread(target=target, daemon=True)
+class Timeline(threading.Condition):
+    """The engine turns' condition, watched: what each named thread did (`record`) and how often it has begun to
+    wait on the condition, so a test orders its threads by what they did rather than by sleeps or wake-up order."""
+
+    def __init__(self):
+        super().__init__()
+        self.events, self.waits = [], collections.Counter()
+        self._seen = threading.Condition()
+
+    def wait(self, timeout=None):
+        with self._seen:
+            self.waits[threading.current_thread().name] += 1
+            self._seen.notify_all()
+        return super().wait(timeout)
+
+    def record(self, event: str):
+        with self._seen:
+            self.events.append(event)
+            self._seen.notify_all()
+
+    def until(self, what, predicate):
+        with self._seen:
+            assert self._seen.wait_for(predicate, timeout=10), f"timed out waiting until {what}: {self.events}"
+
+
+def _watched_turns():
+    from megatron_ais.rollout.turns import EngineTurns
+
+    turns = EngineTurns()
+    turns._changed = Timeline()
+    return turns, turns._changed
+
+
+def _run(target, name: str) -> threading.Thread:
+    thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
     return thread
 
 
-def test_a_sync_waits_for_a_generation_or_runs_while_it_is_parked():
-    from megatron_ais.rollout.turns import EngineTurns
-
-    turns, events = EngineTurns(), []
-    holding, release = threading.Event(), threading.Event()
-
-    def generation_to_its_end():
+def _generation_until(turns, timeline, release: threading.Event):
+    def generation():
         with turns.generation():
-            holding.set()
+            timeline.record("generation holds")
             release.wait(10)
-            events.append("generation ends")
+            timeline.record("generation ends")
+    return generation
 
+
+def _sync(turns, timeline, release: threading.Event | None = None):
     def sync():
         with turns.sync():
-            events.append("sync")
+            timeline.record("sync")
             turns.weights_version = 7
+            if release is not None:
+                release.wait(10)
+            timeline.record("sync ends")
+    return sync
 
-    first = _run(generation_to_its_end)
-    holding.wait(10)
-    syncing = _run(sync)
-    time.sleep(0.2)
-    events.append("released")
+
+def test_a_sync_waits_for_a_generation_that_does_not_step_aside():
+    turns, timeline = _watched_turns()
+    release = threading.Event()
+    first = _run(_generation_until(turns, timeline, release), "generation")
+    timeline.until("the generation holds the engine", lambda: "generation holds" in timeline.events)
+    syncing = _run(_sync(turns, timeline), "sync")
+    timeline.until("the sync waits (or runs)", lambda: timeline.waits["sync"] or "sync" in timeline.events)
+    timeline.record("released")
     release.set()
     first.join(10), syncing.join(10)
-    assert events == ["released", "generation ends", "sync"]  # a generation that does not step aside runs to its end
+    assert timeline.events == ["generation holds", "released", "generation ends", "sync", "sync ends"]
 
-    events.clear()
+
+def test_a_sync_runs_while_the_generation_is_parked_and_it_resumes_on_the_new_weights():
+    turns, timeline = _watched_turns()
     parked_with = []
 
     def generation_that_steps_aside():
         with turns.generation():
-            holding.set()
-            while not turns.sync_asked():
-                time.sleep(0.01)
-            events.append("parks")
+            timeline.record("generation holds")
+            timeline.until("a sync asks", turns.sync_asked)
+            timeline.record("parks")
             parked_with.append(turns.park())
-            events.append("resumes")
+            timeline.record("resumes")
 
-    holding.clear()
-    generating = _run(generation_that_steps_aside)
-    holding.wait(10)
-    syncing = _run(sync)
+    generating = _run(generation_that_steps_aside, "generation")
+    timeline.until("the generation holds the engine", lambda: "generation holds" in timeline.events)
+    syncing = _run(_sync(turns, timeline), "sync")
     syncing.join(10), generating.join(10)
-    assert events == ["parks", "sync", "resumes"] and parked_with == [7]
+    assert timeline.events == ["generation holds", "parks", "sync", "sync ends", "resumes"] and parked_with == [7]
 
-    # a generation waits for the one holding the engine, and for a sync waiting for it
-    events.clear()
-    release.clear(), holding.clear()
-    first = _run(generation_to_its_end)
-    holding.wait(10)
-    syncing = _run(sync)
-    time.sleep(0.1)
+
+def test_a_generation_waits_for_a_sync_that_asked_before_it():
+    """The second generation asks for the engine after the sync did, while the first holds it: when the first ends,
+    the sync runs and the second waits for it to end, whichever thread the condition wakes first."""
+    turns, timeline = _watched_turns()
+    release_first, release_sync = threading.Event(), threading.Event()
+    first = _run(_generation_until(turns, timeline, release_first), "first")
+    timeline.until("the first generation holds the engine", lambda: "generation holds" in timeline.events)
+    syncing = _run(_sync(turns, timeline, release_sync), "sync")
+    timeline.until("the sync waits", lambda: timeline.waits["sync"] == 1)
+
     def second_generation():
         with turns.generation():
-            events.append("second generation")
+            timeline.record("second generation")
 
-    second = _run(second_generation)
-    time.sleep(0.1)
-    release.set()
+    second = _run(second_generation, "second")
+    timeline.until("the second generation waits", lambda: timeline.waits["second"] == 1)
+    release_first.set()
+    timeline.until("the sync holds the engine", lambda: "sync" in timeline.events)
+    timeline.until("the second generation waits again, or runs",
+                   lambda: timeline.waits["second"] == 2 or "second generation" in timeline.events)
+    assert "second generation" not in timeline.events, "a generation ran during a weight sync"
+    release_sync.set()
     for thread in (first, syncing, second):
         thread.join(10)
-    assert events == ["generation ends", "sync", "second generation"]
+    assert timeline.events == ["generation holds", "generation ends", "sync", "sync ends", "second generation"]
 
 
 def _b_weights(b_dir):
