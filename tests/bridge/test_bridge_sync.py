@@ -389,36 +389,49 @@ def test_nan_on_a_gpu_rank_is_refused_by_name(model_root):
 
 
 def _double_buffered_worker(hf_dir, parallel_flag, transport):
-    """Three syncs into a double-buffered arena, the weights doubled before each later one; on the engine's rank:
-    each sync's buffer ref and tensors, and what the previous sync's buffer holds once the next one committed."""
+    """Four syncs into a double-buffered arena, the weights doubled before each later one; the second refused (a NaN
+    in the other rank's shard). On the engine's rank: each committed sync's buffer ref and tensors, what the
+    previous committed sync's buffer holds once the next one committed, and the refusals."""
     import torch.distributed as dist
 
     from megatron_ais.bridge.config import BridgeConfig
     from megatron_ais.bridge.quantization import QuantizationPolicy
     from megatron_ais.bridge.receiver import SyncReceiver
     from megatron_ais.bridge.sync import WeightBridge
+    from megatron_ais.errors import SyncError
     from megatron_ais.rollout.feeds.base import named_tensors
 
     chunks, build, layout = _bf16_model(hf_dir, parallel_flag)
     receiver = SyncReceiver(apply=lambda weights: weights, slots=2) if layout.rank == 0 else None
     config = BridgeConfig(bucket_size_mb=BUCKET_MB, policy=QuantizationPolicy(precision="bf16"), transport=transport)
-    synced, previous_after = [], []
+    poisoned = next(p for p in chunks[0].parameters() if p.dim() == 2)
+    synced, previous_after, refused = [], [], []
     with WeightBridge(chunks, build, config, layout, receiver) as bridge:
-        for sync_id in range(3):
-            if sync_id:
+        for sync_id in range(4):
+            with torch.no_grad():
+                for chunk in chunks:
+                    for parameter in chunk.parameters():
+                        parameter.mul_(2 if sync_id else 1)  # exact in BF16
+                original = poisoned.detach().clone()
+                if sync_id == 1 and layout.rank == 1:
+                    poisoned[0, 0] = float("nan")
+            try:
+                weights = bridge.sync(sync_id).committed
+            except SyncError as err:
+                refused.append((sync_id, str(err)))
+                continue
+            finally:
                 with torch.no_grad():
-                    for chunk in chunks:
-                        for parameter in chunk.parameters():
-                            parameter.mul_(2)  # exact in BF16
-            weights = bridge.sync(sync_id).committed
+                    poisoned.copy_(original)
             if receiver is not None:
                 if synced:
-                    previous_after.append({n: t.clone() for n, t in named_tensors(synced[-1][0])})
-                synced.append((weights, {n: t.clone() for n, t in named_tensors(weights)}))
+                    previous_after.append({n: t.clone() for n, t in named_tensors(synced[-1][1])})
+                synced.append((sync_id, weights, {n: t.clone() for n, t in named_tensors(weights)}))
             dist.barrier()  # the other ranks write the next sync once the engine's rank has read this one
     if receiver is None:
         return None
-    result = [weights.ref for weights, _ in synced], [tensors for _, tensors in synced], previous_after
+    result = ([(sync_id, weights.ref) for sync_id, weights, _ in synced],
+              [(sync_id, tensors) for sync_id, _, tensors in synced], previous_after, refused)
     receiver.close()
     return result
 
@@ -426,16 +439,20 @@ def _double_buffered_worker(hf_dir, parallel_flag, transport):
 @pytest.mark.parametrize("parallel_flag,transport", [("--tensor-model-parallel-size", "shm"),
                                                      ("--pipeline-model-parallel-size", "distributed")])
 def test_double_buffered_syncs_never_write_the_committed_buffer(model_root, parallel_flag, transport):
-    """With two slots (the asynchronous loop's arena) consecutive syncs alternate buffers: each sync's tensors equal
-    the weights it was given (HF tensors x 2^k, bit for bit), and once the next sync has committed, the buffer of
-    the one before it (what an engine restarted meanwhile reloads) still holds exactly its weights."""
+    """With two slots (the asynchronous loop's arena) committed syncs alternate buffers, a refused sync (a NaN)
+    between them too: each committed sync's tensors equal the weights it was given (HF tensors x 2^k, bit for bit),
+    and once the next sync has committed, the buffer of the one before it (what the engines hold while it is
+    written, and what an engine restarted meanwhile reloads) still holds exactly its weights."""
     model = make_model_dir(model_root, "qwen3", num_key_value_heads=1)
-    refs, synced, previous_after = spawn(2, _double_buffered_worker, model, parallel_flag, transport)[0]
-    assert refs[0] != refs[1] and refs[2] == refs[0]
+    refs, synced, previous_after, refused = spawn(2, _double_buffered_worker, model, parallel_flag, transport)[0]
+    assert [sync_id for sync_id, _ in refused] == [1] and "NaN" in refused[0][1]
+    assert [sync_id for sync_id, _ in refs] == [0, 2, 3]
+    assert refs[0][1] != refs[1][1] and refs[2][1] == refs[0][1]
     source = HFCheckpointReader(model)
-    for k, tensors in enumerate(synced):
+    for k, tensors in synced:
         assert sorted(tensors) == sorted(source.names())
         for name in source.names():
             assert torch.equal(tensors[name], source.get(name) * 2 ** k), (k, name)
-    for k, held in enumerate(previous_after):
-        assert all(torch.equal(held[name], synced[k][name]) for name in held), k
+    assert len(previous_after) == 2
+    for (k, tensors), held in zip(synced, previous_after):
+        assert all(torch.equal(held[name], tensors[name]) for name in held), k
