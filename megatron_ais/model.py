@@ -149,7 +149,7 @@ def check_supported_hf_config(cfg: dict[str, Any]) -> None:
 def te_available() -> bool:
     """Return True when Transformer Engine imports (its layer spec is then the default)."""
     try:
-        importlib.import_module("transformer_engine.pytorch")
+        importlib.import_module("transformer_engine.pytorch")  # optional: the local spec without it
     except (ImportError, RuntimeError):  # RuntimeError: the empty TE meta package
         return False
     return True

@@ -342,7 +342,7 @@ def apply_cpu_compat() -> bool:
     torch.cuda.current_stream = lambda *args, **kwargs: _NullStream()
     proxy = _TorchProxy()
     for name in _CUDA_LITERAL_MODULES:
-        importlib.import_module(name).torch = proxy
+        importlib.import_module(name).torch = proxy  # the shim imports what it patches, on CPU only
     _patch_rng_tracker()
     _patch_type_checks()
     _patch_torch_norm_sequence_parallel()

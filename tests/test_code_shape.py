@@ -1,7 +1,8 @@
 """The shape the code keeps: short functions, the argparse namespace seen only by the entry points and the
 configs' `from_args` constructors (everything below takes typed configs), and imports that point one way: no
 import cycle between modules nor between units (a subpackage of `megatron_ais`, a top-level module, `kernels`),
-and no function-local import but of an optional heavy dependency."""
+and no function-local import but of an optional heavy dependency — import statements and imports made by call
+(`importlib.import_module`, `__import__`) alike."""
 import ast
 import os
 import subprocess
@@ -16,12 +17,15 @@ MAX_FUNCTION_LINES = 60
 NAMESPACE_READERS = {"from_args", "flag_values", "plain_flag_values"}
 # what a function may import locally: optional or heavy dependencies that a path of the package does without
 # (vLLM in trainer-only paths, Triton without a GPU, wandb and matplotlib when not asked for, transformers at
-# --help, math-verify outside the math task), each import with a comment saying why
-LOCAL_IMPORT_ROOTS = {"vllm", "triton", "wandb", "matplotlib", "transformers", "math_verify"}
-MAX_LOCAL_IMPORTS = 37  # +3: the torch FP8 path, the emulated FP8 KV cache and torch linear for BF16, in vllm_compat
+# --help, math-verify outside the math task, Transformer Engine where it is not installed), each import with a
+# comment saying why
+LOCAL_IMPORT_ROOTS = {"vllm", "triton", "wandb", "matplotlib", "transformers", "math_verify", "transformer_engine"}
+# +2: the import calls the checks now see (Transformer Engine's probe, the CPU shim's patched modules)
+MAX_LOCAL_IMPORTS = 39
 # the CPU shim imports the megatron modules it patches when it patches (CPU only): `platform` stays light for the
 # spawned ranks and workers that only ask which device and backend they have
 LOCAL_IMPORTS_IN = {"megatron_ais.platform": {"megatron"}}
+DYNAMIC = "<a module named at run time>"  # an import call whose argument the checks cannot read
 
 
 def _modules(roots=OWN):
@@ -78,9 +82,48 @@ def _imported(node, module: str, is_package: bool, known: set[str]) -> list[str]
     return [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
 
 
+def _module_constants(tree) -> dict[str, object]:
+    """The module-level names bound to a literal (e.g. a tuple of module names)."""
+    constants = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                constants[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+    return constants
+
+
+def _loop_values(tree, name: str, constants: dict[str, object]) -> list | None:
+    """What `name` takes as the target of a `for` over a module-level literal, or None."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.For) and isinstance(node.target, ast.Name) and node.target.id == name \
+                and isinstance(node.iter, ast.Name) and isinstance(constants.get(node.iter.id), (tuple, list)):
+            return list(constants[node.iter.id])
+    return None
+
+
+def _called_imports(call: ast.Call, tree, constants: dict[str, object]) -> list[str] | None:
+    """The modules an `importlib.import_module(...)` or `__import__(...)` call imports (its argument a literal, a
+    module-level constant or a loop over one), DYNAMIC when the argument is none of these; None when `call` is not
+    an import."""
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if name not in ("import_module", "__import__") or not call.args:
+        return None
+    argument = call.args[0]
+    if isinstance(argument, ast.Constant) and isinstance(argument.value, str):
+        return [argument.value]
+    if isinstance(argument, ast.Name) and isinstance(constants.get(argument.id), str):
+        return [constants[argument.id]]
+    values = _loop_values(tree, argument.id, constants) if isinstance(argument, ast.Name) else None
+    return [v for v in values if isinstance(v, str)] if values else [DYNAMIC]
+
+
 def import_graph() -> tuple[dict[str, set[str]], list[tuple[str, int, str, bool]]]:
-    """Our modules' imports of our modules ({module: imported modules}, wherever the import sits), and every
-    function-local import as (module, line, imported module, whether a comment gives its reason)."""
+    """Our modules' imports of our modules ({module: imported modules}, wherever the import sits: statements and
+    `importlib.import_module` / `__import__` calls), and every function-local import as (module, line, imported
+    module, whether a comment gives its reason)."""
     modules = {dotted: (path, tree) for dotted, path, tree in _modules()}
     graph, local = {name: set() for name in modules}, []
     for name, (path, tree) in modules.items():
@@ -88,12 +131,16 @@ def import_graph() -> tuple[dict[str, set[str]], list[tuple[str, int, str, bool]
             lines = f.read().splitlines()
         in_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
                        for n in ast.walk(f)}
+        constants = _module_constants(tree)
         for node in ast.walk(tree):
-            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                targets = _imported(node, name, path.endswith("__init__.py"), set(modules))
+            elif isinstance(node, ast.Call) and _called_imports(node, tree, constants) is not None:
+                targets = _called_imports(node, tree, constants)
+            else:
                 continue
-            targets = _imported(node, name, path.endswith("__init__.py"), set(modules))
             graph[name].update(t for t in targets if t in modules and t != name)
-            if id(node) in in_function:
+            if id(node) in in_function or DYNAMIC in targets:
                 reason = _commented(lines, node.lineno)
                 local += [(name, node.lineno, target, reason) for target in dict.fromkeys(targets)]
     return graph, local
@@ -172,7 +219,8 @@ def test_function_local_imports_only_of_optional_heavy_dependencies():
     assert not other, f"function-local imports of dependencies every path needs: {other}"
     unexplained = [f"{module}:{line} {target}" for module, line, target, reason in local if not reason]
     assert not unexplained, f"function-local imports without a comment saying why: {unexplained}"
-    assert len(local) <= MAX_LOCAL_IMPORTS, f"{len(local)} function-local imports (cap {MAX_LOCAL_IMPORTS})"
+    sites = {(module, line) for module, line, _, _ in local}
+    assert len(sites) <= MAX_LOCAL_IMPORTS, f"{len(sites)} function-local imports (cap {MAX_LOCAL_IMPORTS})"
 
 
 def test_the_engine_workers_load_no_megatron():
@@ -199,3 +247,18 @@ def test_the_import_checks_see_a_cycle():
     tree = ast.parse("def f():\n    from megatron_ais.rollout import fleet\n")
     assert _imported(tree.body[0].body[0], "megatron_ais.grpo.run", False, {"megatron_ais.rollout.fleet"}) == \
         ["megatron_ais.rollout.fleet"]
+
+
+def test_the_import_checks_see_imports_made_by_call():
+    """Negative control: `importlib.import_module`, `import_module` and `__import__` with a literal, a module-level
+    constant or a loop over one name their modules; any other argument is an import the checks cannot read."""
+    tree = ast.parse("import importlib\nfrom importlib import import_module\nNAME = 'megatron_ais.grpo.run'\n"
+                     "NAMES = ('megatron_ais.sft', 'vllm')\n"
+                     "def f(x):\n    importlib.import_module('megatron_ais.rollout.fleet')\n"
+                     "    __import__('megatron_ais.bridge.sync')\n    import_module(NAME)\n"
+                     "    for name in NAMES:\n        import_module(name)\n    import_module(x)\n    print(x)\n")
+    constants = _module_constants(tree)
+    calls = sorted((node for node in ast.walk(tree) if isinstance(node, ast.Call)), key=lambda call: call.lineno)
+    assert [_called_imports(call, tree, constants) for call in calls] == [
+        ["megatron_ais.rollout.fleet"], ["megatron_ais.bridge.sync"], ["megatron_ais.grpo.run"],
+        ["megatron_ais.sft", "vllm"], [DYNAMIC], None]
