@@ -5,6 +5,8 @@ compute what they did before the options existed, bit for bit."""
 import pytest
 import torch
 
+from dapo_reference import dapo_overlong_reward
+
 from megatron_ais.batch import RolloutBatch
 from megatron_ais.grpo.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, group_advantages, with_advantages
 from megatron_ais.grpo.loss import (POLICY_LOSSES, PolicyLossConfig, aggregate, global_normalizer, gspo_term,
@@ -31,13 +33,6 @@ def verl_compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_m
     seq_losses = torch.sum(pg_losses * response_mask, dim=-1) / (seq_mask + 1e-8)
     seq_mask = (seq_mask > 0).float()
     return (seq_losses * seq_mask).sum() / seq_mask.sum().clamp(min=1.0)
-
-
-def dapo_overlong_reward(valid_response_length, max_resp_len, overlong_buffer_len, overlong_penalty_factor):
-    """Reference: verl, verl/workers/reward_manager/dapo.py (DAPORewardManager, overlong_buffer enabled)."""
-    expected_len = max_resp_len - overlong_buffer_len
-    exceed_len = valid_response_length - expected_len
-    return min(-exceed_len / overlong_buffer_len * overlong_penalty_factor, 0)
 
 
 def _policy_inputs(seed=0):
