@@ -86,7 +86,7 @@ class RolloutFleet:
         self.config, self.prompts_per_step, self.eval_prompts = config, prompts_per_step, eval_prompts
         self.balanced, self.log = balanced, log  # balanced: DP shares balance tokens (--max-tokens-per-microbatch)
         self.dynamic_sampling = dynamic_sampling
-        self.engine_versions: dict[int, int] = {}  # each serving engine's committed weight version (its last sync)
+        self.engine_versions: dict[int, int] = {}  # the trainer step whose weights each serving engine holds
         self.policy_version = 0  # the trainer step whose weights the engines hold (the last sync's id; 0: initial)
         self._ahead_worker: BackgroundWorker | None = None  # the thread that generates ahead, started at first use
 

@@ -218,13 +218,15 @@ class RolloutManager:
 
     def apply_weights(self, weights, reference: RefitReference, policy_version: int) -> int:
         """Install a verified sync of the trainer's step `policy_version` whose probe log-probs on the trainer are
-        `reference` (the refit check of every later restart); return the engine's weight version. An engine that
-        died meanwhile is restarted with this sync's weights, not its last ones (the staging arena it read those
-        from holds this sync's now), and serves once it agrees with `reference` (while the restart budget lasts)."""
+        `reference` (the refit check of every later restart); return the trainer step whose weights the engine
+        holds now (the same in a resumed run, and after a restart, unlike the engine's count of loads). An engine
+        that died meanwhile is restarted with this sync's weights, not its last ones (the staging arena it read
+        those from holds this sync's now), and serves once it agrees with `reference` (while the restart budget
+        lasts)."""
         self.refit_reference = reference
-        version = self._serving(lambda: self.engine.update_weights(weights), "weight sync", weights)
+        self._serving(lambda: self.engine.update_weights(weights), "weight sync", weights)
         self.turns.weights_version = policy_version
-        return version
+        return self.turns.weights_version
 
     def set_kv_cache_scales(self, scales) -> int:
         """Install FP8 KV-cache scales; an engine that died meanwhile is restarted (while the budget lasts) and given
