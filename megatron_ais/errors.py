@@ -86,8 +86,13 @@ def reported_as_one_line(prog: str, parser):
     """An entry point's body. Launched by tools/torchrun.py (ERROR_FILE_ENV set), an error that ends this rank is
     appended to that file as one line (`one_line`, prefixed with the rank) and its traceback goes to stderr, which
     the launcher keeps in the run's log: the user sees the line, not every rank's traceback and torchrun's report.
-    Otherwise a usage error is the parser's error (usage and message, exit 2) and any other error propagates."""
+    Otherwise a usage error is the parser's error (usage and message, exit 2) and any other error propagates.
+    Launched so, the ranks print into one pipe, unbuffered: each line goes to it in one write (print's pieces and
+    newline are several otherwise), so two ranks' lines never mix."""
     path = os.environ.get(ERROR_FILE_ENV)
+    if path:
+        for stream in (sys.stdout, sys.stderr):
+            stream.reconfigure(line_buffering=True, write_through=False)
     try:
         yield
     except USAGE_ERRORS as err:

@@ -15,8 +15,9 @@ from megatron_ais.errors import ArgumentValidationError, reported_as_one_line
 parser = argparse.ArgumentParser(prog="rank.py")
 parser.add_argument("--fail", choices=("none", "runtime", "usage"))
 args = parser.parse_args()
-print(f"rank {{os.environ['RANK']}} step 1", flush=True)
 with reported_as_one_line(parser.prog, parser):
+    for step in range(1, 201):
+        print(f"rank {{os.environ['RANK']}} step", step, flush=True)
     if args.fail == "runtime":
         raise RuntimeError("the engine died\\n  at step 3")
     if args.fail == "usage":
@@ -52,5 +53,7 @@ def test_a_failed_run_is_one_line_with_the_logs_path(tmp_path, fail, line):
 def test_a_run_that_succeeds_shows_all_its_output(tmp_path):
     result, log = _launch(tmp_path, "--fail", "none")
     assert result.returncode == 0 and result.stderr == ""
-    assert sorted(result.stdout.splitlines()) == ["rank 0 step 1", "rank 1 step 1"]
-    assert "rank 0 step 1" in log
+    # two ranks printing into one pipe at once: every line whole
+    assert sorted(result.stdout.splitlines()) == sorted(f"rank {rank} step {step}" for rank in (0, 1)
+                                                        for step in range(1, 201))
+    assert "rank 0 step 200" in log
