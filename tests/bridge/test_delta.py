@@ -2,7 +2,8 @@
 weights, quantized to blockwise FP8 as the engine receives them. A delta applied to the previous version equals the
 new version bit for bit and sends a small fraction of the full bytes; a dropped or altered code is refused by the
 manifest's full-tensor checksums naming the tensor. Across two simulated nodes (real gloo ranks), the node copy
-follows the arena bit for bit through deltas, a full copy comes at the interval and after a refused delta."""
+follows the arena bit for bit through deltas, a full copy comes at the interval, after a refused delta and with a
+new layout. A tensor goes in full exactly when its changed codes and their positions would take as many bytes."""
 import pytest
 import torch
 
@@ -122,6 +123,26 @@ def test_a_delta_after_adam_steps_equals_the_full_sync_and_a_changed_code_is_ref
         delta.apply(previous.clone(), plan, header, payload[:-1])
 
 
+def test_a_tensor_goes_in_full_once_its_delta_would_be_as_large():
+    """A changed code costs its int32 position and its byte: 16384 codes with 3276 changed ship as a delta of
+    5 x 3276 bytes, with 3277 changed (5 x 3277 >= 16384) in full; either way the copy becomes the new bytes."""
+    from megatron_ais.bridge import delta
+
+    tensors = Layer(seed=3).engine_tensors()
+    codes = next((n, t[:128, :128].contiguous()) for n, t in tensors if t.dtype == torch.float8_e4m3fn)
+    old, entries = arena_of([codes])
+    plan = delta.DeltaPlan.of(entries)
+    for changed, expected in ((3276, 3276), (3277, delta.FULL)):
+        new = old.clone()
+        new[:changed] ^= 1
+        header, payload = delta.encode(new, plan, delta.snapshot(old, plan))
+        assert header.changed == (expected,), changed
+        assert payload.numel() == (16384 if expected == delta.FULL else 5 * changed)
+        copy = old.clone()
+        delta.apply(copy, plan, header, payload)
+        assert torch.equal(copy, new)
+
+
 def _nodes_worker(work: str):
     import os
 
@@ -142,10 +163,11 @@ def _nodes_worker(work: str):
     def dropping(data, plan, base):  # the arena rank's delta loses one changed code on the way
         return drop_one(plan, *encode(data, plan, base))[1:]
 
-    for forward in range(6):
+    for forward in range(8):
         if forward:
             layer.step()
-        data, entries = arena_of(layer.engine_tensors())
+        tensors = layer.engine_tensors()
+        data, entries = arena_of(tensors[::-1] if forward == 7 else tensors)  # the last: a new layout
         if rank == 0:
             if arena is None:
                 arena = SharedBuffer.create("test-delta-arena", data.numel())
@@ -165,15 +187,16 @@ def _nodes_worker(work: str):
 @pytest.mark.parametrize("world", [2])
 def test_a_second_node_follows_the_arena_through_deltas(world, tmp_path):
     sent, leader = spawn(world, _nodes_worker, str(tmp_path))
-    # forwards: full, delta, delta, full (the interval of 2), delta with one code lost, full (the copy was refused)
+    # forwards: full, delta, delta, full (the interval of 2), delta with one code lost, full (the copy was refused),
+    # delta, full (the tensors laid out anew)
     full = [n for _, n, _, _ in sent]
     sizes = [s for s, _, _, _ in sent]
-    assert sizes[0] == full[0] and sizes[3] == full[3] and sizes[5] == full[5]
-    assert all(sizes[i] < full[i] // 10 for i in (1, 2, 4)), sizes
+    assert all(sizes[i] == full[i] for i in (0, 3, 5, 7)), sizes
+    assert all(sizes[i] < full[i] // 10 for i in (1, 2, 4, 6)), sizes
     errors = [e for _, _, e, _ in sent]
-    assert errors[:4] == [None] * 4 and errors[5] is None
+    assert errors[:4] == [None] * 4 and errors[5:] == [None] * 3
     assert "differs" in errors[4] and "checksum" in errors[4]
-    assert [same for _, _, _, same in leader] == [True, True, True, True, None, True]
+    assert [same for _, _, _, same in leader] == [True, True, True, True, None, True, True, True]
 
 
 def _shipping_worker(hf_dir):

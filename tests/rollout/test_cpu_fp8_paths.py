@@ -45,6 +45,30 @@ def test_the_kv_cache_round_trip_is_the_e4m3_grid_times_the_scale_saturating_at_
     assert fp8_kv_round_trip(torch.randn(4, 2, 8).bfloat16(), 0.01).dtype == torch.bfloat16
 
 
+def test_w8a16_experts_round_where_the_fused_moe_does_token_by_token():
+    """The torch path's MoE against a token-by-token loop: each routed expert's gate/up product in fp32 rounded to
+    BF16, SiLU(gate) * up rounded, the down product in fp32 times the router weight rounded to BF16, the top-k
+    outputs summed in fp32 and rounded once."""
+    from megatron_ais.rollout.fp8_emulation import w8a16_experts
+
+    generator = torch.Generator().manual_seed(1)
+    tokens, hidden, inner, experts, top_k = 6, 32, 48, 4, 2
+    h = torch.randn(tokens, hidden, generator=generator).bfloat16()
+    w13 = (torch.randn(experts, 2 * inner, hidden, generator=generator) * 0.2).bfloat16()
+    w2 = (torch.randn(experts, hidden, inner, generator=generator) * 0.2).bfloat16()
+    ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=generator)
+    expected = torch.zeros(tokens, hidden)
+    for t in range(tokens):
+        for k in range(top_k):
+            e = int(ids[t, k])
+            gate_up = (h[t].float() @ w13[e].float().t()).bfloat16().float()
+            inner_out = (torch.nn.functional.silu(gate_up[:inner]) * gate_up[inner:]).bfloat16()
+            down = inner_out.float() @ w2[e].float().t()
+            expected[t] += (down * weights[t, k]).bfloat16().float()
+    assert torch.equal(w8a16_experts(h, w13, w2, weights, ids), expected.bfloat16())
+
+
 def _logprobs(model_dir, work, precision, fp8_path=None, bf16_products="fp32"):
     """An engine's teacher-forced log-probs of PROBE, the line it printed on its path, and (fp8) its engine
     directory."""
