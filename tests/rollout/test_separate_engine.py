@@ -138,7 +138,8 @@ def _worker(old_dir, new_dir, work):
     # the next sync (new weights) meets the dead engine: its manager restarts it with the sync's weights (the arena
     # its last ones came from holds these now), checks its refit against the sync's reference, then applies the sync
     _scale_weights(chunks)
-    restarted = (sync(2, lambda weights: manager.apply_weights(weights, refit_reference(), 2)), list(messages))
+    restarted = (sync(2, lambda weights: manager.apply_weights(weights, refit_reference(), 2)), engine.version,
+                 list(messages))
     alive_after_restart = engine.health_check()
     refit_checks.append(manager.refit_reference.check_unless_dead(engine)[0])
     after_restart = _max_diff(engine, chunks, build, groups)
@@ -172,7 +173,7 @@ def _worker(old_dir, new_dir, work):
         retired = None
     except EngineRetiredError as err:
         retired = str(err)
-    restarts = (*restarted, messages[len(restarted[1]):], retired)
+    restarts = (*restarted, messages[len(restarted[2]):], retired)
     engine.shutdown()
     bridge.close()
     receiver.close()
@@ -204,8 +205,9 @@ def test_separate_engine_sync_kill_restart_resync(model_root, tmp_path):
     assert refit_checks == [None, None]  # the dead engine left out; the restarted one passes
     assert workers_killed == 1
     # a restarted engine serves again only once its refit check passes; one that keeps failing it is retired
-    version, passed, failed, retired = restarts
-    assert version == 2, "the restarted engine is given the sync's weights (1), then applies the sync asked (2)"
+    version, loads, passed, failed, retired = restarts
+    assert version == 2, "the engine holds the weights of trainer step 2, the sync's"
+    assert loads == 2, "the restarted engine is given the sync's weights (1), then applies the sync asked (2)"
     assert passed[0].startswith("weight sync: the rollout engine died (") and \
         passed[1] == "weight sync: the restarted engine passed its refit check; it serves again", passed
     refit_failed = "weight sync: the restarted engine failed its refit check (refit verification failed"
