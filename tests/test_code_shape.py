@@ -94,11 +94,13 @@ def _module_constants(tree) -> dict[str, object]:
     return constants
 
 
-def _loop_values(tree, name: str, constants: dict[str, object]) -> list | None:
-    """What `name` takes as the target of a `for` over a module-level literal, or None."""
+def _loop_values(tree, call: ast.Call, name: str, constants: dict[str, object]) -> list | None:
+    """What `name` takes in `call` as the target of a `for` over a module-level literal that holds the call, or
+    None."""
     for node in ast.walk(tree):
         if isinstance(node, ast.For) and isinstance(node.target, ast.Name) and node.target.id == name \
-                and isinstance(node.iter, ast.Name) and isinstance(constants.get(node.iter.id), (tuple, list)):
+                and isinstance(node.iter, ast.Name) and isinstance(constants.get(node.iter.id), (tuple, list)) \
+                and any(inner is call for inner in ast.walk(node)):
             return list(constants[node.iter.id])
     return None
 
@@ -116,7 +118,7 @@ def _called_imports(call: ast.Call, tree, constants: dict[str, object]) -> list[
         return [argument.value]
     if isinstance(argument, ast.Name) and isinstance(constants.get(argument.id), str):
         return [constants[argument.id]]
-    values = _loop_values(tree, argument.id, constants) if isinstance(argument, ast.Name) else None
+    values = _loop_values(tree, call, argument.id, constants) if isinstance(argument, ast.Name) else None
     return [v for v in values if isinstance(v, str)] if values else [DYNAMIC]
 
 
@@ -135,9 +137,11 @@ def import_graph() -> tuple[dict[str, set[str]], list[tuple[str, int, str, bool]
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 targets = _imported(node, name, path.endswith("__init__.py"), set(modules))
-            elif isinstance(node, ast.Call) and _called_imports(node, tree, constants) is not None:
+            elif isinstance(node, ast.Call):
                 targets = _called_imports(node, tree, constants)
             else:
+                targets = None
+            if targets is None:
                 continue
             graph[name].update(t for t in targets if t in modules and t != name)
             if id(node) in in_function or DYNAMIC in targets:
@@ -256,9 +260,10 @@ def test_the_import_checks_see_imports_made_by_call():
                      "NAMES = ('megatron_ais.sft', 'vllm')\n"
                      "def f(x):\n    importlib.import_module('megatron_ais.rollout.fleet')\n"
                      "    __import__('megatron_ais.bridge.sync')\n    import_module(NAME)\n"
-                     "    for name in NAMES:\n        import_module(name)\n    import_module(x)\n    print(x)\n")
+                     "    for name in NAMES:\n        import_module(name)\n    import_module(x)\n    print(x)\n"
+                     "def g(name):\n    import_module(name)\n")
     constants = _module_constants(tree)
     calls = sorted((node for node in ast.walk(tree) if isinstance(node, ast.Call)), key=lambda call: call.lineno)
     assert [_called_imports(call, tree, constants) for call in calls] == [
         ["megatron_ais.rollout.fleet"], ["megatron_ais.bridge.sync"], ["megatron_ais.grpo.run"],
-        ["megatron_ais.sft", "vllm"], [DYNAMIC], None]
+        ["megatron_ais.sft", "vllm"], [DYNAMIC], None, [DYNAMIC]]
