@@ -50,7 +50,7 @@ def test_every_schedule_generates_each_batch_with_the_weights_the_rule_names():
     for eta, steps, eval_interval, save_interval in itertools.product((0, 1, 2, 3, 5), (1, 2, 5, 9, 12),
                                                                       (1, 3, 4, 100), (None, 2, 5)):
         loop, saves_at = _loop(eta, steps, eval_interval, save_interval)
-        versions = versions_as_the_loop_submits(loop, saves_at)
+        versions, staged_while_generating = schedule_as_the_loop_runs(loop, saves_at)
         case = (eta, steps, eval_interval, save_interval)
         assert versions == reference_versions(*case), case
         lags = [step - 1 - version for step, version in enumerate(versions, start=1)]
@@ -59,7 +59,7 @@ def test_every_schedule_generates_each_batch_with_the_weights_the_rule_names():
             if loop.waits_for_weights_after(barrier, saves_at):
                 assert versions[barrier] >= barrier, case  # the batch after it: by its weights or later ones
         # a step whose weights are written while the engines generate on older ones needs a second buffer
-        if schedule_as_the_loop_runs(loop, saves_at)[1]:
+        if staged_while_generating:
             assert loop.staging_slots == 2, case
             double_buffered += 1
     assert double_buffered > 100  # of the 500 schedules: those with η ≥ 1 and batches generated ahead

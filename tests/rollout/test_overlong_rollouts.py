@@ -87,7 +87,7 @@ def test_overlong_modes_shape_exactly_the_responses_the_limit_cut(model_root, tm
     for mode in ("keep", "mask", "soft-penalty"):
         assert batches[mode][3] == int(cut.sum()), mode
         assert torch.equal(batches[mode][0], labels), mode  # the same responses in every mode
-    masked_labels, masked, masked_rewards, _ = batches["mask"]
+    _, masked, masked_rewards, _ = batches["mask"]
     assert torch.equal(masked[cut], torch.zeros_like(masked[cut])) and torch.equal(masked[~cut], mask[~cut])
     assert torch.equal(masked_rewards, rewards)
     penalty = torch.tensor([dapo_overlong_reward(int(n), MAX_NEW_TOKENS, BUFFER, PENALTY) for n in lengths])
