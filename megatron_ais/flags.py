@@ -15,6 +15,8 @@ import argparse
 import dataclasses
 from typing import Any
 
+from megatron_ais.errors import ArgumentValidationError
+
 _FLAG = "megatron_ais_flag"
 
 
@@ -27,15 +29,47 @@ class FlagSpec:
     name: str | None = None
     switches: tuple[tuple[str, Any, str], ...] = ()  # (option, value, help)
     options: tuple[tuple[str, Any], ...] = ()
+    bounds: "FlagBounds | None" = None
+
+
+@dataclasses.dataclass(frozen=True)
+class FlagBounds:
+    """The range a flag's value must lie in (None: unbounded on that side; `strict`: the bound itself is out), and
+    what the edge means, said with the error."""
+
+    low: float | None = None
+    high: float | None = None
+    low_strict: bool = False
+    high_strict: bool = False
+    note: str | None = None
+
+    def holds(self, value) -> bool:
+        if self.low is not None and not (value > self.low if self.low_strict else value >= self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_strict else value <= self.high)
+
+    def describe(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_strict else '['}{self.low}, {self.high}{')' if self.high_strict else ']'}"
+        if self.low is not None:
+            return f"> {self.low}" if self.low_strict else f"at least {self.low}"
+        return f"< {self.high}" if self.high_strict else f"at most {self.high}"
 
 
 def flag(default: Any, help: str, *, name: str | None = None, switches: dict[str, tuple[Any, str]] | None = None,
-         **argparse_options) -> Any:
+         at_least: float | None = None, above: float | None = None, at_most: float | None = None,
+         below: float | None = None, bound_note: str | None = None, **argparse_options) -> Any:
     """A dataclass field that is also a flag: `--<field-name>` unless `name` says otherwise; `switches` gives
     several store-const flags instead (e.g. --bf16 / --fp32). Types follow the default unless `type` is given;
-    a False default is a store-true switch; `choices` may be a function that returns them (a registry's names)."""
+    a False default is a store-true switch; `choices` may be a function that returns them (a registry's names).
+    `at_least` / `above` / `at_most` / `below` bound the value (None is always allowed): a config outside them is
+    refused with one line naming the flag, the value and the range (`bound_note`: what the edge means)."""
+    bounds = None
+    if (at_least, above, at_most, below) != (None,) * 4:
+        bounds = FlagBounds(above if above is not None else at_least, below if below is not None else at_most,
+                            above is not None, below is not None, bound_note)
     spec = FlagSpec(help, name, tuple((k, v, h) for k, (v, h) in (switches or {}).items()),
-                    tuple(argparse_options.items()))
+                    tuple(argparse_options.items()), bounds)
     return dataclasses.field(default=default, metadata={_FLAG: spec})
 
 
@@ -71,7 +105,18 @@ def _argparse_options(field: dataclasses.Field, spec: FlagSpec) -> dict[str, Any
 
 
 class FlagConfig:
-    """Mixin of frozen config dataclasses whose fields are declared with `flag`."""
+    """Mixin of frozen config dataclasses whose fields are declared with `flag`. A subclass's own `__post_init__`
+    calls this one's first (the flags' bounds are checked before any rule that combines them)."""
+
+    def __post_init__(self):
+        for field, spec in _flag_fields(type(self)):
+            value = getattr(self, field.name)
+            if spec.bounds is None or value is None:
+                continue
+            if not spec.bounds.holds(value):  # NaN holds no bound
+                note = f" ({spec.bounds.note})" if spec.bounds.note else ""
+                raise ArgumentValidationError(f"{option_name(field, spec)} {value} must be "
+                                              f"{spec.bounds.describe()}{note}")
 
     @classmethod
     def add_flags(cls, group) -> None:

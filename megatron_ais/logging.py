@@ -25,7 +25,7 @@ class LoggingConfig(FlagConfig):
     """Where a run writes its logs and how often it prints; Weights & Biases with Megatron-LM's flags."""
 
     output_dir: str = flag("runs/default", "Run directory: tensorboard events, summary.json, figures.")
-    log_interval: int = flag(1, "Print one console line every this many steps.")
+    log_interval: int = flag(1, "Print one console line every this many steps.", at_least=1)
     tensorboard_dir: str | None = flag(None, "Tensorboard event directory (default: <output-dir>/tensorboard).",
                                        type=str)
     wandb_project: str | None = flag(None, "Log the same scalars as tensorboard, and the run's flags, to this Weights "
@@ -35,8 +35,7 @@ class LoggingConfig(FlagConfig):
     wandb_save_dir: str | None = flag(None, "Where Weights & Biases keeps its files (default: --output-dir).", type=str)
 
     def __post_init__(self):
-        if self.log_interval < 1:
-            raise ArgumentValidationError(f"--log-interval {self.log_interval} must be a positive integer")
+        super().__post_init__()
         if self.wandb_project and importlib.util.find_spec("wandb") is None:
             raise ArgumentValidationError("--wandb-project needs the wandb package, which is optional: pip install "
                                           "wandb (or drop the flag)")

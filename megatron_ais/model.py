@@ -179,17 +179,12 @@ class ModelConfig(FlagConfig):
         "--fp32": ("fp32", "Train in FP32 (exact comparisons, debugging).")})
     make_vocab_size_divisible_by: int = flag(
         128, "Pad the vocabulary to a multiple of this value times --tensor-model-parallel-size, as Megatron-LM "
-             "does. Padded rows are added on load and trimmed on export.")
+             "does. Padded rows are added on load and trimmed on export.", at_least=1)
     transformer_impl: str = flag("auto", "Layer spec: Transformer Engine when importable ('auto'), or megatron's "
                                          "local modules.", choices=("auto", "transformer_engine", "local"))
     seq_length: int = flag(256, "Longest sequence (prompt + response) the trainer sees; also the rotary table "
-                                "length.")
+                                "length.", at_least=1)
 
-    def __post_init__(self):
-        for name, value in (("make-vocab-size-divisible-by", self.make_vocab_size_divisible_by),
-                            ("seq-length", self.seq_length)):
-            if value < 1:
-                raise ArgumentValidationError(f"--{name} {value} must be a positive integer")
 
 
 def check_model_layout(hf_config: dict[str, Any], layout: ParallelLayout, seq_length: int | None,

@@ -15,27 +15,23 @@ class ParallelLayout(FlagConfig):
     """TP, PP (and virtual stages), CP, EP and expert-TP sizes and sequence parallelism; checked on construction."""
 
     tensor: int = flag(1, "TP: shard attention heads, MLP and vocabulary over this many ranks.",
-                       name="--tensor-model-parallel-size")
-    pipeline: int = flag(1, "PP: split the layers into this many stages.", name="--pipeline-model-parallel-size")
+                       name="--tensor-model-parallel-size", at_least=1)
+    pipeline: int = flag(1, "PP: split the layers into this many stages.", name="--pipeline-model-parallel-size",
+                         at_least=1)
     virtual_pipeline: int | None = flag(
         None, "Model chunks per pipeline stage for the interleaved 1F1B schedule (needs PP > 1).",
-        name="--virtual-pipeline-model-parallel-size", type=int)
+        name="--virtual-pipeline-model-parallel-size", type=int, at_least=1)
     context: int = flag(1, "CP: split sequences over this many ranks. Not supported yet (only 1): the training steps "
                            "do not split sequences, and megatron's CP attention needs Transformer Engine.",
-                        name="--context-parallel-size")
-    expert: int = flag(1, "EP: distribute MoE experts over this many ranks.", name="--expert-model-parallel-size")
+                        name="--context-parallel-size", at_least=1)
+    expert: int = flag(1, "EP: distribute MoE experts over this many ranks.", name="--expert-model-parallel-size",
+                       at_least=1)
     expert_tensor: int | None = flag(None, "TP size inside each expert (default: --tensor-model-parallel-size).",
-                                     name="--expert-tensor-parallel-size", type=int)
+                                     name="--expert-tensor-parallel-size", type=int, at_least=1)
     sequence_parallel: bool = flag(False, "Megatron sequence parallelism for norms and dropout (needs TP > 1).")
 
     def __post_init__(self):
-        for name, value in (("tensor-model-parallel-size", self.tensor), ("pipeline-model-parallel-size",
-                            self.pipeline), ("context-parallel-size", self.context),
-                            ("expert-model-parallel-size", self.expert),
-                            ("expert-tensor-parallel-size", self.expert_tensor),
-                            ("virtual-pipeline-model-parallel-size", self.virtual_pipeline)):
-            if value is not None and value < 1:
-                raise ArgumentValidationError(f"--{name} {value} must be a positive integer")
+        super().__post_init__()
         if self.virtual_pipeline is not None and self.pipeline == 1:
             raise ArgumentValidationError(
                 "--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1; drop the flag or "

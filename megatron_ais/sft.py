@@ -15,7 +15,6 @@ from megatron_ais.checkpointing.ranks import CheckpointRanks
 from megatron_ais.checkpointing.background import BackgroundSaver
 from megatron_ais.checkpointing.store import FORMATS, begin_save, commit_staged, write_staged
 from megatron_ais.data.tasks import Example, build_task
-from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import FlagConfig, flag
 from megatron_ais.forward import micro_batches, token_budget_plan
 from megatron_ais.logging import RunLogger
@@ -28,15 +27,12 @@ from megatron_ais.training import (lm_forward_step, prepare_trainer, reduce_lm_l
 class SFTConfig(FlagConfig):
     """The supervised warm-up's schedule and export."""
 
-    train_iters: int = flag(10, "Optimizer steps to run.")
+    train_iters: int = flag(10, "Optimizer steps to run.", at_least=1)
     global_batch_size: int | None = flag(None, "Sequences per optimizer step over all DP ranks (default: micro batch "
                                                "x DP).", type=int)
     export_hf_dir: str | None = flag(None, "After training, export the model as a HF checkpoint here (each PP stage "
                                            "writes its file).", type=str)
 
-    def __post_init__(self):
-        if self.train_iters < 1:
-            raise ArgumentValidationError(f"--train-iters {self.train_iters} must be at least 1")
 
 
 def load_tokenizer(path: str):

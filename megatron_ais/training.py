@@ -32,7 +32,7 @@ class TrainingConfig(FlagConfig):
     """Seed, micro-batch size, Adam and gradient settings, and the optimizer's sharding."""
 
     seed: int = flag(1234, "Seed for data, initialisation and dropout.")
-    micro_batch_size: int = flag(2, "Sequences per micro-batch per DP rank.")
+    micro_batch_size: int = flag(2, "Sequences per micro-batch per DP rank.", at_least=1)
     lr: float = flag(1e-3, "Peak learning rate (Adam).")
     weight_decay: float = flag(0.0, "Decoupled weight decay.")
     adam_beta1: float = flag(0.9, "Adam beta1.")
@@ -44,14 +44,8 @@ class TrainingConfig(FlagConfig):
         None, "Batch by tokens: each rank's sequences, longest first, fill micro-batches of at most this many padded "
               "tokens (rows x their own longest), each padded only to its own longest sequence, and a batch's "
               "sequences are shared out so that data-parallel ranks get equal token counts. Unset: "
-              "--micro-batch-size rows per micro-batch, each padded to --seq-length.", type=int)
+              "--micro-batch-size rows per micro-batch, each padded to --seq-length.", type=int, at_least=1)
 
-    def __post_init__(self):
-        if self.micro_batch_size < 1:
-            raise ArgumentValidationError(f"--micro-batch-size {self.micro_batch_size} must be a positive integer")
-        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
-            raise ArgumentValidationError(f"--max-tokens-per-microbatch {self.max_tokens_per_microbatch} must be a "
-                                          "positive integer")
 
 
 def wrap_ddp(chunks: list, use_distributed_optimizer: bool) -> list:

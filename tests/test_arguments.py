@@ -81,7 +81,7 @@ def test_valid_layouts_pass_including_fewer_kv_heads_than_tp():
                  "with --pipeline-model-parallel-size 2 gives wrong results over gloo",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="gloo (CPU) only")),
     (["--global-batch-size", "6", "--micro-batch-size", "4"], 2, "--global-batch-size 6 is not divisible"),
-    (["--make-vocab-size-divisible-by", "0"], 1, "--make-vocab-size-divisible-by 0 must be a positive integer"),
+    (["--make-vocab-size-divisible-by", "0"], 1, "--make-vocab-size-divisible-by 0 must be at least 1"),
 ])
 def test_parallel_errors_name_the_flag(argv, world, expected, tmp_path):
     with open(tmp_path / "config.json", "w") as f:

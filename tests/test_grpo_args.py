@@ -1,5 +1,7 @@
 """pretrain_grpo_ais.py's loop flags are checked before anything heavy starts: counts, the split of a rollout batch
 into data-parallel shares, mini-batches and micro-batches, and every config the flags build."""
+import re
+
 import pytest
 
 from megatron_ais.arguments import GRPORunConfig
@@ -49,7 +51,7 @@ def test_configs_take_the_flags_and_keep_one_default():
     (["--eval-samples", "0"], 1, "--eval-samples 0 must be at least 1"),
     (["--eval-prompts", "0"], 1, "--eval-prompts 0 must be at least 1"),
     (["--num-minibatches", "0"], 1, "--num-minibatches 0 must be at least 1"),
-    (["--group-size", "1"], 1, "--group-size 1: GRPO's advantages compare"),
+    (["--group-size", "1"], 1, "--group-size 1 must be at least 2 (GRPO's advantages compare"),
     (["--max-new-tokens", "256"], 1, "--max-new-tokens 256 leaves no room for the prompt in --seq-length 256"),
     # 3 x 4 = 12 sequences over DP 8
     (["--prompts-per-step", "3", "--micro-batch-size", "1"], 8, "12 sequences does not split over 8 data-parallel"),
@@ -64,15 +66,15 @@ def test_configs_take_the_flags_and_keep_one_default():
      "--rollout-engines-per-node 2 with --rollout-placement colocated: colocated engines are one inside every"),
     (["--rollout-weight-feed", "broadcast", "--rollout-placement", "colocated"], 1,
      "--rollout-weight-feed broadcast feeds a separate engine's workers"),
-    (["--verify-refit-engines", "-1"], 1, "--verify-refit-engines -1 must be >= 0 (0 checks every engine)"),
+    (["--verify-refit-engines", "-1"], 1, "--verify-refit-engines -1 must be at least 0 (0 checks every engine)"),
     (["--temperature", "0"], 1, "--temperature 0.0 must be > 0"),
     (["--top-p", "0.9"], 1, "--top-p 0.9 with --is-correction ais: the engine's log-probs are renormalised"),
     (["--is-cap", "0.5"], 1, "--is-cap"),
-    (["--clip-low", "1.5"], 1, "--clip-low"),
+    (["--clip-low", "1.5"], 1, "--clip-low 1.5 must be in [0, 1)"),
     (["--rollout-cpu-core", "1", "--rollout-placement", "colocated"], 1,
      "--rollout-cpu-core 1 binds the one separate engine of a node; with --rollout-placement colocated"),
     (["--rollout-cpu-core", "one"], 1, "--rollout-cpu-core 'one' is not a CPU list (write 1, 2-3 or 0,2)"),
-    (["--max-off-policy-steps", "-1"], 1, "--max-off-policy-steps -1 must be >= 0 (0: the synchronous loop)"),
+    (["--max-off-policy-steps", "-1"], 1, "--max-off-policy-steps -1 must be at least 0 (0: the synchronous loop)"),
     (["--partial-rollouts"], 1, "--partial-rollouts needs --max-off-policy-steps 1 or more"),
     (["--ais-lambda-per-lag"], 1, "--ais-lambda-per-lag needs --max-off-policy-steps 1 or more"),
     (["--ais-lambda-per-lag", "--is-correction", "tis", "--max-off-policy-steps", "1", "--rollout-placement",
@@ -81,14 +83,14 @@ def test_configs_take_the_flags_and_keep_one_default():
      "--max-off-policy-steps 1 with --rollout-placement colocated: a colocated engine shares its trainer rank's"),
     (["--bridge-delta", "fp8", "--rollout-precision", "bf16"], 1,
      "--bridge-delta fp8 sends the FP8 codes that changed, but the engine's weights are bf16"),
-    (["--bridge-full-sync-interval", "0"], 1, "--bridge-full-sync-interval 0: give at least 1"),
+    (["--bridge-full-sync-interval", "0"], 1, "--bridge-full-sync-interval 0 must be at least 1 (delta syncs between full ones)"),
     (["--ais-stale-lambda-floor", "1"], 1, "--ais-stale-lambda-floor needs --max-off-policy-steps 1 or more"),
-    (["--ais-stale-lambda-floor", "1.5"], 1, "--ais-stale-lambda-floor 1.5 must be between 0 and 1"),
+    (["--ais-stale-lambda-floor", "1.5"], 1, "--ais-stale-lambda-floor 1.5 must be in [0, 1]"),
     (["--ais-stale-lambda-floor", "1", "--is-correction", "tis", "--max-off-policy-steps", "1",
       "--rollout-placement", "separate"], 1, "--ais-stale-lambda-floor with --is-correction tis: only AIS has a λ"),
 ])
 def test_bad_loop_flags_are_refused_up_front(argv, world, expected):
-    with pytest.raises(ArgumentValidationError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ArgumentValidationError, match=re.escape(expected)):
         _config(*argv, world=world)
 
 
@@ -131,7 +133,7 @@ def test_the_dapo_gspo_and_dr_grpo_options_land_and_bad_combinations_name_their_
         (("--overlong", "soft-penalty"), "--overlong soft-penalty needs --overlong-buffer-tokens of at least 1"),
         (("--overlong", "soft-penalty", "--overlong-buffer-tokens", "16", "--max-new-tokens", "16"),
          "--overlong-buffer-tokens 16 must be below --max-new-tokens 16"),
-        (("--overlong-penalty", "-1"), "--overlong-penalty -1.0 must be >= 0"),
+        (("--overlong-penalty", "-1"), "--overlong-penalty -1.0 must be at least 0"),
         (("--dynamic-sampling", "--max-sampling-rounds", "0"), "--max-sampling-rounds 0 must be at least 1"),
     ]:
         with pytest.raises(ArgumentValidationError, match=message):

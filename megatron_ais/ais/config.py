@@ -27,7 +27,8 @@ class AISConfig(FlagConfig):
         choices=functools.partial(tuple, registry.CORRECTIONS))
     level: str = flag("token", "Ratio per token, per sequence (product of token ratios) or geometric (per-token "
                                "mean).", name="--is-level", choices=LEVELS)
-    cap: float = flag(2.0, "Truncation C of TIS and AIS (reliability band [1/C, C]).", name="--is-cap")
+    cap: float = flag(2.0, "Truncation C of TIS and AIS (reliability band [1/C, C]).", name="--is-cap",
+                      above=1, bound_note="the band [1/C, C] must be non-empty")
     mis_low: float | None = flag(None, "MIS lower acceptance bound on w = pi_trainer / pi_rollout (default 1/high). "
                                        "verl's token rejection compares pi_rollout / pi_old with its band, the "
                                        "inverse: its asymmetric 'L_U' band is ours at --is-mask-low 1/U "
@@ -36,13 +37,14 @@ class AISConfig(FlagConfig):
     mis_high: float = flag(2.0, "MIS upper acceptance bound on w = pi_trainer / pi_rollout.", name="--is-mask-high")
     icepop_low: float = flag(0.5, "IcePop lower band edge alpha.")
     icepop_high: float = flag(5.0, "IcePop upper band edge beta.")
-    tau: float = flag(0.05, "AIS severity scale tau_D in nats.", name="--ais-tau")
+    tau: float = flag(0.05, "AIS severity scale tau_D in nats.", name="--ais-tau", above=0)
     exponents: tuple[float, float, float] = flag(
         (1.0, 1.0, 1.0), "Exponents of severity, reliability and variance amplification (0 ablates one).",
         name="--ais-exponents", metavar=("A_S", "A_R", "A_V"))
-    lambda_min: float = flag(0.0, "Lower clip of lambda.", name="--ais-lambda-min")
-    lambda_max: float = flag(1.0, "Upper clip of lambda.", name="--ais-lambda-max")
-    ema: float = flag(0.0, "EMA factor beta for lambda across batches (0 = off).", name="--ais-ema")
+    lambda_min: float = flag(0.0, "Lower clip of lambda.", name="--ais-lambda-min", at_least=0, at_most=1)
+    lambda_max: float = flag(1.0, "Upper clip of lambda.", name="--ais-lambda-max", at_least=0, at_most=1)
+    ema: float = flag(0.0, "EMA factor beta for lambda across batches (0 = off).", name="--ais-ema",
+                      at_least=0, below=1)
     severity: str = flag("mean_abs_logratio", "Divergence-severity diagnostic (anchored: relative to the first "
                                               "--ais-anchor-steps batches).", name="--ais-severity",
                          choices=functools.partial(sorted, registry.SEVERITY))
@@ -63,10 +65,11 @@ class AISConfig(FlagConfig):
         0.0, "With --max-off-policy-steps > 0: the least λ of the tokens a stale policy version sampled (lag >= 1). "
              "1 corrects them fully (truncated IS) while λ still adapts to the precision mismatch of the current "
              "version's tokens; 0: off. docs/results.md: at η = 4, TIS recovered the accuracy staleness cost and "
-             "AIS-R's one λ did not.", name="--ais-stale-lambda-floor")
+             "AIS-R's one λ did not.", name="--ais-stale-lambda-floor", at_least=0, at_most=1)
     logratio_clamp: float = 20.0
 
     def __post_init__(self):
+        super().__post_init__()
         # looked up now, not frozen at import: the implementations register when `megatron_ais.ais` loads
         for value, table in ((self.correction, registry.CORRECTIONS), (self.severity, registry.SEVERITY),
                              (self.reliability, registry.RELIABILITY), (self.variance, registry.VARIANCE),
@@ -75,21 +78,13 @@ class AISConfig(FlagConfig):
                 raise ValueError(f"{table.title} {value!r} must be one of {tuple(table)}")  # title: the flag
         if self.level not in LEVELS:
             raise ValueError(f"--is-level {self.level!r} must be one of {LEVELS}")
-        if self.cap <= 1.0:
-            raise ValueError(f"--is-cap {self.cap} must be > 1 (the band [1/C, C] must be non-empty)")
-        if self.tau <= 0:
-            raise ValueError(f"--ais-tau {self.tau} must be positive")
-        if not 0.0 <= self.lambda_min <= self.lambda_max <= 1.0:
-            raise ValueError(f"need 0 <= --ais-lambda-min {self.lambda_min} <= --ais-lambda-max {self.lambda_max} <= 1")
-        if not 0.0 <= self.ema < 1.0:
-            raise ValueError(f"--ais-ema {self.ema} must be in [0, 1)")
+        if self.lambda_min > self.lambda_max:
+            raise ValueError(f"--ais-lambda-min {self.lambda_min} must be at most --ais-lambda-max {self.lambda_max}")
         if not 0 < self.mis_band[0] < self.mis_band[1]:
             raise ValueError(f"--is-mask-low/--is-mask-high give an empty band {self.mis_band}")
         if self.lambda_per_lag and self.correction != "ais":
             raise ValueError(f"--ais-lambda-per-lag with --is-correction {self.correction}: only AIS has a λ; use "
                              "--is-correction ais or drop the flag")
-        if not 0.0 <= self.stale_lambda_floor <= 1.0:
-            raise ValueError(f"--ais-stale-lambda-floor {self.stale_lambda_floor} must be between 0 and 1")
         if self.stale_lambda_floor and self.correction != "ais":
             raise ValueError(f"--ais-stale-lambda-floor with --is-correction {self.correction}: only AIS has a λ; "
                              "use --is-correction ais or drop the flag")

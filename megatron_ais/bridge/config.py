@@ -37,14 +37,13 @@ class BridgeConfig(FlagConfig):
                "--bridge-full-sync-interval syncs. Costs each sender one copy of the FP8 codes it sends (per arena "
                "buffer).", name="--bridge-delta", choices=DELTA_MODES)
     full_sync_interval: int = flag(32, "With --bridge-delta fp8: the most delta syncs in a row before a full one.",
-                                   name="--bridge-full-sync-interval")
+                                   name="--bridge-full-sync-interval",
+                                   at_least=1, bound_note="delta syncs between full ones")
     policy: QuantizationPolicy = QuantizationPolicy()
 
     def __post_init__(self):
+        super().__post_init__()
         arena_on_gpu(self.arena)  # refuses an unknown place, or gpu without CUDA
-        if self.full_sync_interval < 1:
-            raise ValueError(f"--bridge-full-sync-interval {self.full_sync_interval}: give at least 1 (delta syncs "
-                             "between full ones)")
         if self.delta == "fp8" and self.policy.precision != "fp8":
             raise ValueError(f"--bridge-delta fp8 sends the FP8 codes that changed, but the engine's weights are "
                              f"{self.policy.precision}: use --rollout-precision fp8 or --bridge-delta off")

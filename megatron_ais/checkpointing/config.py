@@ -23,9 +23,9 @@ class CheckpointConfig(FlagConfig):
                             type=str)
     save: str | None = flag(None, "Directory to write checkpoints to (model, optimizer, RNG states, run state; "
                                   "atomic, with a checksum per file). Point --load at it to resume.", type=str)
-    save_interval: int | None = flag(None, "Save a checkpoint every this many steps.", type=int)
+    save_interval: int | None = flag(None, "Save a checkpoint every this many steps.", type=int, at_least=1)
     keep_checkpoints: int = flag(2, "Committed iterations kept under --save (older ones are removed); more than one "
-                                    "lets a corrupted newest checkpoint fall back to the previous one.")
+                                    "lets a corrupted newest checkpoint fall back to the previous one.", at_least=1)
     ckpt_format: str = flag("torch_dist", "How --save lays out tensors: torch_dist (megatron-core dist_checkpointing, "
                                           "Megatron-LM's default; model and optimizer reshard on load to another "
                                           "TP / PP / EP / DP layout) or torch (Megatron-LM's legacy per-rank files; "
@@ -47,15 +47,12 @@ class CheckpointConfig(FlagConfig):
                "verify (written by another tool); the log says so. Without it such a checkpoint is refused.")
 
     def __post_init__(self):
+        super().__post_init__()
         if self.save_interval is not None and not self.save:
             raise ArgumentValidationError("--save-interval needs --save DIR")
-        if self.save_interval is not None and self.save_interval < 1:
-            raise ArgumentValidationError(f"--save-interval {self.save_interval} must be a positive integer")
         if self.async_save and not self.save:
             raise ArgumentValidationError("--async-save needs --save DIR (it writes --save's checkpoints in the "
                                           "background)")
-        if self.keep_checkpoints < 1:
-            raise ArgumentValidationError(f"--keep-checkpoints {self.keep_checkpoints} must be at least 1")
 
     def saves_at(self, step: int, last_step: int) -> bool:
         """Whether the run saves after `step`: every --save-interval steps and after its last step."""

@@ -21,7 +21,7 @@ import re
 import sys
 from typing import Callable
 
-from megatron_ais.errors import ArgumentValidationError, PromptFileError, TaskError
+from megatron_ais.errors import PromptFileError, TaskError
 from megatron_ais.flags import FlagConfig, flag
 from megatron_ais.registry import Registry
 
@@ -267,22 +267,15 @@ class TaskConfig(FlagConfig):
     countdown_numbers: int = flag(3, "countdown: numbers per problem.")
     countdown_max: int = flag(9, "countdown: largest number.")
     sum_terms: int = flag(32, "running_sum: digits to add; the worked response has one line per term (about 7 "
-                              "tokens each with the tiny model's tokenizer).")
+                              "tokens each with the tiny model's tokenizer).", at_least=2)
     prompt_file: str | None = flag(None, 'jsonl: one JSON object per line, {"prompt": ..., "answer": ...} or '
                                          'GSM8K\'s {"question": ..., "answer": "... #### 42"} (docs/data.md).',
                                    type=str)
     skip_bad_samples: bool = flag(False, "jsonl: skip and count malformed lines instead of stopping with their line "
                                          "numbers.")
-    num_examples: int = flag(4096, "Training examples drawn from the task.")
-    eval_prompts: int = flag(64, "Held-out prompts (never trained on).")
+    num_examples: int = flag(4096, "Training examples drawn from the task.", at_least=1)
+    eval_prompts: int = flag(64, "Held-out prompts (never trained on).", at_least=1)
 
-    def __post_init__(self):
-        if self.sum_terms < 2:
-            raise ArgumentValidationError(f"--sum-terms {self.sum_terms} must be at least 2")
-        for name in ("num-examples", "eval-prompts"):
-            value = getattr(self, name.replace("-", "_"))
-            if value < 1:
-                raise ArgumentValidationError(f"--{name} {value} must be at least 1")
 
 
 def build_task(config: TaskConfig, seed: int) -> Task:

@@ -22,8 +22,9 @@ class PolicyLossConfig(FlagConfig):
 
     clip_low: float = flag(0.2, "PPO ratio clip below: 1 - clip_low. There is no dual clip (verl's clip_ratio_c = 3 "
                                 "bounds the loss of a negative-advantage token whose ratio exceeds 3); the "
-                                "correction's weights are truncated (TIS, AIS) or masked (MIS, IcePop) instead.")
-    clip_high: float = flag(0.28, "PPO ratio clip above: 1 + clip_high (DAPO).")
+                                "correction's weights are truncated (TIS, AIS) or masked (MIS, IcePop) instead.",
+                                at_least=0, below=1)
+    clip_high: float = flag(0.28, "PPO ratio clip above: 1 + clip_high (DAPO).", at_least=0)
     kl_coef: float = flag(0.0, "Weight of the KL penalty to the reference policy.")
     kl_type: str = flag("k3", "KL estimator (Schulman's k1 or k3).", choices=("k1", "k3"))
     entropy_coef: float = flag(0.0, "Weight of the entropy bonus.")
@@ -40,6 +41,7 @@ class PolicyLossConfig(FlagConfig):
     max_response_tokens: int = 1
 
     def __post_init__(self):
+        super().__post_init__()
         if self.loss_agg not in LOSS_AGGREGATIONS:
             raise ValueError(f"--loss-agg {self.loss_agg!r} must be one of {LOSS_AGGREGATIONS}")
         if self.policy_loss not in POLICY_LOSSES:
@@ -49,8 +51,6 @@ class PolicyLossConfig(FlagConfig):
                              "sequences of each sequence's clipped term; use --loss-agg seq-mean-token-mean")
         if self.kl_type not in ("k1", "k3"):
             raise ValueError(f"--kl-type {self.kl_type!r} must be k1 or k3")
-        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
-            raise ValueError(f"--clip-low {self.clip_low} must be in [0, 1) and --clip-high {self.clip_high} >= 0")
 
 
     @property

@@ -13,7 +13,6 @@ import dataclasses
 import random
 from typing import Sequence
 
-from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import FlagConfig, flag
 
 
@@ -27,11 +26,7 @@ class DynamicSamplingConfig(FlagConfig):
                          name="--dynamic-sampling")
     max_rounds: int = flag(4, "With --dynamic-sampling: rounds of --prompts-per-step prompts a step samples at most; "
                               "a step still short then trains on the informative groups it has (the rest of its "
-                              "batch is masked out of the loss) and says so.", name="--max-sampling-rounds")
-
-    def __post_init__(self):
-        if self.max_rounds < 1:
-            raise ArgumentValidationError(f"--max-sampling-rounds {self.max_rounds} must be at least 1")
+                              "batch is masked out of the loss) and says so.", name="--max-sampling-rounds", at_least=1)
 
     @property
     def rounds(self) -> int:

@@ -47,7 +47,7 @@ class EngineConfig(FlagConfig):
                           choices=PLACEMENTS)
     tensor_parallel_size: int = flag(1, "vLLM tensor-parallel size of the engine (its own ranks, independent of the "
                                         "trainer's TP; separate placement). Blockwise FP8 needs q/k/MLP sizes per rank "
-                                        "divisible by 128.", name="--rollout-tensor-parallel-size")
+                                        "divisible by 128.", name="--rollout-tensor-parallel-size", at_least=1)
     weight_feed: str = flag("shm", "How a separate engine's workers get each verified sync: shm = they map the "
                                    "bridge's shared-memory staging arena (same node); broadcast = the engine's rank "
                                    "sends it over a process group of its own (gloo on CPU, NCCL on GPU) and every "
@@ -58,7 +58,8 @@ class EngineConfig(FlagConfig):
         None, "vLLM's gpu_memory_utilization (CUDA only). With an explicit KV-cache size vLLM uses it only to refuse "
               "to start below that fraction of free memory; default: the engine's own budget (KV cache + its share of "
               "the weights + 2 GiB), so that it can share a GPU with a trainer rank (vLLM's 0.92 never could).",
-        name="--rollout-gpu-memory-utilization", type=float)
+        name="--rollout-gpu-memory-utilization", type=float,
+        above=0, at_most=1, bound_note="or left out: the engine then asks vLLM for its own budget")
     enforce_eager: bool = flag(
         True, "Run the engine eagerly (default). --no-rollout-enforce-eager lets vLLM compile and capture CUDA graphs "
               "(faster decoding on GPU; vLLM's layer-wise reload copies updates into the captured storage). The refit "
@@ -81,15 +82,11 @@ class EngineConfig(FlagConfig):
     # (one per slot: 2 when double-buffered; 0: the arena is elsewhere)
 
     def __post_init__(self):
+        super().__post_init__()
         if self.precision not in PRECISIONS:
             raise ValueError(f"--rollout-precision {self.precision!r} must be one of {PRECISIONS}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"--rollout-placement {self.placement!r} must be one of {PLACEMENTS}")
-        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"--rollout-gpu-memory-utilization {self.gpu_memory_utilization} must be in (0, 1] (or "
-                             "left out: the engine then asks vLLM for its own budget)")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"--rollout-tensor-parallel-size {self.tensor_parallel_size} must be at least 1")
         if self.weight_feed not in WEIGHT_FEEDS:
             raise ValueError(f"--rollout-weight-feed {self.weight_feed!r} must be one of {WEIGHT_FEEDS}")
         if self.placement == "colocated" and self.tensor_parallel_size > 1:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron_ais.batch import RolloutBatch
 from megatron_ais.bridge.node_copies import NodeCopies, node_leaders
 from megatron_ais.distributed import node_name, ranks_on_this_node
-from megatron_ais.errors import ArgumentValidationError, EngineRetiredError, as_sync_error
+from megatron_ais.errors import EngineRetiredError, as_sync_error
 from megatron_ais.flags import FlagConfig, flag
 from megatron_ais.rollout.dynamic_sampling import DynamicSamplingConfig, GroupSelection, select_groups
 from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
@@ -43,22 +43,14 @@ class FleetConfig(FlagConfig):
     max_engine_restarts: int = flag(3, "Restarts each engine may have over the run (after dying or running past "
                                        "--rollout-generation-timeout-s); one that dies once more is retired, and the "
                                        "other engines take over its prompts in the same step.",
-                                    name="--rollout-max-engine-restarts")
+                                    name="--rollout-max-engine-restarts", at_least=0)
     min_engines: int = flag(1, "Fewest serving engines the run goes on with: below it every rank stops, naming the "
                                "retired engines and their last errors (the last checkpoint stays as it was).",
-                            name="--rollout-min-engines")
+                            name="--rollout-min-engines", at_least=1)
     generation_timeout_s: float = flag(600.0, "Longest one engine's share of a step may take to generate (seconds, "
                                               "separate placement); past it the engine counts as dead: restarted.",
-                                       name="--rollout-generation-timeout-s")
+                                       name="--rollout-generation-timeout-s", above=0)
 
-    def __post_init__(self):
-        if self.max_engine_restarts < 0:
-            raise ArgumentValidationError(f"--rollout-max-engine-restarts {self.max_engine_restarts} must be >= 0")
-        if self.min_engines < 1:
-            raise ArgumentValidationError(f"--rollout-min-engines {self.min_engines} must be at least 1")
-        if self.generation_timeout_s <= 0:
-            raise ArgumentValidationError(f"--rollout-generation-timeout-s {self.generation_timeout_s} must be "
-                                          "positive")
 
 
 class PendingRollouts:

@@ -16,7 +16,6 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import FlagConfig, flag
 from megatron_ais.forward import compute_logprobs, split_micro_batches
 from megatron_ais.model import unwrap_model
@@ -50,18 +49,12 @@ class KVCacheCalibrationConfig(FlagConfig):
         2.0, "With --rollout-kv-cache-dtype fp8: KV-cache scale = measured max |K| (|V|) x this / 448, re-measured by "
              "the trainer at every weight sync; the headroom covers the next step's drift and prompts the calibration "
              "did not see (e4m3's relative precision does not depend on the scale, so headroom costs little).",
-        name="--rollout-kv-cache-scale-margin")
+        name="--rollout-kv-cache-scale-margin",
+        at_least=1, bound_note="below 1 the largest calibrated K/V values already saturate")
     sequences: int = flag(16, "Sequences of the latest rollout batch (before the first rollout: the first step's "
                               "prompts) whose forward pass measures the KV-cache scales, split over data-parallel "
-                              "ranks.", name="--rollout-kv-cache-calibration-sequences")
+                              "ranks.", name="--rollout-kv-cache-calibration-sequences", at_least=1)
 
-    def __post_init__(self):
-        if self.scale_margin < 1.0:
-            raise ArgumentValidationError(f"--rollout-kv-cache-scale-margin {self.scale_margin} must be at least 1 "
-                                          "(below 1 the largest calibrated K/V values already saturate)")
-        if self.sequences < 1:
-            raise ArgumentValidationError(f"--rollout-kv-cache-calibration-sequences {self.sequences} must be at "
-                                          "least 1")
 
 
 def rollout_sequences(tokens: torch.Tensor, mask: torch.Tensor, count: int) -> list[list[int]]:

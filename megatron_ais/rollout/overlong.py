@@ -26,16 +26,15 @@ class OverlongConfig(FlagConfig):
     buffer_tokens: int = flag(0, "Soft-penalty buffer: the last this many tokens before --max-new-tokens (DAPO: "
                                  "overlong_buffer.len).", name="--overlong-buffer-tokens")
     penalty: float = flag(1.0, "Soft-penalty factor: the penalty at --max-new-tokens (DAPO: "
-                               "overlong_buffer.penalty_factor).", name="--overlong-penalty")
+                               "overlong_buffer.penalty_factor).", name="--overlong-penalty", at_least=0)
 
     def __post_init__(self):
+        super().__post_init__()
         if self.mode not in OVERLONG_MODES:
             raise ArgumentValidationError(f"--overlong {self.mode!r} must be one of {OVERLONG_MODES}")
         if self.mode == "soft-penalty" and self.buffer_tokens < 1:
             raise ArgumentValidationError("--overlong soft-penalty needs --overlong-buffer-tokens of at least 1 (the "
                                           "tokens before --max-new-tokens over which the penalty grows)")
-        if self.penalty < 0:
-            raise ArgumentValidationError(f"--overlong-penalty {self.penalty} must be >= 0")
 
 
 def soft_overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer_tokens: int,

@@ -42,26 +42,16 @@ class ClusterConfig(FlagConfig):
     print_placement: bool = flag(False, "Print where the engines and trainer ranks go on --cluster-nodes x "
                                         "--cluster-gpus-per-node GPUs, and what each weight sync moves per node and "
                                         "across nodes, for the model and flags given; start nothing and exit.")
-    nodes: int = flag(1, "Nodes of the cluster --print-placement plans for.", name="--cluster-nodes")
-    gpus_per_node: int = flag(8, "GPUs per node of that cluster.", name="--cluster-gpus-per-node")
-    gpu_memory_gb: float = flag(80.0, "Memory of one GPU (GiB; H100 SXM: 80).", name="--cluster-gpu-memory-gb")
+    nodes: int = flag(1, "Nodes of the cluster --print-placement plans for.", name="--cluster-nodes", at_least=1)
+    gpus_per_node: int = flag(8, "GPUs per node of that cluster.", name="--cluster-gpus-per-node", at_least=1)
+    gpu_memory_gb: float = flag(80.0, "Memory of one GPU (GiB; H100 SXM: 80).", name="--cluster-gpu-memory-gb", above=0)
     link_gb_per_s: float = flag(50.0, "Network bandwidth into or out of one node (GB/s; 400 Gb/s InfiniBand: 50), "
-                                      "for the sync-time estimate.", name="--cluster-link-gb-per-s")
+                                      "for the sync-time estimate.", name="--cluster-link-gb-per-s", above=0)
     engines_per_node: int = flag(1, "Rollout engines per node (separate placement), each driven by one of the "
                                     "node's first ranks and taking --rollout-tensor-parallel-size GPUs: GPUs of its "
                                     "own after the trainer's when the node has more GPUs than trainer ranks (what "
                                     "--print-placement plans), else its host ranks' GPUs; on CPU one core each.",
-                                 name="--rollout-engines-per-node")
-
-    def __post_init__(self):
-        for name, value in (("--cluster-nodes", self.nodes), ("--cluster-gpus-per-node", self.gpus_per_node),
-                            ("--rollout-engines-per-node", self.engines_per_node)):
-            if value < 1:
-                raise ArgumentValidationError(f"{name} {value} must be at least 1")
-        for name, value in (("--cluster-gpu-memory-gb", self.gpu_memory_gb),
-                            ("--cluster-link-gb-per-s", self.link_gb_per_s)):
-            if value <= 0:
-                raise ArgumentValidationError(f"{name} {value} must be positive")
+                                 name="--rollout-engines-per-node", at_least=1)
 
 
 @dataclasses.dataclass(frozen=True)

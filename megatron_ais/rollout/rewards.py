@@ -22,16 +22,10 @@ class RewardConfig(FlagConfig):
     workers: int = flag(0, "Reward worker processes on the engine's host (spawned once per run); 0 scores inline "
                            "in the engine's rank, where a reward that hangs stalls the step (fine for the built-in "
                            "tasks; use a few workers for math-verify or any reward that may hang).",
-                        name="--reward-workers")
+                        name="--reward-workers", at_least=0, bound_note="0 scores inline")
     timeout_s: float = flag(10.0, "With --reward-workers: seconds one sample's reward may take; past it the sample "
                                   "scores 0, is counted in rollout/reward_timeouts, and its worker is replaced.",
-                            name="--reward-timeout-s")
-
-    def __post_init__(self):
-        if self.workers < 0:
-            raise ArgumentValidationError(f"--reward-workers {self.workers} must be 0 (inline) or more")
-        if not self.timeout_s > 0:
-            raise ArgumentValidationError(f"--reward-timeout-s {self.timeout_s} must be positive")
+                            name="--reward-timeout-s", above=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -116,7 +116,7 @@ def test_micro_batches_keep_to_the_budget_and_round_trip():
 @pytest.mark.parametrize("argv,expected", [
     (["--max-tokens-per-microbatch", "100"], "--max-tokens-per-microbatch 100 is smaller than one sequence of "
                                              "--seq-length 256"),
-    (["--max-tokens-per-microbatch", "0"], "--max-tokens-per-microbatch 0 must be a positive integer"),
+    (["--max-tokens-per-microbatch", "0"], "--max-tokens-per-microbatch 0 must be at least 1"),
 ])
 def test_bad_budgets_are_refused_naming_the_flag(argv, expected):
     from megatron_ais.arguments import GRPORunConfig
