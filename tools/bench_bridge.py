@@ -179,7 +179,7 @@ def _one_pass_counts(chunks, build, config, layout, sync_id: int) -> dict:
     from megatron_ais.bridge.sync import WeightBridge
 
     counts = SyncCounts()
-    receiver = SyncReceiver(apply=lambda weights: weights) if layout.rank == 0 else None
+    receiver = SyncReceiver() if layout.rank == 0 else None
     with one_pass_on_cpu(counts), WeightBridge(chunks, build, config, layout, receiver) as bridge:
         with device_path(SyncCounts()):
             bridge.sync(sync_id)
@@ -220,7 +220,7 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, p
     for precision in ("bf16", "fp8"):
         config = BridgeConfig(bucket_size_mb=bucket_mb, policy=QuantizationPolicy(precision=precision),
                               transport=transport)
-        receiver = SyncReceiver(apply=lambda weights: weights) if layout.rank == 0 else None
+        receiver = SyncReceiver() if layout.rank == 0 else None
         bridge = WeightBridge(chunks, build, config, layout, receiver)
         times, moved = [], 0
         for sync_id in range(repeats + 1):  # the first sync maps the shared buffers

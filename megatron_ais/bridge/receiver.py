@@ -38,14 +38,16 @@ HOST_VERIFIERS = 2
 
 @dataclasses.dataclass
 class SyncReceiver:
-    """Verifies delivered buckets in the staging arena and applies a complete sync atomically.
+    """Verifies delivered buckets in the staging arena and commits a complete sync atomically: `commit` returns the
+    verified arena (`arena.ArenaWeights`: its ref, a file path or CUDA IPC handle, and the verified entries at
+    absolute offsets), which a separate engine maps and a colocated one takes views of (`feeds.named_tensors`); the
+    run's fleet applies it (`RolloutFleet.apply`).
 
-    `apply(weights)` installs one complete set of weights (e.g. RolloutEngine.update_weights); it is given the
-    arena (`arena.ArenaWeights`: its ref, a file path or CUDA IPC handle, and the verified entries at absolute
-    offsets), which a separate engine maps and a colocated one takes views of (`feeds.named_tensors`).
+    `on_commit` is for tests and benchmarks without a fleet: given each committed arena (e.g. one engine's
+    `update_weights`), and `commit` returns what it returns. A run leaves it None.
     """
 
-    apply: Callable[[object], object]
+    on_commit: Callable[[object], object] | None = None
     slots: int = 1  # staging buffers: 2 double-buffers the arena
     arenas: list = dataclasses.field(default_factory=list)  # one SharedBuffer or CudaBuffer per slot
     slot: int = 0  # the buffer the current (or last) sync writes
@@ -166,7 +168,7 @@ class SyncReceiver:
             self.error = reason
 
     def commit(self, sync_id: int):
-        """Apply the arena's tensors when every stage delivered every tensor intact (return what `apply` returned);
+        """The verified arena when every stage delivered every tensor intact (or what `on_commit` returns of it);
         raise SyncError otherwise."""
         self._wait_for_verification()
         if self.error is None:
@@ -180,10 +182,11 @@ class SyncReceiver:
         if self.error is not None:
             raise SyncError(self.error)
         self.slot_syncs[self.slot] = sync_id
-        return self.apply(ArenaWeights(self.arena.ref, tuple(
+        weights = ArenaWeights(self.arena.ref, tuple(
             ManifestEntry(t.name, t.dtype, t.shape, self.stage_offsets[s] + t.offset, t.nbytes,
                           self.received[s][t.name])
-            for s, tensors in enumerate(self.expected) for t in tensors)))
+            for s, tensors in enumerate(self.expected) for t in tensors))
+        return weights if self.on_commit is None else self.on_commit(weights)
 
     def close(self) -> None:
         if self.verifier is not None:

@@ -51,7 +51,7 @@ def _engine_worker(old_dir, new_dir, work):
         applied.append({n: t.clone() for n, t in named_tensors(weights)})
         engine.update_weights(weights)
 
-    receiver = SyncReceiver(apply=apply)
+    receiver = SyncReceiver(on_commit=apply)
     config = BridgeConfig(bucket_size_mb=0.5, policy=QuantizationPolicy(precision="fp8"))
     bridge = WeightBridge(chunks, build, config, layout, receiver)
     bridge.sync(1)

@@ -38,7 +38,8 @@ def _bridge_worker(cases):
         layout = BridgeLayout.from_parallel_state()
         for sync_id, precision in enumerate(("bf16", "fp8")):
             applied = []
-            receiver = SyncReceiver(apply=lambda w: applied.append({n: t.cpu().clone() for n, t in named_tensors(w)})) \
+            receiver = SyncReceiver(
+                on_commit=lambda w: applied.append({n: t.cpu().clone() for n, t in named_tensors(w)})) \
                 if layout.rank == 0 else None
             config = BridgeConfig(bucket_size_mb=BUCKET_MB, policy=QuantizationPolicy(precision=precision),
                                   transport=transport)
@@ -165,7 +166,7 @@ def _memory_worker(hf_dir, bucket_mb):
     from megatron_ais.bridge.receiver import SyncReceiver
 
     chunks, build, layout = _bf16_model(hf_dir, "--pipeline-model-parallel-size")
-    receiver = SyncReceiver(apply=lambda tensors: None) if layout.rank == 0 else None
+    receiver = SyncReceiver(on_commit=lambda tensors: None) if layout.rank == 0 else None
     config = BridgeConfig(bucket_size_mb=bucket_mb, policy=QuantizationPolicy(precision="fp8"),
                           transport="distributed")
     bridge = WeightBridge(chunks, build, config, layout, receiver)
@@ -290,7 +291,7 @@ def _written_by_worker(hf_dir, paths, tp=2):
         bridge_pieces._on_host = on_host if path == "host" else (lambda *tensors: False)
         bridge_pieces.supports_pass = bridge_buckets.supports_pass = passes[path]
         applied, errors = results.setdefault(path, ([], []))
-        receiver = SyncReceiver(apply=lambda w: applied.append({n: t.cpu().clone() for n, t in named_tensors(w)})) \
+        receiver = SyncReceiver(on_commit=lambda w: applied.append({n: t.cpu().clone() for n, t in named_tensors(w)})) \
             if layout.rank == 0 else None
         for precision, corrupt in [("bf16", None), ("fp8", None), ("bf16", "nan"), ("fp8", "nan"), ("fp8", "flip")]:
             config = BridgeConfig(bucket_size_mb=BUCKET_MB, policy=QuantizationPolicy(precision=precision))
@@ -402,7 +403,7 @@ def _double_buffered_worker(hf_dir, parallel_flag, transport):
     from megatron_ais.rollout.feeds.base import named_tensors
 
     chunks, build, layout = _bf16_model(hf_dir, parallel_flag)
-    receiver = SyncReceiver(apply=lambda weights: weights, slots=2) if layout.rank == 0 else None
+    receiver = SyncReceiver(slots=2) if layout.rank == 0 else None
     config = BridgeConfig(bucket_size_mb=BUCKET_MB, policy=QuantizationPolicy(precision="bf16"), transport=transport)
     poisoned = next(p for p in chunks[0].parameters() if p.dim() == 2)
     synced, previous_after, refused = [], [], []

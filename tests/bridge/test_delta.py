@@ -226,7 +226,7 @@ def _shipping_worker(hf_dir):
     generator = torch.Generator().manual_seed(layout.rank)
     bridges = {}
     for mode in ("fp8", "off"):
-        receiver = SyncReceiver(apply=lambda weights: weights, slots=2) if layout.rank == 0 else None
+        receiver = SyncReceiver(slots=2) if layout.rank == 0 else None
         config = BridgeConfig(bucket_size_mb=0.05, policy=QuantizationPolicy(precision="fp8"), transport="distributed",
                               delta=mode, full_sync_interval=3)
         bridges[mode] = (WeightBridge(chunks, build, config, layout, receiver), receiver)

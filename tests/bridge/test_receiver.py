@@ -43,7 +43,7 @@ def test_host_verifiers_refuse_a_flipped_byte_by_name_in_any_run(flip):
     g = torch.Generator().manual_seed(0)
     values = [torch.randn(t.shape, generator=g).bfloat16() for t in tensors]
     applied = []
-    receiver = SyncReceiver(apply=lambda weights: applied.append([e.name for e in weights.entries]) or applied[-1])
+    receiver = SyncReceiver(on_commit=lambda weights: applied.append([e.name for e in weights.entries]) or applied[-1])
     receiver.prepare([tensors], [total], [0])
     try:
         assert _deliver(receiver, tensors, values, 1) == [t.name for t in tensors]

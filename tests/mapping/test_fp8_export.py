@@ -38,7 +38,7 @@ def _bridged(load):
     chunks, _, _ = load_policy_chunks(build, trainer.weights)
     layout = BridgeLayout.from_parallel_state()
     applied = {}
-    receiver = SyncReceiver(apply=lambda w: applied.update(_as_bytes(dict(named_tensors(w))))) \
+    receiver = SyncReceiver(on_commit=lambda w: applied.update(_as_bytes(dict(named_tensors(w))))) \
         if layout.rank == 0 else None
     with WeightBridge(chunks, build, BridgeConfig(policy=QuantizationPolicy(precision="fp8")), layout,
                       receiver) as bridge:

@@ -43,7 +43,7 @@ def _worker(hf_dir, work):
     trainer, hf_config, build = start_trainer("--hf-dir", hf_dir, "--fp32", "--seq-length", "40")
     chunks, _, _ = load_policy_chunks(build, trainer.weights)
     layout, groups = BridgeLayout.from_parallel_state(), ParallelGroups.from_parallel_state()
-    receiver = SyncReceiver(apply=engine.update_weights)
+    receiver = SyncReceiver(on_commit=engine.update_weights)
     config = BridgeConfig(bucket_size_mb=1.0, policy=QuantizationPolicy(precision="fp32"))
     generator = torch.Generator().manual_seed(0)
     diffs = []

@@ -45,7 +45,7 @@ def _worker(hf_dir, work):
     copies = NodeCopies(0, node_leaders(fleet.hosts, node_of, 0), rank)
     engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision="fp8", kv_cache_gb=0.25, placement="separate",
                                         cpu_core=str(rank)), os.path.join(work, f"engine-{rank}"))
-    receiver = SyncReceiver(apply=lambda weights: weights) if rank == 0 else None
+    receiver = SyncReceiver() if rank == 0 else None
     bridge = WeightBridge(chunks, build, BridgeConfig(bucket_size_mb=1.0), BridgeLayout.from_parallel_state(), receiver)
     probe = probe_tokens(build.shape.vocab_size)
 

@@ -42,7 +42,7 @@ def _moe_engine_worker(hf_dir, work, precision, activations="none"):
     trainer, hf_config, build = start_trainer("--hf-dir", hf_dir, "--fp32", "--seq-length", "40")
     chunks, _, _ = load_policy_chunks(build, trainer.weights)
     layout, groups = BridgeLayout.from_parallel_state(), ParallelGroups.from_parallel_state()
-    receiver = SyncReceiver(apply=engine.update_weights)
+    receiver = SyncReceiver(on_commit=engine.update_weights)
     bridge = WeightBridge(chunks, build, BridgeConfig(bucket_size_mb=0.5, policy=QuantizationPolicy(precision)),
                           layout, receiver)
     generator = torch.Generator().manual_seed(0)

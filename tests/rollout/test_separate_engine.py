@@ -85,7 +85,7 @@ def _worker(old_dir, new_dir, work):
                            work)
     config = BridgeConfig(bucket_size_mb=1.0, policy=QuantizationPolicy(precision="fp32"))
     fed = []
-    receiver = SyncReceiver(apply=lambda weights: weights)  # the verified arena, applied by `sync`
+    receiver = SyncReceiver()  # the verified arena, applied by `sync`
     bridge = WeightBridge(chunks, build, config, layout, receiver)
 
     def sync(sync_id, apply=engine.update_weights):
