@@ -24,7 +24,7 @@ from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import add_flag_group, plain_flag_values
 from megatron_ais.grpo.advantages import AdvantageConfig
 from megatron_ais.grpo.loss import PolicyLossConfig
-from megatron_ais.grpo.run import GRPOLoopConfig
+from megatron_ais.grpo.loop_config import GRPOLoopConfig
 from megatron_ais.logging import LoggingConfig
 from megatron_ais.model import ModelConfig
 from megatron_ais.parallel import ParallelLayout

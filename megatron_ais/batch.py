@@ -38,6 +38,16 @@ class RolloutBatch:
     # --max-off-policy-steps > 0; None: every token was sampled by the weights the step starts from
     policy_versions: torch.Tensor | None = None
 
+    def cached_sequences(self, count: int) -> list[list[int]]:
+        """The first `count` rows as token ids up to their last response token's input position (the K/V an engine
+        cached for them), from the right-padded tokens and response mask."""
+        out = []
+        for row in range(min(count, self.tokens.shape[0])):
+            positions = self.mask[row].nonzero()
+            if positions.numel():
+                out.append(self.tokens[row, :int(positions.max()) + 1].tolist())
+        return out
+
     def rows(self, indices: list[int]) -> "RolloutBatch":
         """The batch of the rows `indices` (in that order)."""
         return dataclasses.replace(self, **{f.name: getattr(self, f.name)[indices] for f in dataclasses.fields(self)

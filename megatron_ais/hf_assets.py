@@ -16,3 +16,10 @@ def copy_hf_assets(src_dir: str, dst_dir: str) -> None:
         src = os.path.join(src_dir, name)
         if os.path.isfile(src):
             shutil.copy2(src, os.path.join(dst_dir, name))
+
+
+def load_tokenizer(path: str):
+    """Return the HF tokenizer stored in a model directory or a checkpoint's hf_assets."""
+    from transformers import AutoTokenizer  # heavy (seconds): imported where a tokenizer is loaded, not at --help
+
+    return AutoTokenizer.from_pretrained(path)

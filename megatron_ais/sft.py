@@ -10,13 +10,11 @@ from megatron.core import parallel_state as ps
 
 from megatron_ais import platform
 from megatron_ais.batch import balanced_partition, row_lengths
-from megatron_ais.checkpointing.config import checkpoint_metadata
-from megatron_ais.checkpointing.ranks import CheckpointRanks
-from megatron_ais.checkpointing.background import BackgroundSaver
-from megatron_ais.checkpointing.store import FORMATS, begin_save, commit_staged, write_staged
+from megatron_ais.checkpointing.checkpointer import Checkpointer
 from megatron_ais.data.tasks import Example, build_task
 from megatron_ais.flags import FlagConfig, flag
 from megatron_ais.forward import micro_batches, token_budget_plan
+from megatron_ais.hf_assets import load_tokenizer
 from megatron_ais.logging import RunLogger
 from megatron_ais.mapping.distributed import save_hf_checkpoint
 from megatron_ais.training import (lm_forward_step, prepare_trainer, reduce_lm_loss, setup_model_and_optimizer,
@@ -33,13 +31,6 @@ class SFTConfig(FlagConfig):
     export_hf_dir: str | None = flag(None, "After training, export the model as a HF checkpoint here (each PP stage "
                                            "writes its file).", type=str)
 
-
-
-def load_tokenizer(path: str):
-    """Return the HF tokenizer stored in a model directory or a checkpoint's hf_assets."""
-    from transformers import AutoTokenizer  # heavy (seconds): imported where a tokenizer is loaded, not at --help
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 def encode_sft_example(tokenizer, example: Example, seq_length: int) -> dict[str, torch.Tensor]:
@@ -129,28 +120,19 @@ def _train(setup, encoded: list[dict], config, log) -> list[float]:
 def _save_and_export(setup, hf_config: dict, config) -> None:
     """The trained model as a checkpoint (--save) and as a HF directory (--export-hf-dir); with --async-save the
     checkpoint's files are written while the export runs, and committed after it."""
-    checkpoint, iters = config.trainer.checkpoint, config.sft.train_iters
-    saver = BackgroundSaver() if checkpoint.async_save else None
-    if checkpoint.save:
-        metadata = checkpoint_metadata(setup.build, hf_config, iters, ps.get_data_parallel_world_size(),
-                                       config.trainer.training.use_distributed_optimizer)
-        staged = begin_save(checkpoint.save, iters, setup.chunks, metadata, setup.assets_dir,
-                            CheckpointRanks.from_parallel_state(), optimizer=setup.optimizer,
-                            run_state={"kind": "sft", "step": iters}, dp_group=ps.get_data_parallel_group(),
-                            keep=checkpoint.keep_checkpoints, fmt=FORMATS[checkpoint.ckpt_format])
-        # no snapshot: training is over, nothing changes the state while the background writes it
-        if saver is not None:
-            saver.start(staged)
-        else:
-            commit_staged(write_staged(staged))
+    iters = config.sft.train_iters
+    checkpointer = Checkpointer(config.trainer.checkpoint, setup.build, hf_config, setup.chunks, setup.optimizer,
+                                setup.assets_dir, (ps.get_data_parallel_group(), ps.get_data_parallel_world_size()),
+                                config.trainer.training.use_distributed_optimizer)
+    if config.trainer.checkpoint.save:
+        checkpointer.save(iters, {"kind": "sft", "step": iters}, training_goes_on=False)
     if config.sft.export_hf_dir:
         writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
         save_hf_checkpoint(setup.chunks, setup.build, hf_config, config.sft.export_hf_dir,
                            ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
                            is_stage_writer=writer, assets_from=setup.assets_dir,
                            dtype=torch.bfloat16 if hf_config.get("dtype") == "bfloat16" else None)
-    if saver is not None:
-        saver.wait()
+    checkpointer.wait()
 
 
 def run_sft(config) -> dict:

@@ -1,8 +1,8 @@
-"""The shape the code keeps: short functions, the argparse namespace seen only by the entry points and the
-configs' `from_args` constructors (everything below takes typed configs), and imports that point one way: no
-import cycle between modules nor between units (a subpackage of `megatron_ais`, a top-level module, `kernels`),
-and no function-local import but of an optional heavy dependency — import statements and imports made by call
-(`importlib.import_module`, `__import__`) alike."""
+"""The shape the code keeps: short functions and classes (the run a table of contents), the argparse namespace seen
+only by the entry points and the configs' `from_args` constructors (everything below takes typed configs), and
+imports that point one way: no import cycle between modules nor between units (a subpackage of `megatron_ais`, a
+top-level module, `kernels`), and no function-local import but of an optional heavy dependency — import statements
+and imports made by call (`importlib.import_module`, `__import__`) alike."""
 import ast
 import os
 import subprocess
@@ -13,6 +13,10 @@ from conftest import ROOT
 PACKAGE = os.path.join(ROOT, "megatron_ais")
 OWN = ("megatron_ais", "kernels")
 MAX_FUNCTION_LINES = 60
+MAX_CLASS_LINES = 250
+# the run reads as a table of contents: its phases are calls into the objects that own them (weight sync, rollout
+# schedule, checkpointer, fleet), its loop a dozen or so plain lines
+MAX_RUN_CLASS_LINES, MAX_LOOP_LINES = 200, 20
 # the only functions of the package that may take a parsed namespace
 NAMESPACE_READERS = {"from_args", "flag_values", "plain_flag_values"}
 # what a function may import locally: optional or heavy dependencies that a path of the package does without
@@ -51,6 +55,27 @@ def test_no_function_is_longer_than_60_lines():
     long = [f"{path}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
             for path, node in _functions() if node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
     assert not long, long
+
+
+def _classes():
+    for _, path, tree in _modules(("megatron_ais",)):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                yield os.path.relpath(path, ROOT), node
+
+
+def _lines(node) -> int:
+    return node.end_lineno - node.lineno + 1
+
+
+def test_no_class_is_longer_than_250_lines_and_the_run_reads_as_a_table_of_contents():
+    long = [f"{path}:{node.lineno} {node.name} ({_lines(node)} lines)" for path, node in _classes()
+            if _lines(node) > MAX_CLASS_LINES]
+    assert not long, long
+    run = next(node for path, node in _classes() if node.name == "GRPORun")
+    assert _lines(run) <= MAX_RUN_CLASS_LINES, _lines(run)
+    loop = next(node for node in run.body if isinstance(node, ast.FunctionDef) and node.name == "run")
+    assert _lines(loop) <= MAX_LOOP_LINES, _lines(loop)
 
 
 def _takes_namespace(node) -> bool:
@@ -211,6 +236,46 @@ def test_no_import_cycle_between_units():
     """Packages import each other one way: e.g. rollout/ may use bridge/, never the other way round."""
     units = unit_graph(import_graph()[0])
     assert find_cycle(units) is None, " -> ".join(find_cycle(units))
+
+
+# the layers of docs/architecture.md, top first: a module imports its own layer's modules and those below, never one
+# above (a module's layer: its longest prefix listed; kernels/ imports no module of the package)
+LAYERS = (
+    ("entry", ("megatron_ais.arguments", "megatron_ais.launch")),
+    ("loop", ("megatron_ais.grpo",)),
+    ("fleet", ("megatron_ais.rollout",)),
+    ("bridge", ("megatron_ais.bridge",)),
+    ("trainer", ("megatron_ais.training", "megatron_ais.sft", "megatron_ais.initialize")),
+    ("state", ("megatron_ais.checkpointing",)),
+    ("model", ("megatron_ais.model", "megatron_ais.mapping")),
+    ("algorithm", ("megatron_ais.grpo.loss", "megatron_ais.grpo.advantages", "megatron_ais.ais", "megatron_ais.data")),
+    ("shared", ("megatron_ais",)),
+    ("kernels", ("kernels",)),
+)
+
+
+def layer_of(module: str) -> int:
+    prefixes = [(len(p), index) for index, (_, prefixes) in enumerate(LAYERS) for p in prefixes
+                if module == p or module.startswith(p + ".")]
+    return max(prefixes)[1]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+                  for module, targets in graph.items() for target in targets if layer_of(target) < layer_of(module))
+
+
+def test_imports_point_down_the_layers_and_the_map_names_them_in_order():
+    assert upward_imports(import_graph()[0]) == []
+    # a negative control: the trainer importing the fleet points up
+    assert upward_imports({"megatron_ais.training": {"megatron_ais.rollout.fleet"}}) == [
+        "megatron_ais.training (trainer) imports megatron_ais.rollout.fleet (fleet)"]
+    with open(os.path.join(ROOT, "docs", "architecture.md")) as f:
+        text = f.read()
+    block = text[text.index("## Layers"):]
+    block = block[block.index("```") + 3:]
+    rows = [line.split()[0] for line in block[:block.index("```")].splitlines() if line and not line[0].isspace()]
+    assert rows == [name for name, _ in LAYERS], rows
 
 
 def test_function_local_imports_only_of_optional_heavy_dependencies():

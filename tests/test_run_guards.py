@@ -52,7 +52,8 @@ def test_a_start_without_torchrun_says_how_to_start(grpo, model):
 
 
 def test_flag_errors_are_one_line_without_the_usage_block(grpo, model):
-    _refused(grpo("--hf-dir", model, "--group-size", "1"), "--group-size 1: GRPO's advantages compare")
+    _refused(grpo("--hf-dir", model, "--group-size", "1"),
+             "--group-size 1 must be at least 2 (GRPO's advantages compare")
     _refused(grpo("--hf-dir", model, "--rollout-precision", "int4"), "argument --rollout-precision: invalid choice")
 
 
@@ -179,7 +180,7 @@ def test_prompts_longer_than_the_sequence_allows_are_refused_before_the_run(grpo
     that happens to draw the longest one."""
     from megatron_ais.data.tasks import running_sum_task
     from megatron_ais.rollout.manager import prompt_ids
-    from megatron_ais.sft import load_tokenizer
+    from megatron_ais.hf_assets import load_tokenizer
 
     task = running_sum_task(1234, 10)
     longest = max(map(len, prompt_ids(load_tokenizer(model), [e.prompt for e in task.train + task.eval])))

@@ -40,6 +40,18 @@ class GRPOConfig:
     moe_routing: tuple[int, int, int] | None = None  # (MoE layers, experts, top-k): what replayed routes must fit
     max_lag: int = 0  # --max-off-policy-steps: > 0 logs the mismatch per policy-version lag 0 .. max_lag
 
+    @classmethod
+    def for_run(cls, config, shape, routing_replay: bool) -> "GRPOConfig":
+        """The phases' options of a run (`config`: an arguments.GRPORunConfig) on a model of this shape."""
+        trainer, loop = config.trainer, config.loop
+        return cls(loss=config.loss, correction=config.correction, vocab_size=shape.vocab_size,
+                   micro_batch_size=trainer.training.micro_batch_size, num_minibatches=loop.num_minibatches,
+                   ppo_epochs=loop.ppo_epochs, advantages=config.advantages, temperature=loop.temperature,
+                   max_tokens_per_microbatch=trainer.training.max_tokens_per_microbatch,
+                   sequence_multiple=trainer.layout.tensor if trainer.layout.sequence_parallel else 1,
+                   moe_routing=(shape.num_layers, shape.num_experts, shape.moe_topk) if routing_replay else None,
+                   max_lag=loop.max_off_policy_steps)
+
     def plan(self, lengths: list[int], seq_length: int) -> MicroBatchPlan:
         """The micro-batches of rows of these lengths."""
         if self.max_tokens_per_microbatch is None:

@@ -98,7 +98,8 @@ class RolloutFleet:
             self._ahead_worker = BackgroundWorker("rollouts-ahead")
         first = RowsAhead(functools.partial(self._round_rows, step, 0, self.policy_version), self.layout,
                           self.prompts_per_step, self._ahead_worker) if ahead else None
-        pending = PendingRollouts(step, functools.partial(self._collect, step, first))
+        versions = {"policy_version": self.policy_version, "generated_ahead": ahead}
+        pending = PendingRollouts(step, lambda: dataclasses.replace(self._collect(step, first), **versions))
         if not ahead:
             pending.wait()
         return pending

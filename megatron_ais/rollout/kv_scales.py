@@ -57,17 +57,6 @@ class KVCacheCalibrationConfig(FlagConfig):
 
 
 
-def rollout_sequences(tokens: torch.Tensor, mask: torch.Tensor, count: int) -> list[list[int]]:
-    """The first `count` rollouts of a batch as token ids up to their last response token's input position (the
-    K/V the engine cached for them), from the batch's right-padded tokens and response mask."""
-    out = []
-    for row in range(min(count, tokens.shape[0])):
-        positions = mask[row].nonzero()
-        if positions.numel():
-            out.append(tokens[row, :int(positions.max()) + 1].tolist())
-    return out
-
-
 class AttentionAmax:
     """Forward pre-hooks on every decoder layer's core attention that keep the running max |Q|, |K|, |V| per global
     layer, over the real tokens of the micro-batches given by `valid` ([batch, seq] masks, in the order the

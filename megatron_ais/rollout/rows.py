@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ais.batch import RolloutBatch, data_parallel_rows, row_lengths, row_tensors
+from megatron_ais.distributed import share
 from megatron_ais.rollout.fleet_layout import FleetLayout, Retired, outcome_here, retire, shared_outcomes
 
 
@@ -237,6 +238,14 @@ class StepRollouts:
     first_host: int  # the host that made the batch's first rows
     first_rows: RolloutBatch | None = None  # their rows, on that host (None elsewhere)
     sampling: dict[str, float] = dataclasses.field(default_factory=dict)  # dynamic sampling's metrics
+    policy_version: int = 0  # the trainer step whose weights the engines held when the step was submitted
+    generated_ahead: bool = False  # generated while the trainer trained (--max-off-policy-steps)
+
+    def calibration_sequences(self, count: int) -> list[list[int]]:
+        """The first `count` sequences the first host made, as the engine cached them, on every rank (collective):
+        what the FP8 KV-cache scales are measured on."""
+        first = self.first_rows
+        return share(lambda: first.cached_sequences(count), src=self.first_host)
 
 
 def exchange_rows(rows: MadeRows, data_parallel_rank_of: list[int], data_parallel_rank: int,

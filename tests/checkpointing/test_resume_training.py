@@ -26,7 +26,8 @@ def _worker(hf_dir, precision, distributed_optimizer, save_dir, resume, extra=()
     from megatron_ais.checkpointing.ranks import CheckpointRanks
     from megatron_ais.checkpointing.store import FORMATS, save_checkpoint
     from megatron_ais.data.tasks import arithmetic_task
-    from megatron_ais.sft import encode_sft_example, load_tokenizer, example_micro_batches
+    from megatron_ais.hf_assets import load_tokenizer
+    from megatron_ais.sft import encode_sft_example, example_micro_batches
     from megatron_ais.training import lm_forward_step, reduce_lm_loss, setup_model_and_optimizer, train_step
 
     argv = ["--hf-dir", hf_dir, f"--{precision}", "--seq-length", str(SEQ), "--lr", "3e-3",

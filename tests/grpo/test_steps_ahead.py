@@ -6,7 +6,7 @@ weights while the engines generate on older ones has a double-buffered staging a
 import itertools
 
 from megatron_ais.checkpointing.config import CheckpointConfig
-from megatron_ais.grpo.run import GRPOLoopConfig
+from megatron_ais.grpo.loop_config import GRPOLoopConfig
 
 
 def _loop(eta: int, steps: int, eval_interval: int, save_interval: int | None):

@@ -193,7 +193,7 @@ def _engine_fleet_worker(model_dir: str, work: str):
     from megatron_ais.rollout.fleet_layout import FleetLayout, cpu_core_of
     from megatron_ais.rollout.manager import RolloutManager, RolloutPlan
     from megatron_ais.rollout.rewards import RewardConfig, RewardScorer
-    from megatron_ais.sft import load_tokenizer
+    from megatron_ais.hf_assets import load_tokenizer
 
     initialize_distributed()
     rank, said = dist.get_rank(), []

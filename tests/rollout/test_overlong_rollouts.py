@@ -47,7 +47,7 @@ def _overlong_fleet_worker(model_dir: str, work: str):
     from megatron_ais.logging import RunLogger
     from megatron_ais.rollout.fleet import build_fleet
     from megatron_ais.rollout.overlong import OverlongConfig
-    from megatron_ais.sft import load_tokenizer
+    from megatron_ais.hf_assets import load_tokenizer
     from pretrain_grpo_ais import build_grpo_parser
 
     initialize_distributed()

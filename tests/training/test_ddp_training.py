@@ -14,7 +14,8 @@ GLOBAL_BATCH, MICRO_BATCH, SEQ = 8, 2, 48
 
 def _global_batch(hf_dir, step):
     from megatron_ais.data.tasks import arithmetic_task
-    from megatron_ais.sft import encode_sft_example, load_tokenizer, example_micro_batches
+    from megatron_ais.hf_assets import load_tokenizer
+    from megatron_ais.sft import encode_sft_example, example_micro_batches
 
     tokenizer = load_tokenizer(hf_dir)
     examples = arithmetic_task(11, 99, train_size=GLOBAL_BATCH * 3, eval_size=8).train[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]
