@@ -28,7 +28,7 @@ def print_placement(parser, args) -> int:
     from megatron_ais.arguments import GRPORunConfig  # see build_grpo_parser
     from megatron_ais.checkpointing.store import read_checkpoint_metadata
     from megatron_ais.model import load_hf_config
-    from megatron_ais.rollout.engine_config import EngineConfig
+    from megatron_ais.engine.config import EngineConfig
     from megatron_ais.rollout.placement import ClusterConfig, describe_placement, trainer_gpus_per_node
 
     try:

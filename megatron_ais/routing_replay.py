@@ -1,7 +1,7 @@
 """MoE routing replay (R3): every forward that scores rollouts routes each token to the experts the engine chose.
 
 The engine returns, per rollout, the top-k expert ids of every MoE layer at every position the trainer feeds
-(prompt and response; `rollout/engine.py RolloutEngine.route`); they travel with the batch as int16
+(prompt and response; `engine/vllm_engine.py RolloutEngine.route`); they travel with the batch as int16
 [sequences, positions, MoE layers, k]. Before a pipeline chunk's forward, each of its routers is given its layer's
 ids through megatron-core's `RouterReplay` (REPLAY_FORWARD), in the token order the router sees ([s, b] flattened,
 this tensor-parallel rank's sequence shard under sequence parallelism); after the forward the routers route

@@ -17,7 +17,7 @@ def record_routing(directory: str) -> None:
     from megatron.core.transformer.moe.router import TopKRouter
 
     from megatron_ais import routing_replay
-    from megatron_ais.rollout.engine import RolloutEngine
+    from megatron_ais.engine.vllm_engine import RolloutEngine
 
     counter, rank = itertools.count(), os.environ["RANK"]
 

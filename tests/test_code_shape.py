@@ -244,8 +244,10 @@ LAYERS = (
     ("entry", ("megatron_ais.arguments", "megatron_ais.launch")),
     ("loop", ("megatron_ais.grpo",)),
     ("fleet", ("megatron_ais.rollout",)),
+    ("engine", ("megatron_ais.engine",)),
     ("bridge", ("megatron_ais.bridge",)),
-    ("trainer", ("megatron_ais.training", "megatron_ais.sft", "megatron_ais.initialize")),
+    ("trainer", ("megatron_ais.training", "megatron_ais.sft", "megatron_ais.initialize", "megatron_ais.kv_calibration",
+                 "megatron_ais.refit_probe")),
     ("state", ("megatron_ais.checkpointing",)),
     ("model", ("megatron_ais.model", "megatron_ais.mapping")),
     ("algorithm", ("megatron_ais.grpo.loss", "megatron_ais.grpo.advantages", "megatron_ais.ais", "megatron_ais.data")),
@@ -295,7 +297,7 @@ def test_function_local_imports_only_of_optional_heavy_dependencies():
 def test_the_engine_workers_load_no_megatron():
     """vLLM's worker processes import our worker extension and plugin, every spawned rank `distributed` and
     `platform`: none may pull in megatron-core (seconds per process start) through a shared module."""
-    code = ("import sys; import megatron_ais.rollout.worker_extension, megatron_ais.rollout.vllm_plugin, "
+    code = ("import sys; import megatron_ais.engine.worker_extension, megatron_ais.engine.vllm_plugin, "
             "megatron_ais.distributed, megatron_ais.platform; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'))")
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=ROOT, capture_output=True, text=True,
@@ -308,7 +310,7 @@ def test_the_import_checks_see_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     planted = {"megatron_ais.rollout.fleet": {"megatron_ais.bridge.sync"},
-               "megatron_ais.bridge.node_copies": {"megatron_ais.rollout.feeds.broadcast"}}
+               "megatron_ais.bridge.node_copies": {"megatron_ais.rollout.rows"}}
     assert find_cycle(planted) is None
     assert find_cycle(unit_graph(planted)) == ["megatron_ais.bridge", "megatron_ais.rollout", "megatron_ais.bridge"]
     assert _commented(["def f():", "    # vLLM: workers only", "    import vllm", "    import vllm.utils"], 4)

@@ -7,7 +7,7 @@ import warnings
 import torch
 
 from megatron_ais.logging import apply_vllm_log_level, quiet_libraries
-from megatron_ais.rollout.vllm_plugin import derived_buffers_are_not_weights
+from megatron_ais.engine.vllm_plugin import derived_buffers_are_not_weights
 
 
 def _warn(message: str, module: str) -> None:

@@ -38,7 +38,7 @@ def test_configs_take_the_flags_and_keep_one_default():
     assert config.trainer.model.precision == "fp32"
     from megatron_ais.ais import AISConfig
     from megatron_ais.bridge.config import BridgeConfig
-    from megatron_ais.rollout.engine_config import EngineConfig
+    from megatron_ais.engine.config import EngineConfig
 
     defaults = _config()
     assert defaults.correction == AISConfig()

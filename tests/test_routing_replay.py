@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from megatron_ais.errors import ArgumentValidationError, RoutingReplayError
-from megatron_ais.rollout.batch import rollouts_to_batch
-from megatron_ais.rollout.engine import Rollout
+from megatron_ais.rollout.batching import rollouts_to_batch
+from megatron_ais.engine.vllm_engine import Rollout
 from megatron_ais.routing_replay import check_routed_experts, routing_replay_enabled
 
 

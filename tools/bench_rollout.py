@@ -65,9 +65,9 @@ def _engine_worker(hf_dir: str, precision: str, work: str, prompts: int, n: int,
 
     from megatron_ais.bridge.quantization import QuantizationPolicy, quantize_for_engine
     from megatron_ais.mapping.hf_io import HFCheckpointReader
-    from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
-    from megatron_ais.rollout.engine_config import EngineConfig
-    from megatron_ais.rollout.kv_scales import KVCacheScales
+    from megatron_ais.engine.vllm_engine import RolloutEngine, SamplingConfig
+    from megatron_ais.engine.config import EngineConfig
+    from megatron_ais.kv_calibration import KVCacheScales
 
     engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision=precision, kv_cache_gb=1.0,
                                         max_num_seqs=prompts * n, kv_cache_dtype=kv_cache_dtype,
@@ -103,9 +103,9 @@ def _fleet_worker(hf_dir: str, work: str, engines: int, placement: str, prompts:
     from megatron_ais.grpo.advantages import AdvantageConfig
     from megatron_ais.grpo.advantages import with_advantages
     from megatron_ais.distributed import initialize_distributed
-    from megatron_ais.rollout.batch import rollouts_to_batch
-    from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
-    from megatron_ais.rollout.engine_config import EngineConfig
+    from megatron_ais.rollout.batching import rollouts_to_batch
+    from megatron_ais.engine.vllm_engine import RolloutEngine, SamplingConfig
+    from megatron_ais.engine.config import EngineConfig
     from megatron_ais.rollout.fleet_layout import FleetLayout, cpu_core_of
     from megatron_ais.rollout.rows import exchange_rows, make_rows
 

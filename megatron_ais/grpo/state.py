@@ -8,7 +8,7 @@ import os
 
 from megatron_ais.ais import AISState
 from megatron_ais.checkpointing.store import usable_iterations
-from megatron_ais.rollout.kv_scales import KVCacheScales
+from megatron_ais.kv_calibration import KVCacheScales
 
 # flags that may change between a run and its resumption without changing what it computes
 RESUME_FREE_FLAGS = ("load", "save", "grpo_steps", "output_dir", "tensorboard_dir", "save_interval", "log_interval",

@@ -13,8 +13,9 @@ from megatron_ais.bridge.layout import BridgeLayout
 from megatron_ais.bridge.receiver import SyncReceiver
 from megatron_ais.bridge.sync import SyncStats, WeightBridge
 from megatron_ais.distributed import gather_on
-from megatron_ais.rollout.kv_scales import calibrate_kv_cache_scales
-from megatron_ais.rollout.verify import RefitReference, probe_tokens, refit_precision, trainer_probe_reference
+from megatron_ais.kv_calibration import calibrate_kv_cache_scales
+from megatron_ais.refit_probe import probe_tokens, trainer_probe_reference
+from megatron_ais.rollout.verify import RefitReference, refit_precision
 
 ARENA_RANK = 0  # the global rank of the bridge's receiver: the staging arena every engine applies from
 

@@ -9,12 +9,12 @@ from typing import Any, Callable
 
 from megatron_ais.batch import RolloutBatch
 from megatron_ais.errors import ArgumentValidationError, EngineRetiredError, GenerationTimeoutError, RolloutError
-from megatron_ais.rollout.batch import rollouts_to_batch
+from megatron_ais.rollout.batching import rollouts_to_batch
 from megatron_ais.rollout.dynamic_sampling import stream_seed
-from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
+from megatron_ais.engine.vllm_engine import RolloutEngine, SamplingConfig
 from megatron_ais.rollout.overlong import OverlongConfig, shape_overlong
 from megatron_ais.rollout.rewards import RewardScorer, Scores
-from megatron_ais.rollout.turns import EngineTurns
+from megatron_ais.engine.turns import EngineTurns
 from megatron_ais.rollout.verify import RefitReference
 
 

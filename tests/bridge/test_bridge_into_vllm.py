@@ -33,9 +33,9 @@ def _engine_worker(old_dir, new_dir, work):
     from megatron_ais.bridge.receiver import SyncReceiver
     from megatron_ais.errors import SyncError
     from megatron_ais.training import load_policy_chunks
-    from megatron_ais.rollout.engine import RolloutEngine
-    from megatron_ais.rollout.engine_config import EngineConfig
-    from megatron_ais.rollout.feeds.base import named_tensors
+    from megatron_ais.engine.vllm_engine import RolloutEngine
+    from megatron_ais.engine.config import EngineConfig
+    from megatron_ais.engine.feeds.base import named_tensors
 
     engine = RolloutEngine(EngineConfig(model_dir=old_dir, precision="fp8", kv_cache_gb=0.25,
                                         placement="colocated"), work)

@@ -26,7 +26,7 @@ def _bridge_worker(cases):
     from megatron_ais.bridge.quantization import QuantizationPolicy
     from megatron_ais.bridge.receiver import SyncReceiver
     from megatron_ais.bridge.sync import WeightBridge
-    from megatron_ais.rollout.feeds.base import named_tensors
+    from megatron_ais.engine.feeds.base import named_tensors
     from megatron_ais.training import load_policy_chunks
 
     out = []
@@ -277,7 +277,7 @@ def _written_by_worker(hf_dir, paths, tp=2):
     from megatron_ais.bridge.sync import WeightBridge
     from megatron_ais.bridge.receiver import SyncReceiver
     from megatron_ais.errors import SyncError
-    from megatron_ais.rollout.feeds.base import named_tensors
+    from megatron_ais.engine.feeds.base import named_tensors
 
     chunks, build, layout = _bf16_model(hf_dir, "--tensor-model-parallel-size", tp)
     fc2 = next(p for n, p in chunks[0].named_parameters() if n.endswith("decoder.layers.1.mlp.linear_fc2.weight"))
@@ -400,7 +400,7 @@ def _double_buffered_worker(hf_dir, parallel_flag, transport):
     from megatron_ais.bridge.receiver import SyncReceiver
     from megatron_ais.bridge.sync import WeightBridge
     from megatron_ais.errors import SyncError
-    from megatron_ais.rollout.feeds.base import named_tensors
+    from megatron_ais.engine.feeds.base import named_tensors
 
     chunks, build, layout = _bf16_model(hf_dir, parallel_flag)
     receiver = SyncReceiver(slots=2) if layout.rank == 0 else None

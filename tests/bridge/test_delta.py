@@ -217,7 +217,7 @@ def _shipping_worker(hf_dir):
     from megatron_ais.bridge.receiver import SyncReceiver
     from megatron_ais.bridge.sync import WeightBridge
     from megatron_ais.errors import SyncError
-    from megatron_ais.rollout.feeds.base import named_tensors
+    from megatron_ais.engine.feeds.base import named_tensors
 
     chunks, build, layout = _bf16_model(hf_dir, "--pipeline-model-parallel-size")
     params = [p for chunk in chunks for p in chunk.parameters()]

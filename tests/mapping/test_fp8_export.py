@@ -31,7 +31,7 @@ def _bridged(load):
     from megatron_ais.bridge.quantization import QuantizationPolicy
     from megatron_ais.bridge.receiver import SyncReceiver
     from megatron_ais.bridge.sync import WeightBridge
-    from megatron_ais.rollout.feeds.base import named_tensors
+    from megatron_ais.engine.feeds.base import named_tensors
     from megatron_ais.training import load_policy_chunks
 
     trainer, _, build = start_trainer("--load", load, "--tensor-model-parallel-size", 2, "--seq-length", 16)

@@ -17,7 +17,7 @@ SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_
 
 
 def test_w8a16_weights_are_each_code_times_its_block_scale_rounded_to_bf16_once():
-    from megatron_ais.rollout.fp8_emulation import dequantize_blockwise_bf16
+    from megatron_ais.engine.fp8_emulation import dequantize_blockwise_bf16
 
     generator = torch.Generator().manual_seed(0)
     codes = (torch.randn(200, 300, generator=generator) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -31,7 +31,7 @@ def test_w8a16_weights_are_each_code_times_its_block_scale_rounded_to_bf16_once(
 
 
 def test_the_kv_cache_round_trip_is_the_e4m3_grid_times_the_scale_saturating_at_448():
-    from megatron_ais.rollout.fp8_emulation import fp8_kv_round_trip
+    from megatron_ais.engine.fp8_emulation import fp8_kv_round_trip
 
     scale = 0.03125  # a power of two: every product below is exact in BF16
     grid = torch.tensor([0.0, 2 ** -9, 0.5, 1.0, 1.125, 240.0, 448.0, -3.5, -448.0])
@@ -49,7 +49,7 @@ def test_w8a16_experts_round_where_the_fused_moe_does_token_by_token():
     """The torch path's MoE against a token-by-token loop: each routed expert's gate/up product in fp32 rounded to
     BF16, SiLU(gate) * up rounded, the down product in fp32 times the router weight rounded to BF16, the top-k
     outputs summed in fp32 and rounded once."""
-    from megatron_ais.rollout.fp8_emulation import w8a16_experts
+    from megatron_ais.engine.fp8_emulation import w8a16_experts
 
     generator = torch.Generator().manual_seed(1)
     tokens, hidden, inner, experts, top_k = 6, 32, 48, 4, 2
@@ -75,8 +75,8 @@ def _logprobs(model_dir, work, precision, fp8_path=None, bf16_products="fp32"):
     import contextlib
     import io
 
-    from megatron_ais.rollout.engine import RolloutEngine
-    from megatron_ais.rollout.engine_config import EngineConfig
+    from megatron_ais.engine.vllm_engine import RolloutEngine
+    from megatron_ais.engine.config import EngineConfig
 
     os.environ["MEGATRON_AIS_CPU_BF16"] = bf16_products
     if fp8_path is not None:
@@ -151,8 +151,8 @@ def test_the_torch_path_agrees_with_vllm_cpus_w8a16_kernel(model_root, tmp_path)
 
 def _refused(fp8_path):
     from megatron_ais.errors import ArgumentValidationError
-    from megatron_ais.rollout.engine import RolloutEngine
-    from megatron_ais.rollout.engine_config import EngineConfig
+    from megatron_ais.engine.vllm_engine import RolloutEngine
+    from megatron_ais.engine.config import EngineConfig
 
     os.environ["MEGATRON_AIS_CPU_FP8"] = fp8_path
     try:

@@ -187,8 +187,8 @@ def _engine_fleet_worker(model_dir: str, work: str):
 
     from megatron_ais.data.tasks import Example, Task
     from megatron_ais.distributed import initialize_distributed
-    from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
-    from megatron_ais.rollout.engine_config import EngineConfig
+    from megatron_ais.engine.vllm_engine import RolloutEngine, SamplingConfig
+    from megatron_ais.engine.config import EngineConfig
     from megatron_ais.rollout.fleet import FleetConfig, RolloutFleet
     from megatron_ais.rollout.fleet_layout import FleetLayout, cpu_core_of
     from megatron_ais.rollout.manager import RolloutManager, RolloutPlan

@@ -21,9 +21,9 @@ def _worker(hf_dir, work):
     from megatron_ais.bridge.receiver import SyncReceiver
     from megatron_ais.forward import ParallelGroups, compute_logprobs, split_micro_batches
     from megatron_ais.training import load_policy_chunks
-    from megatron_ais.rollout.batch import rollouts_to_batch
-    from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
-    from megatron_ais.rollout.engine_config import EngineConfig
+    from megatron_ais.rollout.batching import rollouts_to_batch
+    from megatron_ais.engine.vllm_engine import RolloutEngine, SamplingConfig
+    from megatron_ais.engine.config import EngineConfig
 
     engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision="fp32", kv_cache_gb=0.25,
                                         placement="colocated"), work)

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from megatron_ais.rollout.engine import bind_processes
-from megatron_ais.rollout.engine_config import cpu_list
+from megatron_ais.engine.vllm_engine import bind_processes
+from megatron_ais.engine.config import cpu_list
 
 # a process with a second thread, whose child has one too: what an engine core and its worker look like
 TREE = """

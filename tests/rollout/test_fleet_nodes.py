@@ -30,10 +30,11 @@ def _worker(hf_dir, work):
     from megatron_ais.errors import RefitVerificationError, SyncError
     from megatron_ais.forward import ParallelGroups
     from megatron_ais.mapping.hf_io import HFCheckpointReader
-    from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
-    from megatron_ais.rollout.engine_config import EngineConfig
+    from megatron_ais.engine.vllm_engine import RolloutEngine, SamplingConfig
+    from megatron_ais.engine.config import EngineConfig
     from megatron_ais.rollout.fleet_layout import FleetLayout, apply_on_every_engine
-    from megatron_ais.rollout.verify import probe_tokens, verify_refit_on_all_ranks
+    from megatron_ais.refit_probe import probe_tokens
+    from megatron_ais.rollout.verify import verify_refit_on_all_ranks
     from megatron_ais.training import load_policy_chunks
 
     trainer, _, build = start_trainer("--hf-dir", hf_dir, "--seq-length", "64")

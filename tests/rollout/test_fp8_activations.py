@@ -34,7 +34,7 @@ def test_activation_codes_and_scales_are_the_gpu_kernels_and_the_gemm_is_fp32():
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
     from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
 
-    from megatron_ais.rollout.fp8_emulation import dequantize_blockwise, w8a8_linear
+    from megatron_ais.engine.fp8_emulation import dequantize_blockwise, w8a8_linear
 
     generator = torch.Generator().manual_seed(0)
     x = (torch.randn(6, 384, generator=generator) * torch.logspace(-2, 1, 6).unsqueeze(-1)).to(torch.bfloat16)
@@ -68,7 +68,7 @@ def test_moe_experts_quantize_their_input_and_their_intermediate_per_token():
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
     from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
 
-    from megatron_ais.rollout.fp8_emulation import w8a8_experts
+    from megatron_ais.engine.fp8_emulation import w8a8_experts
 
     generator = torch.Generator().manual_seed(0)
     experts, hidden, intermediate, tokens, top_k = 4, 256, 128, 7, 2
@@ -103,8 +103,8 @@ def test_moe_experts_quantize_their_input_and_their_intermediate_per_token():
 def _engine_logprobs(hf_dir, work, activations):
     """The engine's probe log-probs; with emulation also, for each FP8 linear layer of the first decoder layer, the
     largest difference of its output on a random input from the float64 W8A8 and W8A16 references."""
-    from megatron_ais.rollout.engine import RolloutEngine
-    from megatron_ais.rollout.engine_config import EngineConfig
+    from megatron_ais.engine.vllm_engine import RolloutEngine
+    from megatron_ais.engine.config import EngineConfig
 
     engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision="fp8", fp8_activations=activations,
                                         kv_cache_gb=0.25, placement="colocated"), work)
@@ -131,7 +131,7 @@ def _fake_quantized_logprobs(hf_dir, engine_dir, activations: bool) -> torch.Ten
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from megatron_ais.rollout.fp8_emulation import dequantize_blockwise
+    from megatron_ais.engine.fp8_emulation import dequantize_blockwise
 
     tensors = load_file(f"{engine_dir}/model.safetensors")
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -188,7 +188,7 @@ def _hopper_w8a8(x_codes, x_scales, w_codes, w_scales):
 def test_the_fp32_emulation_matches_hopper_fp8_tensor_cores():
     """How far the CPU emulation's fp32 GEMM is from the tensor cores' (their accumulation inside a block is
     narrower than fp32), against the e4m3 rounding of the activations it is there to model."""
-    from megatron_ais.rollout.fp8_emulation import dequantize_blockwise
+    from megatron_ais.engine.fp8_emulation import dequantize_blockwise
 
     torch.backends.cuda.matmul.allow_tf32 = False
     generator = torch.Generator(device="cuda").manual_seed(0)

@@ -18,7 +18,7 @@ K_FACTOR, V_FACTOR = 300.0, 2000.0
 
 
 def test_scales_from_amax_closed_form():
-    from megatron_ais.rollout.kv_scales import FP8_E4M3_MAX, KVCacheScales
+    from megatron_ais.kv_calibration import FP8_E4M3_MAX, KVCacheScales
 
     amax = torch.tensor([[1.0, 448.0, 0.0], [2.5, 1e-3, 896.0]])
     scales = KVCacheScales.from_amax(amax, margin=2.0).scales
@@ -51,7 +51,7 @@ def rescaled_model(root) -> str:
 def _calibrate(hf_dir, tp, sequences, micro_batch_size):
     from distributed import start_trainer
     from megatron_ais.forward import ParallelGroups
-    from megatron_ais.rollout.kv_scales import attention_amax, calibrate_kv_cache_scales
+    from megatron_ais.kv_calibration import attention_amax, calibrate_kv_cache_scales
     from megatron_ais.training import load_policy_chunks
 
     trainer, hf_config, build = start_trainer("--hf-dir", hf_dir, "--fp32", "--seq-length", 16,
@@ -96,9 +96,9 @@ def test_calibration_equals_references_across_tp_dp_and_padding(model_root):
 
 
 def _engine_worker(hf_dir, original_dir, work):
-    from megatron_ais.rollout.engine import RolloutEngine
-    from megatron_ais.rollout.engine_config import EngineConfig
-    from megatron_ais.rollout.kv_scales import KVCacheScales
+    from megatron_ais.engine.vllm_engine import RolloutEngine
+    from megatron_ais.engine.config import EngineConfig
+    from megatron_ais.kv_calibration import KVCacheScales
 
     probe = SEQUENCES[2] + SEQUENCES[0]
     engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision="fp32", kv_cache_dtype="fp8",

@@ -29,10 +29,11 @@ def _moe_engine_worker(hf_dir, work, precision, activations="none"):
     from megatron_ais.bridge.sync import WeightBridge
     from megatron_ais.bridge.receiver import SyncReceiver
     from megatron_ais.forward import ParallelGroups, compute_logprobs, split_micro_batches
-    from megatron_ais.rollout.batch import rollouts_to_batch
-    from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
-    from megatron_ais.rollout.engine_config import EngineConfig
-    from megatron_ais.rollout.verify import probe_tokens, routing_mismatch, trainer_routing
+    from megatron_ais.rollout.batching import rollouts_to_batch
+    from megatron_ais.engine.vllm_engine import RolloutEngine, SamplingConfig
+    from megatron_ais.engine.config import EngineConfig
+    from megatron_ais.refit_probe import probe_tokens, trainer_routing
+    from megatron_ais.rollout.verify import routing_mismatch
     from megatron_ais.training import load_policy_chunks
 
     engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision=precision, fp8_activations=activations,

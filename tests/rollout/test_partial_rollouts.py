@@ -44,7 +44,7 @@ class Timeline(threading.Condition):
 
 
 def _watched_turns():
-    from megatron_ais.rollout.turns import EngineTurns
+    from megatron_ais.engine.turns import EngineTurns
 
     turns = EngineTurns()
     turns._changed = Timeline()
@@ -145,9 +145,9 @@ def _b_weights(b_dir):
 
 
 def _worker(a_dir, b_dir, work):
-    from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
-    from megatron_ais.rollout.engine_config import EngineConfig
-    from megatron_ais.rollout.turns import EngineTurns
+    from megatron_ais.engine.vllm_engine import RolloutEngine, SamplingConfig
+    from megatron_ais.engine.config import EngineConfig
+    from megatron_ais.engine.turns import EngineTurns
 
     engine = RolloutEngine(EngineConfig(model_dir=a_dir, precision="fp32", kv_cache_gb=0.25,
                                         placement="colocated"), work)

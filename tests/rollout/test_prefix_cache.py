@@ -13,8 +13,8 @@ PROMPT = [(7 * i + 3) % 383 + 1 for i in range(300)]  # longer than two KV-cache
 def _worker(old_dir, new_dir, work, disable_reset):
     from megatron_ais.bridge.quantization import QuantizationPolicy, quantize_for_engine
     from megatron_ais.mapping.hf_io import HFCheckpointReader
-    from megatron_ais.rollout.engine import RolloutEngine, SamplingConfig
-    from megatron_ais.rollout.engine_config import EngineConfig
+    from megatron_ais.engine.vllm_engine import RolloutEngine, SamplingConfig
+    from megatron_ais.engine.config import EngineConfig
 
     engine = RolloutEngine(EngineConfig(model_dir=old_dir, precision="fp32", kv_cache_gb=0.25,
                                         placement="colocated"), work)

@@ -9,12 +9,12 @@ from safetensors import safe_open
 from conftest import make_model_dir
 from megatron_ais.arguments import GRPORunConfig
 from megatron_ais.errors import ArgumentValidationError
-from megatron_ais.rollout.batch import rollouts_to_batch
-from megatron_ais.rollout.engine import Rollout
-from megatron_ais.rollout.engine_config import EngineConfig
-from megatron_ais.rollout.engine_dir import prepare_engine_dir
-from megatron_ais.rollout.feeds.broadcast import feed_backend, feed_device
-from megatron_ais.rollout.memory import ENGINE_OVERHEAD_BYTES, engine_memory_fraction
+from megatron_ais.rollout.batching import rollouts_to_batch
+from megatron_ais.engine.vllm_engine import Rollout
+from megatron_ais.engine.config import EngineConfig
+from megatron_ais.engine.model_dir import prepare_engine_dir
+from megatron_ais.engine.feeds.broadcast import feed_backend, feed_device
+from megatron_ais.engine.memory import ENGINE_OVERHEAD_BYTES, engine_memory_fraction
 from pretrain_grpo_ais import build_grpo_parser
 
 

@@ -22,8 +22,8 @@ PROMPTS = [[5, 17, 42, 99], [7, 8, 9]]
 
 def _max_diff(engine, chunks, build, groups):
     from megatron_ais.forward import compute_logprobs, split_micro_batches
-    from megatron_ais.rollout.batch import rollouts_to_batch
-    from megatron_ais.rollout.engine import SamplingConfig
+    from megatron_ais.rollout.batching import rollouts_to_batch
+    from megatron_ais.engine.vllm_engine import SamplingConfig
 
     rollouts = engine.generate(PROMPTS, SamplingConfig(n=2, max_new_tokens=12, seed=3))
     batch = rollouts_to_batch(rollouts, [0.0] * len(rollouts), 2, 32, 0)
@@ -45,7 +45,8 @@ def _manager(engine, chunks, groups, build, probe):
     """A rollout manager of `engine` with a budget of 3 restarts, and `refit_reference(shift)`: the trainer's probe
     log-probs for its weights now, shifted by `shift` (which no engine matches)."""
     from megatron_ais.rollout.manager import RolloutManager, ServingPolicy
-    from megatron_ais.rollout.verify import RefitReference, trainer_probe_reference
+    from megatron_ais.refit_probe import trainer_probe_reference
+    from megatron_ais.rollout.verify import RefitReference
 
     messages = []
     manager = RolloutManager(engine, None, None, None, 0, 0, messages.append, None, ServingPolicy(max_restarts=3))
@@ -75,8 +76,8 @@ def _worker(old_dir, new_dir, work):
     from megatron_ais.bridge.receiver import SyncReceiver
     from megatron_ais.forward import ParallelGroups
     from megatron_ais.training import load_policy_chunks
-    from megatron_ais.rollout.engine import RolloutEngine
-    from megatron_ais.rollout.engine_config import EngineConfig
+    from megatron_ais.engine.vllm_engine import RolloutEngine
+    from megatron_ais.engine.config import EngineConfig
 
     trainer, hf_config, build = start_trainer("--hf-dir", new_dir, "--fp32", "--seq-length", "32")
     chunks, _, _ = load_policy_chunks(build, trainer.weights)
@@ -111,7 +112,7 @@ def _worker(old_dir, new_dir, work):
     started = [p.name() for p in engine_processes()]
     # a generate call past its timeout raises; its requests still run when the engine is killed and restarted
     from megatron_ais.errors import GenerationTimeoutError
-    from megatron_ais.rollout.engine import SamplingConfig
+    from megatron_ais.engine.vllm_engine import SamplingConfig
 
     try:
         engine.generate(PROMPTS * 16, SamplingConfig(n=8, max_new_tokens=200, seed=1), timeout_s=0.01)
@@ -128,7 +129,7 @@ def _worker(old_dir, new_dir, work):
     call_to_dying = answers[0] if answers else "no answer in 60 s"
     alive_after_kill = engine.health_check()
     engine.config = dataclasses.replace(engine.config, weight_feed="broadcast")
-    from megatron_ais.rollout.verify import probe_tokens
+    from megatron_ais.refit_probe import probe_tokens
 
     probe = probe_tokens(build.shape.vocab_size)
     manager, messages, refit_reference = _manager(engine, chunks, groups, build, probe)
@@ -156,7 +157,8 @@ def _worker(old_dir, new_dir, work):
         refused = str(err)
     after_refused = _max_diff(engine, chunks, build, groups)
     # the refit diagnosis reads every decoder layer's output back through the separate engine's RPC
-    from megatron_ais.rollout.verify import layer_errors, trainer_layer_states
+    from megatron_ais.refit_probe import trainer_layer_states
+    from megatron_ais.rollout.verify import layer_errors
 
     trainer_states = trainer_layer_states(chunks, probe, groups, build.shape.vocab_size)
     layer_diffs = layer_errors(engine.probe_layer_states(probe), [trainer_states[i] for i in sorted(trainer_states)])

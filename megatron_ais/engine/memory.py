@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from megatron_ais.rollout.engine_config import EngineConfig
+from megatron_ais.engine.config import EngineConfig
 
 ENGINE_OVERHEAD_BYTES = 2 << 30  # CUDA context, activations of vLLM's profile run, sampler buffers
 

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from megatron_ais.bridge.arena import ArenaWeights, encode_ref, shared_directory
 from megatron_ais.bridge.buckets import manifest_entry
-from megatron_ais.rollout.feeds.base import EngineWeights, WeightFeed
+from megatron_ais.engine.feeds.base import EngineWeights, WeightFeed
 
 
 def entries_json(entries) -> str:

@@ -1,8 +1,8 @@
 """A colocated engine's feed: its worker lives in this process and takes the tensors (views, no copy)."""
 from __future__ import annotations
 
-from megatron_ais.rollout.feeds.base import EngineWeights, WeightFeed, named_tensors
-from megatron_ais.rollout.vllm_compat import colocated_worker, reload_weights
+from megatron_ais.engine.feeds.base import EngineWeights, WeightFeed, named_tensors
+from megatron_ais.engine.vllm_compat import colocated_worker, reload_weights
 
 
 class InProcessFeed(WeightFeed):

@@ -2,7 +2,7 @@
 the distribution it sampled from, and takes in-place weight updates from the bridge: its lifecycle (start, restart,
 shutdown), generation and weight updates, with the probes the refit check and routing replay run on it.
 
-Beside it: its flags (`engine_config`), its model directory (`engine_dir`), its GPU memory budget (`memory`), the
+Beside it: its flags (`config`), its model directory (`model_dir`), its GPU memory budget (`memory`), the
 probes' pure helpers (`probes`), and every read of vLLM's private internals (`vllm_compat`). Only the functions that
 start or call vLLM import it: the trainer's own paths import this module without vLLM."""
 from __future__ import annotations
@@ -18,16 +18,16 @@ import torch.distributed as dist
 from megatron_ais import platform
 from megatron_ais.bridge.arena import remove_stale_shared_files
 from megatron_ais.logging import apply_vllm_log_level
-from megatron_ais.rollout.engine_config import EngineConfig, cpu_list
-from megatron_ais.rollout.engine_dir import prepare_engine_dir
-from megatron_ais.rollout.feeds import build_feed
-from megatron_ais.rollout.feeds.base import EngineWeights
-from megatron_ais.rollout.fp8_emulation import FP8_ACTIVATIONS_ENV, FP8_KV_CACHE_ENV
-from megatron_ais.rollout.memory import engine_gpu_memory_utilization
-from megatron_ais.rollout.probes import layer_states, one_forward_batches, routes_of_one_forward, \
+from megatron_ais.engine.config import EngineConfig, cpu_list
+from megatron_ais.engine.model_dir import prepare_engine_dir
+from megatron_ais.engine.feeds import build_feed
+from megatron_ais.engine.feeds.base import EngineWeights
+from megatron_ais.engine.fp8_emulation import FP8_ACTIVATIONS_ENV, FP8_KV_CACHE_ENV
+from megatron_ais.engine.memory import engine_gpu_memory_utilization
+from megatron_ais.engine.probes import layer_states, one_forward_batches, routes_of_one_forward, \
     routes_of_one_sequence, routing_calls, teacher_forced_logprobs
-from megatron_ais.rollout.turns import EngineTurns
-from megatron_ais.rollout.vllm_compat import EngineCoreWatch, colocated_worker, cpu_fp8_w8a16_op, engine_core_pids, \
+from megatron_ais.engine.turns import EngineTurns
+from megatron_ais.engine.vllm_compat import EngineCoreWatch, colocated_worker, cpu_fp8_w8a16_op, engine_core_pids, \
     generate_within, generation_deadline, scheduler_limits, shutdown_engine_core, worker_model
 
 
@@ -164,7 +164,7 @@ def bind_processes(pids: list[int], cores: set[int]) -> None:
 class RolloutEngine:
     """A vLLM engine: `colocated` runs it inside this process (with several trainer ranks, one per rank through
     vLLM's `external_launcher`); `separate` runs vLLM's engine core and workers in their own processes. Weights arrive
-    through the feed its placement and --rollout-weight-feed choose (`rollout.feeds`); a restarted engine gets back
+    through the feed its placement and --rollout-weight-feed choose (`engine.feeds`); a restarted engine gets back
     the last weights and KV-cache scales it was given."""
 
     def __init__(self, config: EngineConfig, work_dir: str):
@@ -223,7 +223,7 @@ class RolloutEngine:
                        tensor_parallel_size=config.tensor_parallel_size,
                        kv_cache_memory_bytes=int(config.kv_cache_gb * (1 << 30)),
                        logprobs_mode="processed_logprobs", use_tqdm_on_load=config.log_level in ("info", "debug"),
-                       worker_extension_cls="megatron_ais.rollout.worker_extension.WeightSyncExtension", **kwargs)
+                       worker_extension_cls="megatron_ais.engine.worker_extension.WeightSyncExtension", **kwargs)
         self.watch = EngineCoreWatch(self.llm)
         if config.cpu_core is not None and not torch.cuda.is_available():
             # vLLM binds only its workers' OpenMP threads: its core's scheduling and socket threads would take the

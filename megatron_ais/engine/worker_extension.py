@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from megatron_ais.bridge.arena import arena_views, decode_ref, entry_views
 from megatron_ais.bridge.buckets import ManifestEntry, verify_bucket, verify_tensors
 from megatron_ais.distributed import receive_bytes
-from megatron_ais.rollout.feeds.broadcast import device_uuid, feed_device, join_weight_group
-from megatron_ais.rollout.vllm_compat import attention_kv_scales, attention_layers, moe_routers, reload_weights, \
+from megatron_ais.engine.feeds.broadcast import device_uuid, feed_device, join_weight_group
+from megatron_ais.engine.vllm_compat import attention_kv_scales, attention_layers, moe_routers, reload_weights, \
     set_attention_kv_scales, set_router_capture, worker_model, worker_rank
 
 

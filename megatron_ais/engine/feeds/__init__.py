@@ -10,10 +10,10 @@ What a feed applies (`base.EngineWeights`) is either HF-named tensors or the bri
 """
 from __future__ import annotations
 
-from megatron_ais.rollout.feeds.base import WeightFeed
-from megatron_ais.rollout.feeds.broadcast import BroadcastFeed
-from megatron_ais.rollout.feeds.in_process import InProcessFeed
-from megatron_ais.rollout.feeds.shared_memory import SharedMemoryFeed
+from megatron_ais.engine.feeds.base import WeightFeed
+from megatron_ais.engine.feeds.broadcast import BroadcastFeed
+from megatron_ais.engine.feeds.in_process import InProcessFeed
+from megatron_ais.engine.feeds.shared_memory import SharedMemoryFeed
 
 
 def build_feed(placement: str, weight_feed: str, tensor_parallel_size: int) -> WeightFeed:

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from megatron_ais.bridge.arena import ArenaWeights, buffer_data, gpu_uuid
 from megatron_ais.distributed import CHUNK_BYTES, broadcast_bytes, free_port, host_address
-from megatron_ais.rollout.feeds.base import EngineWeights
-from megatron_ais.rollout.feeds.shared_memory import SharedMemoryFeed, entries_json
+from megatron_ais.engine.feeds.base import EngineWeights
+from megatron_ais.engine.feeds.shared_memory import SharedMemoryFeed, entries_json
 
 TIMEOUT = datetime.timedelta(seconds=300)
 

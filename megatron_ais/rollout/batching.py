@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from megatron_ais.batch import RolloutBatch
-from megatron_ais.rollout.engine import Rollout
+from megatron_ais.engine.vllm_engine import Rollout
 from megatron_ais.routing_replay import padding_routes
 
 
