@@ -79,6 +79,21 @@ def _hf_value_amax(hf_dir, sequences) -> list[float]:
 
 
 @pytest.mark.slow
+def test_calibration_sequences_are_each_row_up_to_its_last_response_token():
+    """What the engine cached of a rollout: its tokens up to the input position of its last response token (the
+    token that position predicts was never fed back), rows without a response left out, at most `count` rows."""
+    from megatron_ais.batch import RolloutBatch
+
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 0], [1, 2, 3, 0, 0, 0], [4, 4, 0, 0, 0, 0], [9, 8, 7, 6, 5, 4]])
+    mask = torch.zeros(4, 6)
+    mask[0, 1:4] = 1  # predicts tokens 2..4 from positions 1..3
+    mask[1, 1] = 1
+    mask[3, 2:6] = 1
+    batch = RolloutBatch(tokens, tokens, mask, torch.zeros(4, 6), torch.zeros(4), 2)
+    assert batch.cached_sequences(4) == [[5, 6, 7, 8], [1, 2], [9, 8, 7, 6, 5, 4]]
+    assert batch.cached_sequences(2) == [[5, 6, 7, 8], [1, 2]]
+
+
 def test_calibration_equals_references_across_tp_dp_and_padding(model_root):
     hf_dir = rescaled_model(model_root)
     ((one, amax_one),) = spawn(1, _calibrate, hf_dir, 1, SEQUENCES, 1)
