@@ -28,7 +28,7 @@ def _bench_worker(hf_dir: str, sequences: int, seq_length: int, repeats: int) ->
     from megatron_ais.grpo.loss import PolicyLossConfig
     from megatron_ais.batch import RolloutBatch
     from megatron_ais.forward import ParallelGroups
-    from megatron_ais.grpo.step import GRPOConfig, grpo_train_step
+    from megatron_ais.grpo.step import GRPOConfig, grpo_train_step, rows_of_whole_batch
     from megatron_ais.training import initialize_trainer, setup_model_and_optimizer
 
     args = build_parser("bench").parse_args(["--hf-dir", hf_dir, "--bf16", "--seq-length", str(seq_length)])
@@ -48,11 +48,12 @@ def _bench_worker(hf_dir: str, sequences: int, seq_length: int, repeats: int) ->
     ais = AISConfig()
     config = GRPOConfig(loss=PolicyLossConfig(), correction=ais, vocab_size=vocab, micro_batch_size=4)
     state = AISState()
+    local_rows = rows_of_whole_batch(batch, config, groups)
     step_times = []
     for i in range(repeats + 1):
         dist.barrier()
         t0 = time.perf_counter()
-        grpo_train_step(ddp, optimizer, batch, config, state, groups)
+        grpo_train_step(ddp, optimizer, local_rows, config, state, groups)
         if i:  # the first step warms up allocators and lazy initialisation
             step_times.append(time.perf_counter() - t0)
     per_rank = sequences // groups.data_parallel_size

@@ -57,7 +57,7 @@ def _bench_worker(hf_dir: str, lengths: list[int], seq_length: int, repeats: int
     from megatron_ais.forward import fixed_plan, token_budget_plan
     from megatron_ais.grpo.loss import PolicyLossConfig
     from megatron_ais.forward import ParallelGroups
-    from megatron_ais.grpo.step import GRPOConfig, grpo_train_step
+    from megatron_ais.grpo.step import GRPOConfig, grpo_train_step, rows_of_whole_batch
     from megatron_ais.training import initialize_trainer, setup_model_and_optimizer
 
     budget, micro_batch_size = 4 * seq_length, 4
@@ -76,7 +76,8 @@ def _bench_worker(hf_dir: str, lengths: list[int], seq_length: int, repeats: int
         for name, config in configs.items():
             dist.barrier()
             t0 = time.perf_counter()
-            grpo_train_step(setup.ddp_chunks, setup.optimizer, batch, config, AISState(), groups)
+            grpo_train_step(setup.ddp_chunks, setup.optimizer, rows_of_whole_batch(batch, config, groups), config,
+                            AISState(), groups)
             dist.barrier()
             if i:  # the first round warms up allocators and lazy initialisation
                 seconds[name].append(time.perf_counter() - t0)

@@ -91,15 +91,18 @@ def _policy_forward_step(config: GRPOConfig, groups: ParallelGroups, normalizer:
     return output, loss_func
 
 
-def _local_rows(batch: RolloutBatch, config: GRPOConfig, groups: ParallelGroups
+def rows_of_whole_batch(batch: RolloutBatch, config: GRPOConfig, groups: ParallelGroups) -> RolloutBatch:
+    """This DP rank's rows of a batch every rank holds whole, with the batch's group advantages: for benchmarks and
+    tests (in a run each engine's host computes the advantages of its whole groups and sends each rank its rows)."""
+    rows = data_parallel_rows(row_lengths(batch.mask), groups.data_parallel_size,
+                              config.max_tokens_per_microbatch is not None)[groups.data_parallel_rank]
+    return with_advantages(batch, config.advantages).rows(rows)
+
+
+def _local_rows(batch: RolloutBatch, groups: ParallelGroups
                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict, torch.Tensor | None]:
-    """This DP rank's rows with their advantages (a whole batch, the same on every rank, is cut to this rank's
-    share here); return (rows, response mask without the sequences excluded for NaN/Inf rollout log-probs, rollout
-    log-probs with zeros off the mask, guard metrics, each token's policy version or None)."""
-    if batch.advantages is None:
-        rows = data_parallel_rows(row_lengths(batch.mask), groups.data_parallel_size,
-                                  config.max_tokens_per_microbatch is not None)[groups.data_parallel_rank]
-        batch = with_advantages(batch, config.advantages).rows(rows)
+    """This DP rank's rows; return (rows, response mask without the sequences excluded for NaN/Inf rollout
+    log-probs, rollout log-probs with zeros off the mask, guard metrics, each token's policy version or None)."""
     mask, excluded = exclude_invalid_sequences(batch.rollout_logprobs, batch.mask.float())
     counts = torch.tensor([float(excluded), float(mask.sum())], dtype=torch.float64)
     dist.all_reduce(counts, group=groups.data_parallel_group)
@@ -211,7 +214,8 @@ def _loss_metrics(reports: list, config: GRPOConfig, groups: ParallelGroups) -> 
 def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GRPOConfig, state: AISState,
                     groups: ParallelGroups, reference_chunks: list | None = None,
                     policy_version: int | None = None) -> GRPOStepResult:
-    """Update the policy on one rollout batch; λ is computed once here and held for all mini-batches/epochs.
+    """Update the policy on this DP rank's rows of a rollout batch, advantages included; λ is computed once here and
+    held for all mini-batches/epochs.
 
     `reference_chunks` (a frozen copy of the initial policy, same layout) is needed when --kl-coef > 0.
     `policy_version`: the step whose weights are updated; with the batch's per-token versions and `config.max_lag`
@@ -219,11 +223,14 @@ def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GR
     """
     if config.loss.kl_coef and reference_chunks is None:
         raise ValueError("--kl-coef > 0 needs a reference policy (reference_chunks)")
+    if batch.advantages is None:
+        raise ValueError("the rollout batch has no advantages: they are computed where its groups are whole "
+                         "(grpo.advantages.with_advantages; a batch every rank holds whole: rows_of_whole_batch)")
     if batch.routed_experts is not None:
         if config.moe_routing is None:
             raise RoutingReplayError("the rollout batch carries routed expert ids but the model has no MoE layers")
         check_routed_experts(batch.routed_experts, *config.moe_routing)
-    local, mask, rollout_lp, metrics, versions = _local_rows(batch.to(platform.device()), config, groups)
+    local, mask, rollout_lp, metrics, versions = _local_rows(batch.to(platform.device()), groups)
     lags = policy_version - versions if versions is not None and policy_version is not None and config.max_lag \
         else None
     if metrics["guard/valid_tokens"] == 0:

@@ -39,7 +39,7 @@ def _worker(hf_dir, tp, log_dir):
     from distributed import start_trainer
     from megatron_ais.grpo.loss import PolicyLossConfig
     from megatron_ais.forward import ParallelGroups
-    from megatron_ais.grpo.step import GRPOConfig, grpo_train_step
+    from megatron_ais.grpo.step import GRPOConfig, grpo_train_step, rows_of_whole_batch
     from megatron_ais.logging import LoggingConfig, RunLogger, grpo_console_line
     from megatron_ais.training import build_reference_chunks, setup_model_and_optimizer
 
@@ -53,9 +53,9 @@ def _worker(hf_dir, tp, log_dir):
     reference = build_reference_chunks(build, trainer.weights) if kl_coef else None
     config = GRPOConfig(loss=PolicyLossConfig(kl_coef=kl_coef), correction=AISConfig(),
                         vocab_size=build.shape.vocab_size, micro_batch_size=2)
-    result = grpo_train_step(ddp, optimizer, batch, config, AISState(), ParallelGroups.from_parallel_state(),
-                             reference)
     groups = ParallelGroups.from_parallel_state()
+    result = grpo_train_step(ddp, optimizer, rows_of_whole_batch(batch, config, groups), config, AISState(), groups,
+                             reference)
     logger = RunLogger(LoggingConfig(output_dir=log_dir), enabled=groups.data_parallel_rank == 0
                        and ps.get_tensor_model_parallel_rank() == 0)
     line = grpo_console_line(1, result.metrics)
@@ -65,10 +65,12 @@ def _worker(hf_dir, tp, log_dir):
     if tp == 1:  # guards: a NaN / -inf rollout log-prob excludes its sequence; an all-invalid batch is skipped
         batch.rollout_logprobs[0, 4] = float("nan")
         batch.rollout_logprobs[6, 5] = float("-inf")
-        partial_result = grpo_train_step(ddp, optimizer, batch, config, AISState(), groups, reference)
+        partial_result = grpo_train_step(ddp, optimizer, rows_of_whole_batch(batch, config, groups), config,
+                                         AISState(), groups, reference)
         batch.rollout_logprobs[:] = float("nan")
         before = [p.detach().clone() for p in chunks[0].parameters()]
-        skipped = grpo_train_step(ddp, optimizer, batch, config, AISState(), groups, reference)
+        skipped = grpo_train_step(ddp, optimizer, rows_of_whole_batch(batch, config, groups), config, AISState(),
+                                  groups, reference)
         unchanged = all(torch.equal(a, p) for a, p in zip(before, chunks[0].parameters()))
         guards = (partial_result.skipped, partial_result.metrics["guard/excluded_sequences"], skipped.skipped,
                   unchanged, result.metrics["train/kl"], partial_result.metrics["train/kl"])
@@ -148,7 +150,7 @@ def _options_worker(hf_dir, tp):
     from distributed import start_trainer
     from megatron_ais.forward import ParallelGroups
     from megatron_ais.grpo.loss import PolicyLossConfig
-    from megatron_ais.grpo.step import GRPOConfig, grpo_train_step
+    from megatron_ais.grpo.step import GRPOConfig, grpo_train_step, rows_of_whole_batch
     from megatron_ais.training import setup_model_and_optimizer
 
     trainer, _, build = start_trainer("--hf-dir", hf_dir, "--fp32", "--seq-length", S, "--tensor-model-parallel-size",
@@ -161,8 +163,8 @@ def _options_worker(hf_dir, tp):
                          micro_batch_size=2)
     gspo = GRPOConfig(loss=PolicyLossConfig(policy_loss="gspo", loss_agg="seq-mean-token-mean"),
                       correction=AISConfig(level="geometric"), vocab_size=build.shape.vocab_size, micro_batch_size=2)
-    results = [grpo_train_step(setup.ddp_chunks, setup.optimizer, batch, config, AISState(), groups).metrics
-               for config in (dr_grpo, gspo)]
+    results = [grpo_train_step(setup.ddp_chunks, setup.optimizer, rows_of_whole_batch(batch, config, groups), config,
+                               AISState(), groups).metrics for config in (dr_grpo, gspo)]
     return [(m["train/policy_loss"], m["train/grad_norm"]) for m in results]
 
 
@@ -183,3 +185,16 @@ def test_dr_grpo_and_gspo_steps_do_not_depend_on_the_split(model_root):
     for step in range(2):
         assert dp2[0][step][1] == pytest.approx(tp2[0][step][1], rel=1e-4)
     assert dp2[0][1][1] > 0
+
+
+def test_a_batch_without_advantages_is_refused_before_any_forward():
+    from megatron_ais.ais import AISConfig, AISState
+    from megatron_ais.batch import RolloutBatch
+    from megatron_ais.grpo.loss import PolicyLossConfig
+    from megatron_ais.grpo.step import GRPOConfig, grpo_train_step
+
+    ones = torch.ones(GROUP, S)
+    batch = RolloutBatch(ones.long(), ones.long(), ones, -ones, torch.zeros(GROUP), GROUP)
+    config = GRPOConfig(loss=PolicyLossConfig(), correction=AISConfig(), vocab_size=16)
+    with pytest.raises(ValueError, match="the rollout batch has no advantages"):
+        grpo_train_step([], None, batch, config, AISState(), groups=None)

@@ -27,7 +27,7 @@ def _worker(hf_dir, layouts):
     from megatron_ais.forward import fixed_plan
     from megatron_ais.grpo.loss import PolicyLossConfig
     from megatron_ais.forward import ParallelGroups, score_rows
-    from megatron_ais.grpo.step import GRPOConfig, grpo_train_step
+    from megatron_ais.grpo.step import GRPOConfig, grpo_train_step, rows_of_whole_batch
     from megatron_ais.training import build_reference_chunks, setup_model_and_optimizer
 
     out = {}
@@ -49,8 +49,8 @@ def _worker(hf_dir, layouts):
             reference = build_reference_chunks(build, trainer.weights)
             plan = fixed_plan(B, 2, S) if label == "padded" else token_budget_plan(row_lengths(batch.mask), 2 * S)
             logprobs = score_rows(setup.ddp_chunks, rows, plan, groups, build.shape.vocab_size)
-            metrics = grpo_train_step(setup.ddp_chunks, setup.optimizer, batch, config, AISState(), groups,
-                                      reference).metrics
+            metrics = grpo_train_step(setup.ddp_chunks, setup.optimizer, rows_of_whole_batch(batch, config, groups),
+                                      config, AISState(), groups, reference).metrics
             params = torch.cat([p.detach().flatten() for p in setup.chunks[0].parameters()])
             result[label] = (logprobs, metrics, params)
         if groups.is_last_stage:
