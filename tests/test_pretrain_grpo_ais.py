@@ -18,6 +18,8 @@ import time
 import pytest
 
 from conftest import ROOT, make_model_dir
+from megatron_ais.checkpointing.store import read_checkpoint_metadata
+from megatron_ais.grpo.state import DATA_SEED_KEY
 
 
 def _timed(name: str) -> bool:
@@ -334,6 +336,8 @@ def test_launcher_sigkilled_mid_step_takes_the_run_with_it_then_resume_equals_un
     assert "resuming GRPO at step 3" in resumed.stderr
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "4"
     assert not [name for name in os.listdir(save) if name.endswith(".staging")]
+    # the checkpoint's metadata says which seed drew the run's data: a resumed run draws its task with it first
+    assert read_checkpoint_metadata(save)[DATA_SEED_KEY] == 1234
     assert f"taking over the lock of {save}: the run of pid" in resumed.stderr  # the killed run's
     expected = _comparable(json.load(open(full_out / "summary.json"))["history"])
     got = _comparable(json.load(open(cut_out / "summary.json"))["history"])

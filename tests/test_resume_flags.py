@@ -1,11 +1,19 @@
 """A resumed run lists the flags that differ from the saved run (ignoring those that may change on resume, saying
-which ones the saved run's values override), and its logs continue from the checkpoint: what the earlier run
+which ones the saved run's values override), draws its task with the saved run's data seed (read from the
+checkpoint's metadata before anything is built), and its logs continue from the checkpoint: what the earlier run
 logged for later steps before it died is dropped from metrics.jsonl and tensorboard."""
 import argparse
 import json
 
+import pytest
+import torch
+
+from megatron_ais.checkpointing import store
+from megatron_ais.checkpointing.config import CheckpointConfig
+from megatron_ais.checkpointing.formats import torch as torch_format
+from megatron_ais.errors import CheckpointError
 from megatron_ais.flags import plain_flag_values
-from megatron_ais.grpo.state import changed_flags
+from megatron_ais.grpo.state import DATA_SEED_KEY, GRPOState, changed_flags, check_data_seed, resumed_data_seed
 from megatron_ais.logging import LoggingConfig, RunLogger
 
 
@@ -25,6 +33,30 @@ def test_flags_unset_in_the_saved_run_and_kept_values_are_reported():
     now = dict(rollout_seed=7, lr=1e-3)
     # train_iters belongs to another entry point (an SFT checkpoint's flags): not a change
     assert changed_flags(saved, now) == ["--rollout-seed None -> 7 (ignored: the saved run's value is kept)"]
+
+
+def _checkpoint(root, **metadata) -> str:
+    stage = store.prepare_staging(str(root), 3)
+    store.write_metadata(stage, {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                                 "hf_config": {}, **metadata}, None)
+    torch_format.write_rank_state(stage, 0, 0, 1, {"model": {"w": torch.ones(2)}})
+    store.write_checksums(stage)
+    store.commit_checkpoint(str(root), 3)
+    return str(root)
+
+
+def test_a_resumed_run_draws_its_data_with_the_saved_seed_read_before_anything_is_built(tmp_path):
+    grpo = _checkpoint(tmp_path / "grpo", **{DATA_SEED_KEY: 11})
+    sft = _checkpoint(tmp_path / "sft")
+    assert resumed_data_seed(CheckpointConfig(load=grpo), seed=5) == 11  # --seed 5 on resume: the saved 11 is kept
+    assert resumed_data_seed(CheckpointConfig(load=grpo, finetune=True), seed=5) == 5  # weights only: a new run
+    assert resumed_data_seed(CheckpointConfig(load=sft), seed=5) == 5  # an SFT checkpoint has no GRPO data seed
+    assert resumed_data_seed(CheckpointConfig(), seed=5) == 5
+    # a GRPO checkpoint whose metadata lacks the seed (an older version's) and a changed --seed: refused, with the fix
+    state = GRPOState.begin({"kind": "grpo", "step": 3, "data_seed": 11}, 5, None, {"hf_dir": "m"})
+    with pytest.raises(CheckpointError, match="drew its data with seed 11, .*resume with --seed 11"):
+        check_data_seed(state, resumed_data_seed(CheckpointConfig(load=sft), seed=5), sft)
+    check_data_seed(state, 11, grpo)
 
 
 def _scalars(tensorboard_dir, tag):

@@ -29,13 +29,15 @@ class Checkpointer:
     def saves_at(self, step: int, last_step: int) -> bool:
         return self.config.saves_at(step, last_step)
 
-    def save(self, iteration: int, run_state: dict, protect: tuple[int, ...] = (), training_goes_on: bool = True):
-        """Save iteration `iteration`, keeping --keep-checkpoints committed ones besides `protect`. With --async-save
-        the files are written in the background after the previous save is committed; `training_goes_on`: the
-        format snapshots what training changes, so the weights may move while they are written."""
+    def save(self, iteration: int, run_state: dict, protect: tuple[int, ...] = (), training_goes_on: bool = True,
+             metadata: dict | None = None):
+        """Save iteration `iteration`, keeping --keep-checkpoints committed ones besides `protect`; `metadata`: what the
+        run adds to the checkpoint's metadata (read before any rank file). With --async-save the files are written
+        in the background after the previous save is committed; `training_goes_on`: the format snapshots what
+        training changes, so the weights may move while they are written."""
         self.wait()
         metadata = checkpoint_metadata(self.build, self.hf_config, iteration, self.dp_size,
-                                       self.use_distributed_optimizer)
+                                       self.use_distributed_optimizer, **(metadata or {}))
         staged = begin_save(self.config.save, iteration, self.chunks, metadata, self.assets_dir, self.ranks,
                             optimizer=self.optimizer, run_state=run_state, dp_group=self.dp_group,
                             keep=self.config.keep_checkpoints, protect=protect, fmt=FORMATS[self.config.ckpt_format],

@@ -21,7 +21,8 @@ from megatron_ais.errors import ArgumentValidationError, TaskError
 from megatron_ais.forward import ParallelGroups
 from megatron_ais.grpo.advantages import with_advantages
 from megatron_ais.grpo.schedule import RolloutSchedule
-from megatron_ais.grpo.state import GRPOState, changed_flags, protected_iterations, reference_source
+from megatron_ais.grpo.state import (DATA_SEED_KEY, GRPOState, changed_flags, check_data_seed, protected_iterations,
+                                     reference_source, resumed_data_seed)
 from megatron_ais.grpo.step import GRPOConfig, grpo_train_step
 from megatron_ais.grpo.weight_sync import ARENA_RANK, WeightSync
 from megatron_ais.hf_assets import load_tokenizer
@@ -132,9 +133,11 @@ class GRPORun:
         self._start_or_resume()
 
     def _check_flags(self) -> None:
-        """The task, the model's FP8 shapes and the options that depend on the model, and the prompts' lengths."""
+        """The task (drawn with the resumed run's data seed), the model's FP8 shapes and the options that depend on the
+        model, and the prompts' lengths."""
         trainer = self.trainer
-        self.task = build_task(trainer.task, trainer.training.seed)  # bad task flags or prompt files fail here
+        self.data_seed = resumed_data_seed(trainer.checkpoint, trainer.training.seed)
+        self.task = build_task(trainer.task, self.data_seed)  # bad task flags or prompt files fail here
         if len(self.task.train) < self.loop.prompts_per_step:
             raise TaskError(f"--prompts-per-step {self.loop.prompts_per_step} exceeds the {len(self.task.train)} "
                             "training examples of the task; lower it or raise --num-examples")
@@ -164,6 +167,7 @@ class GRPORun:
             self.loop.ref_load, trainer.checkpoint.load, trainer.model.hf_dir, loaded.iteration if loaded else None,
             unverified)
         self.state = GRPOState.begin(saved, trainer.training.seed, self.loop.rollout_seed, reference)
+        check_data_seed(self.state, self.data_seed, trainer.checkpoint.load)
         self.groups = ParallelGroups.from_parallel_state()
         self.reference = None
         if config.loss.kl_coef:
@@ -173,12 +177,8 @@ class GRPORun:
 
     def _setup_fleet(self, is_stage_writer: bool) -> None:
         """The rollout fleet: on each engine's host rank an engine started from an HF export of the initial policy
-        (one file per pipeline stage) with its rollout manager, on the task drawn with the run's data seed."""
+        (one file per pipeline stage) with its rollout manager."""
         trainer, state = self.trainer, self.state
-        if state.data_seed != trainer.training.seed:
-            self.task = build_task(trainer.task, state.data_seed)
-            check_prompt_lengths(self.tokenizer, self.task, self.loop.max_new_tokens, trainer.model.seq_length,
-                                 self.config.engine.max_model_len)
         init_dir = os.path.join(trainer.logging.output_dir, "engine_init")
         save_hf_checkpoint(self.model.chunks, self.build, self.hf_config, init_dir,
                            ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
@@ -255,7 +255,8 @@ class GRPORun:
             return
         protect = protected_iterations(self.state.reference, self.trainer.checkpoint.save) \
             if self.config.loss.kl_coef else ()
-        self.checkpointer.save(step, self.state.run_state(self.loop.prompts_per_step, self.trainer.flags), protect)
+        self.checkpointer.save(step, self.state.run_state(self.loop.prompts_per_step, self.trainer.flags), protect,
+                               metadata={DATA_SEED_KEY: self.state.data_seed})
 
     def finish(self) -> dict:
         """Commit an outstanding save, write the summary and the run's figure, release what the run holds."""

@@ -7,7 +7,8 @@ import dataclasses
 import os
 
 from megatron_ais.ais import AISState
-from megatron_ais.checkpointing.store import usable_iterations
+from megatron_ais.checkpointing.store import read_checkpoint_metadata, usable_iterations
+from megatron_ais.errors import CheckpointError
 from megatron_ais.kv_calibration import KVCacheScales
 
 # flags that may change between a run and its resumption without changing what it computes
@@ -24,6 +25,28 @@ def changed_flags(saved: dict, current: dict) -> list[str]:
     return [f"--{k.replace('_', '-')} {v!r} -> {current[k]!r}"
             + (" (ignored: the saved run's value is kept)" if k in RESUME_KEPT_FLAGS else "")
             for k, v in sorted(saved.items()) if k in current and k not in RESUME_FREE_FLAGS and current[k] != v]
+
+
+# the checkpoint metadata's key of a GRPO run's data seed: a resumed run draws its task with it before any rank
+# file is read
+DATA_SEED_KEY = "grpo_data_seed"
+
+
+def resumed_data_seed(checkpoint, seed: int) -> int:
+    """The seed a run draws its task's data with: the resumed GRPO run's (its checkpoint's metadata records it), else
+    --seed (`checkpoint`: the run's CheckpointConfig)."""
+    if checkpoint.load is None or checkpoint.finetune:
+        return seed
+    saved = read_checkpoint_metadata(checkpoint.load, allow_unverified=checkpoint.allow_unverified_checkpoint)
+    return saved.get(DATA_SEED_KEY, seed)
+
+
+def check_data_seed(state: "GRPOState", drawn_with: int, load: str | None) -> None:
+    """The resumed run's data seed is the one its task was drawn with: a checkpoint written before the metadata kept
+    the seed cannot say it, and a changed --seed would draw other data."""
+    if state.data_seed != drawn_with:
+        raise CheckpointError(f"--load {load}: its run drew its data with seed {state.data_seed}, which its metadata "
+                              f"does not record (written by an older version); resume with --seed {state.data_seed}")
 
 
 def reference_source(ref_load: str | None, load: str | None, hf_dir: str | None, loaded_iteration: int | None,
