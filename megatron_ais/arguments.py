@@ -20,19 +20,19 @@ from megatron_ais.bridge.quantization import QuantizationPolicy
 from megatron_ais.checkpointing.config import CheckpointConfig
 from megatron_ais.data.tasks import TaskConfig
 from megatron_ais.distributed import ranks_on_this_node
+from megatron_ais.engine.config import EngineConfig
 from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import add_flag_group, plain_flag_values
 from megatron_ais.grpo.advantages import AdvantageConfig
-from megatron_ais.grpo.loss import PolicyLossConfig
 from megatron_ais.grpo.loop_config import GRPOLoopConfig
+from megatron_ais.grpo.loss import PolicyLossConfig
+from megatron_ais.kv_calibration import KVCacheCalibrationConfig
 from megatron_ais.logging import LoggingConfig
 from megatron_ais.model import ModelConfig
 from megatron_ais.parallel import ParallelLayout
 from megatron_ais.rollout.dynamic_sampling import DynamicSamplingConfig
-from megatron_ais.engine.config import EngineConfig
 from megatron_ais.rollout.fleet import FleetConfig
 from megatron_ais.rollout.fleet_layout import check_engine_gpus
-from megatron_ais.kv_calibration import KVCacheCalibrationConfig
 from megatron_ais.rollout.overlong import OverlongConfig
 from megatron_ais.rollout.placement import ClusterConfig
 from megatron_ais.rollout.rewards import RewardConfig

@@ -31,8 +31,9 @@ class RolloutBatch:
     reward_timeouts: int = 0  # rewards that ran past --reward-timeout-s (scored 0)
     truncated: int = 0  # responses cut by --max-new-tokens
     partial: int = 0  # responses sampled by more than one version of the weights (--partial-rollouts)
-    # [B] each row's group advantage, computed where its whole group is (the engine's host); None: the batch is
-    # whole and the same on every rank, which computes them and takes its share
+    repetitive: int = 0  # responses that repeat an n-gram back to back (`rollout/repetition.py`)
+    # [B] each row's group advantage, computed where its whole group is (the engine's host); None until then (the
+    # GRPO step refuses a batch without them)
     advantages: torch.Tensor | None = None
     # [B, S] int32: the trainer step whose weights sampled each response token (-1 off the response), with
     # --max-off-policy-steps > 0; None: every token was sampled by the weights the step starts from

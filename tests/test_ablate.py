@@ -5,10 +5,12 @@ import ablate
 
 def _summary(after, k3, seq_ess, lam, rewards=(0.1, 0.3)):
     history = [{"step": 1, "rollout/reward": rewards[0], "ais/k3_kl": k3, "ais/ess_ratio_raw": 0.99, "ais/sequence_ess": seq_ess,
-                "ais/frac_truncated": 0.01, "guard/rejected_fraction": 0.0, "ais/lambda": lam,
+                "ais/frac_truncated": 0.01, "guard/rejected_fraction": 0.0, "rollout/repetitive_fraction": 0.25,
+                "ais/lambda": lam,
                 "ais/lag2/k3_kl": 10 * k3, "ais/lag2/sequence_ess": seq_ess / 2},
                {"step": 2, "rollout/reward": rewards[1], "ais/k3_kl": 3 * k3, "ais/ess_ratio_raw": 0.97, "ais/sequence_ess": seq_ess,
-                "ais/frac_truncated": 0.03, "guard/rejected_fraction": 0.0, "ais/lambda": 2 * lam,
+                "ais/frac_truncated": 0.03, "guard/rejected_fraction": 0.0, "rollout/repetitive_fraction": 0.0,
+                "ais/lambda": 2 * lam,
                 "ais/lag2/k3_kl": 10 * k3, "ais/lag2/sequence_ess": seq_ess / 2, "eval/accuracy": after}]
     return {"accuracy_before": 0.25, "accuracy_after": after, "wall_s": 100.0, "history": history}
 
@@ -36,9 +38,10 @@ def test_a_row_gives_mean_and_sample_std_over_seeds():
     assert row[6] == "0.600 ± 0.100"  # best step
     assert row[7] == "0.300 ± 0.100"  # the second half of the steps' training reward (step 2 here)
     assert row[8] == "4.00e-03"  # per-step mean 2·k3, averaged over seeds
-    assert row[9:13] == ["0.9800", "0.700", "0.020", "0.000"] and row[13] == "0.100–0.600"
-    assert row[14:16] == ["2.00e-02", "0.350"]  # the tokens at lag η = 2
-    assert ablate.table_row("fp8", "FP8", runs).split(" | ")[13] == "–"  # λ only for AIS arms
+    assert row[9:13] == ["0.9800", "0.700", "0.020", "0.000"] and row[14] == "0.100–0.600"
+    assert row[13] == "0.125"  # responses that repeat an n-gram, per-step mean
+    assert row[15:17] == ["2.00e-02", "0.350"]  # the tokens at lag η = 2
+    assert ablate.table_row("fp8", "FP8", runs).split(" | ")[14] == "–"  # λ only for AIS arms
     assert ablate.table_row("fp8", "FP8", runs).split(" | ")[5] == "–"  # no baseline
     del baseline[2]  # pairs only over the seeds both have: 0.1, 0.2
     assert ablate.table_row("fp8-ais", "FP8 + AIS", runs, baseline).split(" | ")[5] == "0.150 ± 0.071 (2 pairs)"

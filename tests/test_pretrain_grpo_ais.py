@@ -186,6 +186,7 @@ def _check_end_to_end(stdout, out, wandb_dir, steps):
     assert [h["step"] for h in summary["history"]] == list(range(1, steps + 1))
     first = summary["history"][0]
     assert 0.0 <= first["ais/lambda"] <= 1.0 and first["ais/num_units"] > 0
+    assert 0.0 <= first["rollout/repetitive_fraction"] <= 1.0
     assert "eval/accuracy" in summary["history"][1] and "eval/greedy_accuracy" in summary["history"][1]
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(out / "tensorboard"))
     assert (out / "run.png").stat().st_size > 10_000

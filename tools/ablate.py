@@ -124,6 +124,7 @@ def seed_figures(summary: dict, eta: int = 0) -> dict[str, float]:
             "sequence_ess_at_lag": _mean(_values(history, lag + "sequence_ess")),
             "truncated": _mean(_values(history, "ais/frac_truncated")),
             "rejected": _mean(_values(history, "guard/rejected_fraction")),
+            "repetitive": _mean(_values(history, "rollout/repetitive_fraction")),
             "lambda_min": min(_values(history, "ais/lambda"), default=float("nan")),
             "lambda_max": max(_values(history, "ais/lambda"), default=float("nan")), "wall_s": summary["wall_s"]}
 
@@ -160,15 +161,15 @@ def table_row(name: str, label: str, runs: dict[int, dict], baseline: dict[int, 
             f"{spread(column('best'))} | {spread(column('late_reward'))} | {_mean(column('k3')):.2e} | {_mean(column('token_ess')):.4f} | "
             f"{_mean(column('sequence_ess')):.3f} | "
             f"{_mean(column('truncated')):.3f} | "
-            f"{_mean(column('rejected')):.3f} | {lam} | {_mean(column('k3_at_lag')):.2e} | "
+            f"{_mean(column('rejected')):.3f} | {_mean(column('repetitive')):.3f} | {lam} | {_mean(column('k3_at_lag')):.2e} | "
             f"{_mean(column('sequence_ess_at_lag')):.3f} | {_mean(column('wall_s')):.0f} |")
 
 
 TABLE_HEADER = ("| arm | η | seeds | held-out acc. before (mean) | after (mean ± std) | after − FP8 uncorrected, paired "
                 "(mean ± std) | best step (mean ± std) | training reward, second half (mean ± std) | mean k3 KL "
-                "(trainer‖engine) | token ESS | sequence ESS | units with w > C | rejected tokens | λ range | k3 at lag η "
+                "(trainer‖engine) | token ESS | sequence ESS | units with w > C | rejected tokens | repetitive responses | λ range | k3 at lag η "
                 "| sequence ESS at lag η | wall s per run |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-                "---|")
+                "---|---|")
 
 
 def accuracy_by_step(runs: dict[str, dict[int, dict]], cells: list[tuple[str, str, int]]) -> str:

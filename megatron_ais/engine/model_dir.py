@@ -8,9 +8,9 @@ import os
 from safetensors.torch import save_file
 
 from megatron_ais.bridge.quantization import QuantizationPolicy, engine_quantization_config, quantize_for_engine
+from megatron_ais.engine.config import EngineConfig
 from megatron_ais.hf_assets import copy_hf_assets
 from megatron_ais.mapping.hf_io import HFCheckpointReader
-from megatron_ais.engine.config import EngineConfig
 
 
 def prepare_engine_dir(config: EngineConfig, out_dir: str) -> str:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ais.errors import RolloutError
 from megatron_ais.engine.worker_extension import from_wire
+from megatron_ais.errors import RolloutError
 
 
 def teacher_forced_logprobs(prompt_logprobs: list, token_ids: list[int]) -> torch.Tensor:

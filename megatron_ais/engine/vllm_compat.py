@@ -20,9 +20,9 @@ import threading
 
 import torch
 
-from megatron_ais.errors import GenerationTimeoutError
 from megatron_ais.engine.fp8_emulation import FP8_ACTIVATIONS_ENV, FP8_KV_CACHE_ENV, dequantize_blockwise, \
     dequantize_blockwise_bf16, fp8_kv_round_trip, w8a8_experts, w8a8_linear, w8a16_experts
+from megatron_ais.errors import GenerationTimeoutError
 
 
 def engine_core_client(llm):

@@ -17,18 +17,18 @@ import torch.distributed as dist
 
 from megatron_ais import platform
 from megatron_ais.bridge.arena import remove_stale_shared_files
-from megatron_ais.logging import apply_vllm_log_level
 from megatron_ais.engine.config import EngineConfig, cpu_list
-from megatron_ais.engine.model_dir import prepare_engine_dir
 from megatron_ais.engine.feeds import build_feed
 from megatron_ais.engine.feeds.base import EngineWeights
 from megatron_ais.engine.fp8_emulation import FP8_ACTIVATIONS_ENV, FP8_KV_CACHE_ENV
 from megatron_ais.engine.memory import engine_gpu_memory_utilization
+from megatron_ais.engine.model_dir import prepare_engine_dir
 from megatron_ais.engine.probes import layer_states, one_forward_batches, routes_of_one_forward, \
     routes_of_one_sequence, routing_calls, teacher_forced_logprobs
 from megatron_ais.engine.turns import EngineTurns
 from megatron_ais.engine.vllm_compat import EngineCoreWatch, colocated_worker, cpu_fp8_w8a16_op, engine_core_pids, \
     generate_within, generation_deadline, scheduler_limits, shutdown_engine_core, worker_model
+from megatron_ais.logging import apply_vllm_log_level
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,10 +43,10 @@ import os
 import torch
 
 from megatron_ais import platform
-from megatron_ais.lifetime import exit_with_parent_if_asked
 from megatron_ais.engine.vllm_compat import add_cpu_fp8_expert_paths, add_fp8_kv_cache_emulation, \
     add_w8a8_linear_emulation, cpu_fp8_w8a16_op, install_fp8_linear_torch_path, lift_fp8_moe_gate, \
     patch_cpu_fp8_linear_kernels, patch_moe_reload, use_torch_linear_for_bf16
+from megatron_ais.lifetime import exit_with_parent_if_asked
 
 logger = logging.getLogger("megatron_ais.vllm_plugin")
 

@@ -64,7 +64,8 @@ def rollout_metrics(step: int, rollouts: StepRollouts, seconds: dict[str, float]
                **{f"rollout/engine{host}_tokens_per_s": rate for host, rate in rollouts.engine_tokens_per_s.items()},
                "rollout/received_bytes": rollouts.received_bytes,
                "rollout/rank_bytes_fraction": rollouts.held_bytes / max(rollouts.batch_bytes, 1),
-               "rollout/truncated_fraction": rollouts.truncated / max(rollouts.sampled_rows, 1), **rollouts.sampling}
+               "rollout/truncated_fraction": rollouts.truncated / max(rollouts.sampled_rows, 1),
+               "rollout/repetitive_fraction": rollouts.repetitive / max(rollouts.sampled_rows, 1), **rollouts.sampling}
     if partial_rollouts:  # responses a sync interrupted, finished on the next weights
         metrics["rollout/partial_fraction"] = rollouts.partial / max(rollouts.sampled_rows, 1)
     return metrics

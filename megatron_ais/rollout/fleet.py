@@ -22,11 +22,11 @@ import torch.distributed as dist
 from megatron_ais.batch import RolloutBatch
 from megatron_ais.bridge.node_copies import NodeCopies, node_leaders
 from megatron_ais.distributed import node_name, ranks_on_this_node
+from megatron_ais.engine.config import EngineConfig
+from megatron_ais.engine.vllm_engine import RolloutEngine, SamplingConfig
 from megatron_ais.errors import EngineRetiredError, as_sync_error
 from megatron_ais.flags import FlagConfig, flag
 from megatron_ais.rollout.dynamic_sampling import DynamicSamplingConfig, GroupSelection, select_groups
-from megatron_ais.engine.vllm_engine import RolloutEngine, SamplingConfig
-from megatron_ais.engine.config import EngineConfig
 from megatron_ais.rollout.fleet_layout import (FleetLayout, Retired, apply_on_every_engine, cpu_core_of, engine_gpus,
                                                from_every_engine, retire)
 from megatron_ais.rollout.manager import RolloutManager, RolloutPlan, ServingPolicy, mean_rewards

@@ -8,13 +8,14 @@ import random
 from typing import Any, Callable
 
 from megatron_ais.batch import RolloutBatch
+from megatron_ais.engine.turns import EngineTurns
+from megatron_ais.engine.vllm_engine import RolloutEngine, SamplingConfig
 from megatron_ais.errors import ArgumentValidationError, EngineRetiredError, GenerationTimeoutError, RolloutError
 from megatron_ais.rollout.batching import rollouts_to_batch
 from megatron_ais.rollout.dynamic_sampling import stream_seed
-from megatron_ais.engine.vllm_engine import RolloutEngine, SamplingConfig
 from megatron_ais.rollout.overlong import OverlongConfig, shape_overlong
+from megatron_ais.rollout.repetition import repeats_an_ngram
 from megatron_ais.rollout.rewards import RewardScorer, Scores
-from megatron_ais.engine.turns import EngineTurns
 from megatron_ais.rollout.verify import RefitReference
 
 
@@ -139,7 +140,8 @@ class RolloutManager:
         batch = rollouts_to_batch(rollouts, scores.values, self.plan.sampling.n, self.plan.seq_length,
                                   self.tokenizer.pad_token_id, routes,
                                   policy_version if self.plan.policy_versions else None)
-        batch = dataclasses.replace(batch, partial=sum(r.partial for r in rollouts))
+        batch = dataclasses.replace(batch, partial=sum(r.partial for r in rollouts),
+                                    repetitive=sum(repeats_an_ngram(r.token_ids) for r in rollouts))
         batch = shape_overlong(batch, [r.length for r in rollouts], [r.finish_reason == "length" for r in rollouts],
                                self.plan.overlong, self.plan.sampling.max_new_tokens)
         return self.plan.with_advantages(dataclasses.replace(batch, reward_failures=scores.failed,

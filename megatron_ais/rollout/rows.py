@@ -39,6 +39,7 @@ class RowsRecord:
     reward_timeouts: int
     truncated: int  # responses cut by --max-new-tokens
     partial: int  # responses sampled by more than one version of the weights
+    repetitive: int  # responses that repeat an n-gram back to back
     seconds: float  # how long the engine's host took to make them
 
     @classmethod
@@ -46,7 +47,8 @@ class RowsRecord:
         return cls(host, first_prompt, tuple(row_lengths(batch.mask)), tuple(batch.rewards.tolist()),
                    tuple(int(n) for n in batch.mask.sum(dim=1).tolist()), batch.group_size,
                    tuple((name, t.dtype, tuple(t.shape[1:])) for name, t in row_tensors(batch)),
-                   batch.reward_failures, batch.reward_timeouts, batch.truncated, batch.partial, seconds)
+                   batch.reward_failures, batch.reward_timeouts, batch.truncated, batch.partial,
+                   batch.repetitive, seconds)
 
     @property
     def response_tokens(self) -> int:
@@ -70,7 +72,7 @@ class RowsRecord:
             self, first_prompt=first_prompt, lengths=tuple(1 if g in blank else self.lengths[r] for g, r in rows),
             rewards=tuple(self.rewards[r] for _, r in rows),
             row_tokens=tuple(0 if g in blank else self.row_tokens[r] for g, r in rows),
-            reward_failures=0, reward_timeouts=0, truncated=0, partial=0)
+            reward_failures=0, reward_timeouts=0, truncated=0, partial=0, repetitive=0)
 
     def empty(self, rows: int) -> dict[str, torch.Tensor]:
         """Tensors for `rows` of these rows (what a receiver fills)."""
@@ -230,6 +232,7 @@ class StepRollouts:
     reward_timeouts: int
     truncated: int  # responses made for the step that --max-new-tokens cut
     partial: int  # responses made for the step that more than one version of the weights sampled
+    repetitive: int  # responses made for the step that repeat an n-gram back to back
     sampled_rows: int  # responses made for the step
     received_bytes: int  # row bytes this rank was sent by other ranks
     held_bytes: int  # row bytes of the rows it trains on
@@ -292,6 +295,7 @@ def exchange_rows(rows: MadeRows, data_parallel_rank_of: list[int], data_paralle
                         reward_failures=sum(r.reward_failures for r in sampled),
                         reward_timeouts=sum(r.reward_timeouts for r in sampled),
                         truncated=sum(r.truncated for r in sampled), partial=sum(r.partial for r in sampled),
+                        repetitive=sum(r.repetitive for r in sampled),
                         sampled_rows=sum(len(r.lengths) for r in sampled),
                         received_bytes=received, held_bytes=records[0].nbytes(len(shares[data_parallel_rank])),
                         batch_bytes=sum(r.nbytes(len(r.lengths)) for r in records),

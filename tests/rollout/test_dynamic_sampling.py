@@ -41,7 +41,7 @@ def _group_rows(step: int, round_index: int, prompts: range, seq_length: int = 1
             tokens[row, 0] = step * 10000 + round_index * 100 + prompt
             mask[row, 1:2 + (prompt + member + round_index) % 12] = 1.0
     batch = RolloutBatch(tokens=tokens, labels=tokens.roll(-1, 1), mask=mask, rollout_logprobs=-0.1 * mask,
-                         rewards=torch.tensor(rewards), group_size=GROUP, truncated=1)
+                         rewards=torch.tensor(rewards), group_size=GROUP, truncated=1, repetitive=2)
     return with_advantages(batch, AdvantageConfig())
 
 
@@ -84,12 +84,13 @@ def test_the_records_every_rank_computes_agree_with_the_rows_the_host_picks():
     for record in rows.records:
         assert record == dataclasses.replace(RowsRecord.of(rows.made[record.first_prompt], record.host,
                                                            record.first_prompt, record.seconds),
-                                             reward_failures=0, reward_timeouts=0, truncated=0)
+                                             reward_failures=0, reward_timeouts=0, truncated=0, repetitive=0)
     firsts = torch.cat([rows.made[r.first_prompt].tokens[::GROUP, 0] for r in rows.records]).tolist()
     assert firsts == [10001, 10004, 10005, 10101, 10103, 10104]  # step 1; round 1, prompt 1: stream position 7
     blank_rows = picked_rows(_group_rows(1, 0, range(6)), [1, 5], {5})
     assert blank_rows.mask[GROUP:].sum() == 0 and blank_rows.mask[:GROUP].sum() > 0
     assert len(rows.made_records) == 4 and sum(r.truncated for r in rows.made_records) == 4
+    assert sum(r.repetitive for r in rows.made_records) == 8
 
 
 class _GroupMaker:
@@ -119,7 +120,8 @@ def _fleet_worker(max_rounds: int, balanced: bool):
     for rollouts in got:
         batch = rollouts.batch
         out.append((batch.tokens[:, 0].tolist(), batch.rewards.tolist(), batch.mask.sum(dim=1).tolist(),
-                    rollouts.rewards.tolist(), rollouts.sampling, rollouts.truncated, rollouts.sampled_rows))
+                    rollouts.rewards.tolist(), rollouts.sampling, rollouts.truncated, rollouts.sampled_rows,
+                    rollouts.repetitive))
     return out, said
 
 
@@ -156,6 +158,7 @@ def _check_full(rank0_result, rank1_result):
         assert sampling == mine1[4] and sampling["sampling/rounds"] == 3 and sampling["sampling/prompts_sampled"] == 18
         assert sampling["sampling/filtered_fraction"] == pytest.approx(12 / 18)
         assert mine0[5] == 6 and mine0[6] == 18 * GROUP  # truncated and made responses count every round
+        assert mine0[7] == 12  # so do repetitive ones
     assert rank0[0] == rank0[2] and rank1[0] == rank1[2]  # step 1 again (made ahead): the same stream
 
 
