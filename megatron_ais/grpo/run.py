@@ -137,12 +137,12 @@ class GRPORun:
         """The task (drawn with the resumed run's data seed), the model's FP8 shapes and the options that depend on the
         model, and the prompts' lengths."""
         trainer = self.trainer
+        self.hf_config, self.build = prepare_trainer(trainer)  # --load's lock and metadata, before they are read
         self.data_seed = resumed_data_seed(trainer.checkpoint, trainer.training.seed)
         self.task = build_task(trainer.task, self.data_seed)  # bad task flags or prompt files fail here
         if len(self.task.train) < self.loop.prompts_per_step:
             raise TaskError(f"--prompts-per-step {self.loop.prompts_per_step} exceeds the {len(self.task.train)} "
                             "training examples of the task; lower it or raise --num-examples")
-        self.hf_config, self.build = prepare_trainer(trainer)
         try:
             check_engine_shapes(self.build.shape, self.config.bridge.policy, self.config.engine.tensor_parallel_size)
         except ValueError as err:
