@@ -42,8 +42,13 @@ def _history(out):
 
 
 def _after_step_3(history):
-    """The metrics of steps 4 on that two runs of the same seeds share (`_comparable`)."""
-    return {step: metrics for step, metrics in _comparable(history).items() if step > 3}
+    """The metrics of steps 4 on that two runs of the same seeds share (`_comparable`), but the engines' probe spread:
+    a sync's refit check leaves out an engine that died during it (its restart runs the check instead), so whether a
+    step logs the spread depends on what the kill met, a generation or the sync (one engine: 0 when logged)."""
+    spread = "rollout/engine_probe_spread"
+    assert all(h.get(spread, 0.0) == 0.0 for h in history)
+    return {step: {k: v for k, v in metrics.items() if k != spread}
+            for step, metrics in _comparable(history).items() if step > 3}
 
 
 def _one_rank(command):
