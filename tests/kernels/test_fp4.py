@@ -1,0 +1,97 @@
+"""4-bit weight quantizers bit for bit against the published references: NVFP4 against vLLM 0.32's
+`ref_nvfp4_quant` (its codes and e4m3 block scales) and compressed-tensors' `pack_fp4_to_uint8` (the byte layout);
+MXFP4 against compressed-tensors' `generate_mx_scales` (e8m0 scales), vLLM's `cast_to_fp4` and the same packer;
+dequantization against vLLM's `dequantize_to_dtype`; e2m1 rounding on every tie."""
+import pytest
+import torch
+from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8
+from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import cast_to_fp4, dequantize_to_dtype, \
+    ref_nvfp4_quant
+
+from kernels.fp4.format import E2M1_MAGNITUDES, e2m1_codes, e2m1_values, pack_pairs, unpack_pairs
+from kernels.fp4.quantize import MXFP4_BLOCK, NVFP4_BLOCK, mxfp4_dequantize, mxfp4_quantize, nvfp4_dequantize, \
+    nvfp4_global_scale, nvfp4_quantize
+
+
+def _weight(rows, blocks, block, seed, dtype):
+    """Rows of blocks spanning eight decades, with an all-zero block and blocks whose amax has each mantissa."""
+    generator = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, blocks * block, generator=generator) * torch.logspace(-4, 4, blocks * block)
+    w[0, :block] = 0.0
+    if rows > 1:
+        w[1, :block] = torch.linspace(-1.75, 1.0, block)  # amax mantissa exactly 1.75: the MX round-up edge
+    return w.to(dtype)
+
+
+def test_e2m1_rounds_to_nearest_with_ties_to_even_as_vllm_does():
+    magnitudes = torch.tensor(E2M1_MAGNITUDES)
+    midpoints = (magnitudes[1:] + magnitudes[:-1]) / 2
+    around = torch.cat([magnitudes, midpoints, midpoints.nextafter(torch.tensor(0.0)),
+                        midpoints.nextafter(torch.tensor(9.0)), torch.tensor([5.99, 6.0])])
+    x = torch.cat([around, -around])
+    assert torch.equal(e2m1_values(e2m1_codes(x)), cast_to_fp4(x.clone()))
+    # ties go to the even index: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4
+    assert e2m1_values(e2m1_codes(midpoints)).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 40), blocks=st.integers(1, 12), seed=st.integers(0, 1000),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+def test_nvfp4_equals_vllms_reference_quantizer(rows, blocks, seed, dtype):
+    w = _weight(rows, blocks, NVFP4_BLOCK, seed, dtype)
+    weight, weight_scale, weight_scale_2 = nvfp4_quantize(w)
+    global_scale = nvfp4_global_scale(w)
+    values, scales = ref_nvfp4_quant(w, global_scale, NVFP4_BLOCK)
+    assert weight.dtype == torch.uint8 and weight.shape == (rows, blocks * NVFP4_BLOCK // 2)
+    assert weight_scale.dtype == torch.float8_e4m3fn and weight_scale.shape == (rows, blocks)
+    assert weight_scale_2.dtype == torch.float32 and weight_scale_2.numel() == 1
+    assert torch.equal(weight, pack_fp4_to_uint8(values))
+    assert torch.equal(weight_scale.float(), scales)
+    assert weight_scale_2 == 1.0 / global_scale
+    dequantized = dequantize_to_dtype(weight, weight_scale, weight_scale_2, torch.float32, NVFP4_BLOCK, swizzle=False)
+    assert torch.equal(nvfp4_dequantize(weight, weight_scale, weight_scale_2, torch.float32), dequantized)
+
+
+def test_nvfp4_fused_shards_share_the_global_scale_they_are_given():
+    q, k = _weight(8, 2, NVFP4_BLOCK, 0, torch.bfloat16), _weight(4, 2, NVFP4_BLOCK, 1, torch.bfloat16) * 100
+    shared = nvfp4_global_scale(torch.cat([q, k]))
+    for part in (q, k):
+        weight, weight_scale, weight_scale_2 = nvfp4_quantize(part, global_scale=shared)
+        values, scales = ref_nvfp4_quant(part, shared, NVFP4_BLOCK)
+        assert torch.equal(weight, pack_fp4_to_uint8(values)) and torch.equal(weight_scale.float(), scales)
+        assert weight_scale_2 == 1.0 / shared
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(2, 40), blocks=st.integers(1, 8), seed=st.integers(0, 1000),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+def test_mxfp4_equals_compressed_tensors_scales_and_vllms_rounding(rows, blocks, seed, dtype):
+    w = _weight(rows, blocks, MXFP4_BLOCK, seed, dtype)
+    w[0, :MXFP4_BLOCK] = 0.5  # an all-zero block has no exponent in the reference (log2 0)
+    codes, scales = mxfp4_quantize(w)
+    block_view = w.float().reshape(rows, blocks, MXFP4_BLOCK)
+    reference_scales = generate_mx_scales(block_view.abs().amax(-1)).to(torch.uint8)
+    factor = 2.0 ** (reference_scales.to(torch.int32) - 127).float()
+    reference_values = cast_to_fp4(torch.clamp(block_view / factor.unsqueeze(-1), -6.0, 6.0))
+    assert torch.equal(scales, reference_scales)
+    assert torch.equal(codes, pack_fp4_to_uint8(reference_values.reshape(rows, -1)))
+    assert torch.equal(mxfp4_dequantize(codes, scales, torch.float32), (reference_values * factor.unsqueeze(-1))
+                       .reshape(rows, -1))
+    assert scales[1, 0] == 127 + 1 - 2  # amax 1.75 takes the next exponent
+
+
+def test_packing_puts_the_even_element_in_the_low_nibble():
+    codes = torch.tensor([[0x1, 0x7, 0x9, 0xF]], dtype=torch.uint8)
+    assert pack_pairs(codes).tolist() == [[0x71, 0xF9]]
+    assert torch.equal(unpack_pairs(pack_pairs(codes)), codes)
+
+
+@pytest.mark.parametrize("quantize", [nvfp4_quantize, mxfp4_quantize])
+def test_4bit_quantizers_refuse_bad_weights_by_name(quantize):
+    with pytest.raises(ValueError, match="layers.0.mlp.down_proj.weight: 1 NaN/Inf"):
+        quantize(torch.tensor([[float("nan")] + [0.0] * 31]), name="layers.0.mlp.down_proj.weight")
+    with pytest.raises(ValueError, match="not whole 1x"):
+        quantize(torch.ones(2, 24), name="w")
