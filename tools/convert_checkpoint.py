@@ -3,7 +3,7 @@ two checkpoint formats.
 
     python tools/convert_checkpoint.py hf-to-megatron --hf-dir DIR --save DIR \\
         --tensor-model-parallel-size T --pipeline-model-parallel-size P
-    python tools/convert_checkpoint.py megatron-to-hf --load DIR --save DIR [--precision fp8]
+    python tools/convert_checkpoint.py megatron-to-hf --load DIR --save DIR [--precision fp8|nvfp4|mxfp4]
     python tools/convert_checkpoint.py torch-to-torch-dist --load DIR --save DIR
 
 Both HF directions use the one Megatron<->HF mapping in megatron_ais/mapping (the trainer's loader and the
@@ -43,8 +43,8 @@ from megatron_ais.checkpointing.store import (FORMATS, TRACKER, commit_checkpoin
                                               save_checkpoint, staging_dir, usable_iterations, write_checksums,
                                               write_metadata)
 from megatron_ais.errors import ArgumentValidationError, CheckpointError
-from megatron_ais.bridge.quantization import (QuantizationPolicy, check_engine_shapes, engine_quantization_config,
-                                              quantize_for_engine)
+from megatron_ais.bridge.quantization import (QUANTIZED_PRECISIONS, QuantizationPolicy, check_engine_shapes,
+                                              engine_quantization_config, quantize_for_engine)
 from megatron_ais.mapping.distributed import shard_context, write_hf_index_and_config
 from megatron_ais.mapping.hf_io import (HFCheckpointReader, ShardedSafetensorsWriter, hf_tensors_from_shards,
                                         megatron_shard_from_hf)
@@ -55,6 +55,8 @@ from megatron_ais.model import ModelBuildConfig, ModelShape, build_model_chunks,
     check_supported_hf_config, load_hf_config, unwrap_model
 from megatron_ais.parallel import ParallelLayout
 from megatron_ais.training import build_optimizer, initialize_trainer, load_policy_chunks, wrap_ddp
+
+EXPORT_PRECISIONS = ("bf16", *QUANTIZED_PRECISIONS)
 
 
 def _build_config(hf_config: dict, layout: ParallelLayout, divisible_by: int) -> ModelBuildConfig:
@@ -186,14 +188,18 @@ def precision_of(dtype: torch.dtype) -> str:
 def _write_hf_model(staging: str, tensors, hf_config: dict, policy: QuantizationPolicy | None, max_shard_bytes: int,
                     assets_dir: str, where: str) -> None:
     """Write (HF name, tensor) pairs into a HF model directory: safetensors shards of at most `max_shard_bytes`
-    (quantized for an FP8 engine under `policy`), their index, the config and the checkpoint's HF assets."""
+    (quantized for an FP8 or 4-bit engine under `policy`), their index, the config and the checkpoint's HF assets."""
     writer, names = ShardedSafetensorsWriter(staging, max_shard_bytes), []
-    for hf_name, tensor in tensors:
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise CheckpointError(f"{where}: {hf_name} holds NaN/Inf; nothing exported")
-        names.append(hf_name)
-        for name, out in quantize_for_engine([(hf_name, tensor)], policy) if policy else [(hf_name, tensor)]:
-            writer.add(name, out)
+
+    def checked():
+        for hf_name, tensor in tensors:
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise CheckpointError(f"{where}: {hf_name} holds NaN/Inf; nothing exported")
+            names.append(hf_name)
+            yield hf_name, tensor
+
+    for name, out in quantize_for_engine(checked(), policy) if policy else checked():
+        writer.add(name, out)
     weight_map = writer.close()
     hf_config = dict(hf_config)
     if policy is not None:
@@ -234,10 +240,11 @@ def megatron_to_hf(load: str, save: str, allow_unverified: bool = False, precisi
     Megatron checkpoint saved in either format at any layout; return it. `precision` bf16 keeps the checkpoint's
     tensors bit for bit (BF16 for a BF16 run); fp8 writes what the bridge sends an FP8 engine: blockwise e4m3
     (128x128, fp32 `weight_scale_inv`) where the bridge's policy quantizes, BF16 elsewhere, with the
-    `quantization_config` vLLM and SGLang read. Tensors are written one by one into shards of at most
+    `quantization_config` vLLM and SGLang read; nvfp4 / mxfp4 what a 4-bit engine loads (ModelOpt's W4A16 NVFP4,
+    compressed-tensors' MXFP4; dense models), with the `quantization_config` vLLM reads. Tensors are written one by one into shards of at most
     `max_shard_bytes`; a torch_dist checkpoint is read whole into one spawned process."""
-    if precision not in ("bf16", "fp8"):
-        raise ArgumentValidationError(f"--precision {precision!r} must be bf16 or fp8")
+    if precision not in EXPORT_PRECISIONS:
+        raise ArgumentValidationError(f"--precision {precision!r} must be one of {', '.join(EXPORT_PRECISIONS)}")
     if max_shard_bytes <= 0:
         raise ArgumentValidationError("--max-shard-size-mb must be positive")
     if os.path.isdir(save) and os.listdir(save):
@@ -253,7 +260,7 @@ def megatron_to_hf(load: str, save: str, allow_unverified: bool = False, precisi
         raise CheckpointError(f"{load}: expert-TP {etp} does not divide TP {tp}; the converter cannot place its shards")
     build = _build_config(hf_config, ParallelLayout(tensor=tp, pipeline=pp, expert=ep, expert_tensor=etp),
                           meta["make_vocab_size_divisible_by"])
-    policy = QuantizationPolicy(precision="fp8") if precision == "fp8" else None
+    policy = QuantizationPolicy(precision=precision) if precision != "bf16" else None
     if policy is not None:
         check_engine_shapes(build.shape, policy, 1)
     # written beside `save` and renamed at the end: a failed export (a non-finite tensor, a full disk) leaves nothing
@@ -403,10 +410,11 @@ def build_parser() -> argparse.ArgumentParser:
     to_h.add_argument("--save", required=True, help="HF model directory to write.")
     to_h.add_argument("--allow-unverified-checkpoint", action="store_true",
                       help="Read a checkpoint that has no checksums.json (written by another tool); refused otherwise.")
-    to_h.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+    to_h.add_argument("--precision", choices=EXPORT_PRECISIONS, default="bf16",
                       help="bf16: the checkpoint's tensors bit for bit (BF16 for a BF16 run); fp8: what an FP8 engine "
                            "serves, as the bridge sends it (blockwise e4m3, 128x128, fp32 weight_scale_inv, with the "
-                           "quantization_config vLLM and SGLang read).")
+                           "quantization_config vLLM and SGLang read); nvfp4 / mxfp4: what a 4-bit engine serves "
+                           "(ModelOpt's W4A16 NVFP4, compressed-tensors' MXFP4; dense models).")
     to_h.add_argument("--max-shard-size-mb", type=float, default=5000.0,
                       help="Largest safetensors shard (a larger tensor is a shard of its own); tensors are written one "
                            "by one, so the converter holds about one shard in memory (a torch_dist checkpoint is "

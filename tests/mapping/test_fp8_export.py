@@ -1,7 +1,8 @@
 """tools/convert_checkpoint.py megatron-to-hf --precision fp8: the FP8 model an engine serves, exported in one command
 from any saved layout, as sharded safetensors with their index, the quantization_config and the tokenizer. Its bytes
 are what the bridge sends an FP8 engine from the same checkpoint; unmodified vLLM loads it as an ordinary checkpoint,
-and its log-probs equal a reference on the dequantized weights."""
+and its log-probs equal a reference on the dequantized weights. --precision nvfp4 / mxfp4 export what a 4-bit engine
+loads."""
 import json
 import os
 
@@ -20,7 +21,7 @@ PROBE = [(13 * i + 5) % 500 + 1 for i in range(40)]
 
 
 def _as_bytes(tensors: dict) -> dict:
-    return {n: t.contiguous().view(torch.uint8).numpy().copy() for n, t in tensors.items()}
+    return {n: t.contiguous().reshape(-1).view(torch.uint8).numpy().copy() for n, t in tensors.items()}
 
 
 def _bridged(load):
@@ -122,3 +123,31 @@ def test_fp8_export_is_what_the_bridge_sends_and_vllm_serves_it(model_root, tmp_
     # docs/rollout.md's fp8 row). The original BF16 weights explain the engine five times worse (0.259): the
     # reference sees the quantization, not only activation noise.
     assert diff < 0.1 and diff < unquantized / 3, (diff, unquantized)
+
+
+@pytest.mark.parametrize("precision", ["nvfp4", "mxfp4"])
+def test_4bit_exports_are_what_the_engine_loads_from_any_layout(model_root, tmp_path, precision):
+    """The 4-bit export's tensors are `quantize_for_engine`'s of the BF16 export (the model directory a 4-bit engine
+    starts from, served bit for bit as BF16 on their dequantized weights: tests/rollout/test_four_bit_engine.py),
+    the same from TP2 and PP2, with the config vLLM loads them by."""
+    from megatron_ais.bridge.quantization import QuantizationPolicy, engine_quantization_config, quantize_for_engine
+
+    hf_dir = make_model_dir(model_root, "qwen3", tie_word_embeddings=True, **SHAPE)
+    tp2, pp2 = str(tmp_path / "tp2"), str(tmp_path / "pp2")
+    convert_checkpoint.hf_to_megatron(hf_dir, tp2, 2, 1)
+    convert_checkpoint.hf_to_megatron(hf_dir, pp2, 1, 2)
+    bf16 = HFCheckpointReader(convert_checkpoint.megatron_to_hf(tp2, str(tmp_path / "bf16")))
+    policy = QuantizationPolicy(precision=precision)
+    expected = _as_bytes(dict(quantize_for_engine(((n, bf16.get(n)) for n in bf16.names()), policy)))
+    for load in (tp2, pp2):
+        export = convert_checkpoint.megatron_to_hf(load, str(tmp_path / f"{precision}-{os.path.basename(load)}"),
+                                                   precision=precision, max_shard_bytes=300_000)
+        reader = HFCheckpointReader(export)
+        exported = _as_bytes({n: reader.get(n) for n in reader.names()})
+        assert sorted(exported) == sorted(expected)
+        assert all(np.array_equal(exported[n], expected[n]) for n in expected), load
+        config = json.load(open(os.path.join(export, "config.json")))
+        assert config["quantization_config"] == engine_quantization_config(policy, bf16.names())
+    packed = "weight" if precision == "nvfp4" else "weight_packed"
+    assert reader.get(f"model.layers.0.mlp.up_proj.{packed}").dtype == torch.uint8
+    assert reader.get("model.norm.weight").dtype == torch.bfloat16
