@@ -1,5 +1,5 @@
-"""Bridge sync speed at TP2 (gloo, CPU): BF16 and FP8 syncs of a ~100M-parameter model into an in-process
-receiver, against a plain copy of the same bytes measured in the same processes. On a CUDA machine the model, the
+"""Bridge sync speed at TP2 (gloo, CPU): BF16, FP8 and 4-bit (NVFP4, MXFP4) syncs of a ~100M-parameter model into an
+in-process receiver, against a plain copy of the same bytes measured in the same processes. On a CUDA machine the model, the
 staging arena, the quantizer (Triton) and the baseline copy are on the GPU, one GPU per rank
 (`--tensor-model-parallel-size 1` on a one-GPU machine).
 
@@ -7,7 +7,8 @@ staging arena, the quantizer (Triton) and the baseline copy are on the GPU, one 
 
 Prints a table and, as its last line,
 `bridge_sync_ratio=<x> over_whole_copy=<x> fp8_quant_gbps=<x> bf16_sync_s=<y> fp8_sync_s=<z> ops_per_sync=<n>
-host_syncs_per_sync=<n>` (ratio = BF16 sync seconds ÷ seconds of a plain copy of the same bytes, bucket by bucket
+host_syncs_per_sync=<n> nvfp4_over_fp8_bytes=<x> mxfp4_over_fp8_bytes=<x> nvfp4_sync_s=<y> mxfp4_sync_s=<z>`
+(ratio = BF16 sync seconds ÷ seconds of a plain copy of the same bytes, bucket by bucket
 through buffers the size of one bucket; over_whole_copy: ÷ one copy of them all, buffers the size of the sync; ops
 and host synchronisations of one FP8 sync on the engine's rank along the path a GPU takes — torch ops where the
 tensors live, here run on CPU tensors — counted with a TorchDispatchMode and a TorchFunctionMode, the receiver's
@@ -217,7 +218,7 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, p
     layout = BridgeLayout.from_parallel_state()
     cuda = is_cuda()
     result = {}
-    for precision in ("bf16", "fp8"):
+    for precision in ("bf16", "fp8", "nvfp4", "mxfp4"):
         config = BridgeConfig(bucket_size_mb=bucket_mb, policy=QuantizationPolicy(precision=precision),
                               transport=transport)
         receiver = SyncReceiver() if layout.rank == 0 else None
@@ -232,6 +233,11 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, p
                 times.append(_wall(cuda) - t0)
             moved = stats.bytes or moved
         result[precision] = {"seconds": statistics.median(times), "bytes": moved, "buckets": stats.buckets}
+        if precision not in ("bf16", "fp8"):  # 4-bit: bytes and seconds only
+            bridge.close()
+            if receiver is not None:
+                receiver.close()
+            continue
         counts = SyncCounts()
         with device_path(counts):
             bridge.sync(repeats + 1)
@@ -335,7 +341,7 @@ def main(argv=None) -> int:
           "bytes moved | seconds "
           "(median) | GB/s |")
     print("|---|---|---|---|")
-    for name, row in (("BF16 sync", bf16), ("FP8 sync", fp8)):
+    for name, row in (("BF16 sync", bf16), ("FP8 sync", fp8), ("NVFP4 sync", r["nvfp4"]), ("MXFP4 sync", r["mxfp4"])):
         print(f"| {name} | {row['bytes'] / 1e6:.1f} MB | {row['seconds']:.3f} | {row['bytes'] / row['seconds'] / 1e9:.3f} |")
     print(f"| plain copy of the BF16 bytes | {bf16['bytes'] / 1e6:.1f} MB | {r['copy_seconds']:.4f} | "
           f"{bf16['bytes'] / r['copy_seconds'] / 1e9:.3f} |")
@@ -354,7 +360,10 @@ def main(argv=None) -> int:
     figures = (f"bridge_sync_ratio={bf16['seconds'] / r['copy_seconds']:.2f} "
                f"over_whole_copy={bf16['seconds'] / r['whole_copy_seconds']:.2f} fp8_quant_gbps={quant:.3f} "
                f"bf16_sync_s={bf16['seconds']:.3f} fp8_sync_s={fp8['seconds']:.3f} ops_per_sync={fp8['counts']['ops']} "
-               f"host_syncs_per_sync={fp8['counts']['read_backs']}")
+               f"host_syncs_per_sync={fp8['counts']['read_backs']} "
+               f"nvfp4_over_fp8_bytes={r['nvfp4']['bytes'] / fp8['bytes']:.3f} "
+               f"mxfp4_over_fp8_bytes={r['mxfp4']['bytes'] / fp8['bytes']:.3f} nvfp4_sync_s={r['nvfp4']['seconds']:.3f} "
+               f"mxfp4_sync_s={r['mxfp4']['seconds']:.3f}")
     if args.one_pass:
         figures += (f" one_pass_ops_per_sync={fp8['one_pass_counts']['ops']} "
                     f"one_pass_host_syncs_per_sync={fp8['one_pass_counts']['read_backs']}")

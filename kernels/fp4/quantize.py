@@ -42,15 +42,17 @@ def _reciprocal(x: torch.Tensor) -> torch.Tensor:
     return 1.0 / (x + (x == 0) * 1e8)
 
 
-def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:
-    """6 * 448 / amax(|w|) as an fp32 scalar tensor: the factor that maps the largest block scale to e4m3's max."""
-    return (E2M1_MAX * FP8_E4M3_MAX / w.abs().amax().float().clamp(min=AMAX_EPS)).reshape(())
+def nvfp4_global_scale(*weights: torch.Tensor) -> torch.Tensor:
+    """6 * 448 / amax(|w|) over `weights` as an fp32 scalar tensor: the factor that maps the largest block scale to
+    e4m3's max (the tensors vLLM fuses into one layer share one)."""
+    amax = torch.stack([w.abs().amax().float() for w in weights]).amax()
+    return (E2M1_MAX * FP8_E4M3_MAX / amax.clamp(min=AMAX_EPS)).reshape(())
 
 
 def nvfp4_quantize(w: torch.Tensor, name: str = "weight", global_scale: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weight uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16], weight_scale_2 fp32 scalar) of `w` [N, K].
-    `global_scale`: the tensors vLLM fuses into one layer share one (`nvfp4_global_scale` of their concatenation)."""
+    `global_scale`: the tensors vLLM fuses into one layer share one (`nvfp4_global_scale` of them all)."""
     blocks = _blocks(w, NVFP4_BLOCK, name)
     if global_scale is None:
         global_scale = nvfp4_global_scale(w)

@@ -5,7 +5,7 @@ import dataclasses
 
 from megatron_ais.bridge.arena import ARENA_PLACES, arena_on_gpu
 from megatron_ais.bridge.delta import DELTA_MODES
-from megatron_ais.bridge.quantization import FOUR_BIT_BLOCKS, QuantizationPolicy
+from megatron_ais.bridge.quantization import QuantizationPolicy
 from megatron_ais.bridge.transports import TRANSPORTS
 from megatron_ais.flags import FlagConfig, flag
 
@@ -44,10 +44,6 @@ class BridgeConfig(FlagConfig):
     def __post_init__(self):
         super().__post_init__()
         arena_on_gpu(self.arena)  # refuses an unknown place, or gpu without CUDA
-        if self.policy.precision in FOUR_BIT_BLOCKS:
-            raise ValueError(f"--rollout-precision {self.policy.precision}: the weight bridge does not stage 4-bit "
-                             "weights yet (an engine serves them from its model directory, and "
-                             "tools/convert_checkpoint.py exports them); use --rollout-precision fp8")
         if self.delta == "fp8" and self.policy.precision != "fp8":
             raise ValueError(f"--bridge-delta fp8 sends the FP8 codes that changed, but the engine's weights are "
                              f"{self.policy.precision}: use --rollout-precision fp8 or --bridge-delta off")

@@ -1,6 +1,7 @@
 """What one rank writes in a weight sync: its pieces of each bucket's HF tensors, copied or quantized to
 blockwise FP8 into place (the staging arena or its stage's bucket buffer), each checked for NaN/Inf and
-checksummed on the way. The host kernels give their figures at once. On a GPU with Triton a bucket is one pass
+checksummed on the way; the stage's sender quantizes the tensors assembled whole in the scratch region (FP8 ones
+whose pieces cut through blocks, and every 4-bit one). The host kernels give their figures at once. On a GPU with Triton a bucket is one pass
 (`kernels.bucket_pass`: one launch per dtype group, figures in one device array); otherwise torch ops where the
 pieces live. Device figures stay where they are computed until the bucket's end (`BucketSums`)."""
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from kernels.fp4.quantize import nvfp4_global_scale
 from kernels.fp8.cpu import fp8_quantize_into, supports_quantize
 from kernels.fp8.dispatch import blockwise_fp8_quantize
 from kernels.bucket_pass import BucketPass, PassPiece, supports_pass
@@ -20,7 +22,8 @@ from kernels.fp8.triton import blockwise_fp8_quantize_deferred, fp8_kernels_avai
 from kernels.integrity import (Position, ReadBack, all_finite, checksum_sums, checksum_sums_device,
                                copy_check_finite, copy_check_finite_deferred, unsigned_sums)
 from megatron_ais.bridge.plan import Bucket, HFTarget, StagePlan
-from megatron_ais.bridge.quantization import SCALE_SUFFIX, QuantizationPolicy
+from megatron_ais.bridge.quantization import SCALE_SUFFIX, QuantizationPolicy, engine_tensor_specs, four_bit_tensors, \
+    fused_group
 
 
 def _on_host(*tensors: torch.Tensor) -> bool:
@@ -181,6 +184,30 @@ class QuantizePiece:
         return self.nbytes
 
 
+@dataclasses.dataclass(frozen=True)
+class FourBitPiece:
+    """Whole weights quantized to 4 bits into place by the stage's sender: `sources` (views of the scratch region)
+    and, per source, its engine tensors' views (`engine_tensor_specs` order). Several sources are one NVFP4 fused
+    group, quantized with the global scale they share."""
+
+    sources: tuple[tuple[str, torch.Tensor], ...]
+    outputs: tuple[tuple[torch.Tensor, ...], ...]
+    nbytes: int
+
+    def write(self, sums: BucketSums, policy: QuantizationPolicy) -> int:
+        weights = [weight for _, weight in self.sources]
+        shared = nvfp4_global_scale(*weights) if policy.precision == "nvfp4" else None
+        for (name, weight), outputs in zip(self.sources, self.outputs):
+            for (engine_name, value), out in zip(four_bit_tensors(name, weight, policy, shared), outputs):
+                out.copy_(value.reshape(out.shape))
+                if _on_host(out):
+                    sums.add(engine_name, checksum_sums(out))
+                else:
+                    sums.defer(torch.cat([torch.zeros(1, dtype=torch.int64, device=out.device),
+                                          checksum_sums_device(out)]), (engine_name,), lambda _: None)
+        return self.nbytes
+
+
 def bucket_pieces(plan: StagePlan, targets: list[HFTarget], bucket: Bucket, buffer, base: int, scratch_base: int,
                   block_size: int) -> list[CopyPiece | QuantizePiece]:
     """This rank's pieces of a bucket's `targets` as views of `buffer`, whose stage layout starts at byte `base` and
@@ -188,11 +215,11 @@ def bucket_pieces(plan: StagePlan, targets: list[HFTarget], bucket: Bucket, buff
     counted: the sender's quantization of the whole tensor is)."""
     tensors, scratch, pieces = {t.name: t for t in plan.tensors}, dict(bucket.scratch), []
     for target in targets:
-        main = tensors[target.name]
         if not target.quantized or not target.blockwise_local:
             if target.quantized:
                 dst = buffer.view(scratch_base + scratch[target.name], target.param.dtype, target.shape)
             else:
+                main = tensors[target.name]
                 dst = buffer.view(base + main.offset, main.torch_dtype, main.shape)
             for p in target.pieces:
                 out = dst.narrow(p.dim, p.dst_start, p.length)
@@ -200,7 +227,7 @@ def bucket_pieces(plan: StagePlan, targets: list[HFTarget], bucket: Bucket, buff
                                         Position.of_piece(target.shape, p.dim, p.dst_start), target.name,
                                         not target.quantized, out.numel() * out.element_size()))
             continue
-        scale = tensors[target.name + SCALE_SUFFIX]
+        main, scale = tensors[target.name], tensors[target.name + SCALE_SUFFIX]
         q = buffer.view(base + main.offset, main.torch_dtype, main.shape)
         s = buffer.view(base + scale.offset, scale.torch_dtype, scale.shape)
         for p in target.pieces:
@@ -259,16 +286,45 @@ class OnePassWrites:
         return self.nbytes
 
 
-def bucket_writes(pieces: list[CopyPiece | QuantizePiece], policy: QuantizationPolicy
+def bucket_writes(pieces: list[CopyPiece | QuantizePiece | FourBitPiece], policy: QuantizationPolicy
                   ) -> PieceWrites | OnePassWrites:
-    """How a bucket's pieces are written: one pass where the kernel takes every tensor, else piece by piece."""
+    """How a bucket's pieces are written: one pass where the kernel takes every tensor (copies and FP8), else piece
+    by piece."""
+    if any(isinstance(p, FourBitPiece) for p in pieces):
+        return PieceWrites(pieces)
     tensors = [t for p in pieces for t in ((p.src, p.dst) if isinstance(p, CopyPiece) else (p.src, p.q, p.s))]
     return OnePassWrites(pieces, policy) if supports_pass(tensors) else PieceWrites(pieces)
 
 
-def scratch_pieces(plan: StagePlan, bucket: Bucket, buffer, base: int, scratch_base: int) -> list[QuantizePiece]:
-    """The stage's sender: the FP8 tensors of a bucket whose pieces the writers assembled in the scratch region, as
-    whole tensors to quantize into place."""
+def _four_bit_pieces(plan: StagePlan, bucket: Bucket, buffer, base: int, scratch_base: int, policy
+                     ) -> list[FourBitPiece]:
+    """`scratch_pieces` of a 4-bit stage: one piece per weight, or per NVFP4 fused group (whose members share the
+    bucket: `plan._bucket_units`)."""
+    tensors = {t.name: t for t in plan.tensors}
+    targets = {t.name: t for t in plan.targets}
+    offsets = dict(bucket.scratch)
+    pieces, done = [], set()
+    for name, _ in bucket.scratch:
+        if name in done:
+            continue
+        group = fused_group(name) if policy.precision == "nvfp4" else (name,)
+        done.update(group)
+        sources = tuple((member, buffer.view(scratch_base + offsets[member], targets[member].param.dtype,
+                                             targets[member].shape)) for member in group)
+        outputs = tuple(tuple(buffer.view(base + tensors[spec].offset, tensors[spec].torch_dtype, tensors[spec].shape)
+                              for spec, _, _ in engine_tensor_specs(member, targets[member].shape, policy))
+                        for member in group)
+        pieces.append(FourBitPiece(sources, outputs, sum(out.numel() * out.element_size() for outs in outputs
+                                                          for out in outs)))
+    return pieces
+
+
+def scratch_pieces(plan: StagePlan, bucket: Bucket, buffer, base: int, scratch_base: int,
+                   policy: QuantizationPolicy) -> list[QuantizePiece | FourBitPiece]:
+    """The stage's sender: the quantized tensors of a bucket whose pieces the writers assembled in the scratch
+    region, as whole tensors to quantize into place."""
+    if policy.precision != "fp8":
+        return _four_bit_pieces(plan, bucket, buffer, base, scratch_base, policy)
     tensors, targets = {t.name: t for t in plan.tensors}, {t.name: t for t in plan.targets}
     pieces = []
     for name, offset in bucket.scratch:

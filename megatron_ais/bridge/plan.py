@@ -1,12 +1,13 @@
 """Where every tensor of a weight sync lives, computed by each rank from its own shards with no communication
 but one exchange of stage sizes on the first sync.
 
-A stage's engine tensors (HF names; FP8 + `_scale_inv` or dense, per the policy) are laid out back to back,
-64-byte aligned, and cut into buckets of at most `bucket_bytes` (a larger tensor is a bucket of its own). Every
-TP rank of the stage writes its own pieces of each tensor straight into that layout (`shard_placement`), so no
-rank gathers a full tensor. An FP8 tensor whose TP pieces start and end on 128-row (or -column) block
-boundaries is quantized piece by piece by the rank that holds it; one whose pieces cut through blocks is first
-assembled in a scratch area and quantized by TP rank 0.
+A stage's engine tensors (HF names; codes and scales or dense, per the policy: `engine_tensor_specs`) are laid out
+back to back, 64-byte aligned, and cut into buckets of at most `bucket_bytes` (a larger tensor is a bucket of its
+own; the projections NVFP4 gives one global scale travel in one bucket). Every TP rank of the stage writes its own
+pieces of each tensor straight into that layout (`shard_placement`), so no rank gathers a full tensor. An FP8
+tensor whose TP pieces start and end on 128-row (or -column) block boundaries is quantized piece by piece by the
+rank that holds it; one whose pieces cut through blocks, and every 4-bit tensor (NVFP4's global scale is the whole
+fused group's), is first assembled in a scratch area and quantized by the stage's sender.
 """
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ import dataclasses
 
 import torch
 
-from kernels.fp8.format import scale_shape
-from megatron_ais.bridge.quantization import SCALE_SUFFIX, QuantizationPolicy
+from megatron_ais.bridge.quantization import QuantizationPolicy, engine_tensor_specs, fused_group
 from megatron_ais.mapping.hf_io import global_parameters
 from megatron_ais.mapping.layouts import Piece, shard_placement
 from megatron_ais.mapping.rules import expert_index, rules_for, split_layer
@@ -79,6 +79,11 @@ class StagePlan:
     tensors: list[EngineTensor]
     buckets: list[Bucket]
     scratch_bytes: int
+    first_tensors: list[int]  # per target, the index of its first engine tensor
+
+    def bucket_targets(self, bucket: Bucket) -> list[HFTarget]:
+        """The targets whose engine tensors lie in `bucket`."""
+        return [t for t, first in zip(self.targets, self.first_tensors) if bucket.first <= first < bucket.last]
 
     @property
     def nbytes(self) -> int:
@@ -168,10 +173,28 @@ def _stage_targets(chunks, build, ctx, policy, expert_ctx, role, rules, num_loca
                     writes = held and role.experts if expert is not None else role.dense
                     if expert is None:
                         dense.append(len(targets))
+                    local = quantized and policy.precision == "fp8" and _block_aligned(per_rank, shape,
+                                                                                        policy.block_size)
                     targets.append(HFTarget(hf_name, shape, param.detach(),
-                                            per_rank[param_ctx.tp_rank] if writes else [], quantized,
-                                            quantized and _block_aligned(per_rank, shape, policy.block_size)))
+                                            per_rank[param_ctx.tp_rank] if writes else [], quantized, local))
     return targets, dense
+
+
+def _bucket_units(targets: list[HFTarget], policy: QuantizationPolicy) -> list[int]:
+    """How many consecutive targets from each one must share its bucket: an NVFP4 fused group's members, whose
+    sender computes their one global scale (1 elsewhere, 0 inside a group)."""
+    units = [1] * len(targets)
+    if policy.precision != "nvfp4":
+        return units
+    index = {t.name: i for i, t in enumerate(targets)}
+    for i, target in enumerate(targets):
+        group = fused_group(target.name)
+        if target.quantized and len(group) > 1 and group[0] == target.name:
+            members = [index.get(name) for name in group]
+            if members != list(range(i, i + len(group))):
+                raise ValueError(f"NVFP4: the fused projections {group} are not consecutive in the stage's tensors")
+            units[i:i + len(group)] = [len(group)] + [0] * (len(group) - 1)
+    return units
 
 
 def plan_stage(targets: list[HFTarget], policy: QuantizationPolicy, bucket_bytes: int) -> StagePlan:
@@ -181,6 +204,7 @@ def plan_stage(targets: list[HFTarget], policy: QuantizationPolicy, bucket_bytes
     offset = first = start = 0
     scratch: list[tuple[str, int]] = []
     scratch_used = scratch_max = 0
+    first_tensors: list[int] = []
 
     def close():
         nonlocal first, start, scratch, scratch_used
@@ -188,25 +212,25 @@ def plan_stage(targets: list[HFTarget], policy: QuantizationPolicy, bucket_bytes
             buckets.append(Bucket(first, len(tensors), start, offset, tuple(scratch)))
         first, start, scratch, scratch_used = len(tensors), offset, [], 0
 
-    for target in targets:
-        if target.quantized:
-            pieces = [(target.name, "float8_e4m3fn", target.shape),
-                      (target.name + SCALE_SUFFIX, "float32", scale_shape(target.shape, policy.block_size))]
-        else:
-            pieces = [(target.name, str(policy.dense_dtype).removeprefix("torch."), target.shape)]
-        sizes = [_numel(shape) * getattr(torch, dtype).itemsize for _, dtype, shape in pieces]
-        # a weight and its scales travel in one bucket
-        if offset > start and offset + sum(_aligned(n) for n in sizes) - start > bucket_bytes:
+    def nbytes(target: HFTarget) -> list[int]:
+        return [_numel(shape) * getattr(torch, dtype).itemsize
+                for _, dtype, shape in engine_tensor_specs(target.name, target.shape, policy)]
+
+    for index, (target, unit) in enumerate(zip(targets, _bucket_units(targets, policy))):
+        # a weight and its scales travel in one bucket, and so do the targets of a unit
+        together = sum(_aligned(n) for t in targets[index:index + unit] for n in nbytes(t))
+        if unit and offset > start and offset + together - start > bucket_bytes:
             close()
-        for (name, dtype, shape), nbytes in zip(pieces, sizes):
-            tensors.append(EngineTensor(name, dtype, tuple(shape), offset, nbytes))
-            offset = _aligned(offset + nbytes)
+        first_tensors.append(len(tensors))
+        for (name, dtype, shape), size in zip(engine_tensor_specs(target.name, target.shape, policy), nbytes(target)):
+            tensors.append(EngineTensor(name, dtype, tuple(shape), offset, size))
+            offset = _aligned(offset + size)
         if target.quantized and not target.blockwise_local:
             scratch.append((target.name, scratch_used))
             scratch_used = _aligned(scratch_used + target.param.element_size() * _numel(target.shape))
             scratch_max = max(scratch_max, scratch_used)
     close()
-    return StagePlan(targets, tensors, buckets, scratch_max)
+    return StagePlan(targets, tensors, buckets, scratch_max, first_tensors)
 
 
 def _numel(shape) -> int:

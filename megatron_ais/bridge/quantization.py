@@ -17,6 +17,7 @@ import torch
 
 from kernels.fp4.quantize import MXFP4_BLOCK, NVFP4_BLOCK, mxfp4_quantize, nvfp4_global_scale, nvfp4_quantize
 from kernels.fp8.dispatch import blockwise_fp8_quantize
+from kernels.fp8.format import scale_shape
 from kernels.integrity import all_finite
 from megatron_ais.flags import FlagConfig, flag
 
@@ -124,23 +125,39 @@ def fused_group(name: str) -> tuple[str, ...]:
     return (name,)
 
 
-def _four_bit_tensors(name: str, tensor: torch.Tensor, policy: QuantizationPolicy, global_scale=None
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The engine's tensors of one 4-bit weight `<module>.weight`, by the precision's checkpoint names."""
+def engine_tensor_specs(name: str, shape: tuple[int, ...], policy: QuantizationPolicy
+                        ) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) of each engine tensor HF weight `name` of `shape` becomes under `policy`, in the order
+    `quantize_for_engine` yields them."""
+    if not policy.quantizes(name):
+        return [(name, str(policy.dense_dtype).removeprefix("torch."), tuple(shape))]
+    if policy.precision == "fp8":
+        return [(name, "float8_e4m3fn", tuple(shape)),
+                (name + SCALE_SUFFIX, "float32", scale_shape(tuple(shape), policy.block_size))]
+    rows, cols = shape
     module = name.removesuffix(".weight")
     if policy.precision == "nvfp4":
-        packed, scale, scale_2 = nvfp4_quantize(tensor, name, global_scale)
-        yield from ((name, packed), (module + ".weight_scale", scale), (module + ".weight_scale_2", scale_2))
+        return [(name, "uint8", (rows, cols // 2)), (module + ".weight_scale", "float8_e4m3fn", (rows, cols // 16)),
+                (module + ".weight_scale_2", "float32", ())]
+    return [(module + ".weight_packed", "uint8", (rows, cols // 2)), (module + ".weight_scale", "uint8",
+                                                                        (rows, cols // MXFP4_BLOCK))]
+
+
+def four_bit_tensors(name: str, tensor: torch.Tensor, policy: QuantizationPolicy, global_scale=None
+                     ) -> list[tuple[str, torch.Tensor]]:
+    """The engine's tensors of one 4-bit weight `<module>.weight` (`engine_tensor_specs`' names); NVFP4 with
+    `global_scale` (default: the tensor's own)."""
+    if policy.precision == "nvfp4":
+        values = nvfp4_quantize(tensor, name, global_scale)
     else:
-        packed, scale = mxfp4_quantize(tensor, name)
-        yield from ((module + ".weight_packed", packed), (module + ".weight_scale", scale))
+        values = mxfp4_quantize(tensor, name)
+    return [(spec[0], value) for spec, value in zip(engine_tensor_specs(name, tuple(tensor.shape), policy), values)]
 
 
 def quantize_for_engine(named_tensors: Iterable[tuple[str, torch.Tensor]], policy: QuantizationPolicy
                         ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the engine's tensors: codes and scales for quantized weights (FP8: (name, fp8), (name_scale_inv, fp32);
-    4-bit: `_four_bit_tensors`), casts otherwise. NVFP4 holds back a fused group's members until all have come, for
-    the global scale they share."""
+    """Yield the engine's tensors (`engine_tensor_specs`): codes and scales for quantized weights, casts otherwise.
+    NVFP4 holds back a fused group's members until all have come, for the global scale they share."""
     waiting: dict[str, torch.Tensor] = {}
     for name, tensor in named_tensors:
         if not policy.quantizes(name):
@@ -152,15 +169,15 @@ def quantize_for_engine(named_tensors: Iterable[tuple[str, torch.Tensor]], polic
             yield name, q
             yield name + SCALE_SUFFIX, scale_inv
         elif policy.precision == "mxfp4":
-            yield from _four_bit_tensors(name, tensor, policy)
+            yield from four_bit_tensors(name, tensor, policy)
         else:
             waiting[name] = tensor
             group = fused_group(name)
             if all(member in waiting for member in group):
                 members = [(member, waiting.pop(member)) for member in group]
-                shared = nvfp4_global_scale(torch.cat([t.reshape(-1) for _, t in members]))
+                shared = nvfp4_global_scale(*(weight for _, weight in members))
                 for member, weight in members:
-                    yield from _four_bit_tensors(member, weight, policy, shared)
+                    yield from four_bit_tensors(member, weight, policy, shared)
     if waiting:
         raise ValueError(f"NVFP4: {sorted(waiting)} came without the rest of their fused group "
                          f"{fused_group(next(iter(waiting)))}, whose global scale they share")

@@ -159,17 +159,15 @@ class WeightBridge:
     def _pieces(self, slot: int) -> list[PieceWrites | OnePassWrites]:
         """This rank's pieces of every bucket as ready-made views into slot `slot`'s buffer (and, on a GPU, the
         bucket's one-pass tables), built once per bridge (the buffers and the parameters' storage do not move)."""
-        first_index = {t.name: i for i, t in enumerate(self.plan.tensors)}
         buffer, policy = self.transport.slot_buffer(slot), self.config.policy
-        return [bucket_writes(bucket_pieces(self.plan, [t for t in self.plan.targets
-                                                        if b.first <= first_index[t.name] < b.last],
-                                            b, buffer, *self.transport.placement(b), policy.block_size), policy)
+        return [bucket_writes(bucket_pieces(self.plan, self.plan.bucket_targets(b), b, buffer,
+                                            *self.transport.placement(b), policy.block_size), policy)
                 for b in self.plan.buckets]
 
     def _scratch_writes(self, slot: int) -> list[PieceWrites | OnePassWrites | None]:
         """The sender's quantization of each bucket's scratch-assembled tensors into slot `slot`, built once."""
         buffer, policy = self.transport.slot_buffer(slot), self.config.policy
-        return [bucket_writes(scratch_pieces(self.plan, b, buffer, *self.transport.placement(b)), policy)
+        return [bucket_writes(scratch_pieces(self.plan, b, buffer, *self.transport.placement(b), policy), policy)
                 if b.scratch and self.layout.is_sender else None for b in self.plan.buckets]
 
     def _start_bucket(self, index: int, bucket: Bucket, stats: SyncStats, slot: int) -> WrittenBucket:

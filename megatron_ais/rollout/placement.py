@@ -78,9 +78,11 @@ class ModelBytes:
 
     @classmethod
     def of(cls, shape, precision: str, kv_cache_dtype: str = "auto") -> "ModelBytes":
-        """From a ModelShape; `precision` the rollout's (fp8, bf16, fp32)."""
+        """From a ModelShape; `precision` the rollout's (fp8, nvfp4, mxfp4, bf16, fp32)."""
         h, hd, layers = shape.hidden_size, shape.head_dim, shape.num_layers
-        linear_bytes = {"fp8": 1 + 4 / (128 * 128), "bf16": 2, "fp32": 4}[precision]
+        # per linear weight element: its code and its share of the scales
+        linear_bytes = {"fp8": 1 + 4 / (128 * 128), "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32, "bf16": 2,
+                        "fp32": 4}[precision]
         other_bytes = 4 if precision == "fp32" else 2
         attention = h * hd * (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads)
         norms = 2 * h + (2 * hd if shape.qk_norm else 0) + (hd * (shape.num_attention_heads + 2 *

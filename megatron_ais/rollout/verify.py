@@ -30,7 +30,7 @@ from megatron_ais.rollout.fleet_layout import engine_name, from_every_engine
 
 # (statistic, bound): fp32 is checked on the max, the low-precision engines on the trimmed mean
 TOLERANCES = {"fp32": ("max", 1e-4), "bf16": ("trimmed mean", 0.25), "fp8": ("trimmed mean", 0.5),
-              "fp8-w8a8": ("trimmed mean", 1.0)}
+              "fp8-w8a8": ("trimmed mean", 1.0), "nvfp4": ("trimmed mean", 1.0), "mxfp4": ("trimmed mean", 1.0)}
 TRIMMED_FRACTION = 0.1  # of the probe positions, the largest |Δ|, left out of the trimmed mean
 
 
@@ -96,7 +96,7 @@ class RefitReference:
 # relative error of a layer's output beyond which the engine is said to have left the trainer at that layer;
 # measured on the default run's trained model against the BF16 trainer (random-token probe), layers 0-3:
 # bf16 engine 0.006-0.018, fp8 engine 0.029-0.075; fp32 engine vs fp32 trainer 6e-7
-LAYER_TOLERANCES = {"fp32": 1e-3, "bf16": 0.1, "fp8": 0.3, "fp8-w8a8": 0.3}
+LAYER_TOLERANCES = {"fp32": 1e-3, "bf16": 0.1, "fp8": 0.3, "fp8-w8a8": 0.3, "nvfp4": 0.6, "mxfp4": 0.6}
 
 
 def layer_errors(engine_states: list[torch.Tensor], trainer_states: list[torch.Tensor]) -> list[float]:

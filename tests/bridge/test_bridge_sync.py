@@ -457,3 +457,64 @@ def test_double_buffered_syncs_never_write_the_committed_buffer(model_root, para
     assert len(previous_after) == 2
     for (k, tensors), held in zip(synced, previous_after):
         assert all(torch.equal(held[name], tensors[name]) for name in held), k
+
+
+def _four_bit_worker(hf_dir, tp, pp, transport):
+    """What the bridge delivers under NVFP4 and MXFP4 from a BF16 model at TP x PP, buckets small enough to split
+    the stage, and the buckets' first tensors."""
+    from megatron.core import parallel_state as ps
+
+    from distributed import start_trainer
+    from megatron_ais.bridge.config import BridgeConfig
+    from megatron_ais.bridge.layout import BridgeLayout
+    from megatron_ais.bridge.quantization import QuantizationPolicy
+    from megatron_ais.bridge.receiver import SyncReceiver
+    from megatron_ais.bridge.sync import WeightBridge
+    from megatron_ais.engine.feeds.base import named_tensors
+    from megatron_ais.training import load_policy_chunks
+
+    trainer, _, build = start_trainer("--hf-dir", hf_dir, "--tensor-model-parallel-size", tp,
+                                      "--pipeline-model-parallel-size", pp, "--seq-length", 16)
+    chunks, _, _ = load_policy_chunks(build, trainer.weights)
+    layout = BridgeLayout.from_parallel_state()
+    out = {}
+    for sync_id, precision in enumerate(("nvfp4", "mxfp4")):
+        applied = []
+        receiver = SyncReceiver(on_commit=lambda w: applied.append({n: t.cpu().clone() for n, t in named_tensors(w)})) \
+            if layout.rank == 0 else None
+        config = BridgeConfig(bucket_size_mb=0.2, policy=QuantizationPolicy(precision=precision), transport=transport)
+        with WeightBridge(chunks, build, config, layout, receiver) as bridge:
+            bridge.sync(sync_id)
+            firsts = [bridge.plan.tensors[b.first].name for b in bridge.plan.buckets]
+        if receiver is not None:
+            out[precision] = applied[0]
+            receiver.close()
+        out[precision + " buckets"] = firsts
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, pp, transport", [(2, 1, "shm"), (1, 2, "distributed")])
+def test_4bit_syncs_deliver_the_engines_tensors_bit_for_bit(model_root, tp, pp, transport):
+    """Each rank copies its pieces into the scratch region, the stage's sender quantizes whole tensors — an NVFP4
+    fused group (q/k/v, gate/up) with its one global scale, its members in one bucket — and the engine receives
+    exactly `quantize_for_engine`'s tensors of the HF model."""
+    from megatron_ais.bridge.quantization import QuantizationPolicy, fused_group, quantize_for_engine
+
+    hf_dir = make_model_dir(model_root, "qwen3", num_key_value_heads=1, hidden_size=256, intermediate_size=512)
+    results = spawn(2, _four_bit_worker, hf_dir, tp, pp, transport)
+    source = HFCheckpointReader(hf_dir)
+    for precision in ("nvfp4", "mxfp4"):
+        expected = dict(quantize_for_engine(((n, source.get(n)) for n in source.names()),
+                                            QuantizationPolicy(precision=precision)))
+        got = results[0][precision]
+        assert sorted(got) == sorted(expected)
+        for name, tensor in expected.items():
+            assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+            assert torch.equal(got[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), \
+                (precision, name)
+        # several buckets, and none starts inside an NVFP4 fused group
+        firsts = [name for result in results for name in result[precision + " buckets"]]
+        assert len(firsts) > 2 * pp
+        assert precision == "mxfp4" or all(fused_group(name)[0] == name for name in firsts), firsts

@@ -11,6 +11,7 @@ import torch
 
 from conftest import make_model_dir
 from distributed import spawn
+from megatron_ais.mapping.hf_io import HFCheckpointReader
 
 PROBE = [3, 17, 42, 99, 120, 7, 8, 9, 250, 61, 5, 33, 201, 77, 150, 12, 88, 64, 199, 2, 45, 300, 11, 90]
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
@@ -159,8 +160,9 @@ def test_4bit_refusals_name_the_flag():
     from megatron_ais.bridge.config import BridgeConfig
     from megatron_ais.bridge.quantization import QuantizationPolicy, check_engine_shapes
 
-    with pytest.raises(ValueError, match="--rollout-precision nvfp4: the weight bridge does not stage 4-bit"):
-        BridgeConfig(policy=QuantizationPolicy(precision="nvfp4"))
+    with pytest.raises(ValueError, match="--bridge-delta fp8 sends the FP8 codes that changed, but the engine's "
+                                         "weights are nvfp4"):
+        BridgeConfig(delta="fp8", policy=QuantizationPolicy(precision="nvfp4"))
     dense = SimpleNamespace(num_layers=1, num_attention_heads=4, head_dim=64, hidden_size=256, ffn_hidden_size=688,
                             is_moe=False)
     check_engine_shapes(dense, QuantizationPolicy(precision="nvfp4"), 1)  # 688 = 43 x 16
@@ -168,3 +170,18 @@ def test_4bit_refusals_name_the_flag():
         check_engine_shapes(dense, QuantizationPolicy(precision="mxfp4"), 1)
     with pytest.raises(ValueError, match="4-bit MoE experts are not served yet"):
         check_engine_shapes(SimpleNamespace(**{**vars(dense), "is_moe": True}), QuantizationPolicy(precision="mxfp4"), 1)
+
+
+@pytest.mark.parametrize("precision", ["nvfp4", "mxfp4", "fp8"])
+def test_the_placement_estimate_counts_the_bytes_the_engine_receives(model_root, precision):
+    from megatron_ais.bridge.quantization import QuantizationPolicy, quantize_for_engine
+    from megatron_ais.model import ModelShape
+    from megatron_ais.rollout.placement import ModelBytes
+
+    hf_dir = make_model_dir(model_root, "qwen3", **SHAPE)
+    reader = HFCheckpointReader(hf_dir)
+    sent = sum(t.numel() * t.element_size() for _, t in quantize_for_engine(
+        ((n, reader.get(n)) for n in reader.names()), QuantizationPolicy(precision=precision)))
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        estimate = ModelBytes.of(ModelShape.from_hf_config(json.load(f)), precision).sync
+    assert estimate == pytest.approx(sent, rel=1e-3)  # NVFP4's fp32 global scales are left out of the estimate
