@@ -58,7 +58,7 @@ def _build(path: str) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
-        subprocess.run([compiler, *_cflags(), "-o", tmp, SOURCE], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *_cflags(), "-o", tmp, SOURCE, "-lm"], check=True, capture_output=True, text=True)
         os.replace(tmp, path)
     except subprocess.CalledProcessError as err:
         raise RuntimeError(f"{compiler} failed: {err.stderr.strip()[:2000]}") from err
@@ -99,6 +99,10 @@ def library() -> ctypes.CDLL | None:
         lib.bridge_copy_rows_check_finite.restype = i64
         lib.bridge_block_sums.argtypes = [vp, i64, i64, i64, c_int, i64, i64, i64, vp]
         lib.bridge_block_sums.restype = None
+        lib.bridge_nvfp4_quantize.argtypes = [vp, c_int, i64, i64, i64, ctypes.c_float, vp, i64, vp, i64]
+        lib.bridge_nvfp4_quantize.restype = c_int
+        lib.bridge_mxfp4_quantize.argtypes = [vp, c_int, i64, i64, i64, vp, i64, vp, i64]
+        lib.bridge_mxfp4_quantize.restype = c_int
         lib.bridge_simd.argtypes = []
         lib.bridge_simd.restype = c_int
         _library = lib

@@ -1,9 +1,10 @@
-/* CPU kernels of the resharding bridge: blockwise FP8 quantization and a copy that checks finiteness, both
- * adding up the checksum sums of what they write (sums that add up over any pieces of a tensor, so TP ranks
- * checksum their own pieces in the same pass). Each does in one pass over memory what takes the torch reference
- * several; each has a torch/NumPy reference (kernels/fp8/reference.py, kernels/integrity.py) and is tested
- * against it bit for bit. Loaded with ctypes (kernels/cpu_library.py; no torch headers), so building takes well
- * under a second. */
+/* CPU kernels of the resharding bridge: blockwise FP8 and 4-bit (NVFP4, MXFP4) quantization and a copy that checks
+ * finiteness, the FP8 quantizer and the copy adding up the checksum sums of what they write (sums that add up over
+ * any pieces of a tensor, so TP ranks checksum their own pieces in the same pass). Each does in one pass over memory
+ * what takes the torch reference several; each has a torch/NumPy reference (kernels/fp8/reference.py,
+ * kernels/fp4/quantize.py, kernels/integrity.py) and is tested against it bit for bit. Loaded with ctypes
+ * (kernels/cpu_library.py; no torch headers), so building takes well under a second. */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__x86_64__)
@@ -565,4 +566,106 @@ int64_t bridge_copy_rows_check_finite(const void *src, int64_t src_stride, void 
     if (stream) _mm_sfence(); /* streaming stores are weakly ordered: make them visible before the caller signals */
 #endif
     return bad;
+}
+
+/* float8_e4m3fn code -> its value (exact). */
+static inline float e4m3_to_f32(uint8_t c) {
+    const int e = (c >> 3) & 0xF, m = c & 7;
+    const float v = e ? ldexpf(1.0f + (float)m / 8.0f, e - 7) : ldexpf((float)m / 8.0f, -6);
+    return (c & 0x80) ? -v : v;
+}
+
+/* e2m1 code (sign << 3 | magnitude index) of x: |x| saturated at 6 and rounded to the nearest of 0, 0.5, 1, 1.5, 2,
+ * 3, 4, 6, ties to the even index. The grid's step is 0.5 below 2, 1 below 4 and 2 above: rint (half to even) of
+ * |x| / step is the index's part, as in kernels/fp4/format.py. Branch-free and without rintf, so that the group
+ * loops vectorise. */
+static inline float round_half_even(float y) { /* 0 <= y < 2^22: adding 1.5 * 2^23 rounds to an integer, RNE */
+    return (y + 12582912.0f) - 12582912.0f;
+}
+
+static inline uint8_t f32_to_e2m1(float x) {
+    const float a = fminf(fabsf(x), 6.0f);
+    const float low = round_half_even(a * 2.0f), mid = round_half_even(a) + 2.0f,
+                high = round_half_even(a * 0.5f) + 4.0f;
+    const float index = low + (float)(a >= 2.0f) * (mid - low) + (float)(a >= 4.0f) * (high - mid);
+    return (uint8_t)((int)index | ((int)(x < 0.0f) << 3));
+}
+
+/* One 1 x bs group of a row: its amax as fp32 bits (-1: a NaN/Inf). */
+static inline int64_t group_amax_bits(const char *row, int dtype, int64_t c0, int64_t bs) {
+    const uint32_t inf_bits = dtype == DT_FP32 ? 0x7F800000u : 0x7F80u;
+    const uint32_t m = seg_amax_bits(row, dtype, c0, c0 + bs);
+    if (m >= inf_bits) return -1;
+    const float a = magnitude_bits_to_f32(m, dtype);
+    uint32_t b;
+    memcpy(&b, &a, 4);
+    return b;
+}
+
+/* Codes of one group of bs <= 32 elements (x * factor rounded to e2m1), packed two per byte into out. */
+static inline void pack_group(const char *row, int dtype, int64_t c0, int64_t bs, float factor, uint8_t *out) {
+    float xs[32];
+    uint8_t codes[32];
+    if (dtype == DT_FP32) {
+        const float *p = (const float *)row + c0;
+        for (int64_t k = 0; k < bs; ++k) xs[k] = p[k] * factor;
+    } else {
+        const uint16_t *p = (const uint16_t *)row + c0;
+        for (int64_t k = 0; k < bs; ++k) xs[k] = bf16_to_f32(p[k]) * factor;
+    }
+    for (int64_t k = 0; k < bs; ++k) codes[k] = f32_to_e2m1(xs[k]);
+    for (int64_t k = 0; k < bs / 2; ++k) out[k] = (uint8_t)(codes[2 * k] | (codes[2 * k + 1] << 4));
+}
+
+/* NVFP4: w [m, n] (row stride w_stride elements, bf16 or fp32, n a multiple of 16) -> packed e2m1 codes q [m, n/2]
+ * (row stride q_stride bytes, element 2i in the low nibble of byte i) and e4m3 scales s [m, n/16] (row stride
+ * s_stride), operation for operation vLLM's ref_nvfp4_quant with global scale g: s = e4m3(clamp(g * (amax * (1/6)),
+ * +-448)), codes = e2m1(clamp(w * 1 / (s * (1 / g)), +-6)). Returns 0, or -1 if a value is NaN/Inf. */
+int bridge_nvfp4_quantize(const void *w, int dtype, int64_t m, int64_t n, int64_t w_stride, float g, uint8_t *q,
+                          int64_t q_stride, uint8_t *s, int64_t s_stride) {
+    const int64_t esize = dtype == DT_FP32 ? 4 : 2;
+    const float sixth = (float)(1.0 / 6.0), inv_g = 1.0f / (g == 0.0f ? 1e8f : g);
+    for (int64_t r = 0; r < m; ++r) {
+        const char *row = (const char *)w + r * w_stride * esize;
+        for (int64_t j = 0; j < n / 16; ++j) {
+            const int64_t bits = group_amax_bits(row, dtype, j * 16, 16);
+            if (bits < 0) return -1;
+            float amax;
+            uint32_t b = (uint32_t)bits;
+            memcpy(&amax, &b, 4);
+            float scale = g * (amax * sixth);
+            scale = scale > 448.0f ? 448.0f : (scale < -448.0f ? -448.0f : scale);
+            const uint8_t code = f32_to_e4m3(scale);
+            s[r * s_stride + j] = code;
+            const float restored = e4m3_to_f32(code) * inv_g;
+            pack_group(row, dtype, j * 16, 16, 1.0f / (restored == 0.0f ? 1e8f : restored), q + r * q_stride + j * 8);
+        }
+    }
+    return 0;
+}
+
+/* MXFP4 (OCP MX, e2m1 elements): w [m, n] (bf16 or fp32, n a multiple of 32) -> packed e2m1 codes q [m, n/2] and
+ * e8m0 scales s [m, n/32] = 127 + e, e = floor(log2 amax) - 2, one higher where amax's mantissa is >= 1.75 (as
+ * compressed-tensors' generate_mx_scales), clamped to +-127; codes = e2m1(w * 2^-e). Returns 0, or -1 if a value is
+ * NaN/Inf. */
+int bridge_mxfp4_quantize(const void *w, int dtype, int64_t m, int64_t n, int64_t w_stride, uint8_t *q,
+                          int64_t q_stride, uint8_t *s, int64_t s_stride) {
+    const int64_t esize = dtype == DT_FP32 ? 4 : 2;
+    for (int64_t r = 0; r < m; ++r) {
+        const char *row = (const char *)w + r * w_stride * esize;
+        for (int64_t j = 0; j < n / 32; ++j) {
+            const int64_t bits = group_amax_bits(row, dtype, j * 32, 32);
+            if (bits < 0) return -1;
+            float amax;
+            uint32_t b = (uint32_t)bits;
+            memcpy(&amax, &b, 4);
+            int exponent;
+            const float mantissa = frexpf(amax, &exponent); /* amax = mantissa * 2^exponent, mantissa in [0.5, 1) */
+            int shared = exponent - 1 + (mantissa >= 0.875f) - 2;
+            shared = shared < -127 ? -127 : (shared > 127 ? 127 : shared);
+            s[r * s_stride + j] = (uint8_t)(shared + 127);
+            pack_group(row, dtype, j * 32, 32, ldexpf(1.0f, -shared), q + r * q_stride + j * 16);
+        }
+    }
+    return 0;
 }

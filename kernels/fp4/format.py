@@ -8,21 +8,24 @@ from __future__ import annotations
 
 import torch
 
+from kernels.fp8.format import check
+
 E2M1_MAX = 6.0
+NVFP4_BLOCK = 16
+MXFP4_BLOCK = 32
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# midpoints between neighbouring magnitudes: a value on one rounds to the neighbour of even index
-_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 SIGN_BIT = 0x8
 
 
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """uint8 codes (0-15) of x (fp32, already divided by its scale) rounded to the e2m1 grid."""
+    """uint8 codes (0-15) of x (fp32, already divided by its scale) rounded to the e2m1 grid. The grid's step is 0.5
+    below 2, 1 below 4 and 2 up to 6, so rounding x / step half to even (torch.round) and scaling back rounds to the
+    nearest magnitude with ties to the even index; the index is then 2v, v + 2 or v / 2 + 4."""
     magnitude = x.abs().clamp(max=E2M1_MAX)
-    midpoints = torch.tensor(_MIDPOINTS, dtype=magnitude.dtype, device=x.device)
-    index = torch.bucketize(magnitude, midpoints)  # a value on a midpoint counts as below it
-    on_midpoint = midpoints[index.clamp(max=len(_MIDPOINTS) - 1)] == magnitude
-    index = index + (on_midpoint & (index % 2 == 1)).to(index.dtype)
-    return (index | torch.where(x < 0, SIGN_BIT, 0)).to(torch.uint8)
+    value = torch.where(magnitude < 2, torch.round(magnitude * 2) / 2,
+                        torch.where(magnitude < 4, torch.round(magnitude), torch.round(magnitude / 2) * 2))
+    index = torch.where(value < 2, value * 2, torch.where(value < 4, value + 2, value / 2 + 4)).to(torch.uint8)
+    return index | torch.where(x < 0, SIGN_BIT, 0).to(torch.uint8)
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -43,3 +46,11 @@ def pack_pairs(codes: torch.Tensor) -> torch.Tensor:
 def unpack_pairs(packed: torch.Tensor) -> torch.Tensor:
     """[..., K/2] bytes -> [..., K] codes (`pack_pairs` undone)."""
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
+
+
+def check_groups(w: torch.Tensor, block: int, name: str) -> None:
+    """Refuse a weight that is not 2-D or not whole 1 x `block` groups (NaN/Inf: the quantizers' own check)."""
+    if w.dim() != 2:
+        check(w, block, name)
+    if w.shape[1] % block:
+        raise ValueError(f"{name}: {w.shape[1]} columns are not whole 1x{block} blocks of a 4-bit format")

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp4.format import E2M1_MAX, e2m1_codes, e2m1_values, pack_pairs, unpack_pairs
+from kernels.fp4.cpu import mxfp4_quantize_cpu, nvfp4_quantize_cpu
+from kernels.fp4.format import E2M1_MAX, MXFP4_BLOCK, NVFP4_BLOCK, check_groups, e2m1_codes, e2m1_values, \
+    pack_pairs, unpack_pairs
+from kernels.fp8.cpu import supports_quantize
 from kernels.fp8.format import FP8_E4M3_MAX, check
 
-NVFP4_BLOCK = 16
-MXFP4_BLOCK = 32
 E8M0_BIAS = 127
 E2M1_MAX_EXPONENT = 2
 # 1.75 / 2: frexp's mantissa of an amax whose block exponent is rounded up
@@ -31,9 +32,8 @@ AMAX_EPS = 1e-12
 
 def _blocks(w: torch.Tensor, block: int, name: str) -> torch.Tensor:
     """w [N, K] as fp32 [N, K / block, block], refusing a non-2-D, non-finite or ragged weight."""
+    check_groups(w, block, name)
     check(w, block, name)
-    if w.shape[1] % block:
-        raise ValueError(f"{name}: {w.shape[1]} columns are not whole 1x{block} blocks of a 4-bit format")
     return w.float().reshape(w.shape[0], -1, block)
 
 
@@ -51,11 +51,21 @@ def nvfp4_global_scale(*weights: torch.Tensor) -> torch.Tensor:
 
 def nvfp4_quantize(w: torch.Tensor, name: str = "weight", global_scale: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weight uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16], weight_scale_2 fp32 scalar) of `w` [N, K].
+    """(weight uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16], weight_scale_2 fp32 scalar) of `w` [N, K]:
+    the C kernel for CPU weights it takes, torch ops otherwise (`nvfp4_quantize_torch`; the same bits).
     `global_scale`: the tensors vLLM fuses into one layer share one (`nvfp4_global_scale` of them all)."""
-    blocks = _blocks(w, NVFP4_BLOCK, name)
+    check_groups(w, NVFP4_BLOCK, name)
     if global_scale is None:
         global_scale = nvfp4_global_scale(w)
+    if supports_quantize(w):
+        return nvfp4_quantize_cpu(w, global_scale, name)
+    return nvfp4_quantize_torch(w, name, global_scale)
+
+
+def nvfp4_quantize_torch(w: torch.Tensor, name: str, global_scale: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`nvfp4_quantize` in torch ops, wherever `w` lives."""
+    blocks = _blocks(w, NVFP4_BLOCK, name)
     block_max = blocks.abs().amax(dim=-1, keepdim=True)
     scale = (global_scale * (block_max * (1 / E2M1_MAX))).clamp(min=-FP8_E4M3_MAX, max=FP8_E4M3_MAX)
     scale = scale.to(torch.float8_e4m3fn)
@@ -74,7 +84,16 @@ def nvfp4_dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, weight_sc
 
 
 def mxfp4_quantize(w: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes uint8 [N, K/2], e8m0 scales uint8 [N, K/32]) of `w` [N, K]."""
+    """(codes uint8 [N, K/2], e8m0 scales uint8 [N, K/32]) of `w` [N, K]: the C kernel for CPU weights it takes,
+    torch ops otherwise (`mxfp4_quantize_torch`; the same bits)."""
+    check_groups(w, MXFP4_BLOCK, name)
+    if supports_quantize(w):
+        return mxfp4_quantize_cpu(w, name)
+    return mxfp4_quantize_torch(w, name)
+
+
+def mxfp4_quantize_torch(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mxfp4_quantize` in torch ops, wherever `w` lives."""
     blocks = _blocks(w, MXFP4_BLOCK, name)
     mantissa, exponent = torch.frexp(blocks.abs().amax(dim=-1, keepdim=True))  # amax = m * 2^e, m in [0.5, 1)
     # floor(log2 amax) - 2, one higher where amax's mantissa is >= 1.75 (it would saturate past 6 otherwise)

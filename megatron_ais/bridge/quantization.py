@@ -15,7 +15,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-from kernels.fp4.quantize import MXFP4_BLOCK, NVFP4_BLOCK, mxfp4_quantize, nvfp4_global_scale, nvfp4_quantize
+from kernels.fp4.format import MXFP4_BLOCK, NVFP4_BLOCK
+from kernels.fp4.quantize import mxfp4_quantize, nvfp4_global_scale, nvfp4_quantize
 from kernels.fp8.dispatch import blockwise_fp8_quantize
 from kernels.fp8.format import scale_shape
 from kernels.integrity import all_finite

@@ -1,4 +1,4 @@
-"""4-bit weight quantizers bit for bit against the published references: NVFP4 against vLLM 0.32's
+"""4-bit weight quantizers (the C kernels and the torch ops) bit for bit against the published references: NVFP4 against vLLM 0.32's
 `ref_nvfp4_quant` (its codes and e4m3 block scales) and compressed-tensors' `pack_fp4_to_uint8` (the byte layout);
 MXFP4 against compressed-tensors' `generate_mx_scales` (e8m0 scales), vLLM's `cast_to_fp4` and the same packer;
 dequantization against vLLM's `dequantize_to_dtype`; e2m1 rounding on every tie."""
@@ -12,8 +12,15 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import 
     ref_nvfp4_quant
 
 from kernels.fp4.format import E2M1_MAGNITUDES, e2m1_codes, e2m1_values, pack_pairs, unpack_pairs
-from kernels.fp4.quantize import MXFP4_BLOCK, NVFP4_BLOCK, mxfp4_dequantize, mxfp4_quantize, nvfp4_dequantize, \
-    nvfp4_global_scale, nvfp4_quantize
+from kernels.fp4.format import MXFP4_BLOCK, NVFP4_BLOCK
+from kernels.fp4.quantize import mxfp4_dequantize, mxfp4_quantize, mxfp4_quantize_torch, nvfp4_dequantize, \
+    nvfp4_global_scale, nvfp4_quantize, nvfp4_quantize_torch
+from kernels.fp8.cpu import supports_quantize
+
+# the dispatching quantizers (the C kernel on CPU) and the torch ones: each must give the references' bits
+NVFP4 = {"c": lambda w, scale: nvfp4_quantize(w, "w", scale), "torch": lambda w, scale: nvfp4_quantize_torch(w, "w",
+                                                                                                         scale)}
+MXFP4 = {"c": lambda w: mxfp4_quantize(w, "w"), "torch": lambda w: mxfp4_quantize_torch(w, "w")}
 
 
 def _weight(rows, blocks, block, seed, dtype):
@@ -37,13 +44,18 @@ def test_e2m1_rounds_to_nearest_with_ties_to_even_as_vllm_does():
     assert e2m1_values(e2m1_codes(midpoints)).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
 
 
+def test_the_c_kernels_take_host_weights():
+    assert supports_quantize(torch.zeros(4, 32, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("implementation", NVFP4)
 @settings(max_examples=20, deadline=None)
 @given(rows=st.integers(1, 40), blocks=st.integers(1, 12), seed=st.integers(0, 1000),
        dtype=st.sampled_from([torch.bfloat16, torch.float32]))
-def test_nvfp4_equals_vllms_reference_quantizer(rows, blocks, seed, dtype):
+def test_nvfp4_equals_vllms_reference_quantizer(implementation, rows, blocks, seed, dtype):
     w = _weight(rows, blocks, NVFP4_BLOCK, seed, dtype)
-    weight, weight_scale, weight_scale_2 = nvfp4_quantize(w)
     global_scale = nvfp4_global_scale(w)
+    weight, weight_scale, weight_scale_2 = NVFP4[implementation](w, global_scale)
     values, scales = ref_nvfp4_quant(w, global_scale, NVFP4_BLOCK)
     assert weight.dtype == torch.uint8 and weight.shape == (rows, blocks * NVFP4_BLOCK // 2)
     assert weight_scale.dtype == torch.float8_e4m3fn and weight_scale.shape == (rows, blocks)
@@ -65,13 +77,14 @@ def test_nvfp4_fused_shards_share_the_global_scale_they_are_given():
         assert weight_scale_2 == 1.0 / shared
 
 
+@pytest.mark.parametrize("implementation", MXFP4)
 @settings(max_examples=20, deadline=None)
 @given(rows=st.integers(2, 40), blocks=st.integers(1, 8), seed=st.integers(0, 1000),
        dtype=st.sampled_from([torch.bfloat16, torch.float32]))
-def test_mxfp4_equals_compressed_tensors_scales_and_vllms_rounding(rows, blocks, seed, dtype):
+def test_mxfp4_equals_compressed_tensors_scales_and_vllms_rounding(implementation, rows, blocks, seed, dtype):
     w = _weight(rows, blocks, MXFP4_BLOCK, seed, dtype)
     w[0, :MXFP4_BLOCK] = 0.5  # an all-zero block has no exponent in the reference (log2 0)
-    codes, scales = mxfp4_quantize(w)
+    codes, scales = MXFP4[implementation](w)
     block_view = w.float().reshape(rows, blocks, MXFP4_BLOCK)
     reference_scales = generate_mx_scales(block_view.abs().amax(-1)).to(torch.uint8)
     factor = 2.0 ** (reference_scales.to(torch.int32) - 127).float()
@@ -89,7 +102,8 @@ def test_packing_puts_the_even_element_in_the_low_nibble():
     assert torch.equal(unpack_pairs(pack_pairs(codes)), codes)
 
 
-@pytest.mark.parametrize("quantize", [nvfp4_quantize, mxfp4_quantize])
+@pytest.mark.parametrize("quantize", [nvfp4_quantize, mxfp4_quantize, mxfp4_quantize_torch,
+                                      lambda w, name: nvfp4_quantize_torch(w, name, torch.tensor(1.0))])
 def test_4bit_quantizers_refuse_bad_weights_by_name(quantize):
     with pytest.raises(ValueError, match="layers.0.mlp.down_proj.weight: 1 NaN/Inf"):
         quantize(torch.tensor([[float("nan")] + [0.0] * 31]), name="layers.0.mlp.down_proj.weight")
