@@ -28,8 +28,8 @@ def test_configs_take_the_flags_and_keep_one_default():
     config = _config("--is-cap", "3", "--ais-exponents", "1", "0", "2", "--rollout-precision", "bf16",
                      "--bridge-fp8-exclude", "q_proj", "--rollout-kv-cache-calibration-sequences", "4",
                      "--advantage-no-std", "--no-rollout-enforce-eager", "--fp32")
-    delta = _config("--bridge-delta", "fp8", "--bridge-full-sync-interval", "4").bridge
-    assert (delta.delta, delta.full_sync_interval) == ("fp8", 4)
+    delta = _config("--bridge-delta", "on", "--bridge-full-sync-interval", "4").bridge
+    assert (delta.delta, delta.full_sync_interval) == ("on", 4)
     assert config.correction.cap == 3.0 and config.correction.exponents == (1.0, 0.0, 2.0)
     assert config.correction.variance_exponent == 2.0
     assert config.engine.precision == "bf16" and not config.engine.enforce_eager
@@ -81,8 +81,6 @@ def test_configs_take_the_flags_and_keep_one_default():
       "separate"], 1, "--ais-lambda-per-lag with --is-correction tis: only AIS has a λ"),
     (["--max-off-policy-steps", "1", "--rollout-placement", "colocated"], 1,
      "--max-off-policy-steps 1 with --rollout-placement colocated: a colocated engine shares its trainer rank's"),
-    (["--bridge-delta", "fp8", "--rollout-precision", "bf16"], 1,
-     "--bridge-delta fp8 sends the FP8 codes that changed, but the engine's weights are bf16"),
     (["--bridge-full-sync-interval", "0"], 1, "--bridge-full-sync-interval 0 must be at least 1 (delta syncs between full ones)"),
     (["--ais-stale-lambda-floor", "1"], 1, "--ais-stale-lambda-floor needs --max-off-policy-steps 1 or more"),
     (["--ais-stale-lambda-floor", "1.5"], 1, "--ais-stale-lambda-floor 1.5 must be in [0, 1]"),

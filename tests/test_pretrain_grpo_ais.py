@@ -291,9 +291,9 @@ def test_launcher_sigkilled_mid_step_takes_the_run_with_it_then_resume_equals_un
     # a step long enough to be killed inside; an FP8 KV cache, whose scales the uninterrupted run measured on step
     # 2's rollouts, which the resumed run no longer has (the checkpoint carries them)
     # two engines (one per rank)
-    # (--bridge-delta fp8 on one node: every stage writes the arena in place, nothing is shipped or forwarded)
+    # (--bridge-delta on, on one node: every stage writes the arena in place, nothing is shipped or forwarded)
     bigger = ("--prompts-per-step", "16", "--max-new-tokens", "24", "--rollout-kv-cache-dtype", "fp8",
-              "--bridge-delta", "fp8", "--rollout-engines-per-node", "2")
+              "--bridge-delta", "on", "--rollout-engines-per-node", "2")
     # the uninterrupted run is also the DP2 end-to-end run, logging to W&B (offline); its second engine is killed
     # after step 1: it alone restarts (same weights, same seeds: the run goes on as if nothing happened)
     wandb = ("--wandb-project", "megatron-ais-test", "--wandb-save-dir", str(tmp_path / "wb"))

@@ -13,9 +13,9 @@ through buffers the size of one bucket; over_whole_copy: ÷ one copy of them all
 and host synchronisations of one FP8 sync on the engine's rank along the path a GPU takes — torch ops where the
 tensors live, here run on CPU tensors — counted with a TorchDispatchMode and a TorchFunctionMode, the receiver's
 verifier threads included), with
-`--delta`, `delta_bytes_fraction=<x>`: an FP8 delta's bytes (`bridge.delta`) over a full sync's after one Megatron
-Adam step at lr 1e-6, and with `--one-pass`, `one_pass_ops_per_sync=<n> one_pass_host_syncs_per_sync=<n>`: the same
-counts along the path a GPU with Triton takes (`kernels.bucket_pass`, one launch per dtype group per bucket, here
+`--delta`, `delta_bytes_fraction=<x> nvfp4_delta_bytes_fraction=<x> mxfp4_delta_bytes_fraction=<x>`: a delta
+sync's bytes (`bridge.delta`: every tensor element-sparse) over a full sync's after one Megatron Adam step at lr 1e-6,
+and with `--one-pass`, `one_pass_ops_per_sync=<n> one_pass_host_syncs_per_sync=<n>`: the same counts along the path a GPU with Triton takes (`kernels.bucket_pass`, one launch per dtype group per bucket, here
 run by Triton's interpreter on CPU tensors; a launch counts as one op).
 """
 from __future__ import annotations
@@ -156,6 +156,26 @@ def _adam_step(setup, trainer) -> None:
     train_step(setup.ddp_chunks, setup.optimizer, lm_forward_step, iter([batch]), 1, seq, 1)
 
 
+def _delta_fractions(bridge, receiver, setup, trainer, sync_id: int) -> dict | None:
+    """A delta sync's bytes after one Adam step (lr 1e-6) over a full sync's, and the fraction of the linear
+    weights' code bytes that changed (on the engine's rank; None elsewhere)."""
+    from megatron_ais.bridge import delta
+
+    weights = bridge.sync(sync_id).committed
+    plan = delta.DeltaPlan.of(weights.entries)
+    base = delta.snapshot(receiver.arena.data, plan) if receiver is not None else None
+    _adam_step(setup, trainer)
+    bridge.sync(sync_id + 1)
+    if receiver is None:
+        return None
+    header, payload = delta.encode(receiver.arena.data, plan, base)
+    codes = [(e, n) for e, n in zip(plan.sparse, header.changed)
+             if e.dtype in ("float8_e4m3fn", "uint8") and e.name.endswith((".weight", ".weight_packed"))]
+    return {"bytes_fraction": payload.numel() / sum(e.nbytes for e in weights.entries),
+            "codes_fraction": sum(e.nbytes if n == delta.FULL else n for e, n in codes)
+            / sum(e.nbytes for e, _ in codes)}
+
+
 def _wall(cuda: bool) -> float:
     """perf_counter after the GPU's queued work is done (CUDA), so that wall times cover device work."""
     if cuda:
@@ -206,7 +226,6 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, p
     from megatron_ais.bridge.receiver import SyncReceiver
     from megatron_ais.bridge.sync import WeightBridge
     from megatron_ais.platform import device, is_cuda
-    from megatron_ais.bridge import delta
     from megatron_ais.training import initialize_trainer, setup_model_and_optimizer
 
     args = build_parser("bench").parse_args(["--hf-dir", hf_dir, "--bf16", "--seq-length", "64", "--lr", "1e-6",
@@ -233,28 +252,16 @@ def _bench_worker(hf_dir: str, repeats: int, bucket_mb: float, transport: str, p
                 times.append(_wall(cuda) - t0)
             moved = stats.bytes or moved
         result[precision] = {"seconds": statistics.median(times), "bytes": moved, "buckets": stats.buckets}
-        if precision not in ("bf16", "fp8"):  # 4-bit: bytes and seconds only
-            bridge.close()
-            if receiver is not None:
-                receiver.close()
-            continue
-        counts = SyncCounts()
-        with device_path(counts):
-            bridge.sync(repeats + 1)
-        result[precision]["counts"] = vars(counts) | {"inside_launch": None}
-        if one_pass:
-            result[precision]["one_pass_counts"] = _one_pass_counts(chunks, build, config, layout, repeats + 10)
-        if precision == "fp8" and measure_delta:
-            weights = bridge.sync(repeats + 2).committed
-            plan = delta.DeltaPlan.of(weights.entries)
-            base = delta.snapshot(receiver.arena.data, plan) if receiver is not None else None
-            _adam_step(setup, trainer)
-            bridge.sync(repeats + 3)
-            if receiver is not None:
-                header, payload = delta.encode(receiver.arena.data, plan, base)
-                codes = sum(e.nbytes for e in plan.codes)
-                result["delta"] = {"bytes_fraction": payload.numel() / moved,
-                                   "codes_fraction": sum(max(n, 0) for n in header.changed) / codes}
+        if precision in ("bf16", "fp8"):  # 4-bit: bytes and seconds only
+            counts = SyncCounts()
+            with device_path(counts):
+                bridge.sync(repeats + 1)
+            result[precision]["counts"] = vars(counts) | {"inside_launch": None}
+            if one_pass:
+                result[precision]["one_pass_counts"] = _one_pass_counts(chunks, build, config, layout,
+                                                                        repeats + 10)
+        if precision != "bf16" and measure_delta:
+            result[precision]["delta"] = _delta_fractions(bridge, receiver, setup, trainer, repeats + 2)
         bridge.close()
         if receiver is not None:
             receiver.close()
@@ -310,7 +317,7 @@ def main(argv=None) -> int:
     parser.add_argument("--transport", choices=("auto", "shm", "distributed"), default="auto",
                         help="--bridge-transport of the measured syncs (auto = shm on one machine)")
     parser.add_argument("--delta", action="store_true",
-                        help="Also measure an FP8 delta sync's bytes after one Adam step at lr 1e-6.")
+                        help="Also measure a delta sync's bytes (FP8, NVFP4, MXFP4) after one Adam step at lr 1e-6.")
     parser.add_argument("--one-pass", action="store_true",
                         help="On CPU: also count the GPU's one-pass path (Triton bucket kernels), run by Triton's "
                              "interpreter (slow: use a small model).")
@@ -367,10 +374,14 @@ def main(argv=None) -> int:
     if args.one_pass:
         figures += (f" one_pass_ops_per_sync={fp8['one_pass_counts']['ops']} "
                     f"one_pass_host_syncs_per_sync={fp8['one_pass_counts']['read_backs']}")
-    if "delta" in r:
-        print(f"\nFP8 delta after one Adam step at lr 1e-6: {r['delta']['codes_fraction']:.4%} of the codes changed, "
-              f"{r['delta']['bytes_fraction']:.4%} of a full sync's bytes")
-        figures += f" delta_bytes_fraction={r['delta']['bytes_fraction']:.5f}"
+    if args.delta:
+        print()
+        for precision in ("fp8", "nvfp4", "mxfp4"):
+            measured = r[precision]["delta"]
+            print(f"{precision.upper()} delta after one Adam step at lr 1e-6: {measured['codes_fraction']:.4%} of the "
+                  f"linear weights' code bytes changed, {measured['bytes_fraction']:.4%} of a full sync's bytes")
+            prefix = "" if precision == "fp8" else precision + "_"
+            figures += f" {prefix}delta_bytes_fraction={measured['bytes_fraction']:.5f}"
     print(figures)
     return 0
 

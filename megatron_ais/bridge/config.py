@@ -30,13 +30,13 @@ class BridgeConfig(FlagConfig):
                 "ways; for models whose arena does not fit beside the trainer and the engine); auto = gpu on CUDA "
                 "nodes, host otherwise.", name="--bridge-arena", choices=ARENA_PLACES)
     delta: str = flag(
-        "off", "fp8: where weights cross nodes (a pipeline stage's buckets shipped to the arena, the arena forwarded "
-               "to other nodes' copies), once the receiving copy holds what was sent there last, send only the FP8 "
-               "codes that changed (position + code) and the other tensors in full, verified against the full "
-               "tensors' checksums; a full sync after a refused one, a layout change and every "
-               "--bridge-full-sync-interval syncs. Costs each sender one copy of the FP8 codes it sends (per arena "
-               "buffer).", name="--bridge-delta", choices=DELTA_MODES)
-    full_sync_interval: int = flag(32, "With --bridge-delta fp8: the most delta syncs in a row before a full one.",
+        "off", "on: where weights cross nodes (a pipeline stage's buckets shipped to the arena, the arena forwarded "
+               "to other nodes' copies), once the receiving copy holds what was sent there last, send of every tensor "
+               "only the elements that changed (position + bytes: FP8 or 4-bit codes, scales, BF16 tensors), a tensor "
+               "in full where that is smaller, verified against the full tensors' checksums; a full sync after a "
+               "refused one, a layout change and every --bridge-full-sync-interval syncs. Costs each sender one "
+               "copy of the tensors it sends (per arena buffer).", name="--bridge-delta", choices=DELTA_MODES)
+    full_sync_interval: int = flag(32, "With --bridge-delta on: the most delta syncs in a row before a full one.",
                                    name="--bridge-full-sync-interval",
                                    at_least=1, bound_note="delta syncs between full ones")
     policy: QuantizationPolicy = QuantizationPolicy()
@@ -44,9 +44,6 @@ class BridgeConfig(FlagConfig):
     def __post_init__(self):
         super().__post_init__()
         arena_on_gpu(self.arena)  # refuses an unknown place, or gpu without CUDA
-        if self.delta == "fp8" and self.policy.precision != "fp8":
-            raise ValueError(f"--bridge-delta fp8 sends the FP8 codes that changed, but the engine's weights are "
-                             f"{self.policy.precision}: use --rollout-precision fp8 or --bridge-delta off")
 
     @classmethod
     def from_args(cls, args, precision: str = "fp8", **fields) -> "BridgeConfig":

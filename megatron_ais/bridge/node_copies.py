@@ -5,8 +5,8 @@ on GPUs), so what crosses nodes crosses once per node, not once per engine. Each
 sync's manifest (every tensor's layout and checksum) before any engine applies anything: a copy that differs
 refuses the sync on every rank, and every engine keeps the weights it had.
 
-With `--bridge-delta fp8` a node whose copy holds the previous sync's weights receives only the FP8 codes that
-changed and the other tensors in full (`bridge.delta`), applied to its copy in place and verified the same way.
+With `--bridge-delta on` a node whose copy holds the previous sync's weights receives only the elements that
+changed (`bridge.delta`), applied to its copy in place and verified the same way.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class NodeCopies:
     """Forwards each committed sync from the arena rank to the node leaders and verifies it there. Built by every
     rank together (it creates a process group).
 
-    `delta` ('off' or 'fp8', `--bridge-delta`): whether a forward may send only the FP8 codes that changed since the
+    `delta` ('off' or 'on', `--bridge-delta`): whether a forward may send only the elements that changed since the
     copy every leader verified last; a full copy goes whenever a member lacks that copy (the first forward, a
     refused one, a new layout) and after `full_sync_interval` deltas."""
 
@@ -47,7 +47,7 @@ class NodeCopies:
         self.delta_mode, self.full_sync_interval = delta_mode, full_sync_interval
         self.forwards = 0  # forwards this member took part in (the same count on every member)
         self.version: tuple[int, int | None] | None = None  # (forward, layout) of the copy this member shares
-        self.base: dict[str, torch.Tensor] = {}  # the arena rank: the FP8 codes of that copy
+        self.base: dict[str, torch.Tensor] = {}  # the arena rank: the tensors of that copy
         self.deltas_since_full = 0
         self.sent_bytes = 0  # what the arena rank's last forward broadcast
 
@@ -61,7 +61,7 @@ class NodeCopies:
         entries = list(weights.entries)
         nbytes = max(e.offset + e.nbytes for e in entries)
         # what a delta needs, worked out only with delta syncs (a full forward does not look at it)
-        with_delta = self.delta_mode == "fp8"
+        with_delta = self.delta_mode == "on"
         layout = zlib.crc32(repr(delta.layout_key(entries)).encode()) if with_delta else None
         plan = delta.DeltaPlan.of(entries) if with_delta else None
         if self.rank == self.arena_rank:
@@ -85,7 +85,7 @@ class NodeCopies:
     def _may_send_delta(self, layout: int | None) -> bool:
         """With delta syncs (collective over the group): whether every member holds the copy of the last forward,
         in this layout, and fewer than the interval's deltas came in a row."""
-        if self.delta_mode != "fp8":
+        if self.delta_mode != "on":
             return False
         versions = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(versions, self.version, group=self.group)
@@ -99,9 +99,9 @@ class NodeCopies:
             self.deltas_since_full += 1
         else:
             header, payload = None, data
-            self.base = delta.snapshot(data, plan) if self.delta_mode == "fp8" else {}
+            self.base = delta.snapshot(data, plan) if self.delta_mode == "on" else {}
             self.deltas_since_full = 0
-        if self.delta_mode == "fp8":
+        if self.delta_mode == "on":
             dist.broadcast_object_list([header], src=self.arena_rank, group=self.group)
         broadcast_bytes(self.group, payload, CHUNK_BYTES)
         self.sent_bytes = payload.numel()

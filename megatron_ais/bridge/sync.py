@@ -261,7 +261,7 @@ class WeightBridge:
         slot = self.completed % self.slots
         # with delta syncs the senders ship deltas only against the sync the slot holds
         held = share(lambda: self.receiver.slot_syncs[slot], src=self.layout.engine_rank) \
-            if self.config.delta == "fp8" else None
+            if self.config.delta == "on" else None
         if self.layout.is_engine_rank:
             self.receiver.begin(sync_id, slot)
         if self.layout.writes:

@@ -30,7 +30,7 @@ class StagedSync:
     weights: object
     reference: RefitReference
     kv_cache_scales: object = None
-    shipped_bytes: int | None = None  # with --bridge-delta fp8, on rank 0: what every stage shipped to the arena
+    shipped_bytes: int | None = None  # with --bridge-delta on, on rank 0: what every stage shipped to the arena
 
 
 class WeightSync:
@@ -78,7 +78,7 @@ class WeightSync:
             self.measure_kv_cache(calibration_sequences(self.config.kv_calibration.sequences))
         stats = self.write(step)
         shipped = None
-        if self.config.bridge.delta == "fp8":  # what the delta saves, logged with the apply: the stages' senders'
+        if self.config.bridge.delta == "on":  # what the delta saves, logged with the apply: the stages' senders'
             gathered = gather_on(stats.shipped_bytes, dst=0)
             shipped = sum(gathered) if gathered is not None else None
         self.staged = StagedSync(step, stats.committed, reference, self.state.kv_cache_scales, shipped)

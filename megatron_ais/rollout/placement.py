@@ -57,7 +57,8 @@ class ClusterConfig(FlagConfig):
 @dataclasses.dataclass(frozen=True)
 class ModelBytes:
     """One model's weights as a sync moves them: dense and expert bytes at the rollout precision (FP8 linear layers
-    with fp32 128x128 block scales, the rest BF16), the trainer's parameter counts, and the engine's per-token KV
+    with fp32 128x128 block scales, or 4-bit codes with their group scales; the rest BF16), the elements of the
+    engine's tensors (a byte of two 4-bit codes is one), the trainer's parameter counts, and the engine's per-token KV
     bytes."""
 
     dense_sync: int
@@ -65,24 +66,25 @@ class ModelBytes:
     dense_parameters: int
     expert_parameters: int
     kv_bytes_per_token: int
-    fp8_codes: int = 0  # FP8 linear weights' elements (one byte each), which a delta sync sends element-sparse
+    sync_elements: int = 0
 
     @property
     def sync(self) -> int:
         return self.dense_sync + self.expert_sync
 
     def delta_sync(self, changed_fraction: float) -> int:
-        """Bytes of an FP8 delta sync (`bridge.delta`) when `changed_fraction` of the codes changed: every other
-        byte in full, and a 4-byte position and the code per changed code."""
-        return round(self.sync - self.fp8_codes + self.fp8_codes * changed_fraction * (DELTA_POSITION_BYTES + 1))
+        """Bytes of a delta sync (`bridge.delta`) when `changed_fraction` of every tensor's elements changed: a
+        4-byte position and the element's bytes per changed element."""
+        return round(changed_fraction * (self.sync + DELTA_POSITION_BYTES * self.sync_elements))
 
     @classmethod
     def of(cls, shape, precision: str, kv_cache_dtype: str = "auto") -> "ModelBytes":
         """From a ModelShape; `precision` the rollout's (fp8, nvfp4, mxfp4, bf16, fp32)."""
         h, hd, layers = shape.hidden_size, shape.head_dim, shape.num_layers
-        # per linear weight element: its code and its share of the scales
+        # per linear weight: the bytes and the elements of its code and of its share of the scales
         linear_bytes = {"fp8": 1 + 4 / (128 * 128), "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32, "bf16": 2,
                         "fp32": 4}[precision]
+        linear_elements = {"fp8": 1 + 1 / (128 * 128), "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32}.get(precision, 1)
         other_bytes = 4 if precision == "fp32" else 2
         attention = h * hd * (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads)
         norms = 2 * h + (2 * hd if shape.qk_norm else 0) + (hd * (shape.num_attention_heads + 2 *
@@ -100,7 +102,7 @@ class ModelBytes:
                    expert_sync=round(layers * experts * linear_bytes),
                    dense_parameters=dense_linear + dense_other, expert_parameters=layers * experts,
                    kv_bytes_per_token=2 * layers * shape.num_key_value_heads * hd * kv_element,
-                   fp8_codes=dense_linear + layers * experts if precision == "fp8" else 0)
+                   sync_elements=round((dense_linear + layers * experts) * linear_elements + dense_other))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,12 +309,11 @@ def format_placement(plan: Placement, layout, model_name: str, delta: str = "off
     lines.append(f"across nodes per sync: {plan.cross_node_bytes / gb:.2f} GB in all (each node's arena fed once, "
                  f"not once per engine); busiest link {max(max(n.received, n.sent) for n in plan.nodes) / gb:.2f} GB "
                  f"≈ {plan.sync_seconds:.2f} s at --cluster-link-gb-per-s {c.link_gb_per_s:g}")
-    if delta == "fp8" and plan.model.fp8_codes:
-        lines.append(f"--bridge-delta fp8: each other node's copy of the arena receives {plan.model.delta_sync(0) / gb:.2f} "
-                     f"GB in full (scales, BF16 tensors) + 5 bytes per changed FP8 code: "
-                     f"{plan.model.delta_sync(0.01) / gb:.2f} GB with 1 % of the codes changed, "
-                     f"{plan.model.delta_sync(0.001) / gb:.2f} GB with 0.1 %, against {plan.model.sync / gb:.2f} GB "
-                     "for a full sync")
+    if delta == "on":
+        lines.append(f"--bridge-delta on: each other node's copy of the arena receives a 4-byte position and the "
+                     f"bytes of each changed element: {plan.model.delta_sync(0.01) / gb:.2f} GB with 1 % of the "
+                     f"elements changed, {plan.model.delta_sync(0.001) / gb:.2f} GB with 0.1 %, against "
+                     f"{plan.model.sync / gb:.2f} GB for a full sync")
     return "\n".join(lines)
 
 

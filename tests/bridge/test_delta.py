@@ -1,9 +1,10 @@
-"""FP8 delta syncs against full ones: real Adam steps (lr 1e-6) on a Qwen3-0.6B-shaped decoder layer of std-0.02
-weights, quantized to blockwise FP8 as the engine receives them. A delta applied to the previous version equals the
-new version bit for bit and sends a small fraction of the full bytes; a dropped or altered code is refused by the
-manifest's full-tensor checksums naming the tensor. Across two simulated nodes (real gloo ranks), the node copy
-follows the arena bit for bit through deltas, a full copy comes at the interval, after a refused delta and with a
-new layout. A tensor goes in full exactly when its changed codes and their positions would take as many bytes."""
+"""Delta syncs against full ones: real Adam steps (lr 1e-6) on a Qwen3-0.6B-shaped decoder layer of std-0.02
+weights, quantized to blockwise FP8 or NVFP4 as the engine receives them. A delta (every tensor element-sparse: codes,
+scales, the BF16 norm) applied to the previous version equals the new version bit for bit and sends a small fraction
+of the full bytes; a dropped or altered element is refused by the manifest's full-tensor checksums naming the tensor.
+Across two simulated nodes (real gloo ranks), the node copy follows the arena bit for bit through deltas, a full copy
+comes at the interval, after a refused delta and with a new layout. A tensor goes in full exactly when its changed
+elements and their positions would take as many bytes."""
 import pytest
 import torch
 
@@ -33,12 +34,12 @@ class Layer:
         loss.backward()
         self.optimizer.step()
 
-    def engine_tensors(self) -> list[tuple[str, torch.Tensor]]:
+    def engine_tensors(self, precision: str = "fp8") -> list[tuple[str, torch.Tensor]]:
         from megatron_ais.bridge.quantization import QuantizationPolicy, quantize_for_engine
 
         with torch.no_grad():
             return list(quantize_for_engine(((n, w.detach().to(torch.bfloat16)) for n, w in self.weights.items()),
-                                            QuantizationPolicy(precision="fp8")))
+                                            QuantizationPolicy(precision=precision)))
 
 
 def arena_of(tensors: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list]:
@@ -56,17 +57,18 @@ def arena_of(tensors: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, lis
 
 
 def drop_one(plan, header, payload):
-    """The delta without the first changed code of its first changed tensor (its position and its code)."""
+    """The delta without the first changed element of its first changed tensor (its position and its bytes)."""
     from megatron_ais.bridge import delta
 
     first = next(i for i, n in enumerate(header.changed) if n > 0)
+    size = delta.element_bytes(plan.sparse[first])
     before = sum(max(n, 0) for n in header.changed[:first])  # positions of earlier tensors
     sparse = sum(max(n, 0) for n in header.changed)
-    code = 4 * sparse + plan.dense_bytes + sum(e.nbytes if n == delta.FULL else n
-                                               for e, n in zip(plan.codes[:first], header.changed[:first]))
+    value = 4 * sparse + plan.dense_bytes + sum(e.nbytes if n == delta.FULL else n * delta.element_bytes(e)
+                                                for e, n in zip(plan.sparse[:first], header.changed[:first]))
     changed = list(header.changed)
     changed[first] -= 1
-    payload = torch.cat([payload[: 4 * before], payload[4 * before + 4: code], payload[code + 1:]])
+    payload = torch.cat([payload[: 4 * before], payload[4 * before + 4: value], payload[value + size:]])
     return first, delta.DeltaHeader(tuple(changed)), payload
 
 
@@ -77,67 +79,70 @@ def verify(data: torch.Tensor, entries: list) -> None:
     verify_tensors([(e, view) for e, (_, view) in zip(entries, entry_views(data, entries))])
 
 
-def test_a_delta_after_adam_steps_equals_the_full_sync_and_a_changed_code_is_refused():
+@pytest.mark.parametrize("precision, codes_dtype", [("fp8", "float8_e4m3fn"), ("nvfp4", "uint8")])
+def test_a_delta_after_adam_steps_equals_the_full_sync_and_a_changed_element_is_refused(precision, codes_dtype):
     from megatron_ais.bridge import delta
 
     layer = Layer(seed=0)
-    old, entries = arena_of(layer.engine_tensors())
+    old, entries = arena_of(layer.engine_tensors(precision))
     plan = delta.DeltaPlan.of(entries)
-    assert len(plan.codes) == 7 and {e.dtype for e in plan.dense} == {"float32", "bfloat16"}  # scales, norm
+    assert plan.sparse == tuple(entries) and not plan.dense  # codes, scales and the BF16 norm
     base, copy = delta.snapshot(old, plan), old.clone()
     fractions = []
     for _ in range(3):
         layer.step()
-        new, entries = arena_of(layer.engine_tensors())
+        new, entries = arena_of(layer.engine_tensors(precision))
         header, payload = delta.encode(new, plan, base)
         delta.apply(copy, plan, header, payload)
         assert copy.equal(new)  # bit for bit the full sync
         verify(copy, entries)
-        assert all(base[e.name].equal(new[e.offset: e.offset + e.nbytes]) for e in plan.codes)  # the next base
-        codes = sum(e.nbytes for e in plan.codes)
-        fractions.append(sum(header.changed) / codes)
-        assert delta.FULL not in header.changed and 0 < sum(header.changed)
+        assert all(base[e.name].equal(new[e.offset: e.offset + e.nbytes]) for e in plan.sparse)  # the next base
+        codes = [(e, n) for e, n in zip(plan.sparse, header.changed) if e.dtype == codes_dtype and e.nbytes > 4]
+        fractions.append(sum(n for _, n in codes) / sum(e.nbytes for e, _ in codes))
+        assert delta.FULL not in [n for _, n in codes] and 0 < sum(n for _, n in codes)
         assert payload.numel() == header.payload_bytes(plan) < new.numel() // 10
-    assert max(fractions) < 0.02, fractions  # about 0.4 % of the codes change per step at lr 1e-6
+    assert max(fractions) < 0.02, fractions  # about 0.4 % of the FP8 codes change per step at lr 1e-6
 
     layer.step()
-    new, entries = arena_of(layer.engine_tensors())
+    new, entries = arena_of(layer.engine_tensors(precision))
     previous = copy.clone()
     header, payload = delta.encode(new, plan, delta.snapshot(previous, plan))
     first, dropped, without_one = drop_one(plan, header, payload)
     assert without_one.numel() == payload.numel() - 5
     target = copy.clone()
     delta.apply(target, plan, dropped, without_one)
-    with pytest.raises(ValueError, match=f"{plan.codes[first].name}: checksum"):
+    with pytest.raises(ValueError, match=f"{plan.sparse[first].name}: checksum"):
         verify(target, entries)
     altered, target = payload.clone(), previous.clone()
-    altered[-1] ^= 1  # the last changed code
+    altered[-1] ^= 1  # the last changed element
     delta.apply(target, plan, header, altered)
     with pytest.raises(ValueError, match="checksum"):
         verify(target, entries)
     outside = payload.clone()
-    outside[:4] = torch.tensor([plan.codes[first].nbytes], dtype=torch.int32).view(torch.uint8)
+    elements = plan.sparse[first].nbytes // delta.element_bytes(plan.sparse[first])
+    outside[:4] = torch.tensor([elements], dtype=torch.int32).view(torch.uint8)
     with pytest.raises(ValueError, match="outside"):
         delta.apply(previous.clone(), plan, header, outside)
     with pytest.raises(ValueError, match="header describes"):
         delta.apply(previous.clone(), plan, header, payload[:-1])
 
 
-def test_a_tensor_goes_in_full_once_its_delta_would_be_as_large():
-    """A changed code costs its int32 position and its byte: 16384 codes with 3276 changed ship as a delta of
-    5 x 3276 bytes, with 3277 changed (5 x 3277 >= 16384) in full; either way the copy becomes the new bytes."""
+@pytest.mark.parametrize("dtype, size, threshold", [(torch.float8_e4m3fn, 1, 3277), (torch.bfloat16, 2, 5462)])
+def test_a_tensor_goes_in_full_once_its_delta_would_be_as_large(dtype, size, threshold):
+    """A changed element costs its int32 position and its bytes: of 16384 FP8 codes, 3276 changed ship as a delta of
+    5 x 3276 bytes, 3277 (5 x 3277 >= 16384) in full; of 16384 BF16 values (32768 bytes), 5461 as 6 x 5461 bytes,
+    5462 in full; either way the copy becomes the new bytes."""
     from megatron_ais.bridge import delta
 
-    tensors = Layer(seed=3).engine_tensors()
-    codes = next((n, t[:128, :128].contiguous()) for n, t in tensors if t.dtype == torch.float8_e4m3fn)
-    old, entries = arena_of([codes])
+    tensor = (torch.randn(128, 128, generator=torch.Generator().manual_seed(3)) * 0.02).to(dtype)
+    old, entries = arena_of([("model.layers.0.mlp.up_proj.weight", tensor)])
     plan = delta.DeltaPlan.of(entries)
-    for changed, expected in ((3276, 3276), (3277, delta.FULL)):
+    for changed, expected in ((threshold - 1, threshold - 1), (threshold, delta.FULL)):
         new = old.clone()
-        new[:changed] ^= 1
+        new[: changed * size: size] ^= 1  # the first byte of each of the first `changed` elements
         header, payload = delta.encode(new, plan, delta.snapshot(old, plan))
         assert header.changed == (expected,), changed
-        assert payload.numel() == (16384 if expected == delta.FULL else 5 * changed)
+        assert payload.numel() == (16384 * size if expected == delta.FULL else (4 + size) * changed)
         copy = old.clone()
         delta.apply(copy, plan, header, payload)
         assert torch.equal(copy, new)
@@ -156,7 +161,7 @@ def _nodes_worker(work: str):
 
     initialize_distributed()
     rank = dist.get_rank()
-    copies = NodeCopies(0, (1,), rank, "fp8", full_sync_interval=2)
+    copies = NodeCopies(0, (1,), rank, "on", full_sync_interval=2)
     layer, arena = Layer(seed=1, lr=1e-6), None
     encode, log = delta.encode, []
 
@@ -225,13 +230,13 @@ def _shipping_worker(hf_dir):
     optimizer = torch.optim.Adam(masters, lr=1e-5)
     generator = torch.Generator().manual_seed(layout.rank)
     bridges = {}
-    for mode in ("fp8", "off"):
+    for mode in ("on", "off"):
         receiver = SyncReceiver(slots=2) if layout.rank == 0 else None
         config = BridgeConfig(bucket_size_mb=0.05, policy=QuantizationPolicy(precision="fp8"), transport="distributed",
                               delta=mode, full_sync_interval=3)
         bridges[mode] = (WeightBridge(chunks, build, config, layout, receiver), receiver)
     fc2 = next(p for n, p in chunks[0].named_parameters() if n.endswith("linear_fc2.weight"))
-    equal, changed, shipped, previous = [], [], {"fp8": [], "off": []}, None
+    equal, changed, shipped, previous = [], [], {"on": [], "off": []}, None
     for sync_id in range(9):
         if sync_id:
             optimizer.zero_grad()
@@ -258,8 +263,8 @@ def _shipping_worker(hf_dir):
             with torch.no_grad():
                 fc2.copy_(next(m for p, m in zip(params, masters) if p is fc2))
         if layout.rank == 0 and synced:
-            equal.append(synced["fp8"].keys() == synced["off"].keys()
-                         and all(torch.equal(synced["fp8"][n], synced["off"][n]) for n in synced["off"]))
+            equal.append(synced["on"].keys() == synced["off"].keys()
+                         and all(torch.equal(synced["on"][n], synced["off"][n]) for n in synced["off"]))
             changed.append(previous is not None and any(not torch.equal(previous[n], t)
                                                         for n, t in synced["off"].items()))
             previous = synced["off"]
@@ -282,9 +287,8 @@ def test_delta_syncs_shipped_by_a_stage_equal_full_ones(model_root):
     model = model_dir(model_root, "qwen3", num_key_value_heads=1)
     (equal, changed, _, _), (_, _, shipped, (codes, everything)) = spawn(2, _shipping_worker, model)
     assert equal == [True] * 8 and all(changed[1:]), (equal, changed)
-    delta, full = shipped["fp8"], shipped["off"]
+    delta, full = shipped["on"], shipped["off"]
     assert full[6] is None and delta[6] is None  # refused
     assert [delta[k] == full[k] for k in (0, 1, 5, 7)] == [True] * 4, (delta, full)
-    # a delta ships the stage's BF16 tensors and scales in full, and 5 bytes per changed code: a few % of the codes
-    dense = everything - codes
-    assert all(0 < delta[k] - dense < codes / 10 for k in (2, 3, 4, 8)), (delta, full, codes)
+    # a delta ships 4 + the element's bytes per changed element (scales mostly in full)
+    assert all(0 < delta[k] < everything / 4 for k in (2, 3, 4, 8)), (delta, full, everything)

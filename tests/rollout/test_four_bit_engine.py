@@ -157,12 +157,8 @@ def test_nvfp4_fused_projections_share_one_global_scale_and_other_layers_their_o
 def test_4bit_refusals_name_the_flag():
     from types import SimpleNamespace
 
-    from megatron_ais.bridge.config import BridgeConfig
     from megatron_ais.bridge.quantization import QuantizationPolicy, check_engine_shapes
 
-    with pytest.raises(ValueError, match="--bridge-delta fp8 sends the FP8 codes that changed, but the engine's "
-                                         "weights are nvfp4"):
-        BridgeConfig(delta="fp8", policy=QuantizationPolicy(precision="nvfp4"))
     dense = SimpleNamespace(num_layers=1, num_attention_heads=4, head_dim=64, hidden_size=256, ffn_hidden_size=688,
                             is_moe=False)
     check_engine_shapes(dense, QuantizationPolicy(precision="nvfp4"), 1)  # 688 = 43 x 16

@@ -55,11 +55,12 @@ def test_four_nodes_of_eight_two_engines_each_qwen3_8b():
     # 8B at 1 byte + BF16 embeddings and head (2 x 151936 x 4096 x 2 bytes): ~9.4 GB
     assert 9.3 * GB < sync < 9.6 * GB
     assert plan.engine_gpu_gib == pytest.approx(sync / 2 ** 30 + 40 + 2)
-    # an FP8 delta sync: every byte but the linear weights' codes, and 5 bytes per changed code
+    # a delta sync: a 4-byte position and the element per changed element (FP8 codes and scales, BF16 tensors)
     linear = 36 * (4096 * 128 * (2 * 32 + 2 * 8) + 3 * 4096 * 12288)
-    assert plan.model.fp8_codes == linear
-    assert plan.model.delta_sync(0.01) == pytest.approx(sync - linear + 0.05 * linear, abs=4)
-    assert ModelBytes.of(QWEN3_8B, "bf16").fp8_codes == 0
+    elements = linear * (1 + 1 / 128 ** 2) + QWEN3_8B.num_parameters() - linear
+    assert plan.model.sync_elements == pytest.approx(elements, abs=2)
+    assert plan.model.delta_sync(0.01) == pytest.approx(0.01 * (sync + 4 * elements), abs=4)
+    assert ModelBytes.of(QWEN3_8B, "bf16").sync_elements == QWEN3_8B.num_parameters()
 
 
 def test_sixteen_nodes_of_eight_colocated_moe_splits_the_writers_over_nodes():
@@ -118,10 +119,10 @@ def test_print_placement_runs_without_torchrun_and_starts_nothing(monkeypatch, c
         "--cluster-nodes", "4", "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "4",
         "--expert-tensor-parallel-size", "1", "--rollout-engines-per-node", "2", "--rollout-tensor-parallel-size", "2",
         "--use-distributed-optimizer", "--seq-length", "4096", "--max-new-tokens", "3072", "--prompts-per-step", "128",
-        "--group-size", "8", "--rollout-kv-cache-gb", "32", "--bridge-delta", "fp8", "--output-dir", str(out)])
+        "--group-size", "8", "--rollout-kv-cache-gb", "32", "--bridge-delta", "on", "--output-dir", str(out)])
     printed = capsys.readouterr().out
     assert code == 0
-    assert "--bridge-delta fp8: each other node's copy of the arena receives" in printed
+    assert "--bridge-delta on: each other node's copy of the arena receives" in printed
     assert "16 ranks = TP 2 x PP 1 x DP 8 (EP 4, expert-TP 1)" in printed and "engines: 8 x rollout TP 2" in printed
     assert "e1 (GPU 6-7, rank 1)" in printed and "across nodes per sync" in printed
     assert not out.exists()

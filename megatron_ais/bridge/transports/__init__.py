@@ -27,7 +27,7 @@ TRANSPORTS = ("auto", "shm", "distributed")
 @dataclasses.dataclass(frozen=True)
 class BucketMessage:
     """One delivered bucket: its manifest, and where its shipped bytes go in the stage's layout (`span`: start and
-    byte count; None when the bytes are in the arena already); `delta`: the bytes that follow are the bucket's FP8
+    byte count; None when the bytes are in the arena already); `delta`: the bytes that follow are the bucket's
     delta (`bridge.delta`) against what the arena's slot holds, not the bucket itself."""
 
     sync_id: int

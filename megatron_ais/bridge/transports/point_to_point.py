@@ -1,6 +1,6 @@
 """`distributed`: the stage's writers assemble each bucket in a buffer of their own (shared by the stage's ranks of
-one node) and the stage's sender ships its bytes point-to-point into the engine's arena — with `--bridge-delta fp8`,
-once the arena's slot holds what it shipped there last, only the FP8 codes that changed (`bridge.delta`)."""
+one node) and the stage's sender ships its bytes point-to-point into the engine's arena — with `--bridge-delta on`,
+once the arena's slot holds what it shipped there last, only the elements that changed (`bridge.delta`)."""
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -23,7 +23,7 @@ class PointToPointTransport(StageTransport):
         super().__init__(engine_rank)
         self.group = group
         # only a sender with delta syncs keeps what it shipped; without, a bucket goes whole at no extra cost
-        self.delta = DeltaSender(full_sync_interval) if is_sender and delta_mode == "fp8" else None
+        self.delta = DeltaSender(full_sync_interval) if is_sender and delta_mode == "on" else None
         self.max_bucket = max((b.nbytes for b in plan.buckets), default=0)
         nbytes = self.max_bucket + plan.scratch_bytes
         shared = [None]
