@@ -591,15 +591,12 @@ static inline uint8_t f32_to_e2m1(float x) {
     return (uint8_t)((int)index | ((int)(x < 0.0f) << 3));
 }
 
-/* One 1 x bs group of a row: its amax as fp32 bits (-1: a NaN/Inf). */
-static inline int64_t group_amax_bits(const char *row, int dtype, int64_t c0, int64_t bs) {
+/* One 1 x bs group of a row: its amax into *amax; -1 if it holds a NaN/Inf, else 0. */
+static inline int group_amax(const char *row, int dtype, int64_t c0, int64_t bs, float *amax) {
     const uint32_t inf_bits = dtype == DT_FP32 ? 0x7F800000u : 0x7F80u;
     const uint32_t m = seg_amax_bits(row, dtype, c0, c0 + bs);
-    if (m >= inf_bits) return -1;
-    const float a = magnitude_bits_to_f32(m, dtype);
-    uint32_t b;
-    memcpy(&b, &a, 4);
-    return b;
+    *amax = magnitude_bits_to_f32(m, dtype);
+    return m >= inf_bits ? -1 : 0;
 }
 
 /* Codes of one group of bs <= 32 elements (x * factor rounded to e2m1), packed two per byte into out. */
@@ -628,11 +625,8 @@ int bridge_nvfp4_quantize(const void *w, int dtype, int64_t m, int64_t n, int64_
     for (int64_t r = 0; r < m; ++r) {
         const char *row = (const char *)w + r * w_stride * esize;
         for (int64_t j = 0; j < n / 16; ++j) {
-            const int64_t bits = group_amax_bits(row, dtype, j * 16, 16);
-            if (bits < 0) return -1;
             float amax;
-            uint32_t b = (uint32_t)bits;
-            memcpy(&amax, &b, 4);
+            if (group_amax(row, dtype, j * 16, 16, &amax)) return -1;
             float scale = g * (amax * sixth);
             scale = scale > 448.0f ? 448.0f : (scale < -448.0f ? -448.0f : scale);
             const uint8_t code = f32_to_e4m3(scale);
@@ -654,11 +648,8 @@ int bridge_mxfp4_quantize(const void *w, int dtype, int64_t m, int64_t n, int64_
     for (int64_t r = 0; r < m; ++r) {
         const char *row = (const char *)w + r * w_stride * esize;
         for (int64_t j = 0; j < n / 32; ++j) {
-            const int64_t bits = group_amax_bits(row, dtype, j * 32, 32);
-            if (bits < 0) return -1;
             float amax;
-            uint32_t b = (uint32_t)bits;
-            memcpy(&amax, &b, 4);
+            if (group_amax(row, dtype, j * 32, 32, &amax)) return -1;
             int exponent;
             const float mantissa = frexpf(amax, &exponent); /* amax = mantissa * 2^exponent, mantissa in [0.5, 1) */
             int shared = exponent - 1 + (mantissa >= 0.875f) - 2;

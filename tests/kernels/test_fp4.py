@@ -48,10 +48,15 @@ def test_the_c_kernels_take_host_weights():
     assert supports_quantize(torch.zeros(4, 32, dtype=torch.bfloat16))
 
 
+def _weights(min_rows: int, max_blocks: int):
+    """Hypothesis draws of a weight's rows and blocks, its seed and its dtype, 20 examples."""
+    draws = given(rows=st.integers(min_rows, 40), blocks=st.integers(1, max_blocks), seed=st.integers(0, 1000),
+                  dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+    return lambda test: settings(max_examples=20, deadline=None)(draws(test))
+
+
 @pytest.mark.parametrize("implementation", NVFP4)
-@settings(max_examples=20, deadline=None)
-@given(rows=st.integers(1, 40), blocks=st.integers(1, 12), seed=st.integers(0, 1000),
-       dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+@_weights(min_rows=1, max_blocks=12)
 def test_nvfp4_equals_vllms_reference_quantizer(implementation, rows, blocks, seed, dtype):
     w = _weight(rows, blocks, NVFP4_BLOCK, seed, dtype)
     global_scale = nvfp4_global_scale(w)
@@ -78,9 +83,7 @@ def test_nvfp4_fused_shards_share_the_global_scale_they_are_given():
 
 
 @pytest.mark.parametrize("implementation", MXFP4)
-@settings(max_examples=20, deadline=None)
-@given(rows=st.integers(2, 40), blocks=st.integers(1, 8), seed=st.integers(0, 1000),
-       dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+@_weights(min_rows=2, max_blocks=8)
 def test_mxfp4_equals_compressed_tensors_scales_and_vllms_rounding(implementation, rows, blocks, seed, dtype):
     w = _weight(rows, blocks, MXFP4_BLOCK, seed, dtype)
     w[0, :MXFP4_BLOCK] = 0.5  # an all-zero block has no exponent in the reference (log2 0)
