@@ -26,7 +26,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FP8 = ["--rollout-precision", "fp8"]
-# (name, label, flags): every arm but the first samples from the FP8 engine of the chosen regime
+# (name, label, flags): the fp8 arms sample from the FP8 engine of the chosen regime, the 4-bit arms from a W4A16
+# engine
 ARMS = (
     ("bf16", "BF16 rollouts", ["--rollout-precision", "bf16", "--is-correction", "none"]),
     ("fp8", "FP8, uncorrected", FP8 + ["--is-correction", "none"]),
@@ -40,6 +41,10 @@ ARMS = (
     ("fp8-ais-cv", "FP8 + AIS, CV variance", FP8 + ["--is-correction", "ais", "--ais-variance", "cv"]),
     ("fp8-ais-lag", "FP8 + AIS, one λ per lag", FP8 + ["--is-correction", "ais", "--ais-lambda-per-lag"]),
     ("fp8-ais-floor", "FP8 + AIS, stale λ ≥ 1", FP8 + ["--is-correction", "ais", "--ais-stale-lambda-floor", "1"]),
+    ("nvfp4", "NVFP4 (W4A16), uncorrected", ["--rollout-precision", "nvfp4", "--is-correction", "none"]),
+    ("nvfp4-tis", "NVFP4 (W4A16) + TIS", ["--rollout-precision", "nvfp4", "--is-correction", "tis"]),
+    ("mxfp4", "MXFP4 (W4A16), uncorrected", ["--rollout-precision", "mxfp4", "--is-correction", "none"]),
+    ("mxfp4-tis", "MXFP4 (W4A16) + TIS", ["--rollout-precision", "mxfp4", "--is-correction", "tis"]),
 )
 PER_LAG_ARMS = ("fp8-ais-lag", "fp8-ais-floor")  # need η > 0
 # the FP8 engine's numerics: the CPU kernel's W8A16; H100's W8A8 emulated on a CPU; on a GPU vLLM's own W8A8 path
@@ -51,7 +56,7 @@ def arm_flags(name: str, flags: list[str], regime: str, eta: int = 0) -> list[st
     """An arm's flags in a regime at staleness bound η: the regime's engine numerics apply to the FP8 arms only;
     η > 0 runs separate engines that many steps ahead."""
     stale = ["--max-off-policy-steps", str(eta), "--rollout-placement", "separate"] if eta else []
-    return flags + (REGIMES[regime] if name != "bf16" else []) + stale
+    return flags + (REGIMES[regime] if name.startswith("fp8") else []) + stale
 
 
 def cell(name: str, eta: int) -> str:
