@@ -568,11 +568,25 @@ int64_t bridge_copy_rows_check_finite(const void *src, int64_t src_stride, void 
     return bad;
 }
 
-/* float8_e4m3fn code -> its value (exact). */
+/* float8_e4m3fn code -> its value (exact), from its bits: no libm call per group. */
 static inline float e4m3_to_f32(uint8_t c) {
-    const int e = (c >> 3) & 0xF, m = c & 7;
-    const float v = e ? ldexpf(1.0f + (float)m / 8.0f, e - 7) : ldexpf((float)m / 8.0f, -6);
+    const uint32_t e = (c >> 3) & 0xF, m = c & 7;
+    float v;
+    if (e) {
+        const uint32_t bits = ((e + 120u) << 23) | (m << 20); /* 2^(e - 7) x 1.m */
+        memcpy(&v, &bits, 4);
+    } else {
+        v = (float)m * (1.0f / 512.0f); /* subnormal: m x 2^-9 */
+    }
     return (c & 0x80) ? -v : v;
+}
+
+/* 2^k for -126 <= k <= 127, exactly, from its bits. */
+static inline float pow2f(int k) {
+    const uint32_t bits = (uint32_t)(k + 127) << 23;
+    float v;
+    memcpy(&v, &bits, 4);
+    return v;
 }
 
 /* e2m1 code (sign << 3 | magnitude index) of x: |x| saturated at 6 and rounded to the nearest of 0, 0.5, 1, 1.5, 2,
@@ -650,12 +664,20 @@ int bridge_mxfp4_quantize(const void *w, int dtype, int64_t m, int64_t n, int64_
         for (int64_t j = 0; j < n / 32; ++j) {
             float amax;
             if (group_amax(row, dtype, j * 32, 32, &amax)) return -1;
-            int exponent;
-            const float mantissa = frexpf(amax, &exponent); /* amax = mantissa * 2^exponent, mantissa in [0.5, 1) */
-            int shared = exponent - 1 + (mantissa >= 0.875f) - 2;
+            uint32_t bits;
+            memcpy(&bits, &amax, 4);
+            int shared;
+            if (bits >> 23) { /* normal: floor(log2 amax) = E - 127; round up where the mantissa is >= 1.75 */
+                shared = (int)(bits >> 23) - 127 + ((bits >> 21 & 3u) == 3u) - 2;
+            } else { /* zero or subnormal */
+                int exponent;
+                const float mantissa = frexpf(amax, &exponent); /* amax = mantissa * 2^exponent, in [0.5, 1) */
+                shared = exponent - 1 + (mantissa >= 0.875f) - 2;
+            }
             shared = shared < -127 ? -127 : (shared > 127 ? 127 : shared);
             s[r * s_stride + j] = (uint8_t)(shared + 127);
-            pack_group(row, dtype, j * 32, 32, ldexpf(1.0f, -shared), q + r * q_stride + j * 16);
+            const float factor = shared < 127 ? pow2f(-shared) : ldexpf(1.0f, -shared); /* 2^-127: subnormal */
+            pack_group(row, dtype, j * 32, 32, factor, q + r * q_stride + j * 16);
         }
     }
     return 0;

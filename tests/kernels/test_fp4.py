@@ -112,3 +112,15 @@ def test_4bit_quantizers_refuse_bad_weights_by_name(quantize):
         quantize(torch.tensor([[float("nan")] + [0.0] * 31]), name="layers.0.mlp.down_proj.weight")
     with pytest.raises(ValueError, match="not whole 1x"):
         quantize(torch.ones(2, 24), name="w")
+
+
+def test_the_c_kernels_equal_the_torch_quantizers_at_the_exponent_range_edges():
+    """Zero, subnormal and near-overflow blocks, the MX round-up edge and its neighbours: the C kernels' bit tricks
+    for exponents against the torch quantizers (which match the references above)."""
+    edges = (0.0, 1e-39, 1e-38, 3e-38, 2.0 ** -125, 1.74, 1.75, 7.0, 2.0 ** 126, 1.7e38)
+    w = torch.stack([torch.full((32,), value) for value in edges])
+    assert all(torch.equal(c, t) for c, t in zip(mxfp4_quantize(w, "w"), mxfp4_quantize_torch(w, "w")))
+    w = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-30, 30, 64)
+    scale = nvfp4_global_scale(w)
+    for c, t in zip(nvfp4_quantize(w, "w", scale), nvfp4_quantize_torch(w, "w", scale)):
+        assert torch.equal(c.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
