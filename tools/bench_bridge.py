@@ -1,6 +1,6 @@
 """Bridge sync speed at TP2 (gloo, CPU): BF16, FP8 and 4-bit (NVFP4, MXFP4) syncs of a ~100M-parameter model into an
-in-process receiver, against a plain copy of the same bytes measured in the same processes. On a CUDA machine the model, the
-staging arena, the quantizer (Triton) and the baseline copy are on the GPU, one GPU per rank
+in-process receiver, against a plain copy of the same bytes measured in the same processes. On a CUDA machine the
+model, the staging arena, the quantizer (Triton) and the baseline copy are on the GPU, one GPU per rank
 (`--tensor-model-parallel-size 1` on a one-GPU machine).
 
     .venv/bin/python tools/bench_bridge.py [--hidden-size 768 --num-layers 10 --vocab-size 16384] [--repeats 5]
@@ -15,8 +15,9 @@ tensors live, here run on CPU tensors — counted with a TorchDispatchMode and a
 verifier threads included), with
 `--delta`, `delta_bytes_fraction=<x> nvfp4_delta_bytes_fraction=<x> mxfp4_delta_bytes_fraction=<x>`: a delta
 sync's bytes (`bridge.delta`: every tensor element-sparse) over a full sync's after one Megatron Adam step at lr 1e-6,
-and with `--one-pass`, `one_pass_ops_per_sync=<n> one_pass_host_syncs_per_sync=<n>`: the same counts along the path a GPU with Triton takes (`kernels.bucket_pass`, one launch per dtype group per bucket, here
-run by Triton's interpreter on CPU tensors; a launch counts as one op).
+and with `--one-pass`, `one_pass_ops_per_sync=<n> one_pass_host_syncs_per_sync=<n>`: the same counts along the path
+a GPU with Triton takes (`kernels.bucket_pass`, one launch per dtype group per bucket, here run by Triton's
+interpreter on CPU tensors; a launch counts as one op).
 """
 from __future__ import annotations
 
@@ -369,8 +370,8 @@ def main(argv=None) -> int:
                f"bf16_sync_s={bf16['seconds']:.3f} fp8_sync_s={fp8['seconds']:.3f} ops_per_sync={fp8['counts']['ops']} "
                f"host_syncs_per_sync={fp8['counts']['read_backs']} "
                f"nvfp4_over_fp8_bytes={r['nvfp4']['bytes'] / fp8['bytes']:.3f} "
-               f"mxfp4_over_fp8_bytes={r['mxfp4']['bytes'] / fp8['bytes']:.3f} nvfp4_sync_s={r['nvfp4']['seconds']:.3f} "
-               f"mxfp4_sync_s={r['mxfp4']['seconds']:.3f}")
+               f"mxfp4_over_fp8_bytes={r['mxfp4']['bytes'] / fp8['bytes']:.3f} "
+               f"nvfp4_sync_s={r['nvfp4']['seconds']:.3f} mxfp4_sync_s={r['mxfp4']['seconds']:.3f}")
     if args.one_pass:
         figures += (f" one_pass_ops_per_sync={fp8['one_pass_counts']['ops']} "
                     f"one_pass_host_syncs_per_sync={fp8['one_pass_counts']['read_backs']}")

@@ -241,8 +241,8 @@ def megatron_to_hf(load: str, save: str, allow_unverified: bool = False, precisi
     tensors bit for bit (BF16 for a BF16 run); fp8 writes what the bridge sends an FP8 engine: blockwise e4m3
     (128x128, fp32 `weight_scale_inv`) where the bridge's policy quantizes, BF16 elsewhere, with the
     `quantization_config` vLLM and SGLang read; nvfp4 / mxfp4 what a 4-bit engine loads (ModelOpt's W4A16 NVFP4,
-    compressed-tensors' MXFP4; dense models), with the `quantization_config` vLLM reads. Tensors are written one by one into shards of at most
-    `max_shard_bytes`; a torch_dist checkpoint is read whole into one spawned process."""
+    compressed-tensors' MXFP4; dense models), with the `quantization_config` vLLM reads. Tensors are written one by
+    one into shards of at most `max_shard_bytes`; a torch_dist checkpoint is read whole into one spawned process."""
     if precision not in EXPORT_PRECISIONS:
         raise ArgumentValidationError(f"--precision {precision!r} must be one of {', '.join(EXPORT_PRECISIONS)}")
     if max_shard_bytes <= 0:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8.format import check
+from kernels.fp8.format import check_shape
 
 E2M1_MAX = 6.0
 NVFP4_BLOCK = 16
@@ -50,7 +50,6 @@ def unpack_pairs(packed: torch.Tensor) -> torch.Tensor:
 
 def check_groups(w: torch.Tensor, block: int, name: str) -> None:
     """Refuse a weight that is not 2-D or not whole 1 x `block` groups (NaN/Inf: the quantizers' own check)."""
-    if w.dim() != 2:
-        check(w, block, name)
+    check_shape(w, block, name)
     if w.shape[1] % block:
         raise ValueError(f"{name}: {w.shape[1]} columns are not whole 1x{block} blocks of a 4-bit format")

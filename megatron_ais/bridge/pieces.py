@@ -1,9 +1,10 @@
 """What one rank writes in a weight sync: its pieces of each bucket's HF tensors, copied or quantized to
 blockwise FP8 into place (the staging arena or its stage's bucket buffer), each checked for NaN/Inf and
 checksummed on the way; the stage's sender quantizes the tensors assembled whole in the scratch region (FP8 ones
-whose pieces cut through blocks, and every 4-bit one). The host kernels give their figures at once. On a GPU with Triton a bucket is one pass
-(`kernels.bucket_pass`: one launch per dtype group, figures in one device array); otherwise torch ops where the
-pieces live. Device figures stay where they are computed until the bucket's end (`BucketSums`)."""
+whose pieces cut through blocks, and every 4-bit one). The host kernels give their figures at once. On a GPU with
+Triton a bucket is one pass (`kernels.bucket_pass`: one launch per dtype group, figures in one device array);
+otherwise torch ops where the pieces live. Device figures stay where they are computed until the bucket's end
+(`BucketSums`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +13,6 @@ from typing import Callable
 
 import torch
 
-from kernels.fp4.quantize import nvfp4_global_scale
 from kernels.fp8.cpu import fp8_quantize_into, supports_quantize
 from kernels.fp8.dispatch import blockwise_fp8_quantize
 from kernels.bucket_pass import BucketPass, PassPiece, supports_pass
@@ -23,7 +23,7 @@ from kernels.integrity import (Position, ReadBack, all_finite, checksum_sums, ch
                                copy_check_finite, copy_check_finite_deferred, unsigned_sums)
 from megatron_ais.bridge.plan import Bucket, HFTarget, StagePlan
 from megatron_ais.bridge.quantization import SCALE_SUFFIX, QuantizationPolicy, engine_tensor_specs, four_bit_tensors, \
-    fused_group
+    scale_group
 
 
 def _on_host(*tensors: torch.Tensor) -> bool:
@@ -186,26 +186,21 @@ class QuantizePiece:
 
 @dataclasses.dataclass(frozen=True)
 class FourBitPiece:
-    """Whole weights quantized to 4 bits into place by the stage's sender: `sources` (views of the scratch region)
-    and, per source, its engine tensors' views (`engine_tensor_specs` order). Several sources are one NVFP4 fused
-    group, quantized with the global scale they share."""
+    """Whole weights quantized to 4 bits into place by the stage's sender: one `scale_group` (`sources`: views of the
+    scratch region) and its engine tensors' views (`outputs`, in `four_bit_tensors` order)."""
 
     sources: tuple[tuple[str, torch.Tensor], ...]
-    outputs: tuple[tuple[torch.Tensor, ...], ...]
-    nbytes: int
+    outputs: tuple[torch.Tensor, ...]
 
     def write(self, sums: BucketSums, policy: QuantizationPolicy) -> int:
-        weights = [weight for _, weight in self.sources]
-        shared = nvfp4_global_scale(*weights) if policy.precision == "nvfp4" else None
-        for (name, weight), outputs in zip(self.sources, self.outputs):
-            for (engine_name, value), out in zip(four_bit_tensors(name, weight, policy, shared), outputs):
-                out.copy_(value.reshape(out.shape))
-                if _on_host(out):
-                    sums.add(engine_name, checksum_sums(out))
-                else:
-                    sums.defer(torch.cat([torch.zeros(1, dtype=torch.int64, device=out.device),
-                                          checksum_sums_device(out)]), (engine_name,), lambda _: None)
-        return self.nbytes
+        for (engine_name, value), out in zip(four_bit_tensors(list(self.sources), policy), self.outputs):
+            out.copy_(value.reshape(out.shape))
+            if _on_host(out):
+                sums.add(engine_name, checksum_sums(out))
+            else:
+                sums.defer(torch.cat([torch.zeros(1, dtype=torch.int64, device=out.device),
+                                      checksum_sums_device(out)]), (engine_name,), lambda _: None)
+        return sum(out.numel() * out.element_size() for out in self.outputs)
 
 
 def bucket_pieces(plan: StagePlan, targets: list[HFTarget], bucket: Bucket, buffer, base: int, scratch_base: int,
@@ -298,24 +293,22 @@ def bucket_writes(pieces: list[CopyPiece | QuantizePiece | FourBitPiece], policy
 
 def _four_bit_pieces(plan: StagePlan, bucket: Bucket, buffer, base: int, scratch_base: int, policy
                      ) -> list[FourBitPiece]:
-    """`scratch_pieces` of a 4-bit stage: one piece per weight, or per NVFP4 fused group (whose members share the
-    bucket: `plan._bucket_units`)."""
+    """`scratch_pieces` of a 4-bit stage: one piece per `scale_group` (whose members share the bucket:
+    `plan._bucket_units`)."""
     tensors = {t.name: t for t in plan.tensors}
     targets = {t.name: t for t in plan.targets}
     offsets = dict(bucket.scratch)
-    pieces, done = [], set()
+    pieces = []
     for name, _ in bucket.scratch:
-        if name in done:
-            continue
-        group = fused_group(name) if policy.precision == "nvfp4" else (name,)
-        done.update(group)
+        group = scale_group(name, policy)
+        if group[0] != name:
+            continue  # a later member of the group its first member's piece writes
         sources = tuple((member, buffer.view(scratch_base + offsets[member], targets[member].param.dtype,
                                              targets[member].shape)) for member in group)
-        outputs = tuple(tuple(buffer.view(base + tensors[spec].offset, tensors[spec].torch_dtype, tensors[spec].shape)
-                              for spec, _, _ in engine_tensor_specs(member, targets[member].shape, policy))
-                        for member in group)
-        pieces.append(FourBitPiece(sources, outputs, sum(out.numel() * out.element_size() for outs in outputs
-                                                          for out in outs)))
+        outputs = tuple(buffer.view(base + tensors[spec].offset, tensors[spec].torch_dtype, tensors[spec].shape)
+                        for member in group for spec, _, _ in engine_tensor_specs(member, targets[member].shape,
+                                                                                  policy))
+        pieces.append(FourBitPiece(sources, outputs))
     return pieces
 
 

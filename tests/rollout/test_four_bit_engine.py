@@ -165,7 +165,8 @@ def test_4bit_refusals_name_the_flag():
     with pytest.raises(ValueError, match="mlp.down_proj.weight has 688 input columns .* not whole 1x32 groups"):
         check_engine_shapes(dense, QuantizationPolicy(precision="mxfp4"), 1)
     with pytest.raises(ValueError, match="4-bit MoE experts are not served yet"):
-        check_engine_shapes(SimpleNamespace(**{**vars(dense), "is_moe": True}), QuantizationPolicy(precision="mxfp4"), 1)
+        check_engine_shapes(SimpleNamespace(**{**vars(dense), "is_moe": True}), QuantizationPolicy(precision="mxfp4"),
+                            1)
 
 
 @pytest.mark.parametrize("precision", ["nvfp4", "mxfp4", "fp8"])
