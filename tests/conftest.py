@@ -1,4 +1,5 @@
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -12,7 +13,20 @@ for path in (ROOT, os.path.join(ROOT, "tools"), os.path.join(ROOT, "tests")):
         sys.path.insert(0, path)
 
 
+def _expected_seconds() -> dict[str, float]:
+    """Each test module's measured seconds (tests/durations.json, written by tools/test_durations.py)."""
+    with open(os.path.join(ROOT, "tests", "durations.json")) as f:
+        return json.load(f)
+
+
 def pytest_collection_modifyitems(config, items):
+    # the longest modules first, each module's tests in their own order: `make test`'s workers (pytest-xdist,
+    # --no-loadscope-reorder) take them in this order, so the long end-to-end runs overlap instead of ending the run
+    seconds = _expected_seconds()
+    position = {}
+    for item in items:
+        position.setdefault(item.path, len(position))
+    items.sort(key=lambda item: (-seconds.get(os.path.relpath(item.path, ROOT), 0.0), position[item.path]))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

@@ -35,6 +35,11 @@ def offline_runs(directory: str) -> list[str]:
     return sorted(glob.glob(os.path.join(directory, "wandb", "offline-run-*", "run-*.wandb")))
 
 
+def _values(items) -> dict:
+    """A record's items by key (a nested key joined by "/"), their JSON values decoded."""
+    return {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in items}
+
+
 def read_offline_run(path: str) -> tuple[dict, dict[int, dict]]:
     """(the run's config, {step: the scalars logged at it}) of an offline run file."""
     from wandb.proto import wandb_internal_pb2 as pb
@@ -46,10 +51,9 @@ def read_offline_run(path: str) -> tuple[dict, dict[int, dict]]:
         record = pb.Record()
         record.ParseFromString(raw)
         kind = record.WhichOneof("record_type")
-        if kind == "run":
-            config.update({(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
-                           for i in record.run.config.update})
+        if kind in ("run", "config"):  # the config given to init, or updates the SDK sends after the run record
+            config.update(_values((record.run.config if kind == "run" else record.config).update))
         elif kind == "history":
-            items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
+            items = _values(record.history.item)
             history[items.pop("_step")] = {k: v for k, v in items.items() if not k.startswith("_")}
     return config, history

@@ -14,11 +14,15 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from conftest import make_model_dir
 from distributed import spawn
+
 from megatron_ais.checkpointing import optimizer_state, store
 from megatron_ais.checkpointing.formats import torch as torch_format
 from megatron_ais.checkpointing.formats import torch_dist
 from megatron_ais.checkpointing.ranks import CheckpointRanks
 from megatron_ais.errors import CheckpointError
+
+# one worker of `make test` runs this module: its tests share one saved checkpoint (a module fixture)
+pytestmark = pytest.mark.xdist_group("checkpoint_is_data")
 
 META = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "hf_config": {}}
 
