@@ -22,11 +22,10 @@ def _expected_seconds() -> dict[str, float]:
 def pytest_collection_modifyitems(config, items):
     # the longest modules first, each module's tests in their own order: `make test`'s workers (pytest-xdist,
     # --no-loadscope-reorder) take them in this order, so the long end-to-end runs overlap instead of ending the run
-    seconds = _expected_seconds()
-    position = {}
+    seconds, order = _expected_seconds(), {}
     for item in items:
-        position.setdefault(item.path, len(position))
-    items.sort(key=lambda item: (-seconds.get(os.path.relpath(item.path, ROOT), 0.0), position[item.path]))
+        order.setdefault(item.path, (-seconds.get(os.path.relpath(item.path, ROOT), 0.0), len(order)))
+    items.sort(key=lambda item: order[item.path])
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

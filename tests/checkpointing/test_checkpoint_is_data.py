@@ -14,7 +14,6 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from conftest import make_model_dir
 from distributed import spawn
-
 from megatron_ais.checkpointing import optimizer_state, store
 from megatron_ais.checkpointing.formats import torch as torch_format
 from megatron_ais.checkpointing.formats import torch_dist
