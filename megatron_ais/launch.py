@@ -1,5 +1,6 @@
 """Run a function on N local gloo processes, for tests and CPU benchmarks: each rank forks from one server process
-that imported torch and megatron-core once (5-6 s of imports a rank otherwise, on every world started)."""
+that imported torch and megatron-core once (5-6 s of imports a rank otherwise, on every world started), and whatever
+else its caller asked to preload (`preload_in_ranks`)."""
 from __future__ import annotations
 
 import os
@@ -16,13 +17,20 @@ import torch.multiprocessing as mp
 from megatron_ais.distributed import free_port
 
 RESULT_WAIT_S = 120.0
-PRELOADED_MODULES = ["torch", "megatron.core"]
+_preloaded_modules = ["torch", "megatron.core"]
+
+
+def preload_in_ranks(*modules: str) -> None:
+    """Have the rank server import `modules` too. It starts at this process's first `spawn` and is reused after, so
+    call this before then: for callers whose ranks mostly import something heavy (vLLM's `LLM`: 7 s a rank). A
+    module that is not installed is skipped."""
+    _preloaded_modules.extend(module for module in modules if module not in _preloaded_modules)
 
 
 def _rank_context():
-    """A forkserver context whose server imports PRELOADED_MODULES (started at its first use, then reused)."""
+    """A forkserver context whose server imports the preloaded modules (started at its first use, then reused)."""
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(PRELOADED_MODULES)
+    context.set_forkserver_preload(_preloaded_modules)
     return context
 
 

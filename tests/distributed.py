@@ -2,7 +2,10 @@
 flags the way the entry points start one."""
 import os
 
-from megatron_ais.launch import spawn
+from megatron_ais.launch import preload_in_ranks, spawn
+
+# most multi-rank tests start a vLLM engine in their ranks: its import (7 s a rank) happens once, in the rank server
+preload_in_ranks("vllm.entrypoints.llm")
 
 __all__ = ["spawn", "start_trainer", "trainer_config"]
 

@@ -1,7 +1,10 @@
 """The multi-process helper reports a rank that dies without a word (a segfault in a kernel, the OOM killer) at
-once, with its signal, instead of waiting out its timeout."""
+once, with its signal, instead of waiting out its timeout; its ranks start with what the rank server preloaded
+(torch, megatron-core, and vLLM's `LLM` for the tests) already imported, and with their caller's environment."""
+import importlib.util
 import os
 import signal
+import sys
 import threading
 
 import pytest
@@ -20,3 +23,17 @@ def test_a_killed_rank_is_reported_with_its_signal():
     # a helper that waited for every rank would raise TimeoutError here (after 120 s), not name the dead rank
     with pytest.raises(RuntimeError, match=r"rank 1: died \(signal SIGKILL\) before reporting"):
         spawn(2, _die_on_rank_one, timeout=120)
+
+
+def _imported(modules):
+    return {module: module in sys.modules for module in modules}, os.environ.get("SPAWN_TEST_CALLER")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_ranks_start_with_the_preloaded_modules_and_the_callers_environment(monkeypatch):
+    # the server was started with the environment of its first caller: a rank takes this caller's
+    monkeypatch.setenv("SPAWN_TEST_CALLER", "this test")
+    modules = ("torch", "megatron.core", "vllm.entrypoints.llm")
+    (imported, caller) = spawn(1, _imported, modules)[0]
+    assert imported == dict.fromkeys(modules, True)
+    assert caller == "this test"
