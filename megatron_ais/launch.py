@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_ais.distributed import free_port
+from megatron_ais.lifetime import take_environment
 
 RESULT_WAIT_S = 120.0
 _preloaded_modules = ["torch", "megatron.core"]
@@ -35,9 +36,7 @@ def _rank_context():
 
 
 def _worker(rank: int, world_size: int, port: int, environ: dict, target, target_args, queue, received) -> None:
-    # a forked rank has the environment of the server, started by an earlier caller: take this caller's
-    os.environ.clear()
-    os.environ.update(environ)
+    take_environment(environ)  # the caller's, not the server's (started by an earlier caller)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)

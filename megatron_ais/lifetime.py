@@ -8,6 +8,9 @@ that loads the plugin is left alone. The kernel sends the signal when the *threa
 a thread that starts one must live as long as its process (`rollout.rows.BackgroundWorker`). What a SIGKILL
 interrupts is safe by construction: checkpoints commit atomically, and shared-memory files of dead processes are
 removed by the next run.
+
+A process forked from a fork server (the test ranks, a separate CPU engine's core) takes the environment of the
+process that asked for it, not the server's (`take_environment`).
 """
 from __future__ import annotations
 
@@ -32,6 +35,15 @@ def exit_with_parent() -> bool:
     if os.getppid() != parent:  # the parent died before the request was made
         os.kill(os.getpid(), signal.SIGKILL)
     return True
+
+
+def take_environment(environ: dict[str, str]) -> None:
+    """Make this process's environment `environ`: a process forked from a fork server has the server's, from when
+    it started, not that of the process that asked for it. Only what differs is changed: an environment rebuilt
+    whole leaves setproctitle no room for the process titles vLLM gives its engine processes."""
+    for name in [name for name in os.environ if name not in environ]:
+        del os.environ[name]
+    os.environ.update({name: value for name, value in environ.items() if os.environ.get(name) != value})
 
 
 def exit_with_parent_if_asked() -> None:

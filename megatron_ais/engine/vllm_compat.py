@@ -28,7 +28,7 @@ from kernels.fp4.quantize import mxfp4_dequantize, nvfp4_dequantize
 from megatron_ais.engine.fp8_emulation import FP8_ACTIVATIONS_ENV, FP8_KV_CACHE_ENV, dequantize_blockwise, \
     dequantize_blockwise_bf16, fp8_kv_round_trip, w8a8_experts, w8a8_linear, w8a16_experts
 from megatron_ais.errors import GenerationTimeoutError
-from megatron_ais.lifetime import exit_with_parent_if_asked
+from megatron_ais.lifetime import exit_with_parent_if_asked, take_environment
 
 
 def engine_core_client(llm):
@@ -154,10 +154,7 @@ def _engine_process(environ: dict, target, **kwargs):
     # (both call get_mp_context(): spawn on CPU, platforms/cpu.py)
     from vllm.v1.executor import multiproc_executor  # vLLM: engine processes only
 
-    # only what differs: an environment rebuilt whole leaves setproctitle no room for vLLM's process titles
-    for name in [name for name in os.environ if name not in environ]:
-        del os.environ[name]
-    os.environ.update({name: value for name, value in environ.items() if os.environ.get(name) != value})
+    take_environment(environ)
     # a fork server's child holds a copy of its client's liveness pipe (Python 3.11 multiprocessing/forkserver.py),
     # which would keep the server alive after the client died: let it go, so that the server exits with the starting
     # process and this one with the server (a forked process does not inherit the parent-death signal: ask again)
