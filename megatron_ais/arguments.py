@@ -15,8 +15,9 @@ from typing import Any, Iterable
 import torch
 
 from megatron_ais.ais import AISConfig
+from megatron_ais.bridge.aligned_forward import AlignedForwardConfig
 from megatron_ais.bridge.config import BridgeConfig
-from megatron_ais.bridge.quantization import QuantizationPolicy
+from megatron_ais.bridge.quantization import QUANTIZED_PRECISIONS, QuantizationPolicy
 from megatron_ais.checkpointing.config import CheckpointConfig
 from megatron_ais.data.tasks import TaskConfig
 from megatron_ais.distributed import ranks_on_this_node
@@ -42,7 +43,9 @@ from megatron_ais.training import TrainingConfig, WeightSource
 # (--help heading, the configs whose flags it lists)
 TRAINER_FLAGS = (("model", (ModelConfig,)), ("parallelism", (ParallelLayout,)), ("training", (TrainingConfig,)),
                  ("checkpointing", (CheckpointConfig,)), ("logging", (LoggingConfig,)), ("task", (TaskConfig,)))
-GRPO_FLAGS = TRAINER_FLAGS + (("grpo", (PolicyLossConfig, AdvantageConfig, OverlongConfig, DynamicSamplingConfig)),
+# a GRPO run's training heading also lists QaRL's rollout-aligned forward
+GRPO_FLAGS = tuple((title, (*configs, AlignedForwardConfig) if title == "training" else configs)
+                   for title, configs in TRAINER_FLAGS) + (("grpo", (PolicyLossConfig, AdvantageConfig, OverlongConfig, DynamicSamplingConfig)),
                               ("importance-sampling correction", (AISConfig,)),
                               ("rollout", (EngineConfig, KVCacheCalibrationConfig)),
                               ("rollout fleet", (ClusterConfig, FleetConfig)), ("rewards", (RewardConfig,)),
@@ -143,6 +146,7 @@ class GRPORunConfig:
     fleet: FleetConfig
     overlong: OverlongConfig = OverlongConfig()
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    aligned: AlignedForwardConfig = AlignedForwardConfig()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, world_size: int) -> "GRPORunConfig":
@@ -161,7 +165,7 @@ class GRPORunConfig:
                                            if bridge.arena_on_gpu else 0),
                        KVCacheCalibrationConfig.from_args(args), bridge, ClusterConfig.from_args(args),
                        RewardConfig.from_args(args), FleetConfig.from_args(args), OverlongConfig.from_args(args),
-                       DynamicSamplingConfig.from_args(args))
+                       DynamicSamplingConfig.from_args(args), AlignedForwardConfig.from_args(args))
 
         config = _configs(build)
         config.check(world_size)
@@ -198,6 +202,11 @@ class GRPORunConfig:
             raise ArgumentValidationError(
                 f"--overlong-buffer-tokens {self.overlong.buffer_tokens} must be below --max-new-tokens "
                 f"{loop.max_new_tokens} (the penalty grows over the last tokens before the limit); lower it")
+        if self.aligned.rollout_aligned_forward and self.bridge.policy.precision not in QUANTIZED_PRECISIONS:
+            raise ArgumentValidationError(
+                f"--rollout-aligned-forward with --rollout-precision {self.bridge.policy.precision}: the engine's "
+                f"weights are the trainer's own, there is nothing to align to; use --rollout-precision "
+                f"{' or '.join(QUANTIZED_PRECISIONS)}, or drop the flag")
         if self.loss.policy_loss == "gspo" and correction.correction != "none" and correction.level == "token":
             raise ArgumentValidationError(
                 f"--policy-loss gspo with --is-correction {correction.correction} at --is-level token: GSPO's ratio "

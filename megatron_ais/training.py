@@ -1,9 +1,10 @@
 """Megatron DDP, optimizer and one optimizer step through megatron's pipeline schedules."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from typing import Callable, Iterator
+from typing import Callable, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
@@ -92,8 +93,11 @@ class StepResult:
 
 
 def train_step(ddp_chunks: list, optimizer, forward_step: Callable, data_iterator: Iterator,
-               num_microbatches: int, seq_length: int, micro_batch_size: int) -> StepResult:
-    """Run forward/backward over the micro-batches with megatron's schedule, then one optimizer step."""
+               num_microbatches: int, seq_length: int, micro_batch_size: int,
+               forward_weights: Callable[[], ContextManager] = contextlib.nullcontext) -> StepResult:
+    """Run forward/backward over the micro-batches with megatron's schedule, then one optimizer step.
+    `forward_weights()`: the context the forward and backward run in (QaRL's rollout-aligned weights), closed
+    before the optimizer steps."""
     for chunk in ddp_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -102,11 +106,12 @@ def train_step(ddp_chunks: list, optimizer, forward_step: Callable, data_iterato
     else:  # the interleaved schedule takes every micro-batch once per model chunk, from that chunk's iterator
         micro_batches = list(data_iterator)
         iterator = [iter(micro_batches) for _ in ddp_chunks]
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iterator,
-        model=ddp_chunks if len(ddp_chunks) > 1 else ddp_chunks[0],
-        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
-        forward_only=False)
+    with forward_weights():
+        losses = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iterator,
+            model=ddp_chunks if len(ddp_chunks) > 1 else ddp_chunks[0],
+            num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+            forward_only=False)
     ok, grad_norm, _ = optimizer.step()
     return StepResult(losses=losses, grad_norm=grad_norm, update_successful=bool(ok))
 

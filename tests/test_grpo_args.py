@@ -86,6 +86,8 @@ def test_configs_take_the_flags_and_keep_one_default():
     (["--ais-stale-lambda-floor", "1.5"], 1, "--ais-stale-lambda-floor 1.5 must be in [0, 1]"),
     (["--ais-stale-lambda-floor", "1", "--is-correction", "tis", "--max-off-policy-steps", "1",
       "--rollout-placement", "separate"], 1, "--ais-stale-lambda-floor with --is-correction tis: only AIS has a λ"),
+    (["--rollout-aligned-forward", "--rollout-precision", "bf16"], 1,
+     "--rollout-aligned-forward with --rollout-precision bf16: the engine's weights are the trainer's own"),
 ])
 def test_bad_loop_flags_are_refused_up_front(argv, world, expected):
     with pytest.raises(ArgumentValidationError, match=re.escape(expected)):

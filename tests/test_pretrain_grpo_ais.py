@@ -128,8 +128,11 @@ def test_moe_model_replays_the_engine_routing(model_root, tmp_path):
     convert_checkpoint.hf_to_megatron(hf_dir, checkpoint, 1, 1, ep=2)
     # with an FP8 KV cache: both data-parallel ranks run the calibration's forward (MoE layers exchange tokens)
     # micro-batches by tokens: every DP (and so EP) rank runs as many, token-less ones filling in
+    # QaRL's rollout-aligned forward: every forward computes with the FP8 weights the engine holds, each EP rank
+    # its own experts' (its numerics: tests/bridge/test_aligned_forward.py)
     flags = ("--expert-model-parallel-size", "2", "--rollout-kv-cache-dtype", "fp8",
-             "--rollout-kv-cache-calibration-sequences", "1", "--max-tokens-per-microbatch", "64")
+             "--rollout-kv-cache-calibration-sequences", "1", "--max-tokens-per-microbatch", "64",
+             "--rollout-aligned-forward")
 
     out, records = tmp_path / "replay", tmp_path / "routing"
     records.mkdir()

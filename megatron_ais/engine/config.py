@@ -83,6 +83,11 @@ class EngineConfig(FlagConfig):
     staging_arena_gpu_copies: int = 0  # copies of its tensors the bridge's staging arena allocates on its first GPU
     # (one per slot: 2 when double-buffered; 0: the arena is elsewhere)
 
+    def quantizes_activations(self, on_gpu: bool) -> bool:
+        """Whether the engine's FP8 linear layers quantize their inputs (W8A8): on a GPU always, on a CPU when
+        emulated."""
+        return self.precision == "fp8" and (on_gpu or self.fp8_activations == "emulate")
+
     def __post_init__(self):
         super().__post_init__()
         if self.precision not in PRECISIONS:

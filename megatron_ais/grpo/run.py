@@ -8,10 +8,13 @@ import contextlib
 import functools
 import os
 import time
+from typing import Callable, ContextManager
 
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_ais import platform
+from megatron_ais.bridge.aligned_forward import RolloutAlignedForward
 from megatron_ais.bridge.layout import BridgeLayout
 from megatron_ais.bridge.quantization import check_engine_shapes
 from megatron_ais.checkpointing.checkpointer import Checkpointer
@@ -34,6 +37,15 @@ from megatron_ais.rollout.rows import StepRollouts
 from megatron_ais.routing_replay import routing_replay_enabled
 from megatron_ais.training import (WeightSource, build_reference_chunks, prepare_trainer, setup_model_and_optimizer,
                                    start_trainer, tokenizer_dir)
+
+
+def policy_forward_weights(config, chunks: list, build) -> Callable[[], ContextManager]:
+    """The context every forward of the policy runs in (`config`: the GRPORunConfig): with
+    --rollout-aligned-forward the engine's weights (`RolloutAlignedForward`), else the policy's own."""
+    if not config.aligned.rollout_aligned_forward:
+        return contextlib.nullcontext
+    return RolloutAlignedForward.from_parallel_state(chunks, build, config.bridge.policy,
+                                                     config.engine.quantizes_activations(platform.is_cuda()))
 
 
 class PhaseTimes:
@@ -175,6 +187,7 @@ class GRPORun:
             self.reference = build_reference_chunks(self.build,
                                                     WeightSource(**self.state.reference, allow_unverified=unverified))
         self.grpo = GRPOConfig.for_run(config, self.build.shape, self.routing_replay)
+        self.forward_weights = policy_forward_weights(config, self.model.chunks, self.build)
 
     def _setup_fleet(self, is_stage_writer: bool) -> None:
         """The rollout fleet: on each engine's host rank an engine started from an HF export of the initial policy
@@ -228,7 +241,7 @@ class GRPORun:
     def train(self, batch, policy_version: int):
         """One GRPO update of the weights of step `policy_version` on the batch (λ once for the batch)."""
         return grpo_train_step(self.model.ddp_chunks, self.model.optimizer, batch, self.grpo, self.state.ais,
-                               self.groups, self.reference, policy_version)
+                               self.groups, self.reference, policy_version, self.forward_weights)
 
     def evaluate(self, step: int) -> dict:
         """Held-out accuracy at evaluation steps (each engine evaluates its share; every rank knows the means)."""

@@ -2,8 +2,10 @@
 updates over mini-batches and epochs through megatron's pipeline schedule."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from functools import partial
+from typing import Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -129,11 +131,14 @@ def _plan(rows: dict[str, torch.Tensor], lengths: list[int], config: GRPOConfig,
 
 def _correct(ddp_chunks: list, local: dict, mask: torch.Tensor, rollout_lp: torch.Tensor, config: GRPOConfig,
              state: AISState, groups: ParallelGroups, metrics: dict, plan: MicroBatchPlan,
-             lags: torch.Tensor | None = None) -> AISResult:
+             lags: torch.Tensor | None = None,
+             forward_weights: Callable[[], ContextManager] = contextlib.nullcontext) -> AISResult:
     """Score the rows with the policy before the update (old log-probs) and compute the correction once for the
     batch (λ from all-reduced statistics); fill in the rows' old log-probs, coefficients and keep mask. `lags`:
-    each token's policy-version lag, whose diagnostics are logged lag by lag."""
-    old_logprobs = score_rows(ddp_chunks, local, plan, groups, config.vocab_size, config.temperature)
+    each token's policy-version lag, whose diagnostics are logged lag by lag; `forward_weights()`: the context the
+    policy's forward runs in."""
+    with forward_weights():
+        old_logprobs = score_rows(ddp_chunks, local, plan, groups, config.vocab_size, config.temperature)
     result, coefficient, keep = EMPTY_RESULT, torch.ones_like(mask), mask
     if groups.is_last_stage:
         check_trainer_logprobs(old_logprobs, mask)
@@ -174,7 +179,7 @@ def _per_lag(old_logprobs: torch.Tensor, rollout_lp: torch.Tensor, advantages: t
 
 
 def _update(ddp_chunks: list, optimizer, local: dict, lengths: list[int], config: GRPOConfig,
-            groups: ParallelGroups) -> tuple[list, list]:
+            groups: ParallelGroups, forward_weights: Callable[[], ContextManager]) -> tuple[list, list]:
     """PPO-clip updates over --ppo-epochs passes of --num-minibatches mini-batches; return the micro-batches'
     loss reports and the grad norms."""
     reports, grad_norms = [], []
@@ -189,7 +194,7 @@ def _update(ddp_chunks: list, optimizer, local: dict, lengths: list[int], config
             scale = megatron_loss_scale(len(micro), groups.data_parallel_size)
             step = train_step(ddp_chunks, optimizer, partial(_policy_forward_step, config, groups, normalizer, scale),
                               iter(micro), len(micro), max(mb["tokens"].shape[1] for mb in micro),
-                              max(mb["tokens"].shape[0] for mb in micro))
+                              max(mb["tokens"].shape[0] for mb in micro), forward_weights)
             if not step.update_successful:
                 raise FloatingPointError("optimizer skipped the update: non-finite gradients")
             grad_norms.append(step.grad_norm)
@@ -213,13 +218,15 @@ def _loss_metrics(reports: list, config: GRPOConfig, groups: ParallelGroups) -> 
 
 def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GRPOConfig, state: AISState,
                     groups: ParallelGroups, reference_chunks: list | None = None,
-                    policy_version: int | None = None) -> GRPOStepResult:
+                    policy_version: int | None = None,
+                    forward_weights: Callable[[], ContextManager] = contextlib.nullcontext) -> GRPOStepResult:
     """Update the policy on this DP rank's rows of a rollout batch, advantages included; λ is computed once here and
     held for all mini-batches/epochs.
 
     `reference_chunks` (a frozen copy of the initial policy, same layout) is needed when --kl-coef > 0.
     `policy_version`: the step whose weights are updated; with the batch's per-token versions and `config.max_lag`
-    > 0 the mismatch is also logged per version lag.
+    > 0 the mismatch is also logged per version lag. `forward_weights()`: the context every forward of the policy
+    runs in (`bridge.aligned_forward.RolloutAlignedForward`: the engine's weights; default: the policy's own).
     """
     if config.loss.kl_coef and reference_chunks is None:
         raise ValueError("--kl-coef > 0 needs a reference policy (reference_chunks)")
@@ -237,11 +244,11 @@ def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GR
         return GRPOStepResult(skipped=True, ais=EMPTY_RESULT, metrics=metrics)
     lengths = row_lengths(mask)
     plan = _plan(local, lengths, config, groups)
-    result = _correct(ddp_chunks, local, mask, rollout_lp, config, state, groups, metrics, plan, lags)
+    result = _correct(ddp_chunks, local, mask, rollout_lp, config, state, groups, metrics, plan, lags, forward_weights)
     if config.loss.kl_coef:
         ref_logprobs = score_rows(reference_chunks, local, plan, groups, config.vocab_size, config.temperature)
         local["ref_logprobs"] = ref_logprobs if groups.is_last_stage else torch.zeros_like(mask)
-    reports, grad_norms = _update(ddp_chunks, optimizer, local, lengths, config, groups)
+    reports, grad_norms = _update(ddp_chunks, optimizer, local, lengths, config, groups, forward_weights)
     metrics.update(_loss_metrics(reports, config, groups))
     metrics["train/grad_norm"] = grad_norms[-1]
     metrics.update(result.metrics())

@@ -1,6 +1,7 @@
 """The bridge's tensors load through the real vLLM loader: an FP8 engine keeps float8 linear weights and, after a
 sync of new weights, scores like transformers on the dequantized new weights, several times closer than on the
-unquantized ones; a tampered sync is refused and the engine keeps its weights. (An fp32 engine fed by the bridge
+unquantized ones, and the trainer under QaRL's rollout-aligned forward scores like those too (its k3 against the
+engine falls tenfold); a tampered sync is refused and the engine keeps its weights. (An fp32 engine fed by the bridge
 scores exactly like transformers and the trainer: tests/rollout/test_engine.py.)"""
 import pytest
 import torch
@@ -22,10 +23,19 @@ def _hf_logprobs(state_dict, hf_dir):
     return logp[:-1].gather(-1, torch.tensor(PROBE[1:])[:, None])[:, 0].float()
 
 
+def _k3(trainer, engine):
+    """Schulman's k3 estimate of KL(engine ‖ trainer) on the probe's tokens: mean of r − 1 − log r, r = π/μ."""
+    log_ratio = (trainer - engine).double()
+    return (log_ratio.exp() - 1 - log_ratio).mean().item()
+
+
 def _engine_worker(old_dir, new_dir, work):
 
     from kernels.fp8.format import blockwise_fp8_dequantize
     from distributed import start_trainer
+    from megatron_ais.bridge.aligned_forward import RolloutAlignedForward
+    from megatron_ais.forward import ParallelGroups
+    from megatron_ais.refit_probe import trainer_probe_logprobs
     from megatron_ais.bridge.quantization import QuantizationPolicy
     from megatron_ais.bridge.config import BridgeConfig
     from megatron_ais.bridge.layout import BridgeLayout
@@ -56,6 +66,11 @@ def _engine_worker(old_dir, new_dir, work):
     bridge = WeightBridge(chunks, build, config, layout, receiver)
     bridge.sync(1)
     after = engine.prompt_logprobs(PROBE)
+    # the trainer's log-probs on the probe, with its own weights and with the engine's (QaRL's aligned forward)
+    groups = ParallelGroups.from_parallel_state()
+    standard = trainer_probe_logprobs(chunks, PROBE, groups, build.shape.vocab_size)
+    with RolloutAlignedForward.from_parallel_state(chunks, build, config.policy, activations=False)():
+        aligned = trainer_probe_logprobs(chunks, PROBE, groups, build.shape.vocab_size)
     sent = applied[0]
     reference_weights = {n: blockwise_fp8_dequantize(t, sent[n + "_scale_inv"], 128, torch.float32)
                          if t.dtype == torch.float8_e4m3fn else t.float()
@@ -92,7 +107,8 @@ def _engine_worker(old_dir, new_dir, work):
     still = engine.prompt_logprobs(PROBE)
     # plain arrays: tensors shared through the result queue would need this process alive to be read
     arrays = {n: t.numpy() for n, t in reference_weights.items()}
-    return (float8_layers, before.numpy(), after.numpy(), still.numpy(), arrays, refused, len(applied))
+    return (float8_layers, before.numpy(), after.numpy(), still.numpy(), arrays, refused, len(applied),
+            standard.numpy(), aligned.numpy())
 
 
 @pytest.mark.slow
@@ -104,7 +120,7 @@ def test_bridge_into_real_vllm_engine(model_root, tmp_path, cpu_fp8_path):
                  vocab_size=512)
     old_dir = make_model_dir(model_root, "qwen3", seed=1, **shape)
     new_dir = make_model_dir(model_root, "qwen3", seed=2, **shape)
-    ((float8_layers, before, after, still, weights, refused, applied),) = spawn(
+    ((float8_layers, before, after, still, weights, refused, applied, standard, aligned),) = spawn(
         1, _engine_worker, old_dir, new_dir, str(tmp_path))
     before, after, still = torch.from_numpy(before), torch.from_numpy(after), torch.from_numpy(still)
     reference = _hf_logprobs({n: torch.from_numpy(a) for n, a in weights.items()}, new_dir)
@@ -122,3 +138,10 @@ def test_bridge_into_real_vllm_engine(model_root, tmp_path, cpu_fp8_path):
     with pytest.raises(RefitVerificationError, match="stale or corrupt"):
         verify_refit(before, reference, "fp8")
     assert torch.equal(still, after), "a refused sync must leave the engine's weights untouched"
+    # QaRL's rollout-aligned forward scores like transformers on the sent weights (each code x scale rounded to BF16,
+    # as the engine's W8A16 layers hold them), and the trainer-engine k3 drops
+    standard, aligned = torch.from_numpy(standard), torch.from_numpy(aligned)
+    engine_weights = _hf_logprobs({n: torch.from_numpy(a).bfloat16() for n, a in weights.items()}, new_dir)
+    assert (aligned - engine_weights).abs().max() < 1e-3 and (standard - unquantized).abs().max() < 1e-3
+    k3_standard, k3_aligned = _k3(standard, after), _k3(aligned, after)
+    assert k3_aligned < k3_standard / 10, (k3_aligned, k3_standard)
