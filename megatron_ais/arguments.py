@@ -26,7 +26,7 @@ from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import add_flag_group, plain_flag_values
 from megatron_ais.grpo.advantages import AdvantageConfig
 from megatron_ais.grpo.loop_config import GRPOLoopConfig
-from megatron_ais.grpo.loss import PolicyLossConfig
+from megatron_ais.grpo.loss import SEQUENCE_LOSSES, PolicyLossConfig
 from megatron_ais.kv_calibration import KVCacheCalibrationConfig
 from megatron_ais.logging import LoggingConfig
 from megatron_ais.model import ModelConfig
@@ -207,11 +207,11 @@ class GRPORunConfig:
                 f"--rollout-aligned-forward with --rollout-precision {self.bridge.policy.precision}: the engine's "
                 f"weights are the trainer's own, there is nothing to align to; use --rollout-precision "
                 f"{' or '.join(QUANTIZED_PRECISIONS)}, or drop the flag")
-        if self.loss.policy_loss == "gspo" and correction.correction != "none" and correction.level == "token":
+        if self.loss.policy_loss in SEQUENCE_LOSSES and correction.correction != "none" and correction.level == "token":
             raise ArgumentValidationError(
-                f"--policy-loss gspo with --is-correction {correction.correction} at --is-level token: GSPO's ratio "
-                "and clip are per sequence, so the mismatch correction must be too; add --is-level geometric (the "
-                "same geometric mean as GSPO's ratio) or --is-level sequence, or use --is-correction none")
+                f"--policy-loss {self.loss.policy_loss} with --is-correction {correction.correction} at --is-level "
+                "token: its ratio and clip are per sequence, so the mismatch correction must be too; add --is-level "
+                "geometric (the same geometric mean as its ratio) or --is-level sequence, or use --is-correction none")
 
     def _check_fleet(self, world_size: int) -> None:
         """Refuse engines the run cannot drive or place, naming the flags."""

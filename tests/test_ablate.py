@@ -22,11 +22,23 @@ def test_the_regime_changes_only_the_fp8_arms():
     assert w8a8[-4:] == ["--rollout-fp8-activations", "emulate", "--rollout-kv-cache-dtype", "fp8"]
     assert "--is-level" in w8a8 and ablate.arm_flags("fp8", arms["fp8"], "w8a16") == arms["fp8"]
     assert ablate.arm_flags("fp8", arms["fp8"], "gpu")[-2:] == ["--rollout-kv-cache-dtype", "fp8"]  # W8A8 natively
-    assert len(arms) == 16
+    assert len(arms) == 20
     assert ablate.arm_flags("nvfp4", arms["nvfp4"], "w8a8") == arms["nvfp4"]  # W4A16 in every regime
     stale = ablate.arm_flags("fp8-ais-lag", arms["fp8-ais-lag"], "w8a16", eta=2)
     assert stale[-4:] == ["--max-off-policy-steps", "2", "--rollout-placement", "separate"]
     assert "--ais-lambda-per-lag" in stale
+
+
+def test_every_arm_is_a_run_the_flags_accept_in_every_regime():
+    from megatron_ais.arguments import GRPORunConfig
+    from pretrain_grpo_ais import build_grpo_parser
+
+    for name, _, flags in ablate.ARMS:
+        for regime in ablate.REGIMES:
+            argv = ["--hf-dir", "/m", *ablate.arm_flags(name, flags, regime, eta=2 if name in ablate.PER_LAG_ARMS else 0)]
+            config = GRPORunConfig.from_args(build_grpo_parser().parse_args(argv), 1)
+            assert config.aligned.rollout_aligned_forward == ("qarl" in name), name
+            assert (config.loss.policy_loss == "tbpo") == name.endswith("tbpo"), name
 
 
 def test_a_row_gives_mean_and_sample_std_over_seeds():

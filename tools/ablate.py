@@ -26,6 +26,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FP8 = ["--rollout-precision", "fp8"]
+# QaRL: the trainer's forward on the engine's weights; + TBPO (docs/ais-method.md §5.2: GSPO-scale clips, the trust
+# band for negative sequences, the sequence mismatch weight as geometric TIS capped at 2)
+QARL = ["--rollout-aligned-forward", "--is-correction", "none"]
+QARL_TBPO = ["--rollout-aligned-forward", "--policy-loss", "tbpo", "--loss-agg", "seq-mean-token-mean", "--clip-low",
+             "3e-4", "--clip-high", "4e-4", "--is-correction", "tis", "--is-level", "geometric", "--is-cap", "2"]
 # (name, label, flags): the fp8 arms sample from the FP8 engine of the chosen regime, the 4-bit arms from a W4A16
 # engine
 ARMS = (
@@ -41,10 +46,14 @@ ARMS = (
     ("fp8-ais-cv", "FP8 + AIS, CV variance", FP8 + ["--is-correction", "ais", "--ais-variance", "cv"]),
     ("fp8-ais-lag", "FP8 + AIS, one λ per lag", FP8 + ["--is-correction", "ais", "--ais-lambda-per-lag"]),
     ("fp8-ais-floor", "FP8 + AIS, stale λ ≥ 1", FP8 + ["--is-correction", "ais", "--ais-stale-lambda-floor", "1"]),
+    ("fp8-qarl", "FP8 + QaRL aligned forward", FP8 + QARL),
+    ("fp8-qarl-tbpo", "FP8 + QaRL + TBPO", FP8 + QARL_TBPO),
     ("nvfp4", "NVFP4 (W4A16), uncorrected", ["--rollout-precision", "nvfp4", "--is-correction", "none"]),
     ("nvfp4-tis", "NVFP4 (W4A16) + TIS", ["--rollout-precision", "nvfp4", "--is-correction", "tis"]),
     ("mxfp4", "MXFP4 (W4A16), uncorrected", ["--rollout-precision", "mxfp4", "--is-correction", "none"]),
     ("mxfp4-tis", "MXFP4 (W4A16) + TIS", ["--rollout-precision", "mxfp4", "--is-correction", "tis"]),
+    ("nvfp4-qarl", "NVFP4 (W4A16) + QaRL aligned forward", ["--rollout-precision", "nvfp4", *QARL]),
+    ("nvfp4-qarl-tbpo", "NVFP4 (W4A16) + QaRL + TBPO", ["--rollout-precision", "nvfp4", *QARL_TBPO]),
 )
 PER_LAG_ARMS = ("fp8-ais-lag", "fp8-ais-floor")  # need η > 0
 # the FP8 engine's numerics: the CPU kernel's W8A16; H100's W8A8 emulated on a CPU; on a GPU vLLM's own W8A8 path

@@ -14,6 +14,8 @@ from megatron_ais.registry import Registry, register
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # policy-gradient terms by --policy-loss: (log π, log π_old, advantages, mask, config) -> (per-token term, clipped)
 POLICY_LOSSES = Registry("--policy-loss")
+# the policy losses whose ratio and clip are per sequence
+SEQUENCE_LOSSES = ("gspo", "tbpo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +37,16 @@ class PolicyLossConfig(FlagConfig):
                          choices=LOSS_AGGREGATIONS)
     policy_loss: str = flag("ppo", "ppo: token-level ratio and clip; gspo: GSPO's sequence ratio (geometric mean of "
                                    "the token ratios) clipped per sequence, with --loss-agg seq-mean-token-mean (use "
-                                   "GSPO-scale --clip-low/--clip-high, e.g. 3e-4/4e-4).",
+                                   "GSPO-scale --clip-low/--clip-high, e.g. 3e-4/4e-4); tbpo: QaRL's TBPO as "
+                                   "reconstructed in docs/ais-method.md §5.2 — GSPO's ratio and clip for positive "
+                                   "advantages, for negative ones the ratio held in the trust band "
+                                   "[1 - --tbpo-neg-clip-low, 1 + --tbpo-neg-clip-high] (no gradient outside it); its "
+                                   "sequence mismatch weight is --is-correction tis --is-level geometric --is-cap 2.",
                             choices=lambda: tuple(POLICY_LOSSES))
+    tbpo_neg_clip_low: float = flag(3e-4, "TBPO: the trust band's lower edge for negative-advantage sequences, "
+                                          "1 - this.", at_least=0, below=1)
+    tbpo_neg_clip_high: float = flag(7e-4, "TBPO: the trust band's upper edge for negative-advantage sequences, "
+                                           "1 + this (PPO lets their ratio grow unbounded).", at_least=0)
     # the longest response (--max-new-tokens): Dr. GRPO's constant normaliser of a sequence's token sum
     max_response_tokens: int = 1
 
@@ -46,9 +56,9 @@ class PolicyLossConfig(FlagConfig):
             raise ValueError(f"--loss-agg {self.loss_agg!r} must be one of {LOSS_AGGREGATIONS}")
         if self.policy_loss not in POLICY_LOSSES:
             raise ValueError(f"--policy-loss {self.policy_loss!r} must be one of {tuple(POLICY_LOSSES)}")
-        if self.policy_loss == "gspo" and self.loss_agg != "seq-mean-token-mean":
-            raise ValueError(f"--policy-loss gspo with --loss-agg {self.loss_agg}: GSPO's objective is the mean over "
-                             "sequences of each sequence's clipped term; use --loss-agg seq-mean-token-mean")
+        if self.policy_loss in SEQUENCE_LOSSES and self.loss_agg != "seq-mean-token-mean":
+            raise ValueError(f"--policy-loss {self.policy_loss} with --loss-agg {self.loss_agg}: its objective is the "
+                             "mean over sequences of each sequence's clipped term; use --loss-agg seq-mean-token-mean")
         if self.kl_type not in ("k1", "k3"):
             raise ValueError(f"--kl-type {self.kl_type!r} must be k1 or k3")
 
@@ -74,17 +84,36 @@ def ppo_clip_term(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
     return clipped_objective((logprobs - old_logprobs).exp(), advantages, config)
 
 
-@register(POLICY_LOSSES, "gspo")
-def gspo_term(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              config: PolicyLossConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """GSPO (Zheng et al. 2025): the sequence ratio s = exp(mean over the response of log π − log π_old), clipped
-    per sequence. Each token carries s_t = sg(s) · π_t / sg(π_t): its value is s, its gradient s·∇log π_t, so the
-    per-sequence token mean (seq-mean-token-mean) has GSPO's gradient s·mean_t ∇log π_t."""
+def sequence_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's sequence ratio s = exp(mean over the response of log π − log π_old) on each token as
+    s_t = sg(s) · π_t / sg(π_t): its value is s, its gradient s·∇log π_t, so the per-sequence token mean
+    (seq-mean-token-mean) of a term linear in it has the gradient s·mean_t ∇log π_t."""
     mask = mask.float()
     log_ratio = (logprobs - old_logprobs) * mask
     sequence = log_ratio.sum(dim=-1, keepdim=True) / mask.sum(dim=-1, keepdim=True).clamp(min=1.0)
-    ratio = (logprobs - logprobs.detach() + sequence.detach()).exp()
-    return clipped_objective(ratio, advantages, config)
+    return (logprobs - logprobs.detach() + sequence.detach()).exp()
+
+
+@register(POLICY_LOSSES, "gspo")
+def gspo_term(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              config: PolicyLossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO (Zheng et al. 2025): the sequence ratio (`sequence_ratio`), clipped per sequence."""
+    return clipped_objective(sequence_ratio(logprobs, old_logprobs, mask), advantages, config)
+
+
+@register(POLICY_LOSSES, "tbpo")
+def tbpo_term(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              config: PolicyLossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """QaRL's TBPO as reconstructed in docs/ais-method.md §5.2: GSPO's sequence ratio s; a sequence with A ≥ 0 has
+    GSPO's clipped term −min(s·A, clip(s, 1−ε_low, 1+ε_high)·A); one with A < 0 has −clip(s, 1−ε⁻_low, 1+ε⁻_high)·A:
+    inside the trust band its gradient is GSPO's, outside it none on either side (PPO's clip stops only the side
+    where s falls; dual clipping bounds the other, here to the band)."""
+    ratio = sequence_ratio(logprobs, old_logprobs, mask)
+    positive, clipped = clipped_objective(ratio, advantages, config)
+    band = ratio.clamp(1.0 - config.tbpo_neg_clip_low, 1.0 + config.tbpo_neg_clip_high)
+    negative = advantages < 0
+    out_of_band = (band.detach() != ratio.detach()).float()
+    return torch.where(negative, -advantages * band, positive), torch.where(negative, out_of_band, clipped)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_type: str) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """The GRPO options of DAPO-style recipes, each against a closed form or a peer's published function ported here as
-reference code (its source named): GSPO's loss and gradient (verl), Dr. GRPO's constant normaliser, DAPO's soft
+reference code (its source named): GSPO's loss and gradient (verl), TBPO's clips (closed form), Dr. GRPO's constant normaliser, DAPO's soft
 overlong penalty (verl's DAPO reward manager) and overlong masking; the registries refuse a name twice; the defaults
 compute what they did before the options existed, bit for bit."""
+import math
+
 import pytest
 import torch
 
@@ -81,6 +83,40 @@ def test_gspo_gradient_is_the_sequence_ratio_times_the_mean_score():
     s = torch.exp((new.detach() - old).mean())
     assert clipped.sum() == 0
     assert torch.allclose(new.grad, torch.full_like(old, -advantage * s.item() / 3), rtol=1e-12)
+
+
+@pytest.mark.parametrize("advantage,drift,moves,value", [
+    (0.8, 1e-4, True, None),  # A > 0 inside GSPO's clip: GSPO's gradient
+    (0.8, 2e-3, False, 1 + 4e-4),  # A > 0 above 1 + clip_high: clipped, no gradient
+    (0.8, -2e-3, True, None),  # A > 0 below 1 - clip_low: PPO's min keeps s·A, the gradient flows
+    (-0.8, 5e-4, True, None),  # A < 0 inside the trust band (above positive's 1 + clip_high: the band is its own)
+    (-0.8, 2e-3, False, 1 + 7e-4),  # A < 0 above the band: dual clip, no gradient (GSPO's would flow, unbounded)
+    (-0.8, -2e-3, False, 1 - 3e-4),  # A < 0 below the band: no gradient
+])
+def test_tbpo_clips_positive_sequences_like_gspo_and_holds_negative_ones_in_the_trust_band(advantage, drift, moves,
+                                                                                          value):
+    """Closed form of TBPO (docs/ais-method.md §5.2) on one sequence of three tokens whose log-probs all moved by
+    `drift` (s = e^drift): the term is −A·s with gradient −A·s/3 per token where it moves, else −A·bound with none."""
+    old = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64)
+    new = (old + drift).requires_grad_(True)
+    mask = torch.ones_like(old)
+    config = PolicyLossConfig(policy_loss="tbpo", loss_agg="seq-mean-token-mean", clip_low=3e-4, clip_high=4e-4)
+    term, clipped = POLICY_LOSSES["tbpo"](new, old, torch.full_like(old, advantage), mask, config)
+    aggregate(term, mask, config.loss_agg, 1.0).backward()
+    s = math.exp(drift)
+    if moves:
+        assert clipped.sum() == 0
+        assert torch.allclose(term.detach(), torch.full_like(old, -advantage * s), rtol=1e-12)
+        assert torch.allclose(new.grad, torch.full_like(old, -advantage * s / 3), rtol=1e-10)
+    else:
+        assert clipped.eq(1).all() and new.grad.abs().max() == 0
+        assert torch.allclose(term.detach(), torch.full_like(old, -advantage * value), rtol=1e-12)
+    gspo = new.detach().clone().requires_grad_(True)
+    gspo_value, _ = gspo_term(gspo, old, torch.full_like(old, advantage), mask, config)
+    aggregate(gspo_value, mask, config.loss_agg, 1.0).backward()
+    # only where a negative sequence's ratio rises past the band does GSPO's gradient flow and TBPO's not
+    differs = advantage < 0 and drift > 7e-4
+    assert differs != torch.allclose(gspo.grad, new.grad, rtol=1e-12, atol=0), (gspo.grad, new.grad)
 
 
 def test_dr_grpo_normaliser_is_sequences_times_the_longest_response():
