@@ -26,8 +26,9 @@ NAMESPACE_READERS = {"from_args", "flag_values", "plain_flag_values"}
 LOCAL_IMPORT_ROOTS = {"vllm", "triton", "wandb", "matplotlib", "transformers", "math_verify", "transformer_engine"}
 # +2: the import calls the checks now see (Transformer Engine's probe, the CPU shim's patched modules); +2: the vLLM
 # modules whose 4-bit kernel selection the CPU engine replaces (ModelOpt NVFP4, compressed-tensors MXFP4); +2: the
-# vLLM modules whose process launchers a separate CPU engine's fork server replaces (engine core, workers)
-MAX_LOCAL_IMPORTS = 43
+# vLLM modules whose process launchers a separate CPU engine's fork server replaces (engine core, workers); +3: the
+# vLLM modules whose 4-bit MoE methods the CPU engine replaces (the MoE method bases, ModelOpt, compressed-tensors)
+MAX_LOCAL_IMPORTS = 46
 # the CPU shim imports the megatron modules it patches when it patches (CPU only): `platform` stays light for the
 # spawned ranks and workers that only ask which device and backend they have
 LOCAL_IMPORTS_IN = {"megatron_ais.platform": {"megatron"}}

@@ -241,7 +241,7 @@ def megatron_to_hf(load: str, save: str, allow_unverified: bool = False, precisi
     tensors bit for bit (BF16 for a BF16 run); fp8 writes what the bridge sends an FP8 engine: blockwise e4m3
     (128x128, fp32 `weight_scale_inv`) where the bridge's policy quantizes, BF16 elsewhere, with the
     `quantization_config` vLLM and SGLang read; nvfp4 / mxfp4 what a 4-bit engine loads (ModelOpt's W4A16 NVFP4,
-    compressed-tensors' MXFP4; dense models), with the `quantization_config` vLLM reads. Tensors are written one by
+    compressed-tensors' MXFP4), with the `quantization_config` vLLM reads. Tensors are written one by
     one into shards of at most `max_shard_bytes`; a torch_dist checkpoint is read whole into one spawned process."""
     if precision not in EXPORT_PRECISIONS:
         raise ArgumentValidationError(f"--precision {precision!r} must be one of {', '.join(EXPORT_PRECISIONS)}")
@@ -414,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="bf16: the checkpoint's tensors bit for bit (BF16 for a BF16 run); fp8: what an FP8 engine "
                            "serves, as the bridge sends it (blockwise e4m3, 128x128, fp32 weight_scale_inv, with the "
                            "quantization_config vLLM and SGLang read); nvfp4 / mxfp4: what a 4-bit engine serves "
-                           "(ModelOpt's W4A16 NVFP4, compressed-tensors' MXFP4; dense models).")
+                           "(ModelOpt's W4A16 NVFP4, compressed-tensors' MXFP4).")
     to_h.add_argument("--max-shard-size-mb", type=float, default=5000.0,
                       help="Largest safetensors shard (a larger tensor is a shard of its own); tensors are written one "
                            "by one, so the converter holds about one shard in memory (a torch_dist checkpoint is "

@@ -80,13 +80,17 @@ def _fp8_requirements(shape, engine_tp: int) -> list[tuple[str, str, int, str]]:
 
 def _four_bit_requirements(shape, engine_tp: int) -> list[tuple[str, str, int, str]]:
     """What vLLM's 4-bit layers need whole 1 x block groups of, per engine rank at TP `engine_tp`: every projection's
-    input columns (row-parallel ones split by TP)."""
-    heads, ffn = shape.num_attention_heads * shape.head_dim // engine_tp, shape.ffn_hidden_size // engine_tp
-    qkv, gate_up = r"self_attn\.[qkv]_proj", r"mlp\.(gate|up)_proj"
-    return [("self_attn.q_proj", qkv, shape.hidden_size, "input columns"),
-            ("self_attn.o_proj", r"self_attn\.o_proj", heads, "input columns"),
-            ("mlp.gate_proj", gate_up, shape.hidden_size, "input columns"),
-            ("mlp.down_proj", r"mlp\.down_proj", ffn, "input columns")]
+    input columns (row-parallel ones split by TP), MoE experts' too."""
+    heads = shape.num_attention_heads * shape.head_dim // engine_tp
+    attention = [("self_attn.q_proj", r"self_attn\.[qkv]_proj", shape.hidden_size, "input columns"),
+                 ("self_attn.o_proj", r"self_attn\.o_proj", heads, "input columns")]
+    if shape.is_moe:  # every expert alike: expert 0 stands for them
+        return attention + [("mlp.experts.0.gate_proj", r"mlp\.experts\.", shape.hidden_size, "input columns"),
+                            ("mlp.experts.0.down_proj", r"mlp\.experts\.", shape.moe_ffn_hidden_size // engine_tp,
+                             "input columns")]
+    ffn = shape.ffn_hidden_size // engine_tp
+    return attention + [("mlp.gate_proj", r"mlp\.(gate|up)_proj", shape.hidden_size, "input columns"),
+                        ("mlp.down_proj", r"mlp\.down_proj", ffn, "input columns")]
 
 
 def check_engine_shapes(shape, policy: QuantizationPolicy, engine_tp: int) -> None:
@@ -96,9 +100,6 @@ def check_engine_shapes(shape, policy: QuantizationPolicy, engine_tp: int) -> No
     run would then not be the FP8 run asked for."""
     if policy.precision not in QUANTIZED_PRECISIONS:
         return
-    if policy.precision != "fp8" and shape.is_moe:
-        raise ValueError(f"--rollout-precision {policy.precision}: 4-bit MoE experts are not served yet (dense models "
-                         "only); use --rollout-precision fp8")
     block = FOUR_BIT_BLOCKS.get(policy.precision, policy.block_size)
     blocks = f"{policy.block_size}x{policy.block_size} blocks" if policy.precision == "fp8" else f"1x{block} groups"
     needs = _fp8_requirements if policy.precision == "fp8" else _four_bit_requirements

@@ -379,6 +379,103 @@ def install_fp4_linear_cpu_kernels() -> bool:
     return True
 
 
+def _dequantized_moe_method():
+    """The base of the CPU's 4-bit MoE methods: the experts' codes and scales are loaded as the quantized method
+    creates them, and at every load and in-place reload dequantized into BF16 w13 [E, 2I, H] / w2 [E, H, I] weights
+    that vLLM's unquantized CPU experts pack and run (their kernel, padding and routing: a BF16 engine's on those
+    weights). `checkpoint_params`, `_dequantize(layer) -> (w13, w2)` come from the subclass."""
+    # vLLM: imported in vLLM's processes only
+    from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, UnquantizedFusedMoEMethod
+
+    # vLLM 0.32.0: FusedMoEMethodBase.__init__(moe) sets moe, moe_quant_config, moe_kernel (None until the first
+    # load); is_monolithic reads experts_cls before; UnquantizedFusedMoEMethod(moe) picks the CPU experts and, in
+    # process_weights_after_loading, pads and (first load) builds its kernel and pre-packs w13_weight / w2_weight
+    # (later loads: patch_moe_reload); apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+    class DequantizedMoEMethod:
+        def _init_unquantized(self, moe) -> None:
+            FusedMoEMethodBase.__init__(self, moe)
+            self._unquantized = UnquantizedFusedMoEMethod(moe)
+            self.experts_cls = self._unquantized.experts_cls  # a modular kernel: the router's capture still fires
+
+        @property
+        def supports_eplb(self) -> bool:
+            return False
+
+        def get_fused_moe_quant_config(self, layer):
+            return self._unquantized.get_fused_moe_quant_config(layer)
+
+        def process_weights_after_loading(self, layer) -> None:
+            w13, w2 = self._dequantize(layer)
+            for name in self.checkpoint_params:
+                if hasattr(layer, name):
+                    delattr(layer, name)
+            layer.register_parameter("w13_weight", torch.nn.Parameter(w13, requires_grad=False))
+            layer.register_parameter("w2_weight", torch.nn.Parameter(w2, requires_grad=False))
+            self._unquantized.process_weights_after_loading(layer)
+            self.moe_kernel, self.moe_quant_config = self._unquantized.moe_kernel, self._unquantized.moe_quant_config
+
+        def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+            return self._unquantized.apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+
+    return DequantizedMoEMethod
+
+
+def install_fp4_moe_cpu_methods() -> bool:
+    """Give vLLM's NVFP4 (ModelOpt W4A16) and MXFP4 (compressed-tensors) MoE layers a CPU method
+    (`_dequantized_moe_method`), where vLLM has none ("No NvFp4 MoE backend supports the deployment configuration";
+    MXFP4 would repack for Marlin, a CUDA op). Return True if installed now."""
+    # vLLM: imported in vLLM's processes only
+    from vllm.model_executor.layers.quantization import modelopt
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import \
+        compressed_tensors_moe_w4a4_mxfp4 as mxfp4_moe
+
+    if getattr(modelopt, "_megatron_ais_fp4_moe", False):
+        return False
+    dequantized = _dequantized_moe_method()
+
+    # vLLM 0.32.0: ModelOptNvFp4FusedMoE.create_weights reads quant_config, use_global_sf and moe, and makes w13/w2
+    # weight (uint8), weight_scale (e4m3 per 16), weight_scale_2 (fp32 [E, 2] / [E]) and input scales (never loaded
+    # for W4A16); RoutedExperts' weight loader picks ModelOpt's scale branches by "ModelOpt" in the class name
+    class ModelOptNvFp4DequantizedMoE(dequantized, modelopt.ModelOptNvFp4FusedMoE):
+        checkpoint_params = tuple(f"w{i}_{n}" for i in (13, 2) for n in ("weight", "weight_scale", "weight_scale_2",
+                                                                          "input_scale"))
+
+        def __init__(self, quant_config, moe_config):
+            if quant_config.quant_method != "W4A16_NVFP4":
+                raise NotImplementedError("NVFP4 MoE experts on CPU: W4A16_NVFP4 checkpoints only")
+            self._init_unquantized(moe_config)
+            self.quant_config, self.use_a16, self.use_global_sf, self.per_token_activation = \
+                quant_config, True, False, False
+
+        def _dequantize(self, layer):
+            half = layer.w13_weight.shape[1]
+            rows = layer.w13_weight_scale_2.data.repeat_interleave(half // 2, dim=1)  # gate's, then up's, per row
+            w13 = torch.stack([nvfp4_dequantize(w, s, g[:, None], layer.params_dtype) for w, s, g in
+                               zip(layer.w13_weight.data, layer.w13_weight_scale.data, rows)])
+            w2 = torch.stack([nvfp4_dequantize(w, s, g, layer.params_dtype) for w, s, g in
+                              zip(layer.w2_weight.data, layer.w2_weight_scale.data, layer.w2_weight_scale_2.data)])
+            return w13, w2
+
+    # vLLM 0.32.0: compressed_tensors_moe.get_moe_method imports CompressedTensorsW4A4Mxfp4MoEMethod from its module
+    # at each call (W4A16 too), whose create_weights makes w13/w2 weight_packed (uint8) and weight_scale (e8m0 / 32)
+    class CompressedTensorsMxfp4DequantizedMoE(dequantized, mxfp4_moe.CompressedTensorsW4A4Mxfp4MoEMethod):
+        checkpoint_params = ("w13_weight_packed", "w2_weight_packed", "w13_weight_scale", "w2_weight_scale")
+
+        def __init__(self, moe):
+            self._init_unquantized(moe)
+            self.group_size, self.use_cutlass_mxfp4, self.mxfp4_backend = 32, False, None
+
+        def _dequantize(self, layer):
+            return tuple(torch.stack([mxfp4_dequantize(c, s, layer.params_dtype) for c, s in zip(codes, scales)])
+                         for codes, scales in ((layer.w13_weight_packed.data, layer.w13_weight_scale.data),
+                                               (layer.w2_weight_packed.data, layer.w2_weight_scale.data)))
+
+    modelopt.ModelOptNvFp4Config.FusedMoEMethodCls = ModelOptNvFp4DequantizedMoE
+    mxfp4_moe.CompressedTensorsW4A4Mxfp4MoEMethod = CompressedTensorsMxfp4DequantizedMoE
+    modelopt._megatron_ais_fp4_moe = True
+    return True
+
+
 def add_w8a8_linear_emulation() -> None:
     """Let the CPU blockwise-FP8 kernel run W8A8 (`fp8_emulation.w8a8_linear`) for the layers loaded while
     `FP8_ACTIVATIONS_ENV` is emulate (each keeps its dequantized weight before the kernel packs it); other layers run

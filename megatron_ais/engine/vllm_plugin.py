@@ -47,8 +47,9 @@ import torch
 
 from megatron_ais import platform
 from megatron_ais.engine.vllm_compat import add_cpu_fp8_expert_paths, add_fp8_kv_cache_emulation, \
-    add_w8a8_linear_emulation, cpu_fp8_w8a16_op, install_fp4_linear_cpu_kernels, install_fp8_linear_torch_path, \
-    lift_fp8_moe_gate, patch_cpu_fp8_linear_kernels, patch_moe_reload, use_torch_linear_for_bf16
+    add_w8a8_linear_emulation, cpu_fp8_w8a16_op, install_fp4_linear_cpu_kernels, install_fp4_moe_cpu_methods, \
+    install_fp8_linear_torch_path, lift_fp8_moe_gate, patch_cpu_fp8_linear_kernels, patch_moe_reload, \
+    use_torch_linear_for_bf16
 from megatron_ais.lifetime import exit_with_parent_if_asked
 
 logger = logging.getLogger("megatron_ais.vllm_plugin")
@@ -92,3 +93,5 @@ def register() -> None:
     add_cpu_fp8_expert_paths(torch_path)
     if install_fp4_linear_cpu_kernels():
         logger.info("megatron-ais vLLM plugin: NVFP4 and MXFP4 linear layers W4A16 (BF16 weights dequantized at load)")
+    if install_fp4_moe_cpu_methods():
+        logger.info("megatron-ais vLLM plugin: NVFP4 and MXFP4 MoE experts W4A16 (BF16 experts dequantized at load)")

@@ -104,8 +104,11 @@ def _engines(hf_dir: str, work: str):
 
 
 @pytest.mark.slow
-def test_4bit_engines_equal_a_bf16_engine_on_the_dequantized_weights_bit_for_bit(model_root, tmp_path):
-    hf_dir = make_model_dir(model_root, "qwen3", **SHAPE)
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_4bit_engines_equal_a_bf16_engine_on_the_dequantized_weights_bit_for_bit(model_root, tmp_path, arch):
+    """Dense, and Qwen3-MoE whose experts the CPU runs as vLLM's BF16 experts on the dequantized codes."""
+    shape = SHAPE if arch == "qwen3" else dict(num_layers=2, hidden_size=256, vocab_size=512, initializer_range=0.1)
+    hf_dir = make_model_dir(model_root, arch, **shape)
     ((found, expected, printed),) = spawn(1, _engines, hf_dir, str(tmp_path))
     for key in ("nvfp4", "nvfp4 updated", "mxfp4"):
         assert torch.equal(found[key], expected[key]), (key, (found[key] - expected[key]).abs().max())
@@ -164,9 +167,10 @@ def test_4bit_refusals_name_the_flag():
     check_engine_shapes(dense, QuantizationPolicy(precision="nvfp4"), 1)  # 688 = 43 x 16
     with pytest.raises(ValueError, match="mlp.down_proj.weight has 688 input columns .* not whole 1x32 groups"):
         check_engine_shapes(dense, QuantizationPolicy(precision="mxfp4"), 1)
-    with pytest.raises(ValueError, match="4-bit MoE experts are not served yet"):
-        check_engine_shapes(SimpleNamespace(**{**vars(dense), "is_moe": True}), QuantizationPolicy(precision="mxfp4"),
-                            1)
+    moe = SimpleNamespace(**{**vars(dense), "is_moe": True, "moe_ffn_hidden_size": 48})
+    check_engine_shapes(moe, QuantizationPolicy(precision="nvfp4"), 1)  # 48 = 3 x 16
+    with pytest.raises(ValueError, match="mlp.experts.0.down_proj.weight has 48 input columns .* not whole 1x32"):
+        check_engine_shapes(moe, QuantizationPolicy(precision="mxfp4"), 1)
 
 
 @pytest.mark.parametrize("precision", ["nvfp4", "mxfp4", "fp8"])
