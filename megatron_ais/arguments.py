@@ -44,12 +44,13 @@ from megatron_ais.training import TrainingConfig, WeightSource
 TRAINER_FLAGS = (("model", (ModelConfig,)), ("parallelism", (ParallelLayout,)), ("training", (TrainingConfig,)),
                  ("checkpointing", (CheckpointConfig,)), ("logging", (LoggingConfig,)), ("task", (TaskConfig,)))
 # a GRPO run's training heading also lists QaRL's rollout-aligned forward
-GRPO_FLAGS = tuple((title, (*configs, AlignedForwardConfig) if title == "training" else configs)
-                   for title, configs in TRAINER_FLAGS) + (("grpo", (PolicyLossConfig, AdvantageConfig, OverlongConfig, DynamicSamplingConfig)),
-                              ("importance-sampling correction", (AISConfig,)),
-                              ("rollout", (EngineConfig, KVCacheCalibrationConfig)),
-                              ("rollout fleet", (ClusterConfig, FleetConfig)), ("rewards", (RewardConfig,)),
-                              ("bridge", (BridgeConfig, QuantizationPolicy)), ("grpo loop", (GRPOLoopConfig,)))
+GRPO_TRAINER_FLAGS = tuple((title, (*configs, AlignedForwardConfig) if title == "training" else configs)
+                           for title, configs in TRAINER_FLAGS)
+GRPO_FLAGS = GRPO_TRAINER_FLAGS + (
+    ("grpo", (PolicyLossConfig, AdvantageConfig, OverlongConfig, DynamicSamplingConfig)),
+    ("importance-sampling correction", (AISConfig,)), ("rollout", (EngineConfig, KVCacheCalibrationConfig)),
+    ("rollout fleet", (ClusterConfig, FleetConfig)), ("rewards", (RewardConfig,)),
+    ("bridge", (BridgeConfig, QuantizationPolicy)), ("grpo loop", (GRPOLoopConfig,)))
 SFT_FLAGS = TRAINER_FLAGS + (("sft", (SFTConfig,)),)
 
 

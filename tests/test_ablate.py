@@ -22,7 +22,7 @@ def test_the_regime_changes_only_the_fp8_arms():
     assert w8a8[-4:] == ["--rollout-fp8-activations", "emulate", "--rollout-kv-cache-dtype", "fp8"]
     assert "--is-level" in w8a8 and ablate.arm_flags("fp8", arms["fp8"], "w8a16") == arms["fp8"]
     assert ablate.arm_flags("fp8", arms["fp8"], "gpu")[-2:] == ["--rollout-kv-cache-dtype", "fp8"]  # W8A8 natively
-    assert len(arms) == 20
+    assert len(arms) == 23
     assert ablate.arm_flags("nvfp4", arms["nvfp4"], "w8a8") == arms["nvfp4"]  # W4A16 in every regime
     stale = ablate.arm_flags("fp8-ais-lag", arms["fp8-ais-lag"], "w8a16", eta=2)
     assert stale[-4:] == ["--max-off-policy-steps", "2", "--rollout-placement", "separate"]

@@ -60,6 +60,8 @@ class AISResult:
     truncated_fraction: float
     num_units: float
     sequence_ess: float = 1.0  # (Σ W)² / (N Σ W²) of the sequences' raw weights W = Π_t w_t, whatever the level
+    bias: float = 0.0  # the bias test's b̂ and z (diagnostics.bias_test), whatever the λ rule
+    bias_z: float = 0.0
     # --ais-lambda-per-lag: each token's λ, that of its lag (`lambda_per_token`); the correction uses it, not `lam`
     token_lambda: torch.Tensor | None = None
 
@@ -71,7 +73,7 @@ class AISResult:
                 prefix + "ess_ratio_raw": self.ess_ratio_raw, prefix + "cv2_applied": self.cv2_applied,
                 prefix + "chi2": self.chi2, prefix + "k3_kl": self.k3_kl,
                 prefix + "frac_truncated": self.truncated_fraction, prefix + "num_units": self.num_units,
-                prefix + "sequence_ess": self.sequence_ess}
+                prefix + "sequence_ess": self.sequence_ess, prefix + "bias": self.bias, prefix + "bias_z": self.bias_z}
 
 
 EMPTY_RESULT = AISResult(lam=0.0, lam_raw=0.0, reliability=1.0, severity=0.0, variance_amplification=1.0,
@@ -109,19 +111,20 @@ def ais_coefficient(stats: torch.Tensor, config: AISConfig, state: AISState | No
     severity = registry.SEVERITY[config.severity](s, config, state)
     reliability = registry.RELIABILITY[config.reliability](s, config, state)
     variance = registry.VARIANCE[config.variance](s, config, state)
-    lam_raw = registry.COMBINERS[config.combiner](severity, reliability, variance, config)
+    lam_raw = registry.LAMBDA_RULES[config.lambda_rule](s, severity, reliability, variance, config)
     lam = min(max(lam_raw, config.lambda_min), config.lambda_max)
     if config.ema > 0:
         lam = lam if state.lam_ema is None else config.ema * state.lam_ema + (1.0 - config.ema) * lam
         state.lam_ema = lam
     state.batches += 1
     n = s["n"]
+    bias, bias_z = diagnostics.bias_test(s)
     return AISResult(
         lam=lam, lam_raw=lam_raw, reliability=reliability, severity=severity, variance_amplification=variance,
         mean_abs_logratio=d, ess_ratio_raw=s["sum_weight"] ** 2 / (n * s["sum_weight_sq"]),
         cv2_applied=n * s["sum_trunc_weight_sq"] / s["sum_trunc_weight"] ** 2 - 1.0,
         chi2=chi_square(s), k3_kl=s["sum_k3"] / n, truncated_fraction=s["n_truncated"] / n,
-        num_units=n, sequence_ess=sequence_ess(s))
+        num_units=n, sequence_ess=sequence_ess(s), bias=bias, bias_z=bias_z)
 
 
 def unit_weights(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,

@@ -54,6 +54,15 @@ class AISConfig(FlagConfig):
                          choices=functools.partial(sorted, registry.VARIANCE))
     combiner: str = flag("product", "How the three diagnostics become lambda.", name="--ais-combiner",
                          choices=functools.partial(sorted, registry.COMBINERS))
+    lambda_rule: str = flag(
+        "diagnostics", "How λ is set: diagnostics (AIS-R: the three diagnostics through --ais-combiner); bias-test "
+                       "(sign-aware: each sequence's share of the TIS gradient minus the uncorrected one, "
+                       "u = Â·Σ_t (min(w, C) − 1), tested over the batch: λ = clip(1 − 1/z², 0, 1) when its mean "
+                       "b̂ > 0, --ais-explore-lambda otherwise; docs/ais-method.md §2.8).", name="--ais-lambda",
+        choices=functools.partial(sorted, registry.LAMBDA_RULES))
+    explore_lambda: float = flag(0.0, "With --ais-lambda bias-test: λ when the mismatch does not correlate "
+                                      "positively with the advantage (b̂ ≤ 0: the paper's exploration bonus, left "
+                                      "uncorrected at 0).", name="--ais-explore-lambda", at_least=0, at_most=1)
     anchor_steps: int = flag(10, "Batches that define the anchored severity D0.", name="--ais-anchor-steps")
     anchor_kappa: float = flag(1.0, "Anchored severity scale kappa.", name="--ais-anchor-kappa")
     lambda_per_lag: bool = flag(
@@ -73,7 +82,7 @@ class AISConfig(FlagConfig):
         # looked up now, not frozen at import: the implementations register when `megatron_ais.ais` loads
         for value, table in ((self.correction, registry.CORRECTIONS), (self.severity, registry.SEVERITY),
                              (self.reliability, registry.RELIABILITY), (self.variance, registry.VARIANCE),
-                             (self.combiner, registry.COMBINERS)):
+                             (self.combiner, registry.COMBINERS), (self.lambda_rule, registry.LAMBDA_RULES)):
             if value not in table:
                 raise ValueError(f"{table.title} {value!r} must be one of {tuple(table)}")  # title: the flag
         if self.level not in LEVELS:

@@ -30,6 +30,8 @@ STAT_NAMES = (
     "n_sequences",                # sequences with a valid token   sequence-level ESS (logging), at every level:
     "sum_seq_weight",             # Σ W, W = exp(Σ_t δ_t) per sequence (Σ δ clamped like δ)
     "sum_seq_weight_sq",          # Σ W²
+    "sum_bias",                   # Σ u, u = Â Σ_t (min(w_t, C) − 1) per sequence   the bias test
+    "sum_bias_sq",                # Σ u²
 )
 INDEX = {name: i for i, name in enumerate(STAT_NAMES)}
 
@@ -89,7 +91,18 @@ def mismatch_statistics(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.
     seq_delta, seq_m = unit_log_ratios(trainer_logprobs.detach(), rollout_logprobs.detach(), mask,
                                        dataclasses.replace(config, level="sequence"))
     seq_w, seq_m = seq_delta.double().exp(), seq_m.double()
-    return torch.stack([(m * t).sum() for t in terms] + [(seq_m * t).sum() for t in (seq_m, seq_w, seq_w * seq_w)])
+    bias = bias_shares(trainer_logprobs.detach(), rollout_logprobs.detach(), advantages.detach(), mask, config)
+    return torch.stack([(m * t).sum() for t in terms] + [(seq_m * t).sum() for t in (seq_m, seq_w, seq_w * seq_w,
+                                                                                     bias, bias * bias)])
+
+
+def bias_shares(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, config: AISConfig) -> torch.Tensor:
+    """u per sequence [b] (fp64): Â · Σ_t (min(w_t, C) − 1) over its response, the sequence's share of the TIS
+    gradient's weight minus the uncorrected one's (token weights, whatever the level)."""
+    delta, m = unit_log_ratios(trainer_logprobs, rollout_logprobs, mask, dataclasses.replace(config, level="token"))
+    excess = ((delta.double().exp().clamp(max=config.cap) - 1.0) * m.double()).sum(dim=-1)
+    return unit_advantages(advantages, mask, dataclasses.replace(config, level="sequence")).double() * excess
 
 
 def reduce_statistics(stats: torch.Tensor, group) -> torch.Tensor:

@@ -30,8 +30,8 @@ class EngineConfig(FlagConfig):
     model_dir: str = ""
     precision: str = flag("fp8", "fp8: blockwise FP8 linear layers (128x128, weight_scale_inv) fed by the bridge; "
                                  "nvfp4 / mxfp4: 4-bit weight-only linear layers (W4A16; NVFP4 as ModelOpt writes "
-                                 "it, MXFP4 as compressed-tensors does; MoE experts too); bf16; fp32 (exact comparisons "
-                                 "with the trainer).", name="--rollout-precision",
+                                 "it, MXFP4 as compressed-tensors does; MoE experts too); bf16; fp32 (exact "
+                                 "comparisons with the trainer).", name="--rollout-precision",
                           choices=PRECISIONS)
     fp8_activations: str = flag(
         "none", "emulate: the CPU engine's FP8 linear layers quantize their inputs per token in 1x128 e4m3 groups, "

@@ -30,10 +30,11 @@ def test_defaults_follow_ais_method_section_2_4():
 CHOICES = [
     ("--is-correction", "correction", registry.CORRECTIONS, ("none", "tis", "mis", "icepop", "ais")),
     ("--is-level", "level", None, ("token", "sequence", "geometric")),
-    ("--ais-severity", "severity", registry.SEVERITY, ("mean_abs_logratio", "anchored")),
+    ("--ais-severity", "severity", registry.SEVERITY, ("mean_abs_logratio", "k3", "anchored")),
     ("--ais-reliability", "reliability", registry.RELIABILITY, ("band_ess", "raw_ess", "none")),
     ("--ais-variance", "variance", registry.VARIANCE, ("advantage_weighted", "cv", "none")),
     ("--ais-combiner", "combiner", registry.COMBINERS, ("product",)),
+    ("--ais-lambda", "lambda_rule", registry.LAMBDA_RULES, ("diagnostics", "bias-test")),
     ("--kl-type", "kl_type", None, ("k1", "k3")),
     ("--loss-agg", "loss_agg", None, ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                                       "seq-mean-token-sum-norm")),

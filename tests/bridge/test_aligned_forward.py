@@ -8,35 +8,10 @@ import torch
 
 from conftest import make_model_dir
 from distributed import spawn
+from quantized_references import reference_dequantized
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
 PROBE = list(range(5, 45))
-
-
-def _reference_dequantized(sent: dict, precision: str) -> dict:
-    """The engine's HF weights from a sync's tensors, by vLLM's references and the formats' definitions (not the
-    project's dequantizers)."""
-    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import break_fp4_bytes, \
-        dequantize_to_dtype
-
-    out = {}
-    for name, tensor in sent.items():
-        module = name.removesuffix(".weight_packed").removesuffix(".weight")
-        if name.endswith(("_scale_inv", ".weight_scale", ".weight_scale_2")):
-            continue
-        if tensor.dtype == torch.float8_e4m3fn:
-            scale = sent[name + "_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)
-            out[name] = (tensor.float() * scale[:tensor.shape[0], :tensor.shape[1]]).to(torch.bfloat16)
-        elif precision == "nvfp4" and module + ".weight_scale_2" in sent:
-            out[name] = dequantize_to_dtype(tensor, sent[module + ".weight_scale"], sent[module + ".weight_scale_2"],
-                                            torch.float32, 16, swizzle=False).to(torch.bfloat16)
-        elif name.endswith(".weight_packed"):
-            scale = 2.0 ** (sent[module + ".weight_scale"].to(torch.int32) - 127).float()
-            out[module + ".weight"] = (break_fp4_bytes(tensor, torch.float32)
-                                       * scale.repeat_interleave(32, dim=1)).to(torch.bfloat16)
-        else:
-            out[name] = tensor
-    return out
 
 
 def _hf_layer(seed: int) -> list:
@@ -56,7 +31,7 @@ def test_engine_weights_are_the_sent_codes_dequantized(precision):
 
     policy = QuantizationPolicy(precision=precision)
     named = _hf_layer(3)
-    reference = _reference_dequantized(dict(quantize_for_engine(named, policy)), precision)
+    reference = reference_dequantized(dict(quantize_for_engine(named, policy)), precision)
     aligned = dict(engine_weights(named, policy))
     assert list(aligned) == [name for name, _ in named]
     for name, tensor in named:
@@ -114,7 +89,7 @@ def _gradients_worker(hf_dir, precision, activations):
     (b,), _, _ = load_policy_chunks(build, trainer.weights)
     tp = ps.get_tensor_model_parallel_group()
     sent = dict(quantize_for_engine(list(export_hf_weights([b], build, tp)), policy))
-    engine = _reference_dequantized(sent, precision)
+    engine = reference_dequantized(sent, precision)
     with torch.no_grad():
         for name, layer, param in global_parameters(unwrap_model(b)):
             param.copy_(megatron_shard_from_hf(name, layer, build.shape.model_type, shard_context(build, 0),
@@ -195,7 +170,7 @@ def test_tp2_and_pp2_score_like_transformers_on_the_engines_weights(model_root):
     source = HFCheckpointReader(hf_dir)
     policy = QuantizationPolicy(precision="mxfp4")
     weights = [(n, source.get(n).float()) for n in source.names()]
-    engine = _reference_dequantized(dict(quantize_for_engine(weights, policy)), "mxfp4")
+    engine = reference_dequantized(dict(quantize_for_engine(weights, policy)), "mxfp4")
     assert all(torch.equal(engine[n].float(), t) for n, t in engine_weights(weights, policy) if policy.quantizes(n))
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     model.load_state_dict({n: t.float() for n, t in engine.items()}, strict=False)

@@ -1,6 +1,6 @@
 """The GRPO options of DAPO-style recipes, each against a closed form or a peer's published function ported here as
-reference code (its source named): GSPO's loss and gradient (verl), TBPO's clips (closed form), Dr. GRPO's constant normaliser, DAPO's soft
-overlong penalty (verl's DAPO reward manager) and overlong masking; the registries refuse a name twice; the defaults
+reference code (its source named): GSPO's loss and gradient (verl), TBPO's clips (closed form), Dr. GRPO's constant
+normaliser, DAPO's soft overlong penalty (verl's DAPO reward manager) and overlong masking; the registries refuse a name twice; the defaults
 compute what they did before the options existed, bit for bit."""
 import math
 

@@ -11,34 +11,12 @@ import torch
 
 from conftest import make_model_dir
 from distributed import spawn
+from quantized_references import reference_dequantized
 from megatron_ais.mapping.hf_io import HFCheckpointReader
 
 PROBE = [3, 17, 42, 99, 120, 7, 8, 9, 250, 61, 5, 33, 201, 77, 150, 12, 88, 64, 199, 2, 45, 300, 11, 90]
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
              initializer_range=0.02)
-
-
-def _dequantized(tensors: dict, precision: str) -> dict:
-    """BF16 HF tensors from an engine's 4-bit ones, dequantized by the references (not the engine's code)."""
-    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import break_fp4_bytes, \
-        dequantize_to_dtype
-
-    out = {}
-    for name, tensor in tensors.items():
-        module = name.removesuffix(".weight_packed").removesuffix(".weight")
-        if name.endswith((".weight_scale", ".weight_scale_2")):
-            continue
-        if precision == "nvfp4" and module + ".weight_scale_2" in tensors:
-            out[name] = dequantize_to_dtype(tensor, tensors[module + ".weight_scale"],
-                                            tensors[module + ".weight_scale_2"], torch.float32, 16,
-                                            swizzle=False).to(torch.bfloat16)
-        elif name.endswith(".weight_packed"):
-            scale = 2.0 ** (tensors[module + ".weight_scale"].to(torch.int32) - 127).float()
-            out[module + ".weight"] = (break_fp4_bytes(tensor, torch.float32)
-                                       * scale.repeat_interleave(32, dim=1)).to(torch.bfloat16)
-        else:
-            out[name] = tensor
-    return out
 
 
 def _bf16_dir(hf_dir: str, tensors: dict, out: str) -> str:
@@ -93,7 +71,7 @@ def _engines(hf_dir: str, work: str):
     engine_tensors["mxfp4"] = load_file(os.path.join(mxfp4.engine_dir, "model.safetensors"))
     mxfp4.shutdown()
 
-    references = {key: _dequantized(tensors, key.split()[0]) for key, tensors in engine_tensors.items()}
+    references = {key: reference_dequantized(tensors, key.split()[0]) for key, tensors in engine_tensors.items()}
     bf16, _ = engine(_bf16_dir(hf_dir, references["nvfp4"], os.path.join(work, "dequantized")), "bf16", "bf16")
     expected = {"nvfp4": bf16.prompt_logprobs(PROBE)}
     for key in ("nvfp4 updated", "mxfp4"):
