@@ -106,6 +106,8 @@ def test_refit_tolerance_row_follows_what_is_compared():
     assert _refit_row("--rollout-precision", "fp32") == "bf16"
     assert _refit_row("--rollout-precision", "fp32", "--fp32") == "fp32"
     assert _refit_row("--rollout-fp8-activations", "emulate", "--rollout-kv-cache-dtype", "fp8") == "fp8-w8a8"
+    # a 4-bit engine with an FP8 KV cache keeps its own, wider row
+    assert _refit_row("--rollout-precision", "mxfp4", "--rollout-kv-cache-dtype", "fp8") == "mxfp4"
 
 
 def test_w8a8_emulation_needs_an_fp8_engine():

@@ -136,16 +136,15 @@ def routing_mismatch(engine_ids: list[torch.Tensor], trainer_maps: list[torch.Te
 
 def refit_precision(engine, trainer_precision: str) -> str:
     """Which tolerance row of the refit check applies to an engine (its EngineConfig) against a trainer of
-    `trainer_precision`: an FP8 KV cache rounds K and V like FP8 weights round the linear layers, so any engine with
-    one is held to the FP8 engine's bound; an fp32 engine is compared with a BF16 trainer's log-probs to the BF16
-    bound (the trainer's own rounding); an engine emulating W8A8 has the widest row."""
-    if engine.fp8_activations == "emulate":
-        return "fp8-w8a8"
+    `trainer_precision`: the widest of what it rounds — its weights' row (an fp32 engine against a BF16 trainer: the
+    BF16 row, the trainer's own rounding), an FP8 KV cache's (it rounds K and V as FP8 weights round the linear
+    layers: the FP8 row, which a 4-bit engine's wider row keeps), W8A8 emulation's."""
+    rows = ["bf16" if engine.precision == "fp32" and trainer_precision == "bf16" else engine.precision]
     if engine.kv_cache_dtype == "fp8":
-        return "fp8"
-    if engine.precision == "fp32" and trainer_precision == "bf16":
-        return "bf16"
-    return engine.precision
+        rows.append("fp8")
+    if engine.fp8_activations == "emulate":
+        rows.append("fp8-w8a8")
+    return max(rows, key=lambda row: TOLERANCES[row][1])
 
 
 def _merged(parts: list[dict]) -> list:
