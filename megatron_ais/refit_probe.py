@@ -16,10 +16,14 @@ def probe_tokens(vocab_size: int, length: int = 48, seed: int = 1234) -> list[in
     return torch.randint(0, vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def trainer_probe_logprobs(ddp_chunks: list, probe: list[int], groups, vocab_size: int) -> torch.Tensor | None:
+def trainer_probe_logprobs(ddp_chunks: list, probe: list[int], groups, vocab_size: int,
+                           routes: torch.Tensor | None = None) -> torch.Tensor | None:
     """The trainer's teacher-forced log-probs of probe[1:] through the pipeline schedule (every stage calls it;
-    the result is on the last stage, None elsewhere)."""
+    the result is on the last stage, None elsewhere). `routes`: an engine's expert ids of the probe [len(probe), MoE
+    layers, k] (`RolloutEngine.route`), which the trainer's routers then replay."""
     row = {"tokens": torch.tensor([probe[:-1]]), "labels": torch.tensor([probe[1:]])}
+    if routes is not None:
+        row["routed_experts"] = routes[:-1].unsqueeze(0)
     logprobs = compute_logprobs(ddp_chunks, split_micro_batches(row, 1), len(probe) - 1, 1, groups, vocab_size)
     return None if logprobs is None else logprobs[0].cpu()  # compared with the engine's on the host
 
@@ -65,6 +69,8 @@ def trainer_routing(ddp_chunks: list, probe: list[int], groups, vocab_size: int)
     return {i: routing_map.bool() for i, routing_map in maps.items()}
 
 
-def trainer_probe_reference(ddp_chunks: list, probe: list[int], groups, vocab_size: int) -> torch.Tensor:
-    """The trainer's probe log-probs on every rank (collective over the pipeline)."""
-    return from_last_stage(trainer_probe_logprobs(ddp_chunks, probe, groups, vocab_size), groups.pipeline_group)
+def trainer_probe_reference(ddp_chunks: list, probe: list[int], groups, vocab_size: int,
+                            routes: torch.Tensor | None = None) -> torch.Tensor:
+    """The trainer's probe log-probs on every rank (collective over the pipeline), replaying `routes` if given."""
+    return from_last_stage(trainer_probe_logprobs(ddp_chunks, probe, groups, vocab_size, routes),
+                           groups.pipeline_group)

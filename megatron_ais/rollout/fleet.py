@@ -33,7 +33,7 @@ from megatron_ais.rollout.manager import RolloutManager, RolloutPlan, ServingPol
 from megatron_ais.rollout.rewards import RewardScorer
 from megatron_ais.rollout.rows import (BackgroundWorker, MadeRows, RowsAhead, StepRollouts, exchange_rows, make_rows,
                                       pick_groups)
-from megatron_ais.rollout.verify import RefitReference, verify_refit_on_all_ranks
+from megatron_ais.rollout.verify import RefitReference, replayed_reference, verify_refit_on_all_ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,10 +185,15 @@ class RolloutFleet:
 
     def verify_refit(self, ddp_chunks: list, probe: list[int], groups, vocab_size: int, reference: RefitReference,
                      engines: int, turn: int, moe: bool) -> dict[str, float]:
-        """The refit check of `engines` serving engines (0: every one), the `turn`-th run of them over the fleet."""
-        return verify_refit_on_all_ranks(self.manager.engine if self.manager else None, ddp_chunks, probe, groups,
-                                         vocab_size, reference.precision, self.layout.rotating(engines, turn), moe,
-                                         reference.trainer_logprobs)
+        """The refit check of `engines` serving engines (0: every one), the `turn`-th run of them over the fleet. A
+        MoE model's reference replays the probe routes of the first of them (`replayed_reference`), and is the one
+        engines restarted later are checked against."""
+        engine, fleet = self.manager.engine if self.manager else None, self.layout.rotating(engines, turn)
+        if moe:
+            reference = replayed_reference(engine, ddp_chunks, probe, groups, vocab_size, reference, fleet)
+            self.set_refit_reference(reference)
+        return verify_refit_on_all_ranks(engine, ddp_chunks, probe, groups, vocab_size, reference.precision, fleet,
+                                         moe, reference.trainer_logprobs)
 
     def close(self) -> None:
         """Release the node copies, the engine and its reward workers."""

@@ -16,6 +16,10 @@ The low-precision rows are checked on a trimmed mean, the tenth of probe positio
 on a confident model a few random probe tokens sit far in the tail, where FP8 rounding moves a log-prob by
 several nats (the W8A8 study's running-sum model, after some GRPO steps: mean 1.07 with one position at 7.1, a false
 alarm that stopped the run), while wrong or stale weights move most positions.
+MoE models: an engine whose rounding flips a near-tie route sends that token through other experts, which moves its
+log-prob by far more than the rounding itself (a BF16 engine on the MoE model after 300 SFT steps: trimmed mean 0.35
+against the trainer's own routing), so the trainer's reference replays the probe routes of the checked engines' first
+(`replayed_reference`): the check compares weights, and `rollout/routing_mismatch` reports the flips.
 """
 from __future__ import annotations
 
@@ -151,6 +155,28 @@ def _merged(parts: list[dict]) -> list:
     """Per-rank {global layer index: value} dicts, merged and ordered by layer."""
     merged = {i: value for part in parts for i, value in part.items()}
     return [merged[i] for i in sorted(merged)]
+
+
+def _probe_routes_unless_dead(engine, probe: list[int]) -> torch.Tensor | None:
+    try:
+        return torch.stack(engine.probe_routing(probe), dim=1)
+    except Exception:
+        if engine.health_check():
+            raise
+        return None
+
+
+def replayed_reference(engine, ddp_chunks: list, probe: list[int], groups, vocab_size: int,
+                       reference: RefitReference, fleet) -> RefitReference:
+    """A MoE model's refit reference: the trainer's probe log-probs with its routers replaying the probe routes of
+    `fleet`'s first engine (its host's `engine`; collective on every rank), so that the check compares weights, not
+    near-tie routes the engine's rounding flipped. `reference` itself when that engine died meanwhile."""
+    host = fleet.hosts[0]
+    routes = share(lambda: _probe_routes_unless_dead(engine, probe), src=host)
+    if routes is None:
+        return reference
+    return dataclasses.replace(reference, trainer_logprobs=trainer_probe_reference(ddp_chunks, probe, groups,
+                                                                                   vocab_size, routes))
 
 
 def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups, vocab_size: int, precision: str,

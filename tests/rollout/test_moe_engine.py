@@ -34,8 +34,9 @@ def _moe_engine_worker(hf_dir, work, precision, activations="none"):
     from megatron_ais.rollout.batching import rollouts_to_batch
     from megatron_ais.engine.vllm_engine import RolloutEngine, SamplingConfig
     from megatron_ais.engine.config import EngineConfig
-    from megatron_ais.refit_probe import probe_tokens, trainer_routing
-    from megatron_ais.rollout.verify import routing_mismatch
+    from megatron_ais.refit_probe import probe_tokens, trainer_probe_reference, trainer_routing
+    from megatron_ais.rollout.fleet_layout import FleetLayout
+    from megatron_ais.rollout.verify import RefitReference, replayed_reference, routing_mismatch
     from megatron_ais.training import load_policy_chunks
 
     engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision=precision, fp8_activations=activations,
@@ -88,6 +89,13 @@ def _moe_engine_worker(hf_dir, work, precision, activations="none"):
         routed = routing_mismatch(engine_ids, [maps[i] for i in sorted(maps)])
         # negative control: the engine's expert ids shifted by one expert must count as a mismatch everywhere
         shifted = routing_mismatch([(ids + 1) % 8 for ids in engine_ids], [maps[i] for i in sorted(maps)])
+        # the refit check's reference: the trainer's probe log-probs, replaying the engine's probe routes
+        own = RefitReference(probe, trainer_probe_reference(chunks, probe, groups, build.shape.vocab_size), precision)
+        reference = replayed_reference(engine, chunks, probe, groups, build.shape.vocab_size, own,
+                                       FleetLayout.first_ranks(1, rank=0))
+        engine_probe = engine.prompt_logprobs(probe)
+        replay["probe_own"] = (engine_probe - own.trainer_logprobs).abs().mean().item()
+        replay["probe_replayed"] = (engine_probe - reference.trainer_logprobs).abs().mean().item()
         if activations == "emulate":  # the experts' dequantized copy is this update's: FP8 rounding from the trainer's
             emulated = experts.routed_experts.quant_method.moe_kernel.fused_experts._megatron_ais_weights[0][0]
             trained = _expert_fc1(chunks).detach()
@@ -143,6 +151,7 @@ def test_fp32_moe_engine_matches_trainer_after_three_updates(moe_dir, tmp_path):
         # with every position's own routes replayed the log-probs are bit-identical: tests/model/test_moe_parity.py)
         assert replay["shape"] == (2, 2) and replay["dtype"] == torch.int16
         assert replay["own_flipped"] == 0.0 and replay["routes_equal"] and replay["change"] <= 1e-5, replay
+        assert replay["probe_replayed"] <= 1e-4 and abs(replay["probe_replayed"] - replay["probe_own"]) <= 1e-5, replay
 
 
 @pytest.mark.slow
@@ -161,8 +170,11 @@ def test_fp8_moe_engine_holds_float8_experts_and_tracks_trainer(moe_dir, tmp_pat
         assert replay["routes_equal"] and 0.0 < replay["own_flipped"] < 0.5
         assert replay["mean"] < mean and replay["max"] <= largest, (update, replay, largest, mean)
         assert replay["w13_error"] <= 2 ** -4, (update, replay["w13_error"])  # e4m3: 3 mantissa bits
+        # the refit reference replays the engine's probe routes, so flipped routes no longer count against the weights
+        assert replay["probe_replayed"] < replay["probe_own"], (update, replay)
     print("fp8 moe replay", [(d[0], round(d[1], 4), round(d[2], 4), round(d[7]["max"], 4), round(d[7]["mean"], 4),
-                              round(d[7]["own_flipped"], 4)) for d in diffs])
+                              round(d[7]["own_flipped"], 4), round(d[7]["probe_own"], 4),
+                              round(d[7]["probe_replayed"], 4)) for d in diffs])
 
 
 @pytest.mark.slow
@@ -183,5 +195,7 @@ def test_4bit_moe_engine_runs_bf16_experts_from_the_codes_and_its_routes_replay(
         # the aligned forward (experts included) explains the engine far better still: 0.025-0.031 measured, the
         # engine's BF16 activations against the fp32 trainer
         assert replay["aligned_mean"] < replay["mean"] / 10, (update, replay)
+        assert replay["probe_replayed"] < replay["probe_own"], (update, replay)
     print("mxfp4 moe replay", [(d[0], round(d[1], 4), round(d[2], 4), round(d[7]["mean"], 4),
-                                round(d[7]["aligned_mean"], 4), round(d[7]["own_flipped"], 4)) for d in diffs])
+                                round(d[7]["aligned_mean"], 4), round(d[7]["own_flipped"], 4),
+                                round(d[7]["probe_own"], 4), round(d[7]["probe_replayed"], 4)) for d in diffs])
