@@ -1,5 +1,7 @@
 """The mismatch study's bookkeeping: which flags each arm runs with in each regime, and its table row over seeds
 (mean ± sample standard deviation) against a hand computation."""
+import itertools
+
 import ablate
 
 
@@ -15,15 +17,26 @@ def _summary(after, k3, seq_ess, lam, rewards=(0.1, 0.3)):
     return {"accuracy_before": 0.25, "accuracy_after": after, "wall_s": 100.0, "history": history}
 
 
-def test_the_regime_changes_only_the_fp8_arms():
+def test_the_regime_and_the_low_precision_change_only_the_low_precision_arms():
     arms = {name: flags for name, _, flags in ablate.ARMS}
-    assert ablate.arm_flags("bf16", arms["bf16"], "w8a8") == ["--rollout-precision", "bf16", "--is-correction", "none"]
+    assert len(arms) == 17
+    for regime in ablate.REGIMES:
+        for low in ablate.LOW_PRECISIONS:
+            assert ablate.arm_flags("bf16", arms["bf16"], regime, low_precision=low) == [
+                "--rollout-precision", "bf16", "--is-correction", "none"]
     w8a8 = ablate.arm_flags("fp8-ais-seq", arms["fp8-ais-seq"], "w8a8")
+    assert w8a8[:2] == ["--rollout-precision", "fp8"]
     assert w8a8[-4:] == ["--rollout-fp8-activations", "emulate", "--rollout-kv-cache-dtype", "fp8"]
-    assert "--is-level" in w8a8 and ablate.arm_flags("fp8", arms["fp8"], "w8a16") == arms["fp8"]
+    assert "--is-level" in w8a8
+    assert ablate.arm_flags("fp8", arms["fp8"], "w8a16") == ["--rollout-precision", "fp8", "--is-correction", "none"]
     assert ablate.arm_flags("fp8", arms["fp8"], "gpu")[-2:] == ["--rollout-kv-cache-dtype", "fp8"]  # W8A8 natively
-    assert len(arms) == 23
-    assert ablate.arm_flags("nvfp4", arms["nvfp4"], "w8a8") == arms["nvfp4"]  # W4A16 in every regime
+    # a 4-bit engine is W4A16 in every regime: the regime keeps only its KV cache
+    assert ablate.arm_flags("fp8-tis", arms["fp8-tis"], "w8a8", low_precision="mxfp4") == [
+        "--rollout-precision", "mxfp4", "--is-correction", "tis", "--rollout-kv-cache-dtype", "fp8"]
+    assert ablate.arm_flags("fp8-qarl", arms["fp8-qarl"], "w8a16", low_precision="nvfp4")[:2] == [
+        "--rollout-precision", "nvfp4"]
+    assert ablate.cell("fp8-ais-bias", 2, "mxfp4") == "mxfp4-ais-bias-eta2" and ablate.cell("bf16", 0, "nvfp4") == "bf16"
+    assert ablate.arm_label("FP8 + QaRL + TBPO", "mxfp4") == "MXFP4 (W4A16) + QaRL + TBPO"
     stale = ablate.arm_flags("fp8-ais-lag", arms["fp8-ais-lag"], "w8a16", eta=2)
     assert stale[-4:] == ["--max-off-policy-steps", "2", "--rollout-placement", "separate"]
     assert "--ais-lambda-per-lag" in stale
@@ -34,9 +47,11 @@ def test_every_arm_is_a_run_the_flags_accept_in_every_regime():
     from pretrain_grpo_ais import build_grpo_parser
 
     for name, _, flags in ablate.ARMS:
-        for regime in ablate.REGIMES:
-            argv = ["--hf-dir", "/m", *ablate.arm_flags(name, flags, regime, eta=2 if name in ablate.PER_LAG_ARMS else 0)]
+        for regime, low in itertools.product(ablate.REGIMES, ablate.LOW_PRECISIONS):
+            eta = 2 if name in ablate.PER_LAG_ARMS else 0
+            argv = ["--hf-dir", "/m", *ablate.arm_flags(name, flags, regime, eta, low)]
             config = GRPORunConfig.from_args(build_grpo_parser().parse_args(argv), 1)
+            assert config.engine.precision == ("bf16" if name == "bf16" else low), (name, low)
             assert config.aligned.rollout_aligned_forward == ("qarl" in name), name
             assert (config.loss.policy_loss == "tbpo") == name.endswith("tbpo"), name
 
@@ -73,6 +88,22 @@ def test_report_only_tables_the_summaries_already_written(tmp_path):
     assert "| FP8, uncorrected | 0 | 2 | 0.250 | 0.500 ± 0.000 | – |" in table
     assert "| FP8 + AIS | 0 | 2 | 0.250 | 0.700 ± 0.000 | 0.200 ± 0.000 |" in table
     assert (tmp_path / "ablation.png").stat().st_size > 10_000
+
+
+def test_report_only_at_a_4bit_low_precision_names_and_pairs_its_arms(tmp_path):
+    import json
+
+    for arm, after in (("bf16", 0.6), ("mxfp4", 0.4), ("mxfp4-tis", 0.5)):
+        (tmp_path / arm / "seed1").mkdir(parents=True)
+        (tmp_path / arm / "seed1" / "summary.json").write_text(json.dumps(_summary(after, 1e-3, 0.8, 0.1)))
+    assert ablate.main(["--load", "unused", "--output-dir", str(tmp_path), "--low-precision", "mxfp4", "--arms",
+                        "bf16", "fp8", "fp8-tis", "--seeds", "1", "--report-only"]) == 0
+    table = (tmp_path / "ablation.md").read_text()
+    assert "after − MXFP4 (W4A16) uncorrected, paired" in table
+    assert "| MXFP4 (W4A16), uncorrected | 0 | 1 | 0.250 | 0.400 ± 0.000 | – |" in table
+    assert "| MXFP4 (W4A16) + TIS | 0 | 1 | 0.250 | 0.500 ± 0.000 | 0.100 ± 0.000 |" in table
+    assert "| BF16 rollouts | 0 | 1 | 0.250 | 0.600 ± 0.000 | 0.200 ± 0.000 |" in table
+    assert "2 paired comparisons (arm − uncorrected MXFP4 (W4A16), same seed and η)" in table
 
 
 def test_report_only_sweeps_eta_with_a_figure_of_accuracy_against_it(tmp_path):

@@ -25,73 +25,86 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-FP8 = ["--rollout-precision", "fp8"]
 # QaRL: the trainer's forward on the engine's weights; + TBPO (docs/ais-method.md §5.2: GSPO-scale clips, the trust
 # band for negative sequences, the sequence mismatch weight as geometric TIS capped at 2)
 QARL = ["--rollout-aligned-forward", "--is-correction", "none"]
 QARL_TBPO = ["--rollout-aligned-forward", "--policy-loss", "tbpo", "--loss-agg", "seq-mean-token-mean", "--clip-low",
              "3e-4", "--clip-high", "4e-4", "--is-correction", "tis", "--is-level", "geometric", "--is-cap", "2"]
-# (name, label, flags): the fp8 arms sample from the FP8 engine of the chosen regime, the 4-bit arms from a W4A16
-# engine
+# (name, label, correction flags): the bf16 arm samples from a BF16 engine, every `fp8*` arm from the low-precision
+# engine (--low-precision: FP8 in the regime's numerics, or a W4A16 engine), its name and label then saying which
 ARMS = (
-    ("bf16", "BF16 rollouts", ["--rollout-precision", "bf16", "--is-correction", "none"]),
-    ("fp8", "FP8, uncorrected", FP8 + ["--is-correction", "none"]),
-    ("fp8-tis", "FP8 + TIS", FP8 + ["--is-correction", "tis"]),
-    ("fp8-mis", "FP8 + MIS", FP8 + ["--is-correction", "mis"]),
-    ("fp8-icepop", "FP8 + IcePop", FP8 + ["--is-correction", "icepop"]),
-    ("fp8-seq-tis", "FP8 + sequence TIS", FP8 + ["--is-correction", "tis", "--is-level", "sequence"]),
-    ("fp8-geo-tis", "FP8 + geometric TIS", FP8 + ["--is-correction", "tis", "--is-level", "geometric"]),
-    ("fp8-ais", "FP8 + AIS", FP8 + ["--is-correction", "ais"]),
-    ("fp8-ais-seq", "FP8 + AIS, sequence level", FP8 + ["--is-correction", "ais", "--is-level", "sequence"]),
-    ("fp8-ais-cv", "FP8 + AIS, CV variance", FP8 + ["--is-correction", "ais", "--ais-variance", "cv"]),
-    ("fp8-ais-lag", "FP8 + AIS, one λ per lag", FP8 + ["--is-correction", "ais", "--ais-lambda-per-lag"]),
-    ("fp8-ais-floor", "FP8 + AIS, stale λ ≥ 1", FP8 + ["--is-correction", "ais", "--ais-stale-lambda-floor", "1"]),
-    ("fp8-ais-bias", "FP8 + AIS, sign-aware bias test", FP8 + ["--is-correction", "ais", "--ais-lambda", "bias-test"]),
+    ("bf16", "BF16 rollouts", ["--is-correction", "none"]),
+    ("fp8", "FP8, uncorrected", ["--is-correction", "none"]),
+    ("fp8-tis", "FP8 + TIS", ["--is-correction", "tis"]),
+    ("fp8-mis", "FP8 + MIS", ["--is-correction", "mis"]),
+    ("fp8-icepop", "FP8 + IcePop", ["--is-correction", "icepop"]),
+    ("fp8-seq-tis", "FP8 + sequence TIS", ["--is-correction", "tis", "--is-level", "sequence"]),
+    ("fp8-geo-tis", "FP8 + geometric TIS", ["--is-correction", "tis", "--is-level", "geometric"]),
+    ("fp8-ais", "FP8 + AIS", ["--is-correction", "ais"]),
+    ("fp8-ais-seq", "FP8 + AIS, sequence level", ["--is-correction", "ais", "--is-level", "sequence"]),
+    ("fp8-ais-cv", "FP8 + AIS, CV variance", ["--is-correction", "ais", "--ais-variance", "cv"]),
+    ("fp8-ais-lag", "FP8 + AIS, one λ per lag", ["--is-correction", "ais", "--ais-lambda-per-lag"]),
+    ("fp8-ais-floor", "FP8 + AIS, stale λ ≥ 1", ["--is-correction", "ais", "--ais-stale-lambda-floor", "1"]),
+    ("fp8-ais-bias", "FP8 + AIS, sign-aware bias test", ["--is-correction", "ais", "--ais-lambda", "bias-test"]),
     ("fp8-ais-seq-ess", "FP8 + AIS, sequence mixing by ESS",
-     FP8 + ["--is-correction", "ais", "--is-level", "sequence", "--ais-reliability", "raw_ess", "--ais-exponents", "0",
-            "1", "0"]),
-    ("fp8-ais-k3", "FP8 + AIS, k3 severity", FP8 + ["--is-correction", "ais", "--ais-severity", "k3"]),
-    ("fp8-qarl", "FP8 + QaRL aligned forward", FP8 + QARL),
-    ("fp8-qarl-tbpo", "FP8 + QaRL + TBPO", FP8 + QARL_TBPO),
-    ("nvfp4", "NVFP4 (W4A16), uncorrected", ["--rollout-precision", "nvfp4", "--is-correction", "none"]),
-    ("nvfp4-tis", "NVFP4 (W4A16) + TIS", ["--rollout-precision", "nvfp4", "--is-correction", "tis"]),
-    ("mxfp4", "MXFP4 (W4A16), uncorrected", ["--rollout-precision", "mxfp4", "--is-correction", "none"]),
-    ("mxfp4-tis", "MXFP4 (W4A16) + TIS", ["--rollout-precision", "mxfp4", "--is-correction", "tis"]),
-    ("nvfp4-qarl", "NVFP4 (W4A16) + QaRL aligned forward", ["--rollout-precision", "nvfp4", *QARL]),
-    ("nvfp4-qarl-tbpo", "NVFP4 (W4A16) + QaRL + TBPO", ["--rollout-precision", "nvfp4", *QARL_TBPO]),
+     ["--is-correction", "ais", "--is-level", "sequence", "--ais-reliability", "raw_ess", "--ais-exponents", "0", "1",
+      "0"]),
+    ("fp8-ais-k3", "FP8 + AIS, k3 severity", ["--is-correction", "ais", "--ais-severity", "k3"]),
+    ("fp8-qarl", "FP8 + QaRL aligned forward", QARL),
+    ("fp8-qarl-tbpo", "FP8 + QaRL + TBPO", QARL_TBPO),
 )
 PER_LAG_ARMS = ("fp8-ais-lag", "fp8-ais-floor")  # need η > 0
-# the FP8 engine's numerics: the CPU kernel's W8A16; H100's W8A8 emulated on a CPU; on a GPU vLLM's own W8A8 path
-REGIMES = {"w8a16": [], "w8a8": ["--rollout-fp8-activations", "emulate", "--rollout-kv-cache-dtype", "fp8"],
-           "gpu": ["--rollout-kv-cache-dtype", "fp8"]}
+# the low-precision engine: FP8 in a regime's numerics (the CPU kernel's W8A16; H100's W8A8 emulated on a CPU; on a
+# GPU vLLM's own W8A8 path), or 4-bit weights (W4A16), which keep only the regime's KV cache
+LOW_PRECISIONS = {"fp8": "FP8", "nvfp4": "NVFP4 (W4A16)", "mxfp4": "MXFP4 (W4A16)"}
+REGIMES = {"w8a16": (False, False), "w8a8": (True, True), "gpu": (False, True)}  # (FP8 activations emulated, KV)
 
 
-def arm_flags(name: str, flags: list[str], regime: str, eta: int = 0) -> list[str]:
-    """An arm's flags in a regime at staleness bound η: the regime's engine numerics apply to the FP8 arms only;
-    η > 0 runs separate engines that many steps ahead."""
+def regime_flags(regime: str, low_precision: str) -> list[str]:
+    emulated, fp8_kv_cache = REGIMES[regime]
+    return ((["--rollout-fp8-activations", "emulate"] if emulated and low_precision == "fp8" else [])
+            + (["--rollout-kv-cache-dtype", "fp8"] if fp8_kv_cache else []))
+
+
+def arm_flags(name: str, flags: list[str], regime: str, eta: int = 0, low_precision: str = "fp8") -> list[str]:
+    """An arm's flags in a regime at staleness bound η: the bf16 arm's engine is BF16, the others' the low precision
+    in the regime's numerics; η > 0 runs separate engines that many steps ahead."""
     stale = ["--max-off-policy-steps", str(eta), "--rollout-placement", "separate"] if eta else []
-    return flags + (REGIMES[regime] if name.startswith("fp8") else []) + stale
+    if name == "bf16":
+        return ["--rollout-precision", "bf16", *flags, *stale]
+    return ["--rollout-precision", low_precision, *flags, *regime_flags(regime, low_precision), *stale]
 
 
-def cell(name: str, eta: int) -> str:
-    """An arm's directory name at η (η = 0 keeps the arm's name: earlier studies' directories)."""
+def arm_name(name: str, low_precision: str) -> str:
+    """What an arm is called at a low precision: `fp8-tis` is `mxfp4-tis` under --low-precision mxfp4."""
+    return low_precision + name[len("fp8"):] if name.startswith("fp8") else name
+
+
+def arm_label(label: str, low_precision: str) -> str:
+    return label.replace("FP8", LOW_PRECISIONS[low_precision], 1)
+
+
+def cell(name: str, eta: int, low_precision: str = "fp8") -> str:
+    """An arm's directory name at η and a low precision (η = 0 keeps the arm's name: earlier studies' directories)."""
+    name = arm_name(name, low_precision)
     return name if eta == 0 else f"{name}-eta{eta}"
 
 
 def run_flags(name: str, flags: list[str], seed: int, args, extra: list[str], eta: int = 0) -> list[str]:
     """The pretrain_grpo_ais.py flags of one arm at one seed and η."""
-    return ["--load", args.load, "--seed", str(seed), "--output-dir", run_dir(args.output_dir, name, seed, eta), *extra,
-            *arm_flags(name, flags, args.regime, eta)]
+    return ["--load", args.load, "--seed", str(seed), "--output-dir",
+            run_dir(args.output_dir, name, seed, eta, args.low_precision), *extra,
+            *arm_flags(name, flags, args.regime, eta, args.low_precision)]
 
 
-def run_dir(output_dir: str, name: str, seed: int, eta: int = 0) -> str:
-    return os.path.join(output_dir, cell(name, eta), f"seed{seed}")
+def run_dir(output_dir: str, name: str, seed: int, eta: int = 0, low_precision: str = "fp8") -> str:
+    return os.path.join(output_dir, cell(name, eta, low_precision), f"seed{seed}")
 
 
 def run_arm(name: str, flags: list[str], seed: int, args, extra: list[str], eta: int = 0) -> dict:
     """Run one arm at one seed with torchrun and return its summary; a run already finished with the same flags is
     read, not rerun (so the grid's command resumes), and one finished with other flags stops the grid."""
-    out = run_dir(args.output_dir, name, seed, eta)
+    out = run_dir(args.output_dir, name, seed, eta, args.low_precision)
     own = run_flags(name, flags, seed, args, extra, eta)
     if os.path.exists(os.path.join(out, "summary.json")):
         recorded = os.path.join(out, "flags.json")
@@ -166,7 +179,8 @@ def paired_difference(runs: dict[int, dict], baseline: dict[int, dict] | None) -
 
 def table_row(name: str, label: str, runs: dict[int, dict], baseline: dict[int, dict] | None = None,
               eta: int = 0) -> str:
-    """One markdown row over an arm's runs by seed (at η; `baseline`: the uncorrected FP8 arm's runs by seed)."""
+    """One markdown row over an arm's runs by seed (at η; `baseline`: the uncorrected low-precision arm's runs by
+    seed)."""
     summaries = list(runs.values())
     figures = [seed_figures(s, eta) for s in summaries]
 
@@ -184,11 +198,11 @@ def table_row(name: str, label: str, runs: dict[int, dict], baseline: dict[int, 
             f"{_mean(column('sequence_ess_at_lag')):.3f} | {_mean(column('wall_s')):.0f} |")
 
 
-TABLE_HEADER = ("| arm | η | seeds | held-out acc. before (mean) | after (mean ± std) | after − FP8 uncorrected, paired "
-                "(mean ± std) | best step (mean ± std) | training reward, second half (mean ± std) | mean k3 KL "
-                "(trainer‖engine) | token ESS | sequence ESS | units with w > C | rejected tokens | repetitive responses | λ range | k3 at lag η "
-                "| sequence ESS at lag η | wall s per run |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-                "---|---|")
+def table_header(precision: str) -> str:
+    return (f"| arm | η | seeds | held-out acc. before (mean) | after (mean ± std) | after − {precision} uncorrected, "
+            "paired (mean ± std) | best step (mean ± std) | training reward, second half (mean ± std) | mean k3 KL "
+            "(trainer‖engine) | token ESS | sequence ESS | units with w > C | rejected tokens | repetitive responses | "
+            "λ range | k3 at lag η | sequence ESS at lag η | wall s per run |\n" + "|---" * 18 + "|")
 
 
 def accuracy_by_step(runs: dict[str, dict[int, dict]], cells: list[tuple[str, str, int]]) -> str:
@@ -252,8 +266,11 @@ def main(argv=None) -> int:
     parser.add_argument("--output-dir", default="runs/ablation", help="One sub-directory per arm and seed, table, "
                                                                         "figure.")
     parser.add_argument("--regime", choices=tuple(REGIMES), default="w8a16",
-                        help="The FP8 engine's numerics: w8a16 (CPU), w8a8 (H100's, emulated on a CPU, FP8 KV cache) "
-                             "or gpu (vLLM's native W8A8 on a GPU, FP8 KV cache).")
+                        help="The low-precision engine's numerics: w8a16 (CPU), w8a8 (H100's, emulated on a CPU, FP8 "
+                             "KV cache) or gpu (vLLM's native W8A8 on a GPU, FP8 KV cache); a 4-bit engine is W4A16 "
+                             "and keeps only the regime's KV cache.")
+    parser.add_argument("--low-precision", choices=tuple(LOW_PRECISIONS), default="fp8",
+                        help="The weights of every arm's engine but bf16's; the fp8-* arms are named after it.")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1234], help="Seeds; every arm runs each.")
     parser.add_argument("--nproc-per-node", type=int, default=2, help="Trainer ranks per run.")
     parser.add_argument("--arms", nargs="*", default=[a[0] for a in ARMS], choices=[a[0] for a in ARMS],
@@ -270,32 +287,36 @@ def main(argv=None) -> int:
         for name, label, flags in ARMS:
             if name not in args.arms or (name in PER_LAG_ARMS and eta == 0):
                 continue
-            key = cell(name, eta)
+            shown, label = arm_name(name, args.low_precision), arm_label(label, args.low_precision)
+            key = cell(shown, eta)
             labels[key] = label if eta == 0 else f"{label}, η {eta}"
             for seed in args.seeds:
                 if args.report_only:
-                    if os.path.exists(os.path.join(run_dir(args.output_dir, name, seed, eta), "summary.json")):
-                        runs.setdefault(key, {})[seed] = read_summary(run_dir(args.output_dir, name, seed, eta))
+                    out = run_dir(args.output_dir, shown, seed, eta)
+                    if os.path.exists(os.path.join(out, "summary.json")):
+                        runs.setdefault(key, {})[seed] = read_summary(out)
                     continue
                 print(f"[ablate] {labels[key]}, seed {seed} ...", flush=True)
                 runs.setdefault(key, {})[seed] = run_arm(name, flags, seed, args, extra, eta)
             if key in runs:
-                cells.append((name, label, eta))
-                print(f"[ablate] {table_row(name, label, runs[key], eta=eta)}", flush=True)
+                cells.append((shown, label, eta))
+                print(f"[ablate] {table_row(shown, label, runs[key], eta=eta)}", flush=True)
     if not cells:
         raise SystemExit(f"ablate: no finished run of these arms, seeds and η under {args.output_dir}")
     summaries = {key: list(by_seed.values()) for key, by_seed in runs.items()}
-    rows = [table_row(name, label, runs[cell(name, eta)], runs.get(cell("fp8", eta)), eta)
+    uncorrected = arm_name("fp8", args.low_precision)
+    rows = [table_row(name, label, runs[cell(name, eta)], runs.get(cell(uncorrected, eta)), eta)
             for name, label, eta in cells]
     figure = plot(summaries, labels, os.path.join(args.output_dir, "ablation.png"))
     if len(args.off_policy_steps) > 1:
         by_eta = plot_against_eta(summaries, cells, os.path.join(args.output_dir, "accuracy_by_eta.png"))
     command = " ".join(["tools/ablate.py", *own, "--", *extra])
-    pairs = sum(len(set(runs[cell(name, eta)]) & set(runs.get(cell("fp8", eta), {})))
-                for name, _, eta in cells if name != "fp8")
-    table = "\n".join([TABLE_HEADER] + rows)
+    pairs = sum(len(set(runs[cell(name, eta)]) & set(runs.get(cell(uncorrected, eta), {})))
+                for name, _, eta in cells if name != uncorrected)
+    precision = LOW_PRECISIONS[args.low_precision]
+    table = "\n".join([table_header(precision)] + rows)
     if pairs:
-        table += f"\n\n{pairs} paired comparisons (arm − uncorrected FP8, same seed and η) over the table."
+        table += f"\n\n{pairs} paired comparisons (arm − uncorrected {precision}, same seed and η) over the table."
     table += "\n\nHeld-out accuracy at each evaluation (mean ± std over seeds):\n\n" + accuracy_by_step(runs, cells)
     with open(os.path.join(args.output_dir, "ablation.md"), "w") as f:
         f.write(f"Command: `{command}`\n\n{table}\n\n![ablation]({os.path.basename(figure)})\n")
