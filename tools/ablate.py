@@ -220,18 +220,19 @@ def accuracy_by_step(runs: dict[str, dict[int, dict]], cells: list[tuple[str, st
 
 def plot(summaries: dict[str, list[dict]], labels: dict[str, str], path: str) -> str:
     """One figure of the trajectories, averaged over seeds: held-out accuracy, training reward, k3, token and
-    sequence ESS, λ."""
+    sequence ESS, and for the AIS arms λ and the bias test's z (b̂ over its standard error, logged under every λ
+    rule: does the mismatch come to correlate with the advantage?)."""
     from megatron_ais.logging import save_step_figure, step_figure
 
     panels = (("eval/accuracy", "held-out accuracy (avg@k, sampled)"), ("rollout/reward", "training reward"),
               ("ais/k3_kl", "k3 KL trainer ‖ engine"),
               ("ais/ess_ratio_raw", "token ESS (raw weights)"), ("ais/sequence_ess", "sequence ESS (raw weights)"),
-              ("ais/lambda", "AIS λ"))
+              ("ais/lambda", "AIS λ"), ("ais/bias_z", "bias test z = b̂ / its standard error"))
     plt, fig, axes = step_figure(len(panels))
     for name, runs in summaries.items():
         for axis, (key, title) in zip(axes, panels):
             steps = sorted({h["step"] for s in runs for h in s["history"] if key in h})
-            if key == "ais/lambda" and "ais" not in name or not steps:
+            if key in ("ais/lambda", "ais/bias_z") and "ais" not in name or not steps:
                 continue
             means = [_mean([h[key] for s in runs for h in s["history"] if h["step"] == step and key in h])
                      for step in steps]
