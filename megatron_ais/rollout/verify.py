@@ -12,6 +12,8 @@ one are held to the fp8 row whatever their weights' precision (`refit_precision`
 (`--rollout-fp8-activations emulate`) the activations are rounded to e4m3 too: on the running-sum SFT model with an
 FP8 KV cache the probe's mean |Δ| was 0.54 with every decoder layer within 7-14 % (relative) of the trainer's, so
 that engine has its own row (1.0): still below what wrong weights give (a stale lm_head 1.9, unpacked experts 8).
+The 4-bit rows (1.5): an MXFP4 engine with an FP8 KV cache on the MoE model after 400 SFT and some GRPO steps gave
+1.02-1.13 with replayed routes and every decoder layer within 0.6 (relative) of the trainer's, false alarms at 1.0.
 The low-precision rows are checked on a trimmed mean, the tenth of probe positions with the largest |Δ| left out:
 on a confident model a few random probe tokens sit far in the tail, where FP8 rounding moves a log-prob by
 several nats (the W8A8 study's running-sum model, after some GRPO steps: mean 1.07 with one position at 7.1, a false
@@ -34,7 +36,7 @@ from megatron_ais.rollout.fleet_layout import engine_name, from_every_engine
 
 # (statistic, bound): fp32 is checked on the max, the low-precision engines on the trimmed mean
 TOLERANCES = {"fp32": ("max", 1e-4), "bf16": ("trimmed mean", 0.25), "fp8": ("trimmed mean", 0.5),
-              "fp8-w8a8": ("trimmed mean", 1.0), "nvfp4": ("trimmed mean", 1.0), "mxfp4": ("trimmed mean", 1.0)}
+              "fp8-w8a8": ("trimmed mean", 1.0), "nvfp4": ("trimmed mean", 1.5), "mxfp4": ("trimmed mean", 1.5)}
 TRIMMED_FRACTION = 0.1  # of the probe positions, the largest |Δ|, left out of the trimmed mean
 
 

@@ -23,3 +23,11 @@ def test_a_few_tail_positions_far_off_pass_and_a_broad_shift_is_refused():
         verify_refit(*_logprobs([0.2] * 40 + [8.0] * 8), "fp8")
     with pytest.raises(RefitVerificationError):  # fp32 engines keep the max
         verify_refit(*_logprobs([0.0] * 47 + [1e-3]), "fp32")
+
+
+def test_the_4bit_rows_pass_a_trained_moe_engines_own_rounding_and_refuse_wrong_weights():
+    # an MXFP4 engine with an FP8 KV cache on the trained MoE (replayed routes): trimmed means 1.02-1.13 measured
+    for precision in ("nvfp4", "mxfp4"):
+        assert verify_refit(*_logprobs([1.13] * 44 + [7.3] * 4), precision).passed
+        with pytest.raises(RefitVerificationError, match=f"failed for the {precision} engine"):
+            verify_refit(*_logprobs([1.9] * 48), precision)  # a stale lm_head's size
