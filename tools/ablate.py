@@ -50,6 +50,8 @@ ARMS = (
      ["--is-correction", "ais", "--is-level", "sequence", "--ais-reliability", "raw_ess", "--ais-exponents", "0", "1",
       "0"]),
     ("fp8-ais-k3", "FP8 + AIS, k3 severity", ["--is-correction", "ais", "--ais-severity", "k3"]),
+    ("fp8-ais-tau", "FP8 + AIS, τ = 0.01", ["--is-correction", "ais", "--ais-tau", "0.01"]),
+    ("fp8-ais-severity", "FP8 + AIS, severity alone", ["--is-correction", "ais", "--ais-exponents", "1", "0", "0"]),
     ("fp8-qarl", "FP8 + QaRL aligned forward", QARL),
     ("fp8-qarl-tbpo", "FP8 + QaRL + TBPO", QARL_TBPO),
 )
