@@ -1,6 +1,6 @@
 """pretrain_grpo_ais.py with its MoE routing replay recorded, for tests/test_pretrain_grpo_ais.py: every trainer rank
-saves under $REPLAY_RECORD_DIR the expert ids its engine returned for rollouts (`RolloutEngine.route`, not the refit
-check's probe) and, for every forward given ids to replay, those ids, whether it computed gradients (the update) or
+saves under $REPLAY_RECORD_DIR the expert ids its engine returned for rollouts (`RolloutEngine.route`), those of the
+refit check's probe apart (`RolloutEngine.probe_routing`), and, for every forward given ids to replay, those ids, whether it computed gradients (the update) or
 not (scoring), and the routing map each router used. Nothing else changes: the run is the entry point's `main`."""
 import itertools
 import os
@@ -35,9 +35,11 @@ def record_routing(directory: str) -> None:
     def unrecorded_probe_routing(self, token_ids):
         probing.append(True)
         try:
-            return probe_routing(self, token_ids)
+            routes = probe_routing(self, token_ids)
         finally:
             probing.pop()
+        save("probe", {"routes": torch.stack(routes, dim=1)})
+        return routes
 
     set_replayed_routes, pending = routing_replay.set_replayed_routes, []
 

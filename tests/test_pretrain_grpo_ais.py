@@ -115,6 +115,8 @@ def test_moe_model_replays_the_engine_routing(model_root, tmp_path):
     Routing replay is on by default: every rollout's expert ids, as the engine returned them, reach the trainer's
     forwards that score it and that update on it, whose routers take them (recorded by tests/replay_recorder.py; that
     replay shrinks the trainer-engine mismatch: tests/rollout/test_moe_engine.py).
+    The refit check runs every second sync (--verify-refit-interval 2), and the trainer's probe reference replays
+    the engine's probe routes at every sync all the same (what a restarted engine is checked against between checks).
     Resuming is the dense runs' code (the launcher-kill test below); the trainer's EP2 state resumes bit for bit
     (tests/checkpointing/test_resume_training.py); the CPU MoE engine does not reproduce its own samples run to run
     (its fused experts do not sum in a fixed order), so a resumed MoE run cannot be compared step for step.
@@ -132,7 +134,7 @@ def test_moe_model_replays_the_engine_routing(model_root, tmp_path):
     # its own experts' (its numerics: tests/bridge/test_aligned_forward.py)
     flags = ("--expert-model-parallel-size", "2", "--rollout-kv-cache-dtype", "fp8",
              "--rollout-kv-cache-calibration-sequences", "1", "--max-tokens-per-microbatch", "64",
-             "--rollout-aligned-forward")
+             "--rollout-aligned-forward", "--verify-refit-interval", "2")
 
     out, records = tmp_path / "replay", tmp_path / "routing"
     records.mkdir()
@@ -145,7 +147,11 @@ def test_moe_model_replays_the_engine_routing(model_root, tmp_path):
     assert [h["step"] for h in history] == [1, 2]
     first = history[0]
     assert 0.0 <= first["ais/lambda"] <= 1.0 and first["ais/num_units"] > 0
-    assert 0.0 <= first["rollout/routing_mismatch"] <= 1.0  # how often the trainer would route otherwise
+    assert "rollout/routing_mismatch" not in first  # step 1's sync is not checked
+    assert 0.0 <= history[1]["rollout/routing_mismatch"] <= 1.0  # how often the trainer would route otherwise
+    # the trainer's probe reference replayed the engine's probe routes at the start (before and after the KV-cache
+    # scales) and after each step's sync, checked or not
+    assert _replayed_probes(records) == 4
     engine, scored, updated = _replayed_routes(records)
     assert len(engine) == 2 * 4 * 4  # both steps' rollouts: 4 prompts x 4 samples
     assert scored == updated == set(range(len(engine)))
@@ -153,6 +159,24 @@ def test_moe_model_replays_the_engine_routing(model_root, tmp_path):
     assert proc.stdout.strip().splitlines()[-1].startswith("accuracy_before=")
     files = sorted(os.listdir(tmp_path / "replay" / "engine_init"))
     assert "model-00001-of-00001-ep001.safetensors" in files  # EP rank 1 wrote its own experts
+
+
+def _replayed_probes(directory) -> int:
+    """How many of the first engine host's (rank 0's) scoring forwards replayed the routes of a probe its engine
+    routed just before (tests/replay_recorder.py's records, in the order they were saved)."""
+    import torch
+
+    records = sorted((name for name in os.listdir(directory) if "-rank0-" in name),
+                     key=lambda name: int(name.rsplit("-", 1)[1].removesuffix(".pt")))
+    replayed, probed = 0, None
+    for name in records:
+        record = torch.load(directory / name)
+        if name.startswith("probe-"):
+            probed = record["routes"]
+        elif name.startswith("replay-") and probed is not None and not record["grad"]:
+            replayed += torch.equal(record["ids"][0, :probed.shape[0] - 1], probed[:-1])
+            probed = None
+    return replayed
 
 
 def _replayed_routes(directory):

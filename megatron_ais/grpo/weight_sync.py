@@ -53,8 +53,10 @@ class WeightSync:
     def start(self, sequences: list[list[int]]) -> None:
         """A fresh run: the engines hold the initial export, whose refit reference and KV-cache scales (measured on
         `sequences`, the first step's prompts) they get."""
-        self.fleet.set_refit_reference(self.refit_reference())
-        self.calibrate_kv_cache(sequences)
+        reference = self.hold(self.refit_reference())
+        if self.fp8_kv_cache:  # the scales change what the engines compute, and a MoE engine's routes
+            self.calibrate_kv_cache(sequences)
+            self.hold(reference)
 
     def resume(self, step: int, sequences: list[list[int]]) -> None:
         """A resumed run: the engines get what the bridge would have sent after step `step`, with the KV-cache scales
@@ -68,6 +70,7 @@ class WeightSync:
             self.calibrate_kv_cache(sequences)
         else:
             self.fleet.set_kv_cache_scales(self.state.kv_cache_scales)
+        self.hold(reference)
 
     def stage(self, step: int, calibration_sequences: Callable[[int], list[list[int]]]) -> None:
         """Write the weights step `step` trained into the staging arena, verified once, before any engine holds them
@@ -93,10 +96,11 @@ class WeightSync:
             self.fleet.apply(staged.weights, step, staged.reference)
             if self.fp8_kv_cache:
                 self.fleet.set_kv_cache_scales(scales)
+            reference = self.hold(staged.reference)
             metrics = {f"rollout/engine{host}_weight_version": v for host, v in self.fleet.engine_versions.items()}
             if self.loop.verifies_at(step):
                 metrics.update(self.fleet.verify_refit(
-                    self.model.ddp_chunks, self.probe, self.groups, self.build.shape.vocab_size, staged.reference,
+                    self.model.ddp_chunks, self.probe, self.groups, self.build.shape.vocab_size, reference,
                     self.loop.verify_refit_engines, step // self.loop.verify_refit_interval - 1,
                     self.build.shape.is_moe))
         if staged.shipped_bytes is not None:
@@ -114,6 +118,12 @@ class WeightSync:
             self.probe, trainer_probe_reference(self.model.ddp_chunks, self.probe, self.groups,
                                                 self.build.shape.vocab_size),
             refit_precision(self.config.engine, self.build.precision))
+
+    def hold(self, reference: RefitReference) -> RefitReference:
+        """What the engines' refit is checked against until the next sync (`RolloutFleet.hold_refit_reference`: a
+        MoE model's replays the engines' probe routes); collective, once they hold the weights of `reference`."""
+        return self.fleet.hold_refit_reference(self.model.ddp_chunks, self.probe, self.groups,
+                                               self.build.shape.vocab_size, reference, self.build.shape.is_moe)
 
     def write(self, sync_id: int) -> SyncStats:
         """Bridge the current policy into the staging arena, verified once (collective on every rank); return the

@@ -164,11 +164,18 @@ class RolloutFleet:
         results = from_every_engine(lambda: self.manager.set_kv_cache_scales(scales), self.layout)
         self._retire(*retire(results, self.layout, self.config.min_engines))
 
-    def set_refit_reference(self, reference: RefitReference) -> None:
-        """The trainer's probe log-probs for the weights every engine holds before the first sync: an engine
-        restarted later serves again only once its own agree with them."""
+    def hold_refit_reference(self, ddp_chunks: list, probe: list[int], groups, vocab_size: int,
+                             reference: RefitReference, moe: bool) -> RefitReference:
+        """Collective, once the engines hold their weights (and KV-cache scales): the reference an engine restarted
+        later must agree with before it serves again, and every refit check's until the next sync. A MoE model's
+        replays the probe routes of the fleet's first engine (`replayed_reference`), at every sync, checked or not:
+        its rounding flips near-tie routes, which the trainer's own routing would read as wrong weights."""
+        if moe:
+            reference = replayed_reference(self.manager.engine if self.manager else None, ddp_chunks, probe, groups,
+                                           vocab_size, reference, self.layout)
         if self.manager is not None:
             self.manager.refit_reference = reference
+        return reference
 
     def evaluate(self, step: int | None = None) -> dict[str, float]:
         """Held-out accuracy: each serving engine evaluates its share of the held-out prompts, every rank gets the
@@ -185,13 +192,9 @@ class RolloutFleet:
 
     def verify_refit(self, ddp_chunks: list, probe: list[int], groups, vocab_size: int, reference: RefitReference,
                      engines: int, turn: int, moe: bool) -> dict[str, float]:
-        """The refit check of `engines` serving engines (0: every one), the `turn`-th run of them over the fleet. A
-        MoE model's reference replays the probe routes of the first of them (`replayed_reference`), and is the one
-        engines restarted later are checked against."""
+        """The refit check of `engines` serving engines (0: every one), the `turn`-th run of them over the fleet,
+        against `reference` (`hold_refit_reference`'s)."""
         engine, fleet = self.manager.engine if self.manager else None, self.layout.rotating(engines, turn)
-        if moe:
-            reference = replayed_reference(engine, ddp_chunks, probe, groups, vocab_size, reference, fleet)
-            self.set_refit_reference(reference)
         return verify_refit_on_all_ranks(engine, ddp_chunks, probe, groups, vocab_size, reference.precision, fleet,
                                          moe, reference.trainer_logprobs)
 

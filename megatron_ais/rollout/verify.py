@@ -20,8 +20,8 @@ several nats (the W8A8 study's running-sum model, after some GRPO steps: mean 1.
 alarm that stopped the run), while wrong or stale weights move most positions.
 MoE models: an engine whose rounding flips a near-tie route sends that token through other experts, which moves its
 log-prob by far more than the rounding itself (a BF16 engine on the MoE model after 300 SFT steps: trimmed mean 0.35
-against the trainer's own routing), so the trainer's reference replays the probe routes of the checked engines' first
-(`replayed_reference`): the check compares weights, and `rollout/routing_mismatch` reports the flips.
+against the trainer's own routing), so the trainer's reference replays the probe routes of the fleet's first engine at every
+sync (`replayed_reference`): the check compares weights, and `rollout/routing_mismatch` reports the flips.
 """
 from __future__ import annotations
 
