@@ -162,3 +162,22 @@ def test_report_only_tables_the_seeds_each_cell_has(tmp_path):
                         "--seeds", "1", "2", "3", "--report-only"]) == 0
     table = (tmp_path / "ablation.md").read_text()
     assert "| FP8 + TIS | 0 | 2 | 0.250 | 0.200 ± 0.141 | 0.000 ± 0.000 |" in table and "FP8 + AIS" not in table
+
+
+def test_the_diagnostics_table_reads_lambda_against_its_severity_after_the_first_steps():
+    def run(lam, severity, reliability, variance):
+        history = [{"step": step, "ais/lambda": lam * step, "ais/severity": severity * step,
+                    "ais/reliability": reliability, "ais/var_amp": variance, "ais/mean_abs_logratio": 0.01 * step}
+                   for step in (5, 6, 7)]  # step 5 is before the table's window
+        return {"history": [{**history[0], "ais/lambda": 9.0}] + history[1:]}
+
+    runs = {"fp8-ais-eta2": {1: run(0.09, 0.1, 0.99, 1.02), 2: run(0.08, 0.1, 0.98, 1.05)},
+            "fp8-tis-eta2": {1: run(0.0, 0.0, 1.0, 1.0)}}
+    cells = [("fp8-ais", "FP8 + AIS", 2), ("fp8-tis", "FP8 + TIS", 2)]
+    table = ablate.diagnostics_table(runs, cells).splitlines()
+    assert len(table) == 3  # the header, its rule and the one AIS cell
+    row = table[2].split(" | ")
+    # λ over steps 6-7 of both seeds: 0.54, 0.63, 0.48, 0.56; s_D 0.6, 0.7; λ / s_D 0.9 (seed 1), 0.8 (seed 2)
+    assert row[2] == "0.552 (0.480–0.630)" and row[3] == "0.650" and row[4] == "0.800–0.900"
+    assert row[5] == "0.9800–0.9900" and row[6] == "1.0200–1.0500" and row[7] == "0.0650 |"
+    assert ablate.diagnostics_table({"fp8-eta2": {1: run(0.0, 0.0, 1.0, 1.0)}}, [("fp8", "FP8", 2)]) == ""

@@ -220,6 +220,39 @@ def accuracy_by_step(runs: dict[str, dict[int, dict]], cells: list[tuple[str, st
     return "\n".join(lines)
 
 
+SETTLED_AFTER = 5  # steps: the AIS diagnostics' table reads λ after the first syncs, where lags and anchors settle
+
+
+def _range(values: list[float], digits: int = 3) -> str:
+    return f"{min(values):.{digits}f}–{max(values):.{digits}f}" if values else "–"
+
+
+def diagnostics_table(runs: dict[str, dict[int, dict]], cells: list[tuple[str, str, int]]) -> str:
+    """A markdown table of each AIS cell's λ and the diagnostics it is made of, over every seed's steps after the
+    first SETTLED_AFTER: λ (mean, range), the severity s_D (mean), λ / s_D (range: 1 where the reliability ρ and the
+    variance term Γ take nothing off, as the product rule makes λ = s_D · ρ / Γ), ρ's and Γ's ranges, and the mean
+    |δ| D the severity reads. Empty without an AIS cell."""
+    lines = []
+    for name, label, eta in cells:
+        steps = [h for s in runs[cell(name, eta)].values() for h in s["history"]
+                 if h["step"] > SETTLED_AFTER and "ais/severity" in h]
+        if "ais" not in name or not steps:
+            continue
+
+        def values(key):
+            return [h[key] for h in steps]
+
+        ratio = [h["ais/lambda"] / h["ais/severity"] for h in steps if h["ais/severity"] > 0]
+        lines.append(f"| {label} | {eta} | {_mean(values('ais/lambda')):.3f} ({_range(values('ais/lambda'))}) | "
+                     f"{_mean(values('ais/severity')):.3f} | {_range(ratio)} | "
+                     f"{_range(values('ais/reliability'), 4)} | {_range(values('ais/var_amp'), 4)} | "
+                     f"{_mean(values('ais/mean_abs_logratio')):.4f} |")
+    if not lines:
+        return ""
+    return "\n".join(["| arm | η | λ, mean (range) | severity s_D, mean | λ / s_D | reliability ρ | variance Γ | "
+                      "mean \\|δ\\| D |", "|---" * 8 + "|"] + lines)
+
+
 def plot(summaries: dict[str, list[dict]], labels: dict[str, str], path: str) -> str:
     """One figure of the trajectories, averaged over seeds: held-out accuracy, training reward, k3, token and
     sequence ESS, and for the AIS arms λ and the bias test's z (b̂ over its standard error, logged under every λ
@@ -321,6 +354,10 @@ def main(argv=None) -> int:
     if pairs:
         table += f"\n\n{pairs} paired comparisons (arm − uncorrected {precision}, same seed and η) over the table."
     table += "\n\nHeld-out accuracy at each evaluation (mean ± std over seeds):\n\n" + accuracy_by_step(runs, cells)
+    diagnostics = diagnostics_table(runs, cells)
+    if diagnostics:
+        table += (f"\n\nThe AIS arms' λ and its diagnostics, every seed's steps after step {SETTLED_AFTER}:\n\n"
+                  + diagnostics)
     with open(os.path.join(args.output_dir, "ablation.md"), "w") as f:
         f.write(f"Command: `{command}`\n\n{table}\n\n![ablation]({os.path.basename(figure)})\n")
         if len(args.off_policy_steps) > 1:
