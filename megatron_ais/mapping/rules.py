@@ -1,7 +1,8 @@
 """One declarative Megatron <-> Hugging Face mapping per architecture, used in both directions.
 
 A rule names a Megatron parameter (local-spec name, `{layer}` = global layer index), the HF tensors it is made
-of, and its TP layout. Transformer Engine's fused-norm names are aliases of the local names. Adding an
+of, and its TP layout. Transformer Engine's fused-norm names and its grouped experts' names are aliases of the local
+names. Adding an
 architecture is adding one entry to `ARCHITECTURES`.
 """
 from __future__ import annotations
@@ -83,6 +84,11 @@ TE_ALIASES = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
 
+# TE's grouped experts (TEGroupedMLP: the TE spec's experts, moe_grouped_gemm) hold local expert i's
+# weights as `linear_fc1.weight{i}` / `linear_fc2.weight{i}` of one TEGroupedLinear each, shaped as SequentialMLP's
+# `local_experts.{i}.linear_fc1.weight` (megatron-core extensions/transformer_engine.py, TEGroupedLinear)
+_TE_GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT_NAME = re.compile(r"\.local_experts\.(\d+)\.")
 ROUTED_EXPERT_HF = re.compile(r"\.mlp\.experts\.\d+\.")
@@ -90,6 +96,7 @@ ROUTED_EXPERT_HF = re.compile(r"\.mlp\.experts\.\d+\.")
 
 def canonical_name(name: str) -> str:
     """Return the local-spec name for a Megatron parameter name from either spec."""
+    name = _TE_GROUPED_EXPERT.sub(r".mlp.experts.local_experts.\2.\1.weight", name)
     for te_name, local in TE_ALIASES.items():
         if name.endswith(te_name):
             return name[: -len(te_name)] + local

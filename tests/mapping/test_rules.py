@@ -1,8 +1,13 @@
 """The declarative mapping covers every parameter megatron builds, under either layer spec."""
+import inspect
+import itertools
+import re
+
 import pytest
 
 from distributed import spawn
-from megatron_ais.mapping.rules import ARCHITECTURES, canonical_name, megatron_param_names, rules_for, split_layer
+from megatron_ais.mapping.rules import (ARCHITECTURES, canonical_name, expert_index, megatron_param_names, rules_for,
+                                        split_layer)
 
 
 def test_te_fused_norm_names_alias_local_names():
@@ -11,6 +16,39 @@ def test_te_fused_norm_names_alias_local_names():
     assert canonical_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == \
         "decoder.layers.0.pre_mlp_layernorm.weight"
     assert canonical_name("decoder.layers.0.mlp.linear_fc1.weight") == "decoder.layers.0.mlp.linear_fc1.weight"
+
+
+def _te_spec_name(local: str) -> str:
+    """The TE spec's name of a local-spec MoE parameter: grouped experts (local expert i's weights are weight{i} of
+    TEGroupedMLP's linear_fc1 / linear_fc2), the pre-attention norm fused into linear_qkv."""
+    name = re.sub(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$", r".mlp.experts.\2.weight\1", local)
+    return name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
+
+
+def test_te_grouped_expert_names_alias_the_local_experts_both_ways():
+    """TE's grouped experts, named by hand where TE does not import (the names checked against megatron-core's own
+    source): every TE-spec parameter of a Qwen3-MoE stage maps to its local-spec rule, and its experts' HF tensors are
+    every expert tensor of the HF checkpoint, each once (the GPU test below builds the TE model itself)."""
+    import megatron.core.extensions.transformer_engine as te_extension
+    import megatron.core.transformer.moe.experts as experts
+
+    assert 'full_state_dict[f"weight{gemm_idx}"]' in inspect.getsource(te_extension)  # TEGroupedLinear's gemm i
+    assert "class TEGroupedMLP" in inspect.getsource(experts)
+    assert re.search(r"self\.linear_fc1 = build_module\(", inspect.getsource(experts.TEGroupedMLP))
+    declared = megatron_param_names("qwen3_moe", range(2), True, True, tie_word_embeddings=False, experts=range(4))
+    te_names = [_te_spec_name(name) for name in declared]
+    assert "decoder.layers.1.mlp.experts.linear_fc2.weight3" in te_names
+    assert [canonical_name(name) for name in te_names] == declared
+    rules = rules_for("qwen3_moe")
+    hf_expert_tensors = []
+    for name in te_names:
+        canonical = canonical_name(name)
+        layer, template = split_layer(canonical)
+        if ".experts." in name:
+            hf_expert_tensors += rules[template].format(layer, expert_index(canonical))[1]
+    assert sorted(hf_expert_tensors) == sorted(
+        f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
+        for layer, expert, proj in itertools.product(range(2), range(4), ("gate_proj", "up_proj", "down_proj")))
 
 
 @pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
