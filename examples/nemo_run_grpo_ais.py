@@ -61,6 +61,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     slurm.add_argument("--partial-rollouts", action="store_true",
                        help="PARTIAL_ROLLOUTS=1 of the qwen3_8b recipe: syncs interrupt the engines' requests, "
                             "which resume on the new weights (needs --max-off-policy-steps >= 1).")
+    slurm.add_argument("--socket-ifname", default=None,
+                       help="Network interface(s) the nodes reach each other on (e.g. ib0, or eth0,eth1), exported "
+                            "as GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME: gloo carries the runs' host tensors "
+                            "(manifests, checksums, a host arena's node copies) and, on nodes with several NICs, "
+                            "otherwise takes the one the hostname resolves to, which other nodes may not reach.")
     slurm.add_argument("--time", default="04:00:00", help="Wall-clock limit.")
     slurm.add_argument("--container-image", default="megatron-ais:latest", help="Image built from our Dockerfile.")
     slurm.add_argument("--container-mounts", nargs="*", default=[], help="host:container mounts (models, data, ckpt).")
@@ -109,7 +114,9 @@ def slurm_environment(args) -> dict[str, str]:
             **({"ENGINES_PER_NODE": str(args.engines_per_node)} if args.engines_per_node else {}),
             **({"MAX_OFF_POLICY_STEPS": str(args.max_off_policy_steps)}
                if args.max_off_policy_steps is not None else {}),
-            **({"PARTIAL_ROLLOUTS": "1"} if args.partial_rollouts else {})}
+            **({"PARTIAL_ROLLOUTS": "1"} if args.partial_rollouts else {}),
+            **({"GLOO_SOCKET_IFNAME": args.socket_ifname, "NCCL_SOCKET_IFNAME": args.socket_ifname}
+               if args.socket_ifname else {})}
 
 
 def build_experiment(args):

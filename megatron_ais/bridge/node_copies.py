@@ -1,7 +1,9 @@
 """The staging arena's copies on the other nodes with engines. The bridge writes and verifies one arena, on the
 arena rank's node; every other node whose ranks drive engines gets one copy of it per sync, received by that node's
-first engine host over a process group of the arena rank and those hosts (a broadcast: NCCL pipelines it as a ring
-on GPUs), so what crosses nodes crosses once per node, not once per engine. Each copy is verified against the
+first engine host over a process group of the arena rank and those hosts, so what crosses nodes crosses once per
+node, not once per engine. The copies live where the arena does (`--bridge-arena`): a GPU arena is broadcast from
+GPU memory into a GPU copy on each leader, so the group's NCCL backend carries it (a ring, no host copies); a host
+arena into shared host memory, by gloo. The backend follows the tensors' device. Each copy is verified against the
 sync's manifest (every tensor's layout and checksum) before any engine applies anything: a copy that differs
 refuses the sync on every rank, and every engine keeps the weights it had.
 
@@ -16,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ais.bridge import delta
-from megatron_ais.bridge.arena import ArenaWeights, SharedBuffer, buffer_data, entry_views
+from megatron_ais.bridge.arena import ArenaWeights, CudaBuffer, SharedBuffer, buffer_data, entry_views, staging_buffer
 from megatron_ais.bridge.buckets import verify_tensors
 from megatron_ais.distributed import CHUNK_BYTES, broadcast_bytes, receive_bytes
 
@@ -37,13 +39,15 @@ class NodeCopies:
 
     `delta` ('off' or 'on', `--bridge-delta`): whether a forward may send only the elements that changed since the
     copy every leader verified last; a full copy goes whenever a member lacks that copy (the first forward, a
-    refused one, a new layout) and after `full_sync_interval` deltas."""
+    refused one, a new layout) and after `full_sync_interval` deltas. `on_gpu`: the arena is in GPU memory
+    (`BridgeConfig.arena_on_gpu`, the same on every rank), and so are the bytes broadcast and the copies."""
 
     def __init__(self, arena_rank: int, leaders: tuple[int, ...], rank: int, delta_mode: str = "off",
-                 full_sync_interval: int = 32):
+                 full_sync_interval: int = 32, on_gpu: bool = False):
         self.arena_rank, self.leaders, self.rank = arena_rank, leaders, rank
         self.group = dist.new_group(sorted({arena_rank, *leaders})) if leaders else None
-        self.copy: SharedBuffer | None = None
+        self.on_gpu = on_gpu
+        self.copy: SharedBuffer | CudaBuffer | None = None
         self.delta_mode, self.full_sync_interval = delta_mode, full_sync_interval
         self.forwards = 0  # forwards this member took part in (the same count on every member)
         self.version: tuple[int, int | None] | None = None  # (forward, layout) of the copy this member shares
@@ -103,18 +107,24 @@ class NodeCopies:
             self.deltas_since_full = 0
         if self.delta_mode == "on":
             dist.broadcast_object_list([header], src=self.arena_rank, group=self.group)
-        broadcast_bytes(self.group, payload, CHUNK_BYTES)
+        broadcast_bytes(self.group, payload, CHUNK_BYTES, self.device)
         self.sent_bytes = payload.numel()
+
+    @property
+    def device(self) -> torch.device:
+        """Where the bytes cross: this rank's GPU for a GPU arena (NCCL), host memory otherwise (gloo)."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
 
     def _receive(self, nbytes: int, plan: delta.DeltaPlan | None, header: delta.DeltaHeader | None) -> None:
         """A leader: the full copy into its node's copy, or a delta applied to it (which holds the version the
         delta was encoded against: every member said so before it was sent)."""
         if header is None:
             if self.copy is None or self.copy.nbytes < nbytes:
-                self.copy = SharedBuffer.create("node-arena", nbytes)
+                self.copy = staging_buffer("node-arena", nbytes, self.on_gpu)
             receive_bytes(self.group, self.copy.data[:nbytes], CHUNK_BYTES)
             return
-        payload = receive_bytes(self.group, torch.empty(header.payload_bytes(plan), dtype=torch.uint8), CHUNK_BYTES)
+        payload = receive_bytes(self.group, torch.empty(header.payload_bytes(plan), dtype=torch.uint8,
+                                                        device=self.device), CHUNK_BYTES)
         delta.apply(self.copy.data, plan, header, payload)
 
     def close(self) -> None:

@@ -241,7 +241,7 @@ def build_fleet(config, tokenizer, task, seeds: tuple[int, int], model_dir: str,
                                  serving_policy(config.fleet, separate=not colocated))
     dist.barrier()
     copies = NodeCopies(arena_rank, node_leaders(layout.hosts, node_of, arena_rank), dist.get_rank(),
-                        config.bridge.delta, config.bridge.full_sync_interval)
+                        config.bridge.delta, config.bridge.full_sync_interval, config.bridge.arena_on_gpu)
     return RolloutFleet(layout, node_of, [dp for _, dp in places], data_parallel_rank, manager, copies, config.fleet,
                         loop.prompts_per_step, len(task.eval), trainer.training.max_tokens_per_microbatch is not None,
                         log.info, config.dynamic_sampling)

@@ -156,12 +156,20 @@ def _nodes_worker(work: str):
 
     from megatron_ais.bridge import delta
     from megatron_ais.bridge.arena import ArenaWeights, SharedBuffer, buffer_data
+    from megatron_ais import distributed
     from megatron_ais.bridge.node_copies import NodeCopies
     from megatron_ais.distributed import initialize_distributed
 
     initialize_distributed()
     rank = dist.get_rank()
-    copies = NodeCopies(0, (1,), rank, "on", full_sync_interval=2)
+    copies = NodeCopies(0, (1,), rank, "on", full_sync_interval=2, on_gpu=False)
+    devices, broadcast = set(), distributed._broadcast
+
+    def recording(group, tensor):  # the device of every chunk that crosses: it picks the group's backend
+        devices.add(tensor.device.type)
+        broadcast(group, tensor)
+
+    distributed._broadcast = recording
     layer, arena = Layer(seed=1, lr=1e-6), None
     encode, log = delta.encode, []
 
@@ -183,15 +191,19 @@ def _nodes_worker(work: str):
         dist.all_gather_object(errors, error)
         same = None if copy is None else buffer_data(copy.ref)[: data.numel()].equal(data)
         log.append((copies.sent_bytes, data.numel(), errors[1], same))
+    kind = type(copies.copy).__name__
     copies.close()
     if arena is not None:
         arena.close()
-    return log
+    return log, devices, kind
 
 
 @pytest.mark.parametrize("world", [2])
 def test_a_second_node_follows_the_arena_through_deltas(world, tmp_path):
-    sent, leader = spawn(world, _nodes_worker, str(tmp_path))
+    (sent, sent_on, _), (leader, received_on, copy_kind) = spawn(world, _nodes_worker, str(tmp_path))
+    # a host arena crosses from host memory into a shared-memory copy (gloo); a GPU arena's copies are GPU buffers
+    # and its bytes cross from GPU memory (NCCL), which a CPU cannot run
+    assert sent_on == received_on == {"cpu"} and copy_kind == "SharedBuffer"
     # forwards: full, delta, delta, full (the interval of 2), delta with one code lost, full (the copy was refused),
     # delta, full (the tensors laid out anew)
     full = [n for _, n, _, _ in sent]

@@ -100,7 +100,7 @@ def test_nemo_run_slurm_dryrun_has_nodes_and_gpus(tmp_path):
     proc = subprocess.run([LAUNCH_PYTHON, NEMO_RUN, "--executor", "slurm", "--account", "acct", "--partition", "batch",
                            "--nodes", "3", "--gpus-per-node", "8", "--container-image", "registry/megatron-ais:1",
                            "--container-mounts", "/lustre/models:/models", "--job-dir", str(tmp_path / "jobs"),
-                           "--max-off-policy-steps", "2", "--partial-rollouts", "--dryrun"],
+                           "--max-off-policy-steps", "2", "--partial-rollouts", "--socket-ifname", "ib0", "--dryrun"],
                           capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
                           env={**os.environ, "COLUMNS": "400"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -109,7 +109,8 @@ def test_nemo_run_slurm_dryrun_has_nodes_and_gpus(tmp_path):
                      "#SBATCH --account=acct", "registry/megatron-ais:1", "/lustre/models:/models",
                      "job command: cd /workspace/megatron-ais && bash examples/qwen3_8b_grpo_ais.sh",
                      "export HF_MODEL=/models/Qwen3-8B", "export MASTER_ADDR=$head_node_ip",
-                     "export MAX_OFF_POLICY_STEPS=2", "export PARTIAL_ROLLOUTS=1"):
+                     "export MAX_OFF_POLICY_STEPS=2", "export PARTIAL_ROLLOUTS=1", "export GLOO_SOCKET_IFNAME=ib0",
+                     "export NCCL_SOCKET_IFNAME=ib0"):
         assert expected in out, expected
 
 
