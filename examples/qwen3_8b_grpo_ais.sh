@@ -115,9 +115,11 @@ ROLLOUT_ARGS=(
     --rollout-tensor-parallel-size "$ROLLOUT_TP"
     --rollout-kv-cache-gb 60              # an engine's GPU: 9.4 GB of FP8 weights + 60 GB of KV cache (about 400k
                                           # tokens at 147 kB each) + 2 GB workspace = 71 GiB of 80
-    --bridge-arena auto                   # the 9.4 GB staging arena on trainer GPU 0, beside rank 0's 34 GiB (DP1)
-                                          # to 17 GiB (DP4) of weights, grads and Adam state before activations;
-                                          # each other node gets one verified copy in host memory
+    --bridge-arena auto                   # the staging arena on trainer GPU 0: two 9.4 GB buffers one step off
+                                          # policy, plus a CUDA context for each engine process that maps it
+                                          # (19.6 GiB, PRINT_PLACEMENT=1), beside rank 0's 34 GiB (DP1) to 17 GiB
+                                          # (DP4) of weights, grads and Adam state before activations; each other
+                                          # node gets one verified copy on its GPU 0 (10.8 GiB)
     --rollout-min-engines 2               # an engine past its restarts is retired; fewer than this stops the run
     --rollout-max-num-seqs 256
     --rollout-max-model-len 4096

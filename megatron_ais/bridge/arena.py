@@ -149,6 +149,23 @@ def byte_view(data: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[
 
 
 ARENA_PLACES = ("auto", "gpu", "host")
+# what a process pays on a GPU whose memory it maps by CUDA IPC without computing there: its CUDA context on that
+# GPU. An estimate (a few hundred MiB with CUDA's lazy module loading); tools/device_checks.sh measures it
+CUDA_CONTEXT_BYTES = 512 << 20
+
+
+def gpu_arena_shortfall(buffer_bytes: int, slots: int, consumers: int, free_bytes: int) -> str | None:
+    """Why `slots` GPU buffers of `buffer_bytes` and the CUDA contexts of `consumers` processes that map them do not
+    fit in `free_bytes` (one line naming the flags to change), or None when they do."""
+    need = buffer_bytes * slots + consumers * CUDA_CONTEXT_BYTES
+    if need <= free_bytes:
+        return None
+    gib = 1 << 30
+    return (f"the bridge's staging arena needs {need / gib:.1f} GiB of GPU memory ({slots} buffer(s) of "
+            f"{buffer_bytes / gib:.1f} GiB and the CUDA contexts of {consumers} engine process(es) that map it) and "
+            f"{free_bytes / gib:.1f} GiB are free beside the trainer: put it in host memory (--bridge-arena host), "
+            "sync synchronously (--max-off-policy-steps 0: one buffer) or lower the trainer's memory (more model "
+            "parallelism, --use-distributed-optimizer)")
 
 
 def arena_on_gpu(place: str) -> bool:

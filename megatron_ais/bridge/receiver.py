@@ -26,10 +26,11 @@ from typing import Callable
 
 import torch
 
-from megatron_ais.bridge.arena import ArenaWeights, CudaBuffer, SharedBuffer, remove_stale_shared_files, staging_buffer
+from megatron_ais.bridge.arena import (ArenaWeights, CudaBuffer, SharedBuffer, arena_on_gpu, gpu_arena_shortfall,
+                                       remove_stale_shared_files, staging_buffer)
 from megatron_ais.bridge.buckets import ManifestEntry, start_checksums, verify_checksums
 from megatron_ais.bridge.plan import EngineTensor
-from megatron_ais.errors import SyncError
+from megatron_ais.errors import ArgumentValidationError, SyncError
 
 # a host arena's buckets are checksummed by this many threads, each a run of about equal bytes: one core reads
 # memory slower than the writers, each on its own core, fill the arena (tools/bench_bridge.py, docs/benchmarks.md)
@@ -60,6 +61,7 @@ class SyncReceiver:
     views: dict = dataclasses.field(default_factory=dict)  # (slot, stage, name) -> the tensor's view of the arena
     verifier: concurrent.futures.ThreadPoolExecutor | None = None
     arena_on_gpu: bool | None = None  # None: GPU memory where CUDA is available (`arena.staging_buffer`)
+    ipc_consumers: int = 0  # engine processes on other GPUs of the node that map a GPU arena (a CUDA context each)
     slot_syncs: list = dataclasses.field(default_factory=list)  # per slot: the committed sync it holds, or None
     sums_passes: dict = dataclasses.field(default_factory=dict)  # a GPU arena's buckets' checksum passes, built once
     verify_stream: object = None  # a GPU arena's verification stream (`_verification_stream`)
@@ -85,11 +87,22 @@ class SyncReceiver:
         if len(self.arenas) != self.slots or self.arena.nbytes < total or expected != self.expected:
             self._release_arenas()
             remove_stale_shared_files()
+            self._check_gpu_room(total)
             self.arenas = [staging_buffer(f"bridge-arena{slot}", total, self.arena_on_gpu)
                            for slot in range(self.slots)]
             self.slot_syncs = [None] * self.slots
         self.stage_offsets, self.expected, self.views, self.sums_passes = tuple(offsets), expected, {}, {}
         return tuple(a.ref for a in self.arenas), self.stage_offsets, tuple(scratch)
+
+    def _check_gpu_room(self, nbytes: int) -> None:
+        """Before a GPU arena's buffers are allocated: refuse, in one line naming the flags, an arena that does not
+        fit beside the trainer (the allocator's cached free blocks count as free)."""
+        if not (arena_on_gpu("auto") if self.arena_on_gpu is None else self.arena_on_gpu):
+            return
+        free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        shortfall = gpu_arena_shortfall(nbytes, self.slots, self.ipc_consumers, free)
+        if shortfall is not None:
+            raise ArgumentValidationError(shortfall)
 
     def begin(self, sync_id: int, slot: int = 0) -> None:
         """Take sync `sync_id`'s deliveries into buffer `slot`."""

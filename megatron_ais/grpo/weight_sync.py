@@ -41,7 +41,9 @@ class WeightSync:
         self.config, self.loop = config, config.loop  # arguments.GRPORunConfig
         self.model, self.build, self.groups, self.layout = model, build, groups, layout
         self.fleet, self.state, self.log = fleet, state, log
-        self.receiver = SyncReceiver(slots=self.loop.staging_slots) if dist.get_rank() == ARENA_RANK else None
+        self.receiver = SyncReceiver(slots=self.loop.staging_slots,
+                                     ipc_consumers=fleet.processes_mapping(ARENA_RANK, config.engine)
+                                     ) if dist.get_rank() == ARENA_RANK else None
         self.bridge = WeightBridge(model.chunks, build, config.bridge, layout, self.receiver)
         self.probe = probe_tokens(build.shape.vocab_size)
         self.staged: StagedSync | None = None

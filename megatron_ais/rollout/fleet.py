@@ -87,6 +87,14 @@ class RolloutFleet:
         """Serving engines."""
         return self.layout.size
 
+    def processes_mapping(self, rank: int, engine: EngineConfig) -> int:
+        """The engine processes on other GPUs of `rank`'s node that map a GPU buffer of `rank` by CUDA IPC (a CUDA
+        context each there): every worker of a separate engine on the node, every colocated engine but `rank`'s."""
+        here = sum(1 for host in self.layout.hosts if self.node_of[host] == self.node_of[rank])
+        if engine.placement == "separate":
+            return here * engine.tensor_parallel_size
+        return here - (rank in self.layout.hosts)  # the engine inside `rank` maps it on its own GPU
+
     def submit(self, step: int, ahead: bool = False) -> PendingRollouts:
         """Step `step`'s rollouts: every serving engine makes its share (an engine retired meanwhile leaves its share
         to the others), every rank receives the rows its DP rank trains on (`rows.StepRollouts`). With

@@ -19,12 +19,16 @@ Megatron's rank order (TP fastest, then DP, then PP).
 Memory (per GPU, GiB): an engine holds its share of the weights at the rollout precision, its KV cache and 2 GiB of
 workspace (the budget `--rollout-gpu-memory-utilization` defaults to); a trainer rank holds BF16 weights, fp32
 gradients and fp32 Adam state (main weights and two moments; over DP with the distributed optimizer). Activations
-are not counted: the trainer's figure is a floor.
+are not counted: the trainer's figure is a floor. A staging arena in GPU memory (`--bridge-arena auto` on GPUs) sits
+on GPU 0 of its node, beside trainer rank 0: one sync per slot (two with `--max-off-policy-steps` >= 1) on the arena
+rank's node, one copy on every other node with engines, and every engine process on another GPU that maps it by CUDA
+IPC opens a CUDA context there (`CUDA_CONTEXT_GIB` each).
 """
 from __future__ import annotations
 
 import dataclasses
 
+from megatron_ais.bridge.arena import CUDA_CONTEXT_BYTES
 from megatron_ais.bridge.delta import POSITION_BYTES as DELTA_POSITION_BYTES
 from megatron_ais.bridge.quantization import FOUR_BIT_BLOCKS
 from megatron_ais.errors import ArgumentValidationError
@@ -34,6 +38,7 @@ from megatron_ais.rollout.fleet_layout import engine_gpus
 
 GIB = 1024 ** 3
 ENGINE_WORKSPACE_GIB = 2.0
+CUDA_CONTEXT_GIB = CUDA_CONTEXT_BYTES / GIB  # what each engine process mapping a GPU arena pays on its GPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +141,18 @@ class Placement:
     engines: tuple[EngineSlot, ...]
     engine_gpu_gib: float
     trainer_gpu_gib: float
+    arena_slots: int = 0  # the staging arena's buffers in GPU memory on the arena rank's node (0: in host memory)
+
+    def arena_gpu_gib(self, node: int) -> float:
+        """GPU 0 of `node`, beyond its trainer rank's share: the staging arena's buffers (its slots on node 0, one
+        copy on every other node with engines) and the CUDA context of each engine process on another GPU of the
+        node that maps them."""
+        engines = [e for e in self.engines if e.node == node]
+        if not self.arena_slots or not engines:
+            return 0.0
+        buffers = self.arena_slots if node == 0 else 1
+        mapping = sum(1 for e in engines for gpu in e.gpus if gpu != 0)
+        return buffers * self.model.sync / GIB + mapping * CUDA_CONTEXT_GIB
 
     @property
     def cross_node_bytes(self) -> int:
@@ -194,7 +211,7 @@ def _engine_slots(cluster: ClusterConfig, mode: str, rollout_tp: int, trainer_pe
 
 
 def _check_memory(cluster: ClusterConfig, mode: str, engine_gib: float, trainer_gib: float, weights_gib: float,
-                  kv_cache_gb: float) -> None:
+                  kv_cache_gb: float, arena_gib: float = 0.0) -> None:
     if engine_gib > cluster.gpu_memory_gb:
         raise ArgumentValidationError(
             f"an engine needs {engine_gib:.1f} GiB per GPU (weights {weights_gib:.1f} + --rollout-kv-cache-gb "
@@ -208,6 +225,13 @@ def _check_memory(cluster: ClusterConfig, mode: str, engine_gib: float, trainer_
             + f", over --cluster-gpu-memory-gb {cluster.gpu_memory_gb:g}; raise --tensor-model-parallel-size or "
             "--pipeline-model-parallel-size, use --use-distributed-optimizer"
             + (", lower --rollout-kv-cache-gb or use --rollout-placement separate" if mode == "colocated" else ""))
+    if need + arena_gib > cluster.gpu_memory_gb:
+        raise ArgumentValidationError(
+            f"GPU 0 of the arena rank's node needs {need + arena_gib:.1f} GiB before activations: trainer rank 0's "
+            f"{need:.1f} and the bridge's staging arena {arena_gib:.1f} (its buffers and the CUDA contexts of the "
+            f"engine processes that map it), over --cluster-gpu-memory-gb {cluster.gpu_memory_gb:g}; put the arena "
+            "in host memory (--bridge-arena host), sync synchronously (--max-off-policy-steps 0: one buffer) or "
+            "lower the trainer's memory (more model parallelism, --use-distributed-optimizer)")
 
 
 def _ring_forwarding(written: dict[int, int], serving: list[int]) -> dict[int, int]:
@@ -257,8 +281,10 @@ def trainer_gpus_per_node(cluster: ClusterConfig, mode: str, rollout_tp: int) ->
 
 
 def plan_placement(cluster: ClusterConfig, layout, shape, *, mode: str, rollout_tp: int, precision: str,
-                   kv_cache_gb: float, kv_cache_dtype: str = "auto", distributed_optimizer: bool = False) -> Placement:
-    """The plan, or an ArgumentValidationError naming the flag that makes the layout impossible."""
+                   kv_cache_gb: float, kv_cache_dtype: str = "auto", distributed_optimizer: bool = False,
+                   arena_slots: int = 0) -> Placement:
+    """The plan, or an ArgumentValidationError naming the flag that makes the layout impossible. `arena_slots`: the
+    staging arena's buffers in GPU memory (0: in host memory)."""
     _check_rollout_tensor_parallel(shape, rollout_tp)
     trainer_per_node = trainer_gpus_per_node(cluster, mode, rollout_tp)
     trainer_world = cluster.nodes * trainer_per_node
@@ -278,9 +304,11 @@ def plan_placement(cluster: ClusterConfig, layout, shape, *, mode: str, rollout_
 
     engine_gib = model.sync / rollout_tp / GIB + kv_cache_gb + ENGINE_WORKSPACE_GIB
     trainer_gib = trainer_memory_gib(layout, data_parallel, model, distributed_optimizer)
-    _check_memory(cluster, mode, engine_gib, trainer_gib, model.sync / rollout_tp / GIB, kv_cache_gb)
-    return Placement(mode, cluster, rollout_tp, trainer_world, data_parallel, model, nodes, tuple(engines),
-                     engine_gib, trainer_gib)
+    plan = Placement(mode, cluster, rollout_tp, trainer_world, data_parallel, model, nodes, tuple(engines),
+                     engine_gib, trainer_gib, arena_slots)
+    _check_memory(cluster, mode, engine_gib, trainer_gib, model.sync / rollout_tp / GIB, kv_cache_gb,
+                  max(plan.arena_gpu_gib(n) for n in range(cluster.nodes)))
+    return plan
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:
@@ -310,6 +338,14 @@ def format_placement(plan: Placement, layout, model_name: str, delta: str = "off
     lines.append(f"across nodes per sync: {plan.cross_node_bytes / gb:.2f} GB in all (each node's arena fed once, "
                  f"not once per engine); busiest link {max(max(n.received, n.sent) for n in plan.nodes) / gb:.2f} GB "
                  f"≈ {plan.sync_seconds:.2f} s at --cluster-link-gb-per-s {c.link_gb_per_s:g}")
+    if plan.arena_slots:
+        others = [n.node for n in plan.nodes[1:] if n.engines]
+        lines.append(f"staging arena on GPU 0 of node 0: {plan.arena_slots} buffer(s) of one sync and the CUDA "
+                     f"contexts of the engine processes that map it, {plan.arena_gpu_gib(0):.1f} GiB beside trainer "
+                     f"rank 0" + (f"; one copy on GPU 0 of every other node with engines, "
+                                  f"{plan.arena_gpu_gib(others[0]):.1f} GiB there" if others else ""))
+    else:
+        lines.append("staging arena in host memory (--bridge-arena host)")
     if delta == "on":
         lines.append(f"--bridge-delta on: each other node's copy of the arena receives a 4-byte position and the "
                      f"bytes of each changed element: {plan.model.delta_sync(0.01) / gb:.2f} GB with 1 % of the "
@@ -325,5 +361,7 @@ def describe_placement(config, hf_config: dict, model_name: str) -> str:
     plan = plan_placement(config.cluster, layout, ModelShape.from_hf_config(hf_config), mode=engine.placement,
                           rollout_tp=engine.tensor_parallel_size, precision=engine.precision,
                           kv_cache_gb=engine.kv_cache_gb, kv_cache_dtype=engine.kv_cache_dtype,
-                          distributed_optimizer=config.trainer.training.use_distributed_optimizer)
+                          distributed_optimizer=config.trainer.training.use_distributed_optimizer,
+                          # a plan is for a GPU cluster: --bridge-arena auto puts the arena in GPU memory there
+                          arena_slots=0 if config.bridge.arena == "host" else config.loop.staging_slots)
     return format_placement(plan, layout, model_name, config.bridge.delta)

@@ -27,3 +27,17 @@ def test_shared_buffer_by_ref_here_and_in_another_process():
     finally:
         buffer.close()
     assert not os.path.exists(buffer.path)
+
+
+def test_a_gpu_arena_that_does_not_fit_beside_the_trainer_is_refused_naming_the_flags():
+    from megatron_ais.bridge.arena import CUDA_CONTEXT_BYTES, gpu_arena_shortfall
+
+    gib = 1 << 30
+    # two 9 GiB buffers (one step off policy) and four engine processes mapping them: 18 GiB + 4 contexts
+    need = 2 * 9 * gib + 4 * CUDA_CONTEXT_BYTES
+    assert gpu_arena_shortfall(9 * gib, 2, 4, need) is None
+    message = gpu_arena_shortfall(9 * gib, 2, 4, need - 1)
+    assert message.startswith("the bridge's staging arena needs 20.0 GiB of GPU memory (2 buffer(s) of 9.0 GiB and "
+                              "the CUDA contexts of 4 engine process(es)")
+    assert "--bridge-arena host" in message and "--max-off-policy-steps 0" in message and "\n" not in message
+    assert gpu_arena_shortfall(9 * gib, 1, 4, need - 1) is None  # synchronous: one buffer

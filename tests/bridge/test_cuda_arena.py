@@ -43,3 +43,14 @@ def _share_worker():
 
 def test_cuda_buffer_is_shared_across_processes():
     assert spawn(2, _share_worker)[0] is True
+
+
+def test_the_receiver_refuses_a_gpu_arena_larger_than_the_free_memory():
+    from megatron_ais.bridge.receiver import SyncReceiver
+    from megatron_ais.errors import ArgumentValidationError
+
+    free = torch.cuda.mem_get_info()[0]
+    receiver = SyncReceiver(slots=2, arena_on_gpu=True, ipc_consumers=1)
+    with pytest.raises(ArgumentValidationError, match="--bridge-arena host"):
+        receiver._check_gpu_room(free // 2)
+    receiver._check_gpu_room(free // 8)

@@ -1,6 +1,7 @@
 """The placement planner (`--print-placement`): which GPUs each engine takes, which rank drives it, what one
 weight sync moves into each node and across nodes, and the layouts it refuses naming the flag; checked against
 closed forms on the Qwen3-8B and Qwen3-30B-A3B configs shipped with the examples."""
+import functools
 import json
 import os
 
@@ -10,7 +11,7 @@ from conftest import ROOT
 from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.model import ModelShape
 from megatron_ais.parallel import ParallelLayout
-from megatron_ais.rollout.placement import ClusterConfig, ModelBytes, plan_placement
+from megatron_ais.rollout.placement import CUDA_CONTEXT_GIB, GIB, ClusterConfig, ModelBytes, plan_placement
 
 GB = 1e9
 
@@ -102,6 +103,20 @@ def test_impossible_layouts_are_refused_naming_the_flag(kwargs, cluster, message
     assert message in str(err.value), str(err.value)
 
 
+def test_a_gpu_arena_counts_its_buffers_and_the_contexts_of_the_processes_that_map_it_on_gpu_0():
+    cluster = ClusterConfig(nodes=2, gpus_per_node=8, engines_per_node=2, gpu_memory_gb=48)
+    plan_of = functools.partial(plan_placement, cluster, ParallelLayout(tensor=4), QWEN3_8B, mode="separate",
+                                rollout_tp=1, precision="fp8", kv_cache_gb=8)
+    host = plan_of()  # trainer rank 0: 8.2 B parameters over TP 4 x 18 bytes, 34 GiB; the arena in host memory
+    assert host.arena_gpu_gib(0) == host.arena_gpu_gib(1) == 0.0
+    one = plan_of(arena_slots=1)
+    sync = one.model.sync / GIB
+    # node 0: the arena's buffer and the contexts of its two engines (GPUs 6 and 7); node 1: its copy, two contexts
+    assert one.arena_gpu_gib(0) == one.arena_gpu_gib(1) == pytest.approx(sync + 2 * CUDA_CONTEXT_GIB)
+    with pytest.raises(ArgumentValidationError, match="--bridge-arena host"):
+        plan_of(arena_slots=2)  # double-buffered (η >= 1): 34 + 2 x 8.8 + 1 > 48 GiB
+
+
 def test_a_world_the_trainer_layout_does_not_fit_names_the_parallel_flags():
     with pytest.raises(ArgumentValidationError, match="--tensor-model-parallel-size 4"):
         plan_placement(ClusterConfig(nodes=1, gpus_per_node=8, engines_per_node=2), ParallelLayout(tensor=4),
@@ -119,10 +134,12 @@ def test_print_placement_runs_without_torchrun_and_starts_nothing(monkeypatch, c
         "--cluster-nodes", "4", "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "4",
         "--expert-tensor-parallel-size", "1", "--rollout-engines-per-node", "2", "--rollout-tensor-parallel-size", "2",
         "--use-distributed-optimizer", "--seq-length", "4096", "--max-new-tokens", "3072", "--prompts-per-step", "128",
-        "--group-size", "8", "--rollout-kv-cache-gb", "32", "--bridge-delta", "on", "--output-dir", str(out)])
+        "--group-size", "8", "--rollout-kv-cache-gb", "32", "--bridge-delta", "on", "--bridge-arena", "host",
+        "--output-dir", str(out)])
     printed = capsys.readouterr().out
     assert code == 0
     assert "--bridge-delta on: each other node's copy of the arena receives" in printed
+    assert "staging arena in host memory (--bridge-arena host)" in printed
     assert "16 ranks = TP 2 x PP 1 x DP 8 (EP 4, expert-TP 1)" in printed and "engines: 8 x rollout TP 2" in printed
     assert "e1 (GPU 6-7, rank 1)" in printed and "across nodes per sync" in printed
     assert not out.exists()
