@@ -208,8 +208,9 @@ def worker_rank(worker) -> int:
 def reload_weights(worker, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     """Load HF-named tensors into a worker's model in place through vLLM's layer-wise reload, then re-pack a tied
     lm_head (`repack_tied_lm_head`)."""
-    # vLLM 0.32.0: GPUModelRunner.reload_weights (v1/worker/gpu_model_runner.py; the CPU runner inherits it)
-    worker.model_runner.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
+    # vLLM 0.32.0: Worker.reload_weights (v1/worker/gpu_worker.py; CPUWorker inherits it) runs the model runner's
+    # under set_current_vllm_config: what the reload calls may ask get_current_vllm_config(), which raises outside
+    worker.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
     repack_tied_lm_head(worker_model(worker))
 
 

@@ -40,6 +40,18 @@ def _worker(hf_dir, work):
     other_batch = [r.token_ids for r in engine.generate([PROMPTS[0], PROMPTS[2]], seeded)]
     shard = [r.token_ids for r in engine.generate([PROMPTS[2]], seeded, first_index=1)]
     streams = (twins[:2], twins[2:4], other_batch[:2], other_batch[2:4], shard)
+    # every in-place reload runs under vLLM's current config, as its worker's own reload_weights sets it (what the
+    # reload calls may ask get_current_vllm_config(), which raises outside)
+    from vllm.config import get_current_vllm_config_or_none
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    under_config, reload = [], GPUModelRunner.reload_weights
+
+    def recording(self, *args, **kwargs):
+        under_config.append(get_current_vllm_config_or_none() is not None)
+        return reload(self, *args, **kwargs)
+
+    GPUModelRunner.reload_weights = recording
     trainer, hf_config, build = start_trainer("--hf-dir", hf_dir, "--fp32", "--seq-length", "40")
     chunks, _, _ = load_policy_chunks(build, trainer.weights)
     layout, groups = BridgeLayout.from_parallel_state(), ParallelGroups.from_parallel_state()
@@ -63,7 +75,7 @@ def _worker(hf_dir, work):
             diff = ((trainer - batch.rollout_logprobs).abs() * batch.mask).max().item()
             diffs.append((update, temperature, diff, int(batch.mask.sum()), engine.version))
     bridge.close()
-    return greedy, diffs, long_samples, streams
+    return greedy, diffs, long_samples, streams, under_config
 
 
 @pytest.mark.slow
@@ -72,8 +84,9 @@ def test_fp32_engine_matches_transformers_and_trainer_across_updates(model_root,
 
     # vLLM's CPU attention needs head_dim >= 32
     hf_dir = make_model_dir(model_root, "qwen3", tie_word_embeddings=True, hidden_size=128, intermediate_size=256)
-    ((greedy, diffs, long_samples, (first, twin, elsewhere, second, shard)),) = spawn(1, _worker, hf_dir,
-                                                                                      str(tmp_path))
+    ((greedy, diffs, long_samples, (first, twin, elsewhere, second, shard), under_config),) = spawn(
+        1, _worker, hf_dir, str(tmp_path))
+    assert under_config == [True] * 3
     assert len(long_samples[0]) == 48 and long_samples[0] == long_samples[1]
     assert first == elsewhere and first != twin
     assert shard == second  # a share of the prompts (first_index) samples what the whole call did
