@@ -194,6 +194,10 @@ class RolloutEngine:
 
     def _start(self) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.placement == "colocated" else "1"
+        # vLLM 0.32 runs its Model Runner V2 on GPUs with Triton (VllmConfig.use_v2_model_runner), V1 without: V1 is
+        # what every engine test ran (a CPU has no Triton driver); V2 samples, orders requests, returns prompt
+        # log-probs and captures routes by other code. Pinned unless the user sets it
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         quiet_vllm(self.config.log_level)
         if self.config.fp8_activations == "emulate" and torch.cuda.is_available():
             raise ValueError("--rollout-fp8-activations emulate is for CPU engines: vLLM's FP8 layers on a GPU "

@@ -27,6 +27,9 @@ def _worker(hf_dir, work):
 
     engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision="fp32", kv_cache_gb=0.25,
                                         placement="colocated"), work)
+    import vllm.envs
+
+    assert vllm.envs.VLLM_USE_V2_MODEL_RUNNER is False  # the model runner every engine test runs, pinned for GPUs
     greedy = [r.token_ids for r in engine.generate(PROMPTS, SamplingConfig(temperature=0.0, max_new_tokens=12))]
     # seeded sampling of more prompt tokens than one step takes (24 x 200 > 4096): vLLM 0.32's CPU runner crashed
     # when such a prefill was split over steps ("CPU Generator does not use offset"); the same seed, the same samples
