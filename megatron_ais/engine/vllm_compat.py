@@ -670,3 +670,11 @@ def use_torch_linear_for_bf16() -> bool:
     layer_utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
     layer_utils._megatron_ais_torch_linear = True
     return True
+
+
+def pin_v1_model_runner() -> None:
+    """Pin vLLM's V1 model runner for the engines this process starts, unless the environment chose one."""
+    # vLLM 0.32 runs its Model Runner V2 on GPUs with Triton (VllmConfig.use_v2_model_runner), V1 without: V1 is what
+    # every engine test ran (a CPU has no Triton driver); V2 samples, orders requests, returns prompt log-probs and
+    # captures routes by other code
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")

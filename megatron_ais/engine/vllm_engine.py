@@ -28,7 +28,7 @@ from megatron_ais.engine.probes import layer_states, one_forward_batches, routes
     routes_of_one_sequence, routing_calls, teacher_forced_logprobs
 from megatron_ais.engine.turns import EngineTurns
 from megatron_ais.engine.vllm_compat import EngineCoreWatch, colocated_worker, cpu_fp8_w8a16_op, engine_core_pids, \
-    generate_within, generation_deadline, scheduler_limits, shutdown_engine_core, \
+    generate_within, generation_deadline, pin_v1_model_runner, scheduler_limits, shutdown_engine_core, \
     start_engine_processes_from_fork_server, worker_model
 from megatron_ais.logging import apply_vllm_log_level
 
@@ -194,10 +194,7 @@ class RolloutEngine:
 
     def _start(self) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.placement == "colocated" else "1"
-        # vLLM 0.32 runs its Model Runner V2 on GPUs with Triton (VllmConfig.use_v2_model_runner), V1 without: V1 is
-        # what every engine test ran (a CPU has no Triton driver); V2 samples, orders requests, returns prompt
-        # log-probs and captures routes by other code. Pinned unless the user sets it
-        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        pin_v1_model_runner()
         quiet_vllm(self.config.log_level)
         if self.config.fp8_activations == "emulate" and torch.cuda.is_available():
             raise ValueError("--rollout-fp8-activations emulate is for CPU engines: vLLM's FP8 layers on a GPU "
