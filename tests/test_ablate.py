@@ -19,7 +19,7 @@ def _summary(after, k3, seq_ess, lam, rewards=(0.1, 0.3)):
 
 def test_the_regime_and_the_low_precision_change_only_the_low_precision_arms():
     arms = {name: flags for name, _, flags in ablate.ARMS}
-    assert len(arms) == 19
+    assert len(arms) == 20
     for regime in ablate.REGIMES:
         for low in ablate.LOW_PRECISIONS:
             assert ablate.arm_flags("bf16", arms["bf16"], regime, low_precision=low) == [

@@ -54,6 +54,7 @@ ARMS = (
     ("fp8-ais-severity", "FP8 + AIS, severity alone", ["--is-correction", "ais", "--ais-exponents", "1", "0", "0"]),
     ("fp8-qarl", "FP8 + QaRL aligned forward", QARL),
     ("fp8-qarl-tbpo", "FP8 + QaRL + TBPO", QARL_TBPO),
+    ("fp8-qarl-ais", "FP8 + QaRL + AIS", ["--rollout-aligned-forward", "--is-correction", "ais"]),
 )
 PER_LAG_ARMS = ("fp8-ais-lag", "fp8-ais-floor")  # need η > 0
 # the low-precision engine: FP8 in a regime's numerics (the CPU kernel's W8A16; H100's W8A8 emulated on a CPU; on a
