@@ -78,8 +78,10 @@ def _arena_views(arena: torch.Tensor, shapes: list[tuple[int, int]], dtype: torc
     return views, offset
 
 
-def build_passes(sources: list[torch.Tensor], arena: torch.Tensor, block: int) -> dict[str, BucketPass]:
-    """The four passes of one configuration (its tiles are read when the tables are built)."""
+def build_pieces(sources: list[torch.Tensor], arena: torch.Tensor, block: int
+                 ) -> dict[str, tuple[list[PassPiece], int]]:
+    """The pieces and figures rows of the four passes over `sources` into `arena` (bytes): BF16 copies, FP8 codes
+    and their scales, each tensor 256-byte aligned; the sums passes read what the copy and the quantization wrote."""
     shapes = [tuple(s.shape) for s in sources]
     copies, end = _arena_views(arena, shapes, torch.bfloat16)
     codes, end = _arena_views(arena, shapes, torch.float8_e4m3fn, end)
@@ -90,8 +92,20 @@ def build_passes(sources: list[torch.Tensor], arena: torch.Tensor, block: int) -
                           scale_row=2 * i + 1) for i, (s, q, sc) in enumerate(zip(sources, codes, scales))]
     sums_bf16 = [p for i, t in enumerate(copies) for p in flat_sums_pieces(t, i)]
     sums_fp8 = [p for i, t in enumerate(codes + scales) for p in flat_sums_pieces(t, i)]
-    return {"copy": BucketPass(copy, n), "quantize": BucketPass(quantize, 2 * n, block),
-            "sums (BF16 arena)": BucketPass(sums_bf16, n), "sums (FP8 arena)": BucketPass(sums_fp8, 2 * n)}
+    return {"copy": (copy, n), "quantize": (quantize, 2 * n), "sums (BF16 arena)": (sums_bf16, n),
+            "sums (FP8 arena)": (sums_fp8, 2 * n)}
+
+
+def arena_bytes(sources: list[torch.Tensor], block: int) -> int:
+    """The bytes `build_pieces` lays out for `sources`: BF16 copies, FP8 codes, scales, and alignment."""
+    needed = compulsory_bytes(sources, block)
+    return needed["sums (BF16 arena)"] + needed["sums (FP8 arena)"] + 256 * 3 * len(sources)
+
+
+def build_passes(sources: list[torch.Tensor], arena: torch.Tensor, block: int) -> dict[str, BucketPass]:
+    """The four passes of one configuration (its tiles are read when the tables are built)."""
+    return {kind: BucketPass(pieces, rows, block)
+            for kind, (pieces, rows) in build_pieces(sources, arena, block).items()}
 
 
 def compulsory_bytes(sources: list[torch.Tensor], block: int) -> dict[str, int]:
@@ -139,9 +153,7 @@ def main(argv=None) -> int:
     g = torch.Generator(device=device).manual_seed(0)
     sources = [(torch.randn(s, generator=g, device=device) * 0.02).bfloat16() for s in shapes]
     needed = compulsory_bytes(sources, block)
-    # BF16 copies, FP8 codes and their scales, each tensor 256-byte aligned
-    arena = torch.zeros(needed["sums (BF16 arena)"] + needed["sums (FP8 arena)"] + 256 * 3 * len(shapes),
-                        dtype=torch.uint8, device=device)
+    arena = torch.zeros(arena_bytes(sources, block), dtype=torch.uint8, device=device)
     flat_src = torch.cat([s.reshape(-1) for s in sources])
     flat_dst = torch.empty_like(flat_src)
     copy_s = _seconds(lambda: flat_dst.copy_(flat_src), args.repeats, cuda)
