@@ -115,6 +115,21 @@ def compulsory_bytes(sources: list[torch.Tensor], block: int) -> dict[str, int]:
             "sums (FP8 arena)": elements + scale_bytes}
 
 
+def triton_fp8_device(tool: str) -> torch.device | None:
+    """The device the Triton FP8 kernels run on here: the GPU, or the CPU under `TRITON_INTERPRET=1`; None, with one
+    line on stderr naming `tool`, where they cannot run."""
+    cuda = torch.cuda.is_available()
+    if not triton_available() or not (cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        print(f"{tool}: needs a CUDA GPU with Triton (or TRITON_INTERPRET=1 on CPU tensors)", file=sys.stderr)
+        return None
+    device = torch.device("cuda" if cuda else "cpu")
+    if cuda and not fp8_kernels_available(device):
+        print(f"{tool}: {torch.cuda.get_device_name()}: Triton compiles no e4m3 for this GPU (sm_89 or later: Ada, "
+              "Hopper)", file=sys.stderr)
+        return None
+    return device
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=2, help="Decoder layers in the bucket.")
@@ -136,17 +151,10 @@ def main(argv=None) -> int:
         parser.error(f"--tiles takes ROWSxCOLS, e.g. 32x256; got {args.tiles}")
     if any(len(t) != 2 or min(t) < 1 or any(v & (v - 1) for v in t) for t in tiles):
         parser.error(f"--tiles: rows and columns are powers of two (Triton's blocks), e.g. 32x256; got {args.tiles}")
-    cuda = torch.cuda.is_available()
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if not triton_available() or not (cuda or interpreted):
-        print("bench_bucket_pass.py: needs a CUDA GPU with Triton (or TRITON_INTERPRET=1 for a smoke run on CPU)",
-              file=sys.stderr)
+    device = triton_fp8_device("bench_bucket_pass.py")
+    if device is None:
         return 2
-    device = torch.device("cuda" if cuda else "cpu")
-    if cuda and not fp8_kernels_available(device):
-        print(f"bench_bucket_pass.py: {torch.cuda.get_device_name()}: Triton compiles no e4m3 for this GPU (sm_89 or "
-              "later: Ada, Hopper)", file=sys.stderr)
-        return 2
+    cuda = device.type == "cuda"
     block = 128
     shapes = layer_shapes(args.hidden_size, args.intermediate_size, args.num_attention_heads,
                           args.num_key_value_heads, args.head_dim) * args.layers

@@ -34,12 +34,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_bucket_pass import arena_bytes, build_pieces  # noqa: E402
+from bench_bucket_pass import arena_bytes, build_pieces, triton_fp8_device  # noqa: E402
 from bench_fp8_quant import _seconds  # noqa: E402
 
 from kernels.bucket_pass import BucketPass, run_reference  # noqa: E402
 from kernels.fp8.reference import blockwise_fp8_quantize_reference  # noqa: E402
-from kernels.fp8.triton import blockwise_fp8_quantize_triton, fp8_kernels_available, triton_available  # noqa: E402
+from kernels.fp8.triton import blockwise_fp8_quantize_triton  # noqa: E402
 
 MIB, GIB = 1 << 20, 1 << 30
 BLOCK = 128
@@ -161,16 +161,10 @@ def bucket_pass_mismatches(cpu: list[torch.Tensor], device: torch.device) -> lis
 
 
 def kernels_check(args) -> int:
-    cuda = torch.cuda.is_available()
-    if not triton_available() or not (cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        print("gpu_checks.py kernels: needs a CUDA GPU with Triton (or TRITON_INTERPRET=1 on CPU tensors)",
-              file=sys.stderr)
+    device = triton_fp8_device("gpu_checks.py kernels")
+    if device is None:
         return 2
-    device = torch.device("cuda" if cuda else "cpu")
-    if cuda and not fp8_kernels_available(device):
-        print(f"gpu_checks.py kernels: {torch.cuda.get_device_name()}: Triton compiles no e4m3 for this GPU (sm_89 "
-              "or later)", file=sys.stderr)
-        return 2
+    cuda = device.type == "cuda"
     rows, cols = _shape(args.expert_shape)
     cases = {text: [_shape(text)] for text in args.shapes}
     if args.experts:  # each expert's gate and up projections (rows x cols) and its down projection
