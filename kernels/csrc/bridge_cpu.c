@@ -141,15 +141,17 @@ static inline __m256i e4m3_lanes_avx2(__m256 v) {
     return _mm256_or_si256(r, _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80)));
 }
 
-/* Quantize row[c0, c1) times the block's factor into q[c0, ...) 16 elements at a time (two 8-lane conversions,
- * their low bytes gathered by one byte shuffle and one dword permute); return where the scalar tail starts. */
+/* Quantize row[c0, c1) times the block's factor into q[c0, ...) 16 elements at a time: two 8-lane conversions, their
+ * codes narrowed by two in-lane packs (codes are at most 0xFF, so the saturating packs keep them) and put in order by
+ * one dword permute; BF16 is widened in-lane too (interleaved with zeros: elements 0-3 and 8-11 in one vector, 4-7
+ * and 12-15 in the other), which needs another order than FP32's plain loads. Lane-crossing shuffles cost two
+ * micro-ops on AMD Zen 1-2, whose AVX2 this path is for. Returns where the scalar tail starts. */
 static inline int64_t quantize_segment_avx2(const char *row, int dtype, int64_t c0, int64_t c1, float factor,
                                             uint8_t *q) {
     const __m256 f = _mm256_set1_ps(factor);
-    /* per 128-bit lane: byte 0 of each dword to bytes 0-3 of the lane (the rest zeroed) */
-    const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                               0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-    const __m256i gather = _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0);
+    const __m256i zero = _mm256_setzero_si256();
+    const __m256i order = dtype == DT_FP32 ? _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0)
+                                           : _mm256_setr_epi32(0, 1, 4, 5, 0, 0, 0, 0);
     int64_t c = c0;
     for (; c + 16 <= c1; c += 16) {
         __m256 lo, hi;
@@ -158,14 +160,13 @@ static inline int64_t quantize_segment_avx2(const char *row, int dtype, int64_t 
             hi = _mm256_loadu_ps((const float *)row + c + 8);
         } else {
             const __m256i x = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + c));
-            lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(x)), 16));
-            hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(x, 1)), 16));
+            lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x));
+            hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x));
         }
-        const __m256i a = _mm256_permutevar8x32_epi32(
-            _mm256_shuffle_epi8(e4m3_lanes_avx2(_mm256_mul_ps(lo, f)), low_bytes), gather);
-        const __m256i b = _mm256_permutevar8x32_epi32(
-            _mm256_shuffle_epi8(e4m3_lanes_avx2(_mm256_mul_ps(hi, f)), low_bytes), gather);
-        _mm_storeu_si128((__m128i *)(q + c), _mm_unpacklo_epi64(_mm256_castsi256_si128(a), _mm256_castsi256_si128(b)));
+        const __m256i words = _mm256_packus_epi32(e4m3_lanes_avx2(_mm256_mul_ps(lo, f)),
+                                                  e4m3_lanes_avx2(_mm256_mul_ps(hi, f)));
+        const __m256i codes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(words, words), order);
+        _mm_storeu_si128((__m128i *)(q + c), _mm256_castsi256_si128(codes));
     }
     return c;
 }
