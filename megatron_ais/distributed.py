@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 import socket
 from typing import Any, Callable
 
@@ -78,8 +79,39 @@ def node_name() -> str:
     return os.environ.get("MEGATRON_AIS_NODE_NAME") or socket.gethostname()
 
 
-def free_port() -> int:
-    """Return a TCP port that is free on this host now."""
+EPHEMERAL_PORTS_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+LOWEST_PICKED_PORT = 10000
+_port_picker = random.SystemRandom()  # not the seeded global generator: forked ranks would all pick the same port
+
+
+def _ephemeral_port_floor() -> int | None:
+    """The first port the kernel hands out to `bind(0)` and outgoing connections (Linux), or None if unknown."""
+    try:
+        with open(EPHEMERAL_PORTS_FILE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(attempts: int = 64) -> int:
+    """Return a TCP port that is free on this host now, for a server another process starts later. Picked below the
+    kernel's ephemeral range where it is known: a port from `bind(0)` is one the kernel may give any outgoing
+    connection (another world's store clients, an engine's sockets) before the server binds it (EADDRINUSE)."""
+    floor = _ephemeral_port_floor()
+    if floor is not None and floor > LOWEST_PICKED_PORT:
+        for _ in range(attempts):
+            port = _port_picker.randrange(LOWEST_PICKED_PORT, floor)
+            if _bindable(port):
+                return port
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
