@@ -46,7 +46,7 @@ def _values(items) -> dict:
 def read_offline_run(path: str, timeout_s: float = 60.0) -> tuple[dict, dict[int, dict]]:
     """(the run's config, {step: the scalars logged at it}) of an offline run file, once the file holds the run's exit
     record: W&B's service writes the file from its own process and may still be flushing it when `finish` returns (a
-    loaded CI machine once read it with no records at all)."""
+    loaded CI machine once read it without the run's config)."""
     deadline = time.monotonic() + timeout_s
     while (parsed := _parse_finished_run(path)) is None:
         assert time.monotonic() < deadline, f"{path} holds no exit record {timeout_s:g} s after the run finished"
@@ -55,7 +55,6 @@ def read_offline_run(path: str, timeout_s: float = 60.0) -> tuple[dict, dict[int
 
 
 def _parse_finished_run(path: str) -> tuple[dict, dict[int, dict]] | None:
-    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2 as pb
 
     config, history, finished = {}, {}, False
@@ -63,10 +62,7 @@ def _parse_finished_run(path: str) -> tuple[dict, dict[int, dict]] | None:
         data = f.read()
     for raw in _records(data):
         record = pb.Record()
-        try:
-            record.ParseFromString(raw)
-        except DecodeError:  # a record cut short by a write still in progress
-            return None
+        record.ParseFromString(raw)
         kind = record.WhichOneof("record_type")
         if kind in ("run", "config"):  # the config given to init, or updates the SDK sends after the run record
             config.update(_values((record.run.config if kind == "run" else record.config).update))
