@@ -17,9 +17,9 @@ enum { DT_BF16 = 0, DT_FP32 = 1, DT_FP16 = 2 };
  * at 8 GB/s from memory, 11 GB/s with it (2 KB measured best among 0.5-8 KB on a 2-core Xeon VM). */
 #define PREFETCH_BYTES 2048
 
-/* Which vector paths this build has: bit 0 AVX2 (16-bit and byte sums, the 16-bit checked copy, FP8 quantization
- * 8 lanes wide where AVX-512 is absent), bit 1 AVX-512 (FP8 quantization 16 lanes wide); 0: the portable scalar
- * paths only. */
+/* Which vector paths this build has: bit 0 AVX2 (16-bit and byte sums, the 16-bit checked copy, FP8 and 4-bit
+ * quantization 8 lanes wide where AVX-512 is absent), bit 1 AVX-512 (FP8 and 4-bit quantization 16 lanes wide); 0:
+ * the portable scalar paths only. */
 int bridge_simd(void) {
     int bits = 0;
 #if defined(__AVX2__)
@@ -606,27 +606,128 @@ static inline uint8_t f32_to_e2m1(float x) {
     return (uint8_t)((int)index | ((int)(x < 0.0f) << 3));
 }
 
-/* One 1 x bs group of a row: its amax into *amax; -1 if it holds a NaN/Inf, else 0. */
-static inline int group_amax(const char *row, int dtype, int64_t c0, int64_t bs, float *amax) {
-    const uint32_t inf_bits = dtype == DT_FP32 ? 0x7F800000u : 0x7F80u;
-    const uint32_t m = seg_amax_bits(row, dtype, c0, c0 + bs);
-    *amax = magnitude_bits_to_f32(m, dtype);
-    return m >= inf_bits ? -1 : 0;
+/* A 4-bit group's 16 consecutive elements of a row (bf16 or fp32) as fp32 values, whole in registers: one AVX-512
+ * vector, two AVX2 vectors, or an array. Each group is read once: its amax and its codes come from the same lanes. */
+#if defined(__AVX512F__)
+typedef struct { __m512 v; } lanes16;
+
+static inline lanes16 lanes16_load(const char *row, int dtype, int64_t c) {
+    if (dtype == DT_FP32) return (lanes16){_mm512_loadu_ps((const float *)row + c)};
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + c));
+    return (lanes16){_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
 }
 
-/* Codes of one group of bs <= 32 elements (x * factor rounded to e2m1), packed two per byte into out. */
-static inline void pack_group(const char *row, int dtype, int64_t c0, int64_t bs, float factor, uint8_t *out) {
-    float xs[32];
-    uint8_t codes[32];
+/* The largest |x| of the lanes as raw fp32 magnitude bits (>= 0x7F800000: a NaN/Inf among them). */
+static inline uint32_t lanes16_amax_bits(lanes16 x) {
+    return _mm512_reduce_max_epu32(_mm512_and_si512(_mm512_castps_si512(x.v), _mm512_set1_epi32(0x7FFFFFFF)));
+}
+
+/* f32_to_e2m1 of x * factor, lane for lane, packed two per byte into out[0..8). */
+static inline void lanes16_pack(lanes16 x, float factor, uint8_t *out) {
+    const __m512 y = _mm512_mul_ps(x.v, _mm512_set1_ps(factor)), magic = _mm512_set1_ps(12582912.0f);
+    /* min returns its second operand where a lane is NaN: 6, as fminf does */
+    const __m512 a = _mm512_min_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(y),
+                                                                        _mm512_set1_epi32(0x7FFFFFFF))),
+                                   _mm512_set1_ps(6.0f));
+    const __m512 low = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(a, _mm512_set1_ps(2.0f)), magic), magic);
+    const __m512 mid = _mm512_add_ps(_mm512_sub_ps(_mm512_add_ps(a, magic), magic), _mm512_set1_ps(2.0f));
+    const __m512 high = _mm512_add_ps(
+        _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(a, _mm512_set1_ps(0.5f)), magic), magic), _mm512_set1_ps(4.0f));
+    __m512 index = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(2.0f), _CMP_GE_OQ), low, mid);
+    index = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(4.0f), _CMP_GE_OQ), index, high);
+    __m512i code = _mm512_cvttps_epi32(index);
+    code = _mm512_mask_or_epi32(code, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ), code,
+                                _mm512_set1_epi32(8));
+    /* each 64-bit lane's low byte: its even code | its odd code << 4 */
+    _mm_storel_epi64((__m128i *)out, _mm512_cvtepi64_epi8(_mm512_or_si512(code, _mm512_srli_epi64(code, 28))));
+}
+#elif defined(__AVX2__)
+typedef struct { __m256 lo, hi; } lanes16;
+
+static inline __m256 load8_ps(const char *row, int dtype, int64_t c) {
+    if (dtype == DT_FP32) return _mm256_loadu_ps((const float *)row + c);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + c));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline lanes16 lanes16_load(const char *row, int dtype, int64_t c) {
+    return (lanes16){load8_ps(row, dtype, c), load8_ps(row, dtype, c + 8)};
+}
+
+static inline uint32_t lanes16_amax_bits(lanes16 x) {
+    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+    const __m256i m = _mm256_max_epu32(_mm256_and_si256(_mm256_castps_si256(x.lo), magnitude),
+                                       _mm256_and_si256(_mm256_castps_si256(x.hi), magnitude));
+    __m128i h = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+    h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4E));
+    h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xB1));
+    return (uint32_t)_mm_cvtsi128_si32(h);
+}
+
+/* lanes16_pack's eight lanes: their four bytes. */
+static inline uint32_t e2m1_pack8(__m256 x, __m256 factor) {
+    const __m256 y = _mm256_mul_ps(x, factor), magic = _mm256_set1_ps(12582912.0f);
+    const __m256 a = _mm256_min_ps(_mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(y),
+                                                                        _mm256_set1_epi32(0x7FFFFFFF))),
+                                   _mm256_set1_ps(6.0f));
+    const __m256 low = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(a, _mm256_set1_ps(2.0f)), magic), magic);
+    const __m256 mid = _mm256_add_ps(_mm256_sub_ps(_mm256_add_ps(a, magic), magic), _mm256_set1_ps(2.0f));
+    const __m256 high = _mm256_add_ps(
+        _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(a, _mm256_set1_ps(0.5f)), magic), magic), _mm256_set1_ps(4.0f));
+    __m256 index = _mm256_blendv_ps(low, mid, _mm256_cmp_ps(a, _mm256_set1_ps(2.0f), _CMP_GE_OQ));
+    index = _mm256_blendv_ps(index, high, _mm256_cmp_ps(a, _mm256_set1_ps(4.0f), _CMP_GE_OQ));
+    const __m256i negative = _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_LT_OQ));
+    const __m256i code = _mm256_or_si256(_mm256_cvttps_epi32(index),
+                                         _mm256_and_si256(negative, _mm256_set1_epi32(8)));
+    /* each 64-bit lane's low byte (its pair), then the two pairs of each 128-bit half side by side */
+    const __m256i pairs = _mm256_shuffle_epi8(_mm256_or_si256(code, _mm256_srli_epi64(code, 28)),
+                                              _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                               -1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                               -1, -1, -1, -1));
+    return (uint32_t)(uint16_t)_mm256_extract_epi16(pairs, 0) | (uint32_t)(uint16_t)_mm256_extract_epi16(pairs, 8) << 16;
+}
+
+static inline void lanes16_pack(lanes16 x, float factor, uint8_t *out) {
+    const __m256 f = _mm256_set1_ps(factor);
+    const uint32_t lo = e2m1_pack8(x.lo, f), hi = e2m1_pack8(x.hi, f);
+    memcpy(out, &lo, 4);
+    memcpy(out + 4, &hi, 4);
+}
+#else
+typedef struct { float x[16]; } lanes16;
+
+static inline lanes16 lanes16_load(const char *row, int dtype, int64_t c) {
+    lanes16 l;
     if (dtype == DT_FP32) {
-        const float *p = (const float *)row + c0;
-        for (int64_t k = 0; k < bs; ++k) xs[k] = p[k] * factor;
+        memcpy(l.x, (const float *)row + c, sizeof l.x);
     } else {
-        const uint16_t *p = (const uint16_t *)row + c0;
-        for (int64_t k = 0; k < bs; ++k) xs[k] = bf16_to_f32(p[k]) * factor;
+        const uint16_t *p = (const uint16_t *)row + c;
+        for (int k = 0; k < 16; ++k) l.x[k] = bf16_to_f32(p[k]);
     }
-    for (int64_t k = 0; k < bs; ++k) codes[k] = f32_to_e2m1(xs[k]);
-    for (int64_t k = 0; k < bs / 2; ++k) out[k] = (uint8_t)(codes[2 * k] | (codes[2 * k + 1] << 4));
+    return l;
+}
+
+static inline uint32_t lanes16_amax_bits(lanes16 x) {
+    uint32_t m = 0;
+    for (int k = 0; k < 16; ++k) {
+        uint32_t v;
+        memcpy(&v, &x.x[k], 4);
+        v &= 0x7FFFFFFFu;
+        m = v > m ? v : m;
+    }
+    return m;
+}
+
+static inline void lanes16_pack(lanes16 x, float factor, uint8_t *out) {
+    for (int k = 0; k < 8; ++k)
+        out[k] = (uint8_t)(f32_to_e2m1(x.x[2 * k] * factor) | (f32_to_e2m1(x.x[2 * k + 1] * factor) << 4));
+}
+#endif
+
+static inline float f32_of_bits(uint32_t bits) {
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
 }
 
 /* NVFP4: w [m, n] (row stride w_stride elements, bf16 or fp32, n a multiple of 16) -> packed e2m1 codes q [m, n/2]
@@ -640,14 +741,15 @@ int bridge_nvfp4_quantize(const void *w, int dtype, int64_t m, int64_t n, int64_
     for (int64_t r = 0; r < m; ++r) {
         const char *row = (const char *)w + r * w_stride * esize;
         for (int64_t j = 0; j < n / 16; ++j) {
-            float amax;
-            if (group_amax(row, dtype, j * 16, 16, &amax)) return -1;
-            float scale = g * (amax * sixth);
+            const lanes16 x = lanes16_load(row, dtype, j * 16);
+            const uint32_t amax_bits = lanes16_amax_bits(x);
+            if (amax_bits >= 0x7F800000u) return -1;
+            float scale = g * (f32_of_bits(amax_bits) * sixth);
             scale = scale > 448.0f ? 448.0f : (scale < -448.0f ? -448.0f : scale);
             const uint8_t code = f32_to_e4m3(scale);
             s[r * s_stride + j] = code;
             const float restored = e4m3_to_f32(code) * inv_g;
-            pack_group(row, dtype, j * 16, 16, 1.0f / (restored == 0.0f ? 1e8f : restored), q + r * q_stride + j * 8);
+            lanes16_pack(x, 1.0f / (restored == 0.0f ? 1e8f : restored), q + r * q_stride + j * 8);
         }
     }
     return 0;
@@ -663,10 +765,11 @@ int bridge_mxfp4_quantize(const void *w, int dtype, int64_t m, int64_t n, int64_
     for (int64_t r = 0; r < m; ++r) {
         const char *row = (const char *)w + r * w_stride * esize;
         for (int64_t j = 0; j < n / 32; ++j) {
-            float amax;
-            if (group_amax(row, dtype, j * 32, 32, &amax)) return -1;
-            uint32_t bits;
-            memcpy(&bits, &amax, 4);
+            const lanes16 x0 = lanes16_load(row, dtype, j * 32), x1 = lanes16_load(row, dtype, j * 32 + 16);
+            const uint32_t bits0 = lanes16_amax_bits(x0), bits1 = lanes16_amax_bits(x1);
+            const uint32_t bits = bits0 > bits1 ? bits0 : bits1;
+            if (bits >= 0x7F800000u) return -1;
+            const float amax = f32_of_bits(bits);
             int shared;
             if (bits >> 23) { /* normal: floor(log2 amax) = E - 127; round up where the mantissa is >= 1.75 */
                 shared = (int)(bits >> 23) - 127 + ((bits >> 21 & 3u) == 3u) - 2;
@@ -678,7 +781,8 @@ int bridge_mxfp4_quantize(const void *w, int dtype, int64_t m, int64_t n, int64_
             shared = shared < -127 ? -127 : (shared > 127 ? 127 : shared);
             s[r * s_stride + j] = (uint8_t)(shared + 127);
             const float factor = shared < 127 ? pow2f(-shared) : ldexpf(1.0f, -shared); /* 2^-127: subnormal */
-            pack_group(row, dtype, j * 32, 32, factor, q + r * q_stride + j * 16);
+            lanes16_pack(x0, factor, q + r * q_stride + j * 16);
+            lanes16_pack(x1, factor, q + r * q_stride + j * 16 + 8);
         }
     }
     return 0;

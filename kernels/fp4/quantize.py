@@ -42,10 +42,17 @@ def _reciprocal(x: torch.Tensor) -> torch.Tensor:
     return 1.0 / (x + (x == 0) * 1e8)
 
 
+def _amax(w: torch.Tensor) -> torch.Tensor:
+    """max |w| in fp32, in one pass that does not materialize |w| (aminmax: 13x abs().amax() on a 4096x4096 bf16 CPU
+    weight)."""
+    low, high = torch.aminmax(w)
+    return torch.maximum(-low, high).float()
+
+
 def nvfp4_global_scale(*weights: torch.Tensor) -> torch.Tensor:
     """6 * 448 / amax(|w|) over `weights` as an fp32 scalar tensor: the factor that maps the largest block scale to
     e4m3's max (the tensors vLLM fuses into one layer share one)."""
-    amax = torch.stack([w.abs().amax().float() for w in weights]).amax()
+    amax = torch.stack([_amax(w) for w in weights]).amax()
     return (E2M1_MAX * FP8_E4M3_MAX / amax.clamp(min=AMAX_EPS)).reshape(())
 
 

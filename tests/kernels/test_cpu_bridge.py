@@ -201,14 +201,17 @@ def test_native_build_takes_this_cpus_vector_paths():
     ("x86-64", [], []), ("haswell", ["AVX2"], ["avx2", "fma", "bmi2"]),
     ("skylake-avx512", ["AVX2", "AVX-512"], ["avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512dq", "avx512vl"])])
 def test_builds_for_other_cpus_equal_the_references(arch, paths, needs, tmp_path):
-    """What other CPUs run — the scalar paths (-march=x86-64: no AVX2 either), AVX2 sums and checked copies with the
-    scalar FP8 conversion (-march=haswell, as on AMD Zen 3), or the FP8 conversion 16 elements at a time without
-    AVX-512 VBMI's byte permute (-march=skylake-avx512) — gives the references' FP8 codes and scales, checksum sums
-    and NaN/Inf counts too (this machine's own paths are checked above)."""
+    """What other CPUs run — the scalar paths (-march=x86-64: no AVX2 either), AVX2 sums, checked copies and FP8 and
+    4-bit quantizers 8 lanes wide (-march=haswell, as on AMD Zen 1-3), or the quantizers 16 lanes wide without
+    AVX-512 VBMI's byte permute (-march=skylake-avx512) — gives the references' FP8 codes and scales, the torch
+    quantizers' NVFP4 and MXFP4 codes and scales (at the exponent range's edges too), checksum sums and NaN/Inf
+    counts (this machine's own paths are checked above and in test_fp4.py)."""
     if not set(needs) <= set(_cpu_flags()):
         pytest.skip(f"this CPU cannot run a {arch} build")
     code = ("import torch\nfrom kernels import cpu_library, integrity\nfrom kernels.fp8 import cpu as fp8_cpu\n"
             "from kernels.fp8.reference import blockwise_fp8_quantize_reference\n"
+            "from kernels.fp4 import cpu as fp4_cpu\n"
+            "from kernels.fp4.quantize import mxfp4_quantize_torch, nvfp4_global_scale, nvfp4_quantize_torch\n"
             f"assert cpu_library.simd_paths() == {paths!r}, cpu_library.simd_paths()\n"
             "g = torch.Generator().manual_seed(0)\n"
             "for dtype in (torch.bfloat16, torch.float32):\n"
@@ -217,6 +220,22 @@ def test_builds_for_other_cpus_equal_the_references(arch, paths, needs, tmp_path
             "        q, s = fp8_cpu.fp8_blockwise_quantize_cpu(w, 128, pow2)\n"
             "        q_ref, s_ref = blockwise_fp8_quantize_reference(w, 128, pow2)\n"
             "        assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))\n"
+            "edges = torch.tensor([0.0, 1e-39, 1e-38, 3e-38, 2.0 ** -125, 1.74, 1.75, 7.0, 2.0 ** 126, 1.7e38])\n"
+            "for dtype in (torch.bfloat16, torch.float32):\n"
+            "    w = (torch.randn(40, 640, generator=g) * torch.logspace(-30, 30, 640)).to(dtype)\n"
+            "    w[:10, :32] = edges.unsqueeze(1).to(dtype)\n"
+            "    scale = nvfp4_global_scale(w)\n"
+            "    pairs = [*zip(fp4_cpu.nvfp4_quantize_cpu(w, scale, 'w'), nvfp4_quantize_torch(w, 'w', scale)),\n"
+            "             *zip(fp4_cpu.mxfp4_quantize_cpu(w, 'w'), mxfp4_quantize_torch(w, 'w'))]\n"
+            "    assert all(torch.equal(c.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))\n"
+            "               for c, t in pairs)\n"
+            "    w[39, 600] = float('inf')\n"
+            "    for quantize in (lambda: fp4_cpu.nvfp4_quantize_cpu(w, scale, 'w'), lambda: fp4_cpu.mxfp4_quantize_cpu(w, 'w')):\n"
+            "        try:\n"
+            "            quantize()\n"
+            "        except ValueError:\n"
+            "            continue\n"
+            "        raise AssertionError('a 4-bit kernel took an Inf')\n"
             "for dtype in (torch.uint8, torch.bfloat16, torch.float32, torch.int64):\n"
             "    d = torch.randint(0, 256, (8 * 70001,), dtype=torch.uint8, generator=g).view(dtype)\n"
             "    assert integrity.checksum_sums(d) == integrity.checksum_sums_reference(d)\n"
