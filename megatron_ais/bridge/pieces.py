@@ -1,7 +1,8 @@
 """What one rank writes in a weight sync: its pieces of each bucket's HF tensors, copied or quantized to
 blockwise FP8 into place (the staging arena or its stage's bucket buffer), each checked for NaN/Inf and
-checksummed on the way; the stage's sender quantizes the tensors assembled whole in the scratch region (FP8 ones
-whose pieces cut through blocks, and every 4-bit one). The host kernels give their figures at once. On a GPU with
+checksummed on the way; then the tensors assembled whole in the scratch region (FP8 ones whose pieces cut through
+blocks, and every 4-bit one) are quantized — in host memory by every writer, each its share, on a GPU by the stage's
+sender (`scratch_share`). The host kernels give their figures at once. On a GPU with
 Triton a bucket is one pass (`kernels.bucket_pass`: one launch per dtype group, figures in one device array);
 otherwise torch ops where the pieces live. Device figures stay where they are computed until the bucket's end
 (`BucketSums`)."""
@@ -150,8 +151,8 @@ def wait_for_device_writes(buffer) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class CopyPiece:
-    """A piece copied into place: `counted` when its checksum is the tensor's (not a scratch copy that the
-    stage's sender quantizes whole)."""
+    """A piece copied into place: `counted` when its checksum is the tensor's (not a scratch copy that is
+    quantized whole: `scratch_share`)."""
 
     src: torch.Tensor
     dst: torch.Tensor
@@ -186,8 +187,8 @@ class QuantizePiece:
 
 @dataclasses.dataclass(frozen=True)
 class FourBitPiece:
-    """Whole weights quantized to 4 bits into place by the stage's sender: one `scale_group` (`sources`: views of the
-    scratch region) and its engine tensors' views (`outputs`, in `four_bit_tensors` order)."""
+    """Whole weights quantized to 4 bits into place by one writer (`scratch_share`): one `scale_group` (`sources`:
+    views of the scratch region) and its engine tensors' views (`outputs`, in `four_bit_tensors` order)."""
 
     sources: tuple[tuple[str, torch.Tensor], ...]
     outputs: tuple[torch.Tensor, ...]
@@ -314,8 +315,8 @@ def _four_bit_pieces(plan: StagePlan, bucket: Bucket, buffer, base: int, scratch
 
 def scratch_pieces(plan: StagePlan, bucket: Bucket, buffer, base: int, scratch_base: int,
                    policy: QuantizationPolicy) -> list[QuantizePiece | FourBitPiece]:
-    """The stage's sender: the quantized tensors of a bucket whose pieces the writers assembled in the scratch
-    region, as whole tensors to quantize into place."""
+    """The quantized tensors of a bucket whose pieces the writers assembled in the scratch region, as whole tensors
+    to quantize into place (`scratch_share`: which writer quantizes which)."""
     if policy.precision != "fp8":
         return _four_bit_pieces(plan, bucket, buffer, base, scratch_base, policy)
     tensors, targets = {t.name: t for t in plan.tensors}, {t.name: t for t in plan.targets}
@@ -328,3 +329,20 @@ def scratch_pieces(plan: StagePlan, bucket: Bucket, buffer, base: int, scratch_b
         pieces.append(QuantizePiece(full, q, s, Position.whole(q), Position.whole(s), main.name, scale.name,
                                     q.numel()))
     return pieces
+
+
+def scratch_share(pieces: list[QuantizePiece | FourBitPiece], writer: int, writers: int, is_sender: bool
+                  ) -> list[QuantizePiece | FourBitPiece]:
+    """Writer `writer`'s part (of `writers`) of a bucket's scratch quantization. Every writer of the stage maps the
+    buffer: in host memory they split the tensors by size — largest first, each to the writer with the fewest
+    elements so far, the same split on every writer — so that the C kernels run on every writer's core (one alone
+    took most of a 4-bit sync); in GPU memory the sender takes them all (one device does the work either way)."""
+    if not pieces or not _on_host(*(p.q if isinstance(p, QuantizePiece) else p.outputs[0] for p in pieces)):
+        return pieces if is_sender else []
+    sizes = [p.src.numel() if isinstance(p, QuantizePiece) else sum(src.numel() for _, src in p.sources)
+             for p in pieces]
+    loads, owner = [0] * writers, [0] * len(pieces)
+    for index in sorted(range(len(pieces)), key=lambda i: -sizes[i]):
+        owner[index] = loads.index(min(loads))
+        loads[owner[index]] += sizes[index]
+    return [piece for piece, who in zip(pieces, owner) if who == writer]

@@ -7,7 +7,8 @@ own; the projections NVFP4 gives one global scale travel in one bucket). Every T
 pieces of each tensor straight into that layout (`shard_placement`), so no rank gathers a full tensor. An FP8
 tensor whose TP pieces start and end on 128-row (or -column) block boundaries is quantized piece by piece by the
 rank that holds it; one whose pieces cut through blocks, and every 4-bit tensor (NVFP4's global scale is the whole
-fused group's), is first assembled in a scratch area and quantized by the stage's sender.
+fused group's), is first assembled in a scratch area and then quantized whole (`pieces.scratch_share`: in host memory
+the stage's writers share the work, on a GPU the stage's sender does it).
 """
 from __future__ import annotations
 
@@ -182,7 +183,7 @@ def _stage_targets(chunks, build, ctx, policy, expert_ctx, role, rules, num_loca
 
 def _bucket_units(targets: list[HFTarget], policy: QuantizationPolicy) -> list[int]:
     """How many consecutive targets from each one must share its bucket: a 4-bit `scale_group`'s members (an NVFP4
-    fused group), whose sender quantizes them together (1 elsewhere, 0 inside a group)."""
+    fused group), quantized together by one writer (1 elsewhere, 0 inside a group)."""
     units = [1] * len(targets)
     index = {t.name: i for i, t in enumerate(targets)}
     for i, target in enumerate(targets):

@@ -14,7 +14,7 @@ from megatron_ais.bridge.buckets import ManifestEntry, StageWriters
 from megatron_ais.bridge.config import BridgeConfig
 from megatron_ais.bridge.layout import BridgeLayout, stage_transports
 from megatron_ais.bridge.pieces import (BucketSums, OnePassWrites, PieceWrites, bucket_pieces, bucket_writes,
-                                        scratch_pieces, wait_for_device_writes)
+                                        scratch_pieces, scratch_share, wait_for_device_writes)
 from megatron_ais.bridge.plan import Bucket, EngineTensor, StagePlan, hf_targets, plan_stage
 from megatron_ais.bridge.receiver import SyncReceiver
 from megatron_ais.bridge.transports import StageTransport, receive_stage
@@ -43,8 +43,8 @@ class SyncStats:
 @dataclasses.dataclass(frozen=True)
 class WrittenBucket:
     """A bucket this rank has written (or failed to write: `error`), its figures on their way back (`sums`);
-    `read_back_waits`: reading them back also waits for its writes; `scratch`: what the stage's sender quantizes
-    once every writer's pieces are in the scratch region (None: nothing)."""
+    `read_back_waits`: reading them back also waits for its writes; `scratch`: this writer's share of what is
+    quantized once every writer's pieces are in the scratch region (None: nothing)."""
 
     bucket: Bucket
     sums: BucketSums
@@ -95,7 +95,8 @@ class WeightBridge:
         self.transport: StageTransport | None = None
         self.stage_bytes: list[int] = []
         self.pieces: list[list[PieceWrites | OnePassWrites]] = []  # per slot, per bucket
-        self.scratch_writes: list[list[PieceWrites | OnePassWrites | None]] = []  # the sender's, per slot, bucket
+        # this writer's share of the scratch quantization, per slot, per bucket
+        self.scratch_writes: list[list[PieceWrites | OnePassWrites | None]] = []
         self.connected = False
         self.slots = 1  # buffers of the arena (the receiver's, learnt when the bridge connects)
         self.completed = 0  # committed syncs: the next one writes slot `completed % slots`
@@ -165,10 +166,13 @@ class WeightBridge:
                 for b in self.plan.buckets]
 
     def _scratch_writes(self, slot: int) -> list[PieceWrites | OnePassWrites | None]:
-        """The sender's quantization of each bucket's scratch-assembled tensors into slot `slot`, built once."""
+        """This writer's share (`scratch_share`) of each bucket's scratch-assembled tensors, quantized into slot
+        `slot`; built once."""
         buffer, policy = self.transport.slot_buffer(slot), self.config.policy
-        return [bucket_writes(scratch_pieces(self.plan, b, buffer, *self.transport.placement(b), policy), policy)
-                if b.scratch and self.layout.is_sender else None for b in self.plan.buckets]
+        writer, writers = dist.get_rank(self.writers.group), dist.get_world_size(self.writers.group)
+        shares = [scratch_share(scratch_pieces(self.plan, b, buffer, *self.transport.placement(b), policy), writer,
+                                writers, self.layout.is_sender) if b.scratch else [] for b in self.plan.buckets]
+        return [bucket_writes(share, policy) if share else None for share in shares]
 
     def _start_bucket(self, index: int, bucket: Bucket, stats: SyncStats, slot: int) -> WrittenBucket:
         """Write this rank's pieces of bucket `index` into slot `slot` (FP8 pieces quantized on the way) and start
@@ -183,7 +187,7 @@ class WeightBridge:
                              self.scratch_writes[slot][index])
 
     def _finish_bucket(self, written: WrittenBucket) -> tuple[list[ManifestEntry] | None, str | None]:
-        """Read a written bucket's figures (refusing NaN/Inf by name), have the sender quantize the stage's
+        """Read a written bucket's figures (refusing NaN/Inf by name), quantize this writer's share of the stage's
         scratch-assembled tensors, and agree on the manifest; return it (sender) and the first error."""
         bucket, sums, error = written.bucket, written.sums, written.error
         if error is None:
@@ -194,7 +198,7 @@ class WeightBridge:
         if not written.read_back_waits:
             wait_for_device_writes(self.transport.buffer)
         if bucket.scratch:
-            error = self.writers.agree(error)  # every piece is in the scratch area before the sender quantizes it
+            error = self.writers.agree(error)  # every piece is in the scratch area before any writer quantizes it
             if error is None and written.scratch is not None:
                 try:
                     written.scratch.write(sums, self.config.policy)

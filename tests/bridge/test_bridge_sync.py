@@ -486,10 +486,12 @@ def _four_bit_worker(hf_dir, tp, pp, transport):
         with WeightBridge(chunks, build, config, layout, receiver) as bridge:
             bridge.sync(sync_id)
             firsts = [bridge.plan.tensors[b.first].name for b in bridge.plan.buckets]
+            quantized = [name for writes in bridge.scratch_writes[0] if writes is not None
+                         for piece in writes.pieces for name, _ in piece.sources]
         if receiver is not None:
             out[precision] = applied[0]
             receiver.close()
-        out[precision + " buckets"] = firsts
+        out[precision + " buckets"], out[precision + " quantized"] = firsts, quantized
     ps.destroy_model_parallel()
     return out
 
@@ -497,9 +499,9 @@ def _four_bit_worker(hf_dir, tp, pp, transport):
 @pytest.mark.slow
 @pytest.mark.parametrize("tp, pp, transport", [(2, 1, "shm"), (1, 2, "distributed")])
 def test_4bit_syncs_deliver_the_engines_tensors_bit_for_bit(model_root, tp, pp, transport):
-    """Each rank copies its pieces into the scratch region, the stage's sender quantizes whole tensors — an NVFP4
-    fused group (q/k/v, gate/up) with its one global scale, its members in one bucket — and the engine receives
-    exactly `quantize_for_engine`'s tensors of the HF model."""
+    """Each rank copies its pieces into the scratch region, then the stage's writers quantize whole tensors, each
+    its share — an NVFP4 fused group (q/k/v, gate/up) with its one global scale, its members in one bucket — and the
+    engine receives exactly `quantize_for_engine`'s tensors of the HF model."""
     from megatron_ais.bridge.quantization import QuantizationPolicy, fused_group, quantize_for_engine
 
     hf_dir = make_model_dir(model_root, "qwen3", num_key_value_heads=1, hidden_size=256, intermediate_size=512)
@@ -518,3 +520,8 @@ def test_4bit_syncs_deliver_the_engines_tensors_bit_for_bit(model_root, tp, pp, 
         firsts = [name for result in results for name in result[precision + " buckets"]]
         assert len(firsts) > 2 * pp
         assert precision == "mxfp4" or all(fused_group(name)[0] == name for name in firsts), firsts
+        # every 4-bit weight quantized once, at TP2 by both writers of the stage
+        shares = [result[precision + " quantized"] for result in results]
+        policy = QuantizationPolicy(precision=precision)
+        assert sorted(sum(shares, [])) == sorted(n for n in source.names() if policy.quantizes(n))
+        assert tp == 1 or all(shares), [len(share) for share in shares]
