@@ -684,7 +684,8 @@ static inline uint32_t e2m1_pack8(__m256 x, __m256 factor) {
                                               _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                                                -1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                                                -1, -1, -1, -1));
-    return (uint32_t)(uint16_t)_mm256_extract_epi16(pairs, 0) | (uint32_t)(uint16_t)_mm256_extract_epi16(pairs, 8) << 16;
+    return (uint32_t)(uint16_t)_mm256_extract_epi16(pairs, 0) |
+           (uint32_t)(uint16_t)_mm256_extract_epi16(pairs, 8) << 16;
 }
 
 static inline void lanes16_pack(lanes16 x, float factor, uint8_t *out) {
@@ -730,27 +731,215 @@ static inline float f32_of_bits(uint32_t bits) {
     return f;
 }
 
+/* One NVFP4 group (16 elements from column 16j of a row): its e4m3 scale into *s, its packed codes into q[8j..);
+ * -1 if it holds a NaN/Inf. */
+static inline int nvfp4_group(const char *row, int dtype, int64_t j, float g, float inv_g, uint8_t *q, uint8_t *s) {
+    const lanes16 x = lanes16_load(row, dtype, j * 16);
+    const uint32_t amax_bits = lanes16_amax_bits(x);
+    if (amax_bits >= 0x7F800000u) return -1;
+    float scale = g * (f32_of_bits(amax_bits) * (float)(1.0 / 6.0));
+    scale = scale > 448.0f ? 448.0f : (scale < -448.0f ? -448.0f : scale);
+    const uint8_t code = f32_to_e4m3(scale);
+    *s = code;
+    const float restored = e4m3_to_f32(code) * inv_g;
+    lanes16_pack(x, 1.0f / (restored == 0.0f ? 1e8f : restored), q + j * 8);
+    return 0;
+}
+
+/* The e8m0 exponent of an MXFP4 group whose amax has magnitude bits `bits`. */
+static inline int mx_shared_exponent(uint32_t bits) {
+    int shared;
+    if (bits >> 23) { /* normal: floor(log2 amax) = E - 127; round up where the mantissa is >= 1.75 */
+        shared = (int)(bits >> 23) - 127 + ((bits >> 21 & 3u) == 3u) - 2;
+    } else { /* zero or subnormal */
+        int exponent;
+        const float mantissa = frexpf(f32_of_bits(bits), &exponent); /* amax = mantissa * 2^exponent, [0.5, 1) */
+        shared = exponent - 1 + (mantissa >= 0.875f) - 2;
+    }
+    return shared < -127 ? -127 : (shared > 127 ? 127 : shared);
+}
+
+/* One MXFP4 group (32 elements from column 32j): its e8m0 scale into *s, its packed codes into q[16j..); -1 if it
+ * holds a NaN/Inf. */
+static inline int mxfp4_group(const char *row, int dtype, int64_t j, uint8_t *q, uint8_t *s) {
+    const lanes16 x0 = lanes16_load(row, dtype, j * 32), x1 = lanes16_load(row, dtype, j * 32 + 16);
+    const uint32_t bits0 = lanes16_amax_bits(x0), bits1 = lanes16_amax_bits(x1);
+    const uint32_t bits = bits0 > bits1 ? bits0 : bits1;
+    if (bits >= 0x7F800000u) return -1;
+    const int shared = mx_shared_exponent(bits);
+    *s = (uint8_t)(shared + 127);
+    const float factor = shared < 127 ? pow2f(-shared) : ldexpf(1.0f, -shared); /* 2^-127: subnormal */
+    lanes16_pack(x0, factor, q + j * 16);
+    lanes16_pack(x1, factor, q + j * 16 + 8);
+    return 0;
+}
+
+/* GROUP_BATCH groups' scales at once: their amaxes gathered into one vector by a transposed reduction (instead of
+ * one horizontal reduction each) and their scales and factors computed lane-parallel, with the per-group paths'
+ * operations. Per group, that scalar work cost more than quantizing its 16 elements. */
+#if defined(__AVX512F__)
+#define GROUP_BATCH 16
+typedef __m512i group_bits;
+
+/* Lane k: the largest magnitude bits of m[k] (16 vectors of partial maxima), in group order. */
+static inline group_bits batch_amax_bits(const __m512i *m) {
+    __m512i b[8], c[4], d[2];
+    for (int i = 0; i < 8; ++i) /* 256-bit halves: groups 2i, 2i+1 */
+        b[i] = _mm512_max_epu32(_mm512_shuffle_i32x4(m[2 * i], m[2 * i + 1], 0x44),
+                                _mm512_shuffle_i32x4(m[2 * i], m[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; ++i) /* 128-bit lanes: groups 4i..4i+3 */
+        c[i] = _mm512_max_epu32(_mm512_shuffle_i32x4(b[2 * i], b[2 * i + 1], 0x88),
+                                _mm512_shuffle_i32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i) /* lane L: group 8i + L at dwords 0 and 2, 8i + 4 + L at 1 and 3 */
+        d[i] = _mm512_max_epu32(_mm512_unpacklo_epi32(c[2 * i], c[2 * i + 1]),
+                                _mm512_unpackhi_epi32(c[2 * i], c[2 * i + 1]));
+    /* lane L: groups L, 8 + L, 4 + L, 12 + L */
+    const __m512i e = _mm512_max_epu32(_mm512_unpacklo_epi32(d[0], d[1]), _mm512_unpackhi_epi32(d[0], d[1]));
+    return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15), e);
+}
+
+static inline __m512i magnitude_bits16(lanes16 x) {
+    return _mm512_and_si512(_mm512_castps_si512(x.v), _mm512_set1_epi32(0x7FFFFFFF));
+}
+
+static inline __m512i max_bits16(__m512i a, __m512i b) { return _mm512_max_epu32(a, b); }
+
+static inline int batch_any_nonfinite(group_bits bits) {
+    return _mm512_cmpge_epu32_mask(bits, _mm512_set1_epi32(0x7F800000)) != 0;
+}
+
+/* NVFP4 scales of the batch (e4m3 codes into s[0..16)) and their codes' factors. */
+static inline void nvfp4_batch_scales(group_bits bits, float g, float inv_g, uint8_t *s, float *factors) {
+    const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(g),
+                                       _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps((float)(1.0 / 6.0))));
+    const __m512i code = e4m3_lanes(scale); /* clamped to +-448 on the way, as the per-group path clamps */
+    _mm_storeu_si128((__m128i *)s, _mm512_cvtepi32_epi8(code));
+    /* e4m3_to_f32: normal codes from their bits, subnormal ones as m x 2^-9 (no sign: g > 0, so scales are >= 0) */
+    const __m512i e = _mm512_and_si512(_mm512_srli_epi32(code, 3), _mm512_set1_epi32(0xF));
+    const __m512i m = _mm512_and_si512(code, _mm512_set1_epi32(7));
+    const __m512 normal = _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(120)), 23), _mm512_slli_epi32(m, 20)));
+    const __m512 tiny = _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(1.0f / 512.0f));
+    const __m512 restored = _mm512_mul_ps(
+        _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), normal, tiny),
+        _mm512_set1_ps(inv_g));
+    const __m512 safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(restored, _mm512_setzero_ps(), _CMP_EQ_OQ),
+                                             restored, _mm512_set1_ps(1e8f));
+    _mm512_storeu_ps(factors, _mm512_div_ps(_mm512_set1_ps(1.0f), safe));
+}
+
+/* MXFP4 scales of the batch (e8m0 bytes into s[0..16)) and their factors; 0, or -1 (nothing written) where an amax
+ * is zero or subnormal: the per-group path takes those batches. */
+static inline int mxfp4_batch_scales(group_bits bits, uint8_t *s, float *factors) {
+    const __m512i exponent = _mm512_srli_epi32(bits, 23);
+    if (_mm512_cmpeq_epi32_mask(exponent, _mm512_setzero_si512())) return -1;
+    const __m512i up = _mm512_srli_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 21), _mm512_set1_epi32(3)), 1);
+    const __m512i round_up = _mm512_and_si512(up, _mm512_srli_epi32(bits, 21)); /* 1 where both bits are set */
+    __m512i shared = _mm512_add_epi32(_mm512_sub_epi32(exponent, _mm512_set1_epi32(129)), round_up);
+    shared = _mm512_max_epi32(shared, _mm512_set1_epi32(-127)); /* normal amaxes never reach 127 */
+    _mm_storeu_si128((__m128i *)s, _mm512_cvtepi32_epi8(_mm512_add_epi32(shared, _mm512_set1_epi32(127))));
+    _mm512_storeu_ps(factors, _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_sub_epi32(_mm512_set1_epi32(127), shared), 23)));
+    return 0;
+}
+#elif defined(__AVX2__)
+#define GROUP_BATCH 8
+typedef __m256i group_bits;
+
+static inline group_bits batch_amax_bits(const __m256i *m) {
+    __m256i b[4], d[2];
+    for (int i = 0; i < 4; ++i) /* 128-bit halves: groups 2i, 2i+1 */
+        b[i] = _mm256_max_epu32(_mm256_permute2x128_si256(m[2 * i], m[2 * i + 1], 0x20),
+                                _mm256_permute2x128_si256(m[2 * i], m[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; ++i) /* half H: group 4i + H at dwords 0 and 2, 4i + 2 + H at 1 and 3 */
+        d[i] = _mm256_max_epu32(_mm256_unpacklo_epi32(b[2 * i], b[2 * i + 1]),
+                                _mm256_unpackhi_epi32(b[2 * i], b[2 * i + 1]));
+    /* half H: groups H, 4 + H, 2 + H, 6 + H */
+    const __m256i e = _mm256_max_epu32(_mm256_unpacklo_epi32(d[0], d[1]), _mm256_unpackhi_epi32(d[0], d[1]));
+    return _mm256_permutevar8x32_epi32(e, _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7));
+}
+
+static inline __m256i magnitude_bits16(lanes16 x) {
+    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+    return _mm256_max_epu32(_mm256_and_si256(_mm256_castps_si256(x.lo), magnitude),
+                            _mm256_and_si256(_mm256_castps_si256(x.hi), magnitude));
+}
+
+static inline __m256i max_bits16(__m256i a, __m256i b) { return _mm256_max_epu32(a, b); }
+
+static inline int batch_any_nonfinite(group_bits bits) { /* magnitudes are below 2^31: signed compares order them */
+    return _mm256_movemask_epi8(_mm256_cmpgt_epi32(bits, _mm256_set1_epi32(0x7F7FFFFF))) != 0;
+}
+
+/* the batch's eight 32-bit lanes' low bytes into out[0..8) */
+static inline void store_low_bytes8(__m256i v, uint8_t *out) {
+    const __m256i words = _mm256_packus_epi32(v, v), bytes = _mm256_packus_epi16(words, words);
+    const uint32_t lo = (uint32_t)_mm256_extract_epi32(bytes, 0), hi = (uint32_t)_mm256_extract_epi32(bytes, 4);
+    memcpy(out, &lo, 4);
+    memcpy(out + 4, &hi, 4);
+}
+
+static inline void nvfp4_batch_scales(group_bits bits, float g, float inv_g, uint8_t *s, float *factors) {
+    const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(g),
+                                       _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps((float)(1.0 / 6.0))));
+    const __m256i code = e4m3_lanes_avx2(scale);
+    store_low_bytes8(code, s);
+    const __m256i e = _mm256_and_si256(_mm256_srli_epi32(code, 3), _mm256_set1_epi32(0xF));
+    const __m256i m = _mm256_and_si256(code, _mm256_set1_epi32(7));
+    const __m256 normal = _mm256_castsi256_ps(_mm256_or_si256(
+        _mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(120)), 23), _mm256_slli_epi32(m, 20)));
+    const __m256 tiny = _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(1.0f / 512.0f));
+    const __m256 restored = _mm256_mul_ps(
+        _mm256_blendv_ps(normal, tiny, _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, _mm256_setzero_si256()))),
+        _mm256_set1_ps(inv_g));
+    const __m256 safe = _mm256_blendv_ps(restored, _mm256_set1_ps(1e8f),
+                                         _mm256_cmp_ps(restored, _mm256_setzero_ps(), _CMP_EQ_OQ));
+    _mm256_storeu_ps(factors, _mm256_div_ps(_mm256_set1_ps(1.0f), safe));
+}
+
+static inline int mxfp4_batch_scales(group_bits bits, uint8_t *s, float *factors) {
+    const __m256i exponent = _mm256_srli_epi32(bits, 23);
+    if (_mm256_movemask_epi8(_mm256_cmpeq_epi32(exponent, _mm256_setzero_si256()))) return -1;
+    const __m256i top = _mm256_srli_epi32(bits, 21);
+    const __m256i round_up = _mm256_and_si256(_mm256_srli_epi32(top, 1), _mm256_and_si256(top, _mm256_set1_epi32(1)));
+    __m256i shared = _mm256_add_epi32(_mm256_sub_epi32(exponent, _mm256_set1_epi32(129)), round_up);
+    shared = _mm256_max_epi32(shared, _mm256_set1_epi32(-127));
+    store_low_bytes8(_mm256_add_epi32(shared, _mm256_set1_epi32(127)), s);
+    _mm256_storeu_ps(factors, _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_sub_epi32(_mm256_set1_epi32(127), shared), 23)));
+    return 0;
+}
+#endif
+
 /* NVFP4: w [m, n] (row stride w_stride elements, bf16 or fp32, n a multiple of 16) -> packed e2m1 codes q [m, n/2]
  * (row stride q_stride bytes, element 2i in the low nibble of byte i) and e4m3 scales s [m, n/16] (row stride
  * s_stride), operation for operation vLLM's ref_nvfp4_quant with global scale g: s = e4m3(clamp(g * (amax * (1/6)),
  * +-448)), codes = e2m1(clamp(w * 1 / (s * (1 / g)), +-6)). Returns 0, or -1 if a value is NaN/Inf. */
 int bridge_nvfp4_quantize(const void *w, int dtype, int64_t m, int64_t n, int64_t w_stride, float g, uint8_t *q,
                           int64_t q_stride, uint8_t *s, int64_t s_stride) {
-    const int64_t esize = dtype == DT_FP32 ? 4 : 2;
-    const float sixth = (float)(1.0 / 6.0), inv_g = 1.0f / (g == 0.0f ? 1e8f : g);
+    const int64_t esize = dtype == DT_FP32 ? 4 : 2, groups = n / 16;
+    const float inv_g = 1.0f / (g == 0.0f ? 1e8f : g);
     for (int64_t r = 0; r < m; ++r) {
         const char *row = (const char *)w + r * w_stride * esize;
-        for (int64_t j = 0; j < n / 16; ++j) {
-            const lanes16 x = lanes16_load(row, dtype, j * 16);
-            const uint32_t amax_bits = lanes16_amax_bits(x);
-            if (amax_bits >= 0x7F800000u) return -1;
-            float scale = g * (f32_of_bits(amax_bits) * sixth);
-            scale = scale > 448.0f ? 448.0f : (scale < -448.0f ? -448.0f : scale);
-            const uint8_t code = f32_to_e4m3(scale);
-            s[r * s_stride + j] = code;
-            const float restored = e4m3_to_f32(code) * inv_g;
-            lanes16_pack(x, 1.0f / (restored == 0.0f ? 1e8f : restored), q + r * q_stride + j * 8);
+        uint8_t *q_row = q + r * q_stride, *s_row = s + r * s_stride;
+        int64_t j = 0;
+#if defined(GROUP_BATCH)
+        for (; j + GROUP_BATCH <= groups; j += GROUP_BATCH) {
+            lanes16 x[GROUP_BATCH];
+            group_bits partial[GROUP_BATCH];
+            float factors[GROUP_BATCH];
+            for (int k = 0; k < GROUP_BATCH; ++k) {
+                x[k] = lanes16_load(row, dtype, (j + k) * 16);
+                partial[k] = magnitude_bits16(x[k]);
+            }
+            const group_bits bits = batch_amax_bits(partial);
+            if (batch_any_nonfinite(bits)) return -1;
+            nvfp4_batch_scales(bits, g, inv_g, s_row + j, factors);
+            for (int k = 0; k < GROUP_BATCH; ++k) lanes16_pack(x[k], factors[k], q_row + (j + k) * 8);
         }
+#endif
+        for (; j < groups; ++j)
+            if (nvfp4_group(row, dtype, j, g, inv_g, q_row, s_row + j)) return -1;
     }
     return 0;
 }
@@ -761,29 +950,35 @@ int bridge_nvfp4_quantize(const void *w, int dtype, int64_t m, int64_t n, int64_
  * NaN/Inf. */
 int bridge_mxfp4_quantize(const void *w, int dtype, int64_t m, int64_t n, int64_t w_stride, uint8_t *q,
                           int64_t q_stride, uint8_t *s, int64_t s_stride) {
-    const int64_t esize = dtype == DT_FP32 ? 4 : 2;
+    const int64_t esize = dtype == DT_FP32 ? 4 : 2, groups = n / 32;
     for (int64_t r = 0; r < m; ++r) {
         const char *row = (const char *)w + r * w_stride * esize;
-        for (int64_t j = 0; j < n / 32; ++j) {
-            const lanes16 x0 = lanes16_load(row, dtype, j * 32), x1 = lanes16_load(row, dtype, j * 32 + 16);
-            const uint32_t bits0 = lanes16_amax_bits(x0), bits1 = lanes16_amax_bits(x1);
-            const uint32_t bits = bits0 > bits1 ? bits0 : bits1;
-            if (bits >= 0x7F800000u) return -1;
-            const float amax = f32_of_bits(bits);
-            int shared;
-            if (bits >> 23) { /* normal: floor(log2 amax) = E - 127; round up where the mantissa is >= 1.75 */
-                shared = (int)(bits >> 23) - 127 + ((bits >> 21 & 3u) == 3u) - 2;
-            } else { /* zero or subnormal */
-                int exponent;
-                const float mantissa = frexpf(amax, &exponent); /* amax = mantissa * 2^exponent, in [0.5, 1) */
-                shared = exponent - 1 + (mantissa >= 0.875f) - 2;
+        uint8_t *q_row = q + r * q_stride, *s_row = s + r * s_stride;
+        int64_t j = 0;
+#if defined(GROUP_BATCH)
+        for (; j + GROUP_BATCH <= groups; j += GROUP_BATCH) {
+            lanes16 x[2 * GROUP_BATCH];
+            group_bits partial[GROUP_BATCH];
+            float factors[GROUP_BATCH];
+            for (int k = 0; k < GROUP_BATCH; ++k) {
+                x[2 * k] = lanes16_load(row, dtype, (j + k) * 32);
+                x[2 * k + 1] = lanes16_load(row, dtype, (j + k) * 32 + 16);
+                partial[k] = max_bits16(magnitude_bits16(x[2 * k]), magnitude_bits16(x[2 * k + 1]));
             }
-            shared = shared < -127 ? -127 : (shared > 127 ? 127 : shared);
-            s[r * s_stride + j] = (uint8_t)(shared + 127);
-            const float factor = shared < 127 ? pow2f(-shared) : ldexpf(1.0f, -shared); /* 2^-127: subnormal */
-            lanes16_pack(x0, factor, q + r * q_stride + j * 16);
-            lanes16_pack(x1, factor, q + r * q_stride + j * 16 + 8);
+            const group_bits bits = batch_amax_bits(partial);
+            if (batch_any_nonfinite(bits)) return -1;
+            if (mxfp4_batch_scales(bits, s_row + j, factors)) {
+                for (int k = 0; k < GROUP_BATCH; ++k) mxfp4_group(row, dtype, j + k, q_row, s_row + j + k);
+                continue;
+            }
+            for (int k = 0; k < GROUP_BATCH; ++k) {
+                lanes16_pack(x[2 * k], factors[k], q_row + (j + k) * 16);
+                lanes16_pack(x[2 * k + 1], factors[k], q_row + (j + k) * 16 + 8);
+            }
         }
+#endif
+        for (; j < groups; ++j)
+            if (mxfp4_group(row, dtype, j, q_row, s_row + j)) return -1;
     }
     return 0;
 }

@@ -56,7 +56,7 @@ def _weights(min_rows: int, max_blocks: int):
 
 
 @pytest.mark.parametrize("implementation", NVFP4)
-@_weights(min_rows=1, max_blocks=12)
+@_weights(min_rows=1, max_blocks=40)
 def test_nvfp4_equals_vllms_reference_quantizer(implementation, rows, blocks, seed, dtype):
     w = _weight(rows, blocks, NVFP4_BLOCK, seed, dtype)
     global_scale = nvfp4_global_scale(w)
@@ -83,7 +83,7 @@ def test_nvfp4_fused_shards_share_the_global_scale_they_are_given():
 
 
 @pytest.mark.parametrize("implementation", MXFP4)
-@_weights(min_rows=2, max_blocks=8)
+@_weights(min_rows=2, max_blocks=20)
 def test_mxfp4_equals_compressed_tensors_scales_and_vllms_rounding(implementation, rows, blocks, seed, dtype):
     w = _weight(rows, blocks, MXFP4_BLOCK, seed, dtype)
     w[0, :MXFP4_BLOCK] = 0.5  # an all-zero block has no exponent in the reference (log2 0)
@@ -118,9 +118,9 @@ def test_the_c_kernels_equal_the_torch_quantizers_at_the_exponent_range_edges():
     """Zero, subnormal and near-overflow blocks, the MX round-up edge and its neighbours: the C kernels' bit tricks
     for exponents against the torch quantizers (which match the references above)."""
     edges = (0.0, 1e-39, 1e-38, 3e-38, 2.0 ** -125, 1.74, 1.75, 7.0, 2.0 ** 126, 1.7e38)
-    w = torch.stack([torch.full((32,), value) for value in edges])
+    w = torch.stack([torch.full((32 * 17,), value) for value in edges])  # 17 groups: a batch of 16 and one more
     assert all(torch.equal(c, t) for c, t in zip(mxfp4_quantize(w, "w"), mxfp4_quantize_torch(w, "w")))
-    w = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-30, 30, 64)
+    w = torch.randn(64, 16 * 17, generator=torch.Generator().manual_seed(0)) * torch.logspace(-30, 30, 16 * 17)
     scale = nvfp4_global_scale(w)
     for c, t in zip(nvfp4_quantize(w, "w", scale), nvfp4_quantize_torch(w, "w", scale)):
         assert torch.equal(c.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
