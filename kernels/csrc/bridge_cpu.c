@@ -31,12 +31,14 @@ int bridge_simd(void) {
     return bits;
 }
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t b = (uint32_t)h << 16;
+/* The float whose IEEE bits are `bits`. */
+static inline float f32_of_bits(uint32_t bits) {
     float f;
-    memcpy(&f, &b, 4);
+    memcpy(&f, &bits, 4);
     return f;
 }
+
+static inline float bf16_to_f32(uint16_t h) { return f32_of_bits((uint32_t)h << 16); }
 
 /* c10's round-to-nearest-even fp32 -> float8_e4m3fn for |f| <= 448 (callers clamp first). */
 static inline uint8_t f32_to_e4m3(float f) {
@@ -210,8 +212,7 @@ static inline uint32_t seg_amax_bits(const void *row, int dtype, int64_t c0, int
 }
 
 static inline float magnitude_bits_to_f32(uint32_t m, int dtype) {
-    if (dtype == DT_FP32) { float f; memcpy(&f, &m, 4); return f; }
-    return bf16_to_f32((uint16_t)m);
+    return dtype == DT_FP32 ? f32_of_bits(m) : bf16_to_f32((uint16_t)m);
 }
 
 /* Position-weighted sums of a run of n unsigned elements: *S += sum v_c, *T += sum c * v_c (c from 0, mod 2^64).
@@ -572,23 +573,13 @@ int64_t bridge_copy_rows_check_finite(const void *src, int64_t src_stride, void 
 /* float8_e4m3fn code -> its value (exact), from its bits: no libm call per group. */
 static inline float e4m3_to_f32(uint8_t c) {
     const uint32_t e = (c >> 3) & 0xF, m = c & 7;
-    float v;
-    if (e) {
-        const uint32_t bits = ((e + 120u) << 23) | (m << 20); /* 2^(e - 7) x 1.m */
-        memcpy(&v, &bits, 4);
-    } else {
-        v = (float)m * (1.0f / 512.0f); /* subnormal: m x 2^-9 */
-    }
+    /* 2^(e - 7) x 1.m, or subnormal: m x 2^-9 */
+    const float v = e ? f32_of_bits(((e + 120u) << 23) | (m << 20)) : (float)m * (1.0f / 512.0f);
     return (c & 0x80) ? -v : v;
 }
 
 /* 2^k for -126 <= k <= 127, exactly, from its bits. */
-static inline float pow2f(int k) {
-    const uint32_t bits = (uint32_t)(k + 127) << 23;
-    float v;
-    memcpy(&v, &bits, 4);
-    return v;
-}
+static inline float pow2f(int k) { return f32_of_bits((uint32_t)(k + 127) << 23); }
 
 /* e2m1 code (sign << 3 | magnitude index) of x: |x| saturated at 6 and rounded to the nearest of 0, 0.5, 1, 1.5, 2,
  * 3, 4, 6, ties to the even index. The grid's step is 0.5 below 2, 1 below 4 and 2 above: rint (half to even) of
@@ -617,10 +608,13 @@ static inline lanes16 lanes16_load(const char *row, int dtype, int64_t c) {
     return (lanes16){_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
 }
 
-/* The largest |x| of the lanes as raw fp32 magnitude bits (>= 0x7F800000: a NaN/Inf among them). */
-static inline uint32_t lanes16_amax_bits(lanes16 x) {
-    return _mm512_reduce_max_epu32(_mm512_and_si512(_mm512_castps_si512(x.v), _mm512_set1_epi32(0x7FFFFFFF)));
+/* The lanes' raw fp32 magnitude bits (order-preserving), in one vector. */
+static inline __m512i magnitude_bits16(lanes16 x) {
+    return _mm512_and_si512(_mm512_castps_si512(x.v), _mm512_set1_epi32(0x7FFFFFFF));
 }
+
+/* The largest |x| of the lanes as raw fp32 magnitude bits (>= 0x7F800000: a NaN/Inf among them). */
+static inline uint32_t lanes16_amax_bits(lanes16 x) { return _mm512_reduce_max_epu32(magnitude_bits16(x)); }
 
 /* f32_to_e2m1 of x * factor, lane for lane, packed two per byte into out[0..8). */
 static inline void lanes16_pack(lanes16 x, float factor, uint8_t *out) {
@@ -654,10 +648,15 @@ static inline lanes16 lanes16_load(const char *row, int dtype, int64_t c) {
     return (lanes16){load8_ps(row, dtype, c), load8_ps(row, dtype, c + 8)};
 }
 
-static inline uint32_t lanes16_amax_bits(lanes16 x) {
+/* The lanes' raw fp32 magnitude bits, the two halves' larger ones in one vector. */
+static inline __m256i magnitude_bits16(lanes16 x) {
     const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
-    const __m256i m = _mm256_max_epu32(_mm256_and_si256(_mm256_castps_si256(x.lo), magnitude),
-                                       _mm256_and_si256(_mm256_castps_si256(x.hi), magnitude));
+    return _mm256_max_epu32(_mm256_and_si256(_mm256_castps_si256(x.lo), magnitude),
+                            _mm256_and_si256(_mm256_castps_si256(x.hi), magnitude));
+}
+
+static inline uint32_t lanes16_amax_bits(lanes16 x) {
+    const __m256i m = magnitude_bits16(x);
     __m128i h = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
     h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4E));
     h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xB1));
@@ -725,11 +724,8 @@ static inline void lanes16_pack(lanes16 x, float factor, uint8_t *out) {
 }
 #endif
 
-static inline float f32_of_bits(uint32_t bits) {
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
+/* 1/6 rounded to fp32: vLLM's reference multiplies a group's amax by it (e2m1's largest value is 6). */
+#define ONE_SIXTH ((float)(1.0 / 6.0))
 
 /* One NVFP4 group (16 elements from column 16j of a row): its e4m3 scale into *s, its packed codes into q[8j..);
  * -1 if it holds a NaN/Inf. */
@@ -737,7 +733,7 @@ static inline int nvfp4_group(const char *row, int dtype, int64_t j, float g, fl
     const lanes16 x = lanes16_load(row, dtype, j * 16);
     const uint32_t amax_bits = lanes16_amax_bits(x);
     if (amax_bits >= 0x7F800000u) return -1;
-    float scale = g * (f32_of_bits(amax_bits) * (float)(1.0 / 6.0));
+    float scale = g * (f32_of_bits(amax_bits) * ONE_SIXTH);
     scale = scale > 448.0f ? 448.0f : (scale < -448.0f ? -448.0f : scale);
     const uint8_t code = f32_to_e4m3(scale);
     *s = code;
@@ -798,10 +794,6 @@ static inline group_bits batch_amax_bits(const __m512i *m) {
     return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15), e);
 }
 
-static inline __m512i magnitude_bits16(lanes16 x) {
-    return _mm512_and_si512(_mm512_castps_si512(x.v), _mm512_set1_epi32(0x7FFFFFFF));
-}
-
 static inline __m512i max_bits16(__m512i a, __m512i b) { return _mm512_max_epu32(a, b); }
 
 static inline int batch_any_nonfinite(group_bits bits) {
@@ -811,7 +803,7 @@ static inline int batch_any_nonfinite(group_bits bits) {
 /* NVFP4 scales of the batch (e4m3 codes into s[0..16)) and their codes' factors. */
 static inline void nvfp4_batch_scales(group_bits bits, float g, float inv_g, uint8_t *s, float *factors) {
     const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(g),
-                                       _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps((float)(1.0 / 6.0))));
+                                       _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(ONE_SIXTH)));
     const __m512i code = e4m3_lanes(scale); /* clamped to +-448 on the way, as the per-group path clamps */
     _mm_storeu_si128((__m128i *)s, _mm512_cvtepi32_epi8(code));
     /* e4m3_to_f32: normal codes from their bits, subnormal ones as m x 2^-9 (no sign: g > 0, so scales are >= 0) */
@@ -833,8 +825,8 @@ static inline void nvfp4_batch_scales(group_bits bits, float g, float inv_g, uin
 static inline int mxfp4_batch_scales(group_bits bits, uint8_t *s, float *factors) {
     const __m512i exponent = _mm512_srli_epi32(bits, 23);
     if (_mm512_cmpeq_epi32_mask(exponent, _mm512_setzero_si512())) return -1;
-    const __m512i up = _mm512_srli_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 21), _mm512_set1_epi32(3)), 1);
-    const __m512i round_up = _mm512_and_si512(up, _mm512_srli_epi32(bits, 21)); /* 1 where both bits are set */
+    const __m512i top = _mm512_srli_epi32(bits, 21); /* round up where mantissa bits 22 and 21 are both set */
+    const __m512i round_up = _mm512_and_si512(_mm512_srli_epi32(top, 1), _mm512_and_si512(top, _mm512_set1_epi32(1)));
     __m512i shared = _mm512_add_epi32(_mm512_sub_epi32(exponent, _mm512_set1_epi32(129)), round_up);
     shared = _mm512_max_epi32(shared, _mm512_set1_epi32(-127)); /* normal amaxes never reach 127 */
     _mm_storeu_si128((__m128i *)s, _mm512_cvtepi32_epi8(_mm512_add_epi32(shared, _mm512_set1_epi32(127))));
@@ -859,12 +851,6 @@ static inline group_bits batch_amax_bits(const __m256i *m) {
     return _mm256_permutevar8x32_epi32(e, _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7));
 }
 
-static inline __m256i magnitude_bits16(lanes16 x) {
-    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
-    return _mm256_max_epu32(_mm256_and_si256(_mm256_castps_si256(x.lo), magnitude),
-                            _mm256_and_si256(_mm256_castps_si256(x.hi), magnitude));
-}
-
 static inline __m256i max_bits16(__m256i a, __m256i b) { return _mm256_max_epu32(a, b); }
 
 static inline int batch_any_nonfinite(group_bits bits) { /* magnitudes are below 2^31: signed compares order them */
@@ -881,7 +867,7 @@ static inline void store_low_bytes8(__m256i v, uint8_t *out) {
 
 static inline void nvfp4_batch_scales(group_bits bits, float g, float inv_g, uint8_t *s, float *factors) {
     const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(g),
-                                       _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps((float)(1.0 / 6.0))));
+                                       _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(ONE_SIXTH)));
     const __m256i code = e4m3_lanes_avx2(scale);
     store_low_bytes8(code, s);
     const __m256i e = _mm256_and_si256(_mm256_srli_epi32(code, 3), _mm256_set1_epi32(0xF));
