@@ -192,18 +192,23 @@ def make_rows(make: Callable[[range], Any] | None, layout: FleetLayout, count: i
     """Every serving engine makes the rows of its share of prompts 0 .. count - 1 (`make(prompts)` on its host: a
     RolloutBatch with advantages); the share of an engine retired meanwhile goes to the others, until every prompt
     is made or fewer than `min_engines` serve (EngineRetiredError on every rank). `ahead`: the first shares, started
-    earlier on the same layout (`RowsAhead`)."""
+    earlier (`RowsAhead`) on its layout, which `layout` may have lost engines of since: their shares go to the
+    others whatever those engines returned."""
     pending, records, made, retired = [range(count)], [], {}, []
     while pending:
-        assigned = {host: [layout.share(p, host) for p in pending if layout.share(p, host)] for host in layout.hosts}
+        split = ahead.layout if ahead is not None else layout
+        assigned = {host: [split.share(p, host) for p in pending if split.share(p, host)] for host in split.hosts}
+        gone = [host for host in split.hosts if host not in layout.hosts]
         if ahead is not None:
             outcome, made_ahead = ahead.result()
-            made.update(made_ahead)
+            if layout.rank not in gone:
+                made.update(made_ahead)
             ahead = None
         else:
             outcome = outcome_here(lambda: _make_share(make, assigned[layout.rank], layout.rank, made), layout)
         results = shared_outcomes(outcome, layout)
-        pending = [p for host, r in zip(layout.hosts, results) if isinstance(r, Retired) for p in assigned[host]]
+        pending = [p for host, r in zip(layout.hosts, results) if isinstance(r, Retired) for p in assigned[host]] \
+            + [p for host in gone for p in assigned[host]]
         records += [record for r in results if not isinstance(r, Retired) for record in r]
         layout, messages = retire(results, layout, min_engines, retired)
         retired += messages

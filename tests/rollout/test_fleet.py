@@ -2,7 +2,8 @@
 engines' hosts exactly the rows its DP rank trains on (what cutting the whole batch would give it, advantages
 included, for contiguous and token-balanced shares, one or two engines, and when one engine is retired mid-step and
 the other makes its prompts), and fewer bytes than the whole batch; the same rows when each host starts making its
-share ahead in a thread (`RowsAhead`, returning at once) and the exchange meets it later; below --rollout-min-engines every rank stops,
+share ahead in a thread (`RowsAhead`, returning at once) and the exchange meets it later, also when an engine is
+retired between the two (its share made again by the others); below --rollout-min-engines every rank stops,
 naming every engine retired in the step; an error on one engine's host is raised on every rank naming that engine;
 a process the background worker starts outlives the task that started it."""
 import threading
@@ -70,6 +71,13 @@ def _worker(engines: int, balanced: bool, retiring: bool):
     got_ahead = exchange_rows(made_ahead, [0, 1], rank, balanced)
     same = same and all(torch.equal(getattr(got_ahead.batch, name), getattr(expected, name)) for name in names)
     same = same and made_ahead.layout.hosts == made.layout.hosts and made_ahead.retired == made.retired
+    if engines == 2:  # engine 1 retired (by a sync) after its share was started ahead: engine 0 makes that share
+        ahead = RowsAhead(make, layout, prompts, BackgroundWorker("test-ahead-shrunk"))
+        made_shrunk = make_rows(make, layout.without([1]), prompts, min_engines=1, ahead=ahead)
+        got_shrunk = exchange_rows(made_shrunk, [0, 1], rank, balanced)
+        same = same and all(torch.equal(getattr(got_shrunk.batch, name), getattr(expected, name)) for name in names)
+        same = same and made_shrunk.layout.hosts == (0,) and not made_shrunk.retired
+        same = same and [r.host for r in made_shrunk.records] == [0, 0]
     try:  # with a minimum of 2 serving engines a retirement stops every rank
         make_rows(make, layout, prompts, min_engines=2)
         stopped = None
