@@ -341,11 +341,12 @@ class RolloutEngine:
         that sampled it."""
         samples = [_Sample(index, list(prompt), prompt_params, j)
                    for index, (prompt, prompt_params) in enumerate(zip(prompts, params)) for j in range(params[0].n)]
-        engine, version, segment = self.llm.llm_engine, turns.weights_version, 0
+        version, segment = turns.weights_version, 0
         while True:
             live = {f"{s.prompt_index}.{s.sample}.{segment}": s for s in samples if s.finish_reason is None}
             if not live:
                 break
+            engine = self.llm.llm_engine  # a sync that found the engine dead restarted it: resume on the new one
             for request_id, s in live.items():
                 engine.add_request(request_id, {"prompt_token_ids": s.prompt + s.token_ids}, s.rest())
             with generation_deadline(self.llm, timeout_s):

@@ -2,9 +2,10 @@
 threads): a sync waits for a generation that does not step aside, and runs while one that does is parked, which then
 resumes with the new version; a generation waits for another and for a sync. A real fp32 vLLM engine's resumable
 generation: uninterrupted, it samples what `generate` does (the same seeds); interrupted by a sync after a few decode
-steps that installs other weights, it resumes every unfinished sample on them, and every token's log-prob equals
-transformers' under the weights its recorded version names (model A before the sync, B after) — no token mixes
-weights — while the resumed tokens' log-probs under A do not."""
+steps that installs other weights (or restarts the engine with them, as a sync that finds it dead does), it resumes
+every unfinished sample on them, and every token's log-prob equals transformers' under the weights its recorded
+version names (model A before the sync, B after) — no token mixes weights — while the resumed tokens' log-probs under
+A do not."""
 import collections
 import threading
 
@@ -136,11 +137,11 @@ def test_a_generation_waits_for_a_sync_that_asked_before_it():
     assert timeline.events == ["generation holds", "generation ends", "sync", "sync ends", "second generation"]
 
 
-def _b_weights(b_dir):
+def _weights(model_dir):
     from safetensors.torch import load_file
     import glob
 
-    return [(name, t.float()) for path in sorted(glob.glob(f"{b_dir}/*.safetensors"))
+    return [(name, t.float()) for path in sorted(glob.glob(f"{model_dir}/*.safetensors"))
             for name, t in load_file(path).items()]
 
 
@@ -168,14 +169,24 @@ def _worker(a_dir, b_dir, work):
             return self.polls == self.steps
 
         def park(self) -> int:
-            engine.update_weights(_b_weights(b_dir))
+            engine.update_weights(_weights(b_dir))
+            self.weights_version = 1
+            return self.weights_version
+
+    class RestartAfterSteps(SyncAfterSteps):
+        """The engine found dead by that sync: restarted with B's weights (a new vLLM engine)."""
+
+        def park(self) -> int:
+            engine.restart(_weights(b_dir))
             self.weights_version = 1
             return self.weights_version
 
     interrupted = engine.generate(PROMPTS, sampling, turns=SyncAfterSteps(6))
+    engine.update_weights(_weights(a_dir))
+    restarted = engine.generate(PROMPTS, sampling, turns=RestartAfterSteps(6))
     engine.shutdown()
     as_lists = [[(r.prompt_index, r.token_ids, r.logprobs, r.finish_reason, r.versions) for r in rollouts]
-                for rollouts in (whole, uninterrupted, interrupted)]
+                for rollouts in (whole, uninterrupted, interrupted, restarted)]
     return as_lists
 
 
@@ -192,13 +203,18 @@ def test_an_interrupted_generation_resumes_on_the_new_weights_and_records_each_t
 
     shape = dict(hidden_size=128, intermediate_size=256)  # vLLM's CPU attention needs head_dim >= 32
     a_dir, b_dir = (make_model_dir(model_root, "qwen3", seed=seed, **shape) for seed in (1, 2))
-    ((whole, uninterrupted, interrupted),) = spawn(1, _worker, a_dir, b_dir, str(tmp_path))
+    ((whole, uninterrupted, interrupted, restarted),) = spawn(1, _worker, a_dir, b_dir, str(tmp_path))
     # not interrupted: the same samples as vLLM's own n-sample requests, every token of version 0
     assert [r[:2] + r[3:4] for r in uninterrupted] == [r[:2] + r[3:4] for r in whole]
     assert max(abs(x - y) for a, b in zip(whole, uninterrupted) for x, y in zip(a[2], b[2])) <= 1e-6
     assert all(set(r[4]) == {0} for r in uninterrupted)
 
     models = [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32) for d in (a_dir, b_dir)]
+    for resumed in (interrupted, restarted):  # on the engine that installed B, or on the one restarted with B
+        _check_resumed_on_b(resumed, models)
+
+
+def _check_resumed_on_b(interrupted, models):
     assert len(interrupted) == len(PROMPTS) * SAMPLES
     partial, resumed_tokens, diffs, under_a = 0, 0, [], []
     for index, tokens, logprobs, reason, versions in interrupted:
