@@ -68,7 +68,9 @@ def test_pp2_two_engines_restart_then_retire_and_stop_with_the_checkpoint_intact
     machine's speed (a step takes about a second); the test waits for what follows it, and the run has steps to
     spare for the second kill to be met. (The DP2 end-to-end run, with W&B and a summary: the
     launcher-kill test below.)"""
-    from megatron_ais.checkpointing.store import checkpoint_problem, read_tracker
+    from megatron_ais.checkpointing.formats.torch import load_data
+    from megatron_ais.checkpointing.formats.torch_dist import RUN_STATE
+    from megatron_ais.checkpointing.store import checkpoint_problem, iteration_dir, read_tracker
 
     checkpoint = _converted_checkpoint(model_root, tmp_path, pp=2)
     out, save = tmp_path / "run", tmp_path / "run" / "ckpt"
@@ -105,6 +107,9 @@ def test_pp2_two_engines_restart_then_retire_and_stop_with_the_checkpoint_intact
     assert "λ" in steps[0] and "rollout" in steps[0]
     last = read_tracker(str(save))  # the steps before the second kill was met (2 unless the kills landed late)
     assert 2 <= last < 8 and checkpoint_problem(str(save), last) is None
+    # λ's state moves on the last stage; rank 0 (the first stage) writes the run state: it holds every step's batch
+    run_state = load_data(os.path.join(iteration_dir(str(save), last), RUN_STATE))["run_state"]
+    assert run_state["step"] == last and run_state["ais_state"]["batches"] == last, run_state["ais_state"]
 
 
 @pytest.mark.slow

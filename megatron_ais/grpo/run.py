@@ -269,6 +269,8 @@ class GRPORun:
             return
         protect = protected_iterations(self.state.reference, self.trainer.checkpoint.save) \
             if self.config.loss.kl_coef else ()
+        # λ's state (EMA, anchor) moves on the last pipeline stage, and the first stage's rank 0 writes the run state
+        self.state.ais.load_state_dict(from_last_stage(self.state.ais.state_dict(), self.groups.pipeline_group))
         self.checkpointer.save(step, self.state.run_state(self.loop.prompts_per_step, self.trainer.flags), protect,
                                metadata={DATA_SEED_KEY: self.state.data_seed})
 
