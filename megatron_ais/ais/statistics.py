@@ -25,7 +25,7 @@ STAT_NAMES = (
     "sum_weight_sq",              # Σw²
     "sum_trunc_weight",           # Σw̄
     "sum_trunc_weight_sq",        # Σw̄²
-    "sum_k3",                     # Σ(w - 1 - δ)
+    "sum_k3",                     # Σ(e^δ - 1 - δ), δ as the severity reads it (per sequence: its mean δ)
     "n_truncated",                # #{w > C}
     "n_sequences",                # sequences with a valid token   sequence-level ESS (logging), at every level:
     "sum_seq_weight",             # Σ W, W = exp(Σ_t δ_t) per sequence (Σ δ clamped like δ)
@@ -87,7 +87,7 @@ def mismatch_statistics(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.
     trunc = w.clamp(max=cap)
     band = w.clamp(1.0 / cap, cap)
     terms = (m, severity.abs(), band, band * band, adv_sq, trunc * trunc * adv_sq, w, w * w, trunc, trunc * trunc,
-             w - 1.0 - delta, (w > cap).double())
+             severity.exp() - 1.0 - severity, (w > cap).double())
     seq_delta, seq_m = unit_log_ratios(trainer_logprobs.detach(), rollout_logprobs.detach(), mask,
                                        dataclasses.replace(config, level="sequence"))
     seq_w, seq_m = seq_delta.double().exp(), seq_m.double()

@@ -139,6 +139,22 @@ def test_sequence_level_statistics_count_sequences():
     assert stats[INDEX["sum_weight"]].item() == pytest.approx(expected_w, rel=1e-6)
 
 
+def test_k3_at_sequence_level_reads_the_mean_log_ratio_like_the_severity():
+    """k3 (logged, and `--ais-severity k3`) of a sequence-level weight is that of the sequence's mean δ: the product's
+    Σδ grows with the response length and read every long response as maximal mismatch."""
+    c, length = 0.05, 400
+    trainer, mask = torch.full((3, length), -1.0), torch.ones(3, length)
+    rollout, adv = trainer - c, torch.randn(3, 1).expand(3, length).clone()
+    per_token = math.exp(c) - 1.0 - c
+    for level in ("sequence", "geometric"):
+        stats = mismatch_statistics(trainer, rollout, adv, mask, AISConfig(level=level))
+        assert stats[INDEX["sum_k3"]].item() == pytest.approx(3 * per_token, rel=1e-4), level
+    config = AISConfig(level="sequence", severity="k3")
+    result = ais_coefficient(mismatch_statistics(trainer, rollout, adv, mask, config), config, AISState())
+    assert result.severity == pytest.approx(1.0 - math.exp(-2.0 * math.sqrt(per_token / math.pi) / config.tau),
+                                            rel=1e-3)
+
+
 def test_anchored_severity_and_ema_state_round_trip():
     """s_D = clip((D − D0) / (κ D0), 0, 1) with D0 the mean D of the first --ais-anchor-steps batches: two anchor
     batches of different D, κ = 2, and later batches whose severity lies strictly inside (0, 1)."""
