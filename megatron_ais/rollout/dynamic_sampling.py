@@ -1,6 +1,8 @@
 """`--dynamic-sampling` (DAPO, Yu et al. 2025): a group whose rewards are all equal has zero advantages under
 group-relative baselines and gives no policy gradient; such groups are dropped and further prompts sampled, round
-after round, until --prompts-per-step informative groups are collected or --max-sampling-rounds is reached.
+after round, until --prompts-per-step informative groups are collected or --max-sampling-rounds is reached. Groups
+are judged on the rewards the advantages use: with --overlong soft-penalty, the shaped ones, so a group all correct
+but of lengths the penalty tells apart keeps its gradient and stays (DAPO's recipe judges accuracy and drops it).
 
 Round r's prompts and sampling seed depend only on the seeds, the step and r (round 0 is the stream a run without
 dynamic sampling draws), so a resumed run samples what the uninterrupted run did. A step short of informative
