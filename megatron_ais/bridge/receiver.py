@@ -161,7 +161,8 @@ class SyncReceiver:
     def _verification_stream(self):
         """A GPU arena's checksums run on a stream of their own, so that they overlap the writers' next buckets
         instead of queueing behind them; no event orders them after the bytes they read: every writer waited for a
-        bucket's writes before it was delivered (its figures' read-back or `wait_for_device_writes`)."""
+        bucket's writes before it was delivered (its figures' read-back or `wait_for_device_writes`; the engine's rank,
+        for what it received, `transports._receive_bytes`)."""
         data = self.arena.data
         if not data.is_cuda:
             return None

@@ -96,6 +96,10 @@ def _receive_bytes(src: int, stage: int, receiver, stage_bytes: int, message: Bu
                 delta.apply(receiver.window(stage, start, start + nbytes), plan, message.delta, payload)
             except ValueError as err:
                 receiver.abort(f"sync {message.sync_id} refused, engine keeps its weights: stage {stage}: {err}")
+    if device.type == "cuda":
+        # NCCL's wait (and the delta's scatter) only order this GPU's current stream; the receiver checksums the
+        # bytes on a stream of its own, which must not read them before they have landed
+        torch.cuda.current_stream(device).synchronize()
     if not inside:
         receiver.abort(f"sync {message.sync_id} refused: stage {stage} sent bytes [{start}, {start + nbytes}) "
                        f"outside its {stage_bytes} bytes")
