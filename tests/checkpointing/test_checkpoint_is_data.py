@@ -157,6 +157,23 @@ def test_a_torch_dist_pickle_that_would_run_code_is_refused_unrun(torch_dist_che
     assert os.path.exists(marker)
 
 
+def test_metadata_naming_a_function_of_the_checkpoint_modules_is_refused_unrun(tmp_path):
+    """`.metadata` may name torch.distributed.checkpoint's record types only: a method of its classes (pickle
+    resolves dotted names), which deletes a file here, is refused before anything runs."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    victim, model_dir = tmp_path / "victim", tmp_path / "model"
+    victim.write_text("kept"), model_dir.mkdir()
+    with open(model_dir / ".metadata", "wb") as f:
+        pickle.dump(_Payload(FileSystem.rm_file, FileSystem(), str(victim)), f, protocol=4)
+    named = "torch.distributed.checkpoint.filesystem.FileSystem.rm_file"
+    with pytest.raises(CheckpointError, match=f"is refused: its pickle calls {named} outside the checkpoint"):
+        torch_dist.read_dcp_metadata(str(model_dir))
+    assert victim.exists()
+    pickle.load(open(model_dir / ".metadata", "rb"))  # the control: read as torch reads it, the file goes
+    assert not victim.exists()
+
+
 def _read_as_torch_does(model_dir, name):
     if name == ".metadata":  # torch.distributed.checkpoint's FileSystemReader.read_metadata
         return pickle.load(open(os.path.join(model_dir, name), "rb"))

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import functools
+import importlib
 import io
 import os
 import pickle
@@ -369,8 +371,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     torch.distributed.checkpoint, torch.Size, dtypes and layouts; any other is refused before it is imported."""
 
     def find_class(self, module: str, name: str):
-        if module in DCP_MODULES:
-            found = getattr(super().find_class(module, name), "__module__", None) == module
+        if module in DCP_MODULES:  # its record types (dataclasses, enums): never a function, a method or other class
+            found = "." not in name and _is_record_type(getattr(importlib.import_module(module), name, None), module)
         elif module == "torch":
             found = name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
         else:
@@ -378,6 +380,12 @@ class _MetadataUnpickler(pickle.Unpickler):
         if not found:
             raise _Refused(f"{module}.{name}")
         return super().find_class(module, name)
+
+
+def _is_record_type(obj, module: str) -> bool:
+    """Whether `obj` is a dataclass or an enum defined in `module` (building one runs no code of the file's)."""
+    return isinstance(obj, type) and obj.__module__ == module and (dataclasses.is_dataclass(obj)
+                                                                   or issubclass(obj, enum.Enum))
 
 
 class _Refused(Exception):
