@@ -11,6 +11,8 @@ HF_ASSET_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map
 
 def copy_hf_assets(src_dir: str, dst_dir: str) -> None:
     """Copy the non-weight files of a HF model directory (tokenizer, chat template, generation config)."""
+    if not os.path.isdir(src_dir):  # copying nothing would leave a checkpoint or an export without its tokenizer
+        raise FileNotFoundError(f"the HF assets directory {src_dir} is gone: nothing to copy the tokenizer from")
     os.makedirs(dst_dir, exist_ok=True)
     for name in HF_ASSET_FILES:
         src = os.path.join(src_dir, name)

@@ -3,12 +3,13 @@ commit, in the background with --async-save (`background.BackgroundSaver`: one s
 finished one committed at the next `poll` or `wait`, which every rank reaches in the same order)."""
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 from megatron_ais.checkpointing.background import BackgroundSaver
-from megatron_ais.checkpointing.config import CheckpointConfig, checkpoint_metadata
+from megatron_ais.checkpointing.config import HF_ASSETS, CheckpointConfig, checkpoint_metadata
 from megatron_ais.checkpointing.ranks import CheckpointRanks
-from megatron_ais.checkpointing.store import FORMATS, begin_save, commit_staged, write_staged
+from megatron_ais.checkpointing.store import FORMATS, begin_save, commit_staged, iteration_dir, write_staged
 
 
 class Checkpointer:
@@ -46,7 +47,7 @@ class Checkpointer:
             self.saver.start(staged)
         else:
             commit_staged(write_staged(staged))
-            self.on_commit(iteration)
+            self._committed(iteration)
 
     def poll(self) -> None:
         """Commit a background save that has finished writing (at a step boundary every rank reaches)."""
@@ -60,4 +61,8 @@ class Checkpointer:
 
     def _committed(self, iteration: int | None) -> None:
         if iteration is not None:
+            # the next saves copy the HF assets from this one: pruning never removes the newest checkpoint, while
+            # the directory they came from (a resumed run's loaded checkpoint under --save) may go
+            if self.assets_dir:
+                self.assets_dir = os.path.join(iteration_dir(self.config.save, iteration), HF_ASSETS)
             self.on_commit(iteration)
