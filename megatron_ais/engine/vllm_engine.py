@@ -278,10 +278,12 @@ class RolloutEngine:
         self.shutdown()
         self._start()
         self.version = 0
-        if self.kv_cache_scales is not None:
-            self.set_kv_cache_scales(self.kv_cache_scales)
         weights = weights if weights is not None else self.weights
-        return self.update_weights(weights) if weights is not None else self.version
+        if weights is not None:
+            self.update_weights(weights)
+        if self.kv_cache_scales is not None:  # after the weights: vLLM's reload resets a layer's scales to 1.0
+            self.set_kv_cache_scales(self.kv_cache_scales)
+        return self.version
 
     def set_kv_cache_scales(self, scales) -> int:
         """Install per-layer (q, k, v) FP8 KV-cache scales (a KVCacheScales) in every worker; return the number

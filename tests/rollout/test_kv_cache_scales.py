@@ -5,6 +5,7 @@ larger (k_norm x 300 with q_norm / 300, v_proj x 2000 with o_proj / 2000): under
 KV cache saturates at 448 and the engine's log-probs are garbage; with the trainer's calibrated scales they are
 as close to the reference as the un-inflated model's under scale 1.0 (the rounding of an FP8 KV cache itself).
 """
+import glob
 import os
 
 import pytest
@@ -114,6 +115,7 @@ def _engine_worker(hf_dir, original_dir, work):
     from megatron_ais.engine.vllm_engine import RolloutEngine
     from megatron_ais.engine.config import EngineConfig
     from megatron_ais.kv_calibration import KVCacheScales
+    from safetensors.torch import load_file
 
     probe = SEQUENCES[2] + SEQUENCES[0]
     engine = RolloutEngine(EngineConfig(model_dir=hf_dir, precision="fp32", kv_cache_dtype="fp8",
@@ -126,6 +128,12 @@ def _engine_worker(hf_dir, original_dir, work):
     out["calibrated"] = engine.prompt_logprobs(probe)
     engine.restart()  # a crashed engine comes back with the last scales
     out["after_restart"] = engine.get_kv_cache_scales()
+    # ... also when it is given weights (vLLM's reload resets the scales of a layer without a KV-cache quant method)
+    weights = [(name, t) for path in sorted(glob.glob(f"{hf_dir}/*.safetensors"))
+               for name, t in load_file(path).items()]
+    engine.restart(weights)
+    out["after_restart_with_weights"] = engine.get_kv_cache_scales()
+    out["restarted"] = engine.prompt_logprobs(probe)
     engine.shutdown()
     # what an FP8 KV cache costs where scale 1.0 fits the activations: the same function before rescaling
     engine = RolloutEngine(EngineConfig(model_dir=original_dir, precision="fp32", kv_cache_dtype="fp8",
@@ -151,7 +159,8 @@ def test_engine_with_calibrated_scales_matches_trainer(model_root, tmp_path, cpu
     assert out["default_scales"] == [(1.0, 1.0, 1.0)] * 2
     assert out["installed"] == 2
     assert torch.allclose(torch.tensor(out["scales"]), torch.tensor(out["wanted"]), rtol=1e-6)
-    assert out["after_restart"] == out["scales"]
+    assert out["after_restart"] == out["after_restart_with_weights"] == out["scales"]
+    assert out["restarted"] == out["calibrated"]
     print(f"mean |engine - transformers| log-prob: scale 1.0 {default:.3f}, calibrated {calibrated:.4f}, "
           f"unscaled model {original:.4f}")
     # measured: 1.75 with scale 1.0; 0.241 calibrated, 0.240 for the unscaled model (this random model's FP8
