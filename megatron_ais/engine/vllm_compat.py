@@ -247,6 +247,12 @@ def set_attention_kv_scales(layer: torch.nn.Module, q: float, k: float, v: float
         setattr(layer, f"_{name}_scale_float", float(value))
     layer._k_scale_cpu.fill_(k)
     layer._v_scale_cpu.fill_(v)
+    # FlashInfer keeps products of the scales from its first forward (vLLM 0.32.0: FlashInferImpl.bmm1_scale,
+    # bmm2_scale, computed while None): cleared, its next forward reads these
+    impl = getattr(layer, "impl", None)
+    for cached in ("bmm1_scale", "bmm2_scale"):
+        if getattr(impl, cached, None) is not None:
+            setattr(impl, cached, None)
 
 
 def attention_kv_scales(layer: torch.nn.Module) -> tuple[float, float, float]:

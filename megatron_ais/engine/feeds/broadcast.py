@@ -36,8 +36,16 @@ def feed_backend(root_device: str | None, member_devices: list[str | None]) -> s
 
 
 def feed_device(backend: str) -> str:
-    """Where the feed group's bytes travel from and to: device memory for NCCL, host memory for gloo."""
-    return "cuda" if backend == "nccl" else "cpu"
+    """Where the feed group's bytes travel from and to: this process's GPU for NCCL, host memory for gloo."""
+    return f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
+
+
+def on_device(device: str, function, *args):
+    """`function(*args)` with `device` current: the feed's collectives run in a thread of their own, and a new
+    thread's current CUDA device is GPU 0, not the one this rank computes on."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    return function(*args)
 
 
 def join_weight_group(host: str, port: int, rank: int, world: int, backend: str):
@@ -64,7 +72,7 @@ class BroadcastFeed(SharedMemoryFeed):
         nbytes = max(e.offset + e.nbytes for e in weights.entries)
         data = buffer_data(weights.ref)[:nbytes]
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            sending = pool.submit(broadcast_bytes, self.group, data, CHUNK_BYTES, self.device)
+            sending = pool.submit(on_device, self.device, broadcast_bytes, self.group, data, CHUNK_BYTES, self.device)
             llm.collective_rpc("megatron_ais_receive_broadcast", args=(entries_json(weights.entries), nbytes,
                                                                        CHUNK_BYTES))
             sending.result()
@@ -72,10 +80,11 @@ class BroadcastFeed(SharedMemoryFeed):
     def _join(self, llm) -> None:
         host, port = host_address(), free_port()
         backend = feed_backend(device_uuid(), llm.collective_rpc("megatron_ais_device_uuid"))
+        device = feed_device(backend)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            root = pool.submit(join_weight_group, host, port, 0, 1 + self.members, backend)
+            root = pool.submit(on_device, device, join_weight_group, host, port, 0, 1 + self.members, backend)
             llm.collective_rpc("megatron_ais_join_weight_group", args=(host, port, 1 + self.members, backend))
-            self.group, self.device = root.result(), feed_device(backend)
+            self.group, self.device = root.result(), device
 
     def close(self) -> None:
         self.group = None  # its members are gone with the engine
