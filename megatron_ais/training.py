@@ -76,11 +76,20 @@ def build_optimizer(ddp_chunks: list, settings: TrainingConfig):
                         bf16=config.bf16, params_dtype=config.params_dtype, clip_grad=settings.clip_grad,
                         use_distributed_optimizer=settings.use_distributed_optimizer),
         ddp_chunks)
+    set_weight_decay(optimizer, settings.weight_decay)
     # what megatron/training wires up: DP grad reduction, embedding-grad sync across PP, loss scaling
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = [c.no_sync for c in ddp_chunks] if len(ddp_chunks) > 1 else ddp_chunks[0].no_sync
     return optimizer
+
+
+def set_weight_decay(optimizer, weight_decay: float) -> None:
+    """Each parameter group's weight decay: `weight_decay` times its `wd_mult` (megatron-core groups biases and 1-D
+    parameters, the norms', with 0), as Megatron-LM's scheduler sets it; torch's optimizer would apply
+    `weight_decay` to every group."""
+    for group in optimizer.param_groups:
+        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
 
 
 @dataclasses.dataclass
@@ -284,5 +293,6 @@ def setup_model_and_optimizer(build, source: WeightSource, training: TrainingCon
     if saved_kind is not None and saved_kind == run_kind and not finetune:
         FORMATS[loaded.format].restore_training_state(loaded, chunks, optimizer, ps.get_data_parallel_rank(),
                                                       ps.get_data_parallel_world_size())
+        set_weight_decay(optimizer, training.weight_decay)  # the groups' saved values come back with the state
         run_state = loaded.run_state
     return TrainingSetup(build, chunks, ddp_chunks, optimizer, assets, loaded, run_state)
