@@ -140,7 +140,7 @@ def run_sft(config) -> dict:
     the summary (also written on the logging rank)."""
     trainer = config.trainer
     examples = build_task(trainer.task, trainer.training.seed).train  # bad task flags fail before anything heavy
-    hf_config, build = prepare_trainer(trainer)
+    hf_config, build = prepare_trainer(trainer, "sft", resumes=False)
     # with a token budget the loss is the token mean over the global batch whatever the grouping (Megatron-LM's
     # --calculate-per-token-loss); by default each micro-batch's token mean counts the same
     build = dataclasses.replace(build, per_token_loss=trainer.training.max_tokens_per_microbatch is not None)

@@ -200,17 +200,18 @@ def check_output_directories(trainer) -> None:
             check_writable(path, option)
 
 
-def prepare_trainer(trainer) -> tuple[dict, object]:
+def prepare_trainer(trainer, run_kind: str | None = None, resumes: bool = True) -> tuple[dict, object]:
     """Everything a trainer checks before it starts (`trainer`: an arguments.TrainerConfig), in an order that writes
     nothing: its output directories can be written, no live run holds --save or --load, --save holds no other run's
-    checkpoints, the model's config is read and checked once, --save has room for a checkpoint. Return (the HF
-    config, the ModelBuildConfig)."""
+    checkpoints (a run of `run_kind` that `resumes` from a --load of its kind), the model's config is read and
+    checked once, --save has room for a checkpoint. Return (the HF config, the ModelBuildConfig)."""
     check_output_directories(trainer)
     checkpoint = trainer.checkpoint
     if is_first_rank():
         refuse_directories_in_use(checkpoint)
     if checkpoint.save:
-        check_save_holds_no_other_run(checkpoint.save, checkpoint.load, checkpoint.replace_checkpoints)
+        check_save_holds_no_other_run(checkpoint.save, checkpoint.load, checkpoint.replace_checkpoints, run_kind,
+                                      resumes, checkpoint.finetune)
     hf_config = read_model_config(trainer.model, trainer.layout, checkpoint.load,
                                   checkpoint.allow_unverified_checkpoint)
     build = ModelBuildConfig.create(trainer.model, trainer.layout, hf_config,

@@ -97,6 +97,20 @@ def test_a_fresh_run_on_another_runs_checkpoints_is_refused_writing_nothing(grpo
         preflight.check_save_holds_no_other_run(save, str(tmp_path / "sft"), replace=False)
     preflight.check_save_holds_no_other_run(save + "/", save, replace=False)  # resuming: the same directory
     preflight.check_save_holds_no_other_run(str(tmp_path / "empty"), None, replace=False)
+    # --load is --save, but the run starts afresh from it: its saves would replace that run's checkpoints
+    sft = str(tmp_path / "sft")
+    stage = store.prepare_staging(sft, 100)
+    store.write_metadata(stage, {"hf_config": {}, "run_kind": "sft"}, None)
+    store.commit_checkpoint(sft, 100)
+    preflight.check_save_holds_no_other_run(sft, sft, replace=False, run_kind="sft")
+    for kind, resumes, finetune, why in (("grpo", True, False, "they are a sft run's, this is a grpo run"),
+                                         ("sft", False, False, "sft runs do not resume"),
+                                         ("sft", True, True, "--finetune")):
+        with pytest.raises(CheckpointError, match=rf"^--save {sft} is --load too, but this run starts afresh from it "
+                                                  rf"\({why}\), so its saves would replace that run's checkpoints "
+                                                  r"\(newest: iteration 100\); choose another --save"):
+            preflight.check_save_holds_no_other_run(sft, sft, False, kind, resumes, finetune)
+        preflight.check_save_holds_no_other_run(sft, sft, True, kind, resumes, finetune)  # --replace-checkpoints
 
 
 def _unwritable(tmp_path):

@@ -7,7 +7,7 @@ import os
 from typing import Callable
 
 from megatron_ais.checkpointing.background import BackgroundSaver
-from megatron_ais.checkpointing.config import HF_ASSETS, CheckpointConfig, checkpoint_metadata
+from megatron_ais.checkpointing.config import HF_ASSETS, RUN_KIND, CheckpointConfig, checkpoint_metadata
 from megatron_ais.checkpointing.ranks import CheckpointRanks
 from megatron_ais.checkpointing.store import FORMATS, begin_save, commit_staged, iteration_dir, write_staged
 
@@ -38,7 +38,8 @@ class Checkpointer:
         training changes, so the weights may move while they are written."""
         self.wait()
         metadata = checkpoint_metadata(self.build, self.hf_config, iteration, self.dp_size,
-                                       self.use_distributed_optimizer, **(metadata or {}))
+                                       self.use_distributed_optimizer, **{RUN_KIND: run_state.get("kind")},
+                                       **(metadata or {}))
         staged = begin_save(self.config.save, iteration, self.chunks, metadata, self.assets_dir, self.ranks,
                             optimizer=self.optimizer, run_state=run_state, dp_group=self.dp_group,
                             keep=self.config.keep_checkpoints, protect=protect, fmt=FORMATS[self.config.ckpt_format],

@@ -12,6 +12,7 @@ from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import FlagConfig, flag
 
 HF_ASSETS = "hf_assets"  # the directory of a checkpoint that holds the HF model's tokenizer and generation config
+RUN_KIND = "run_kind"  # the metadata key naming the kind of run that saved a checkpoint (its run state's "kind")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,8 @@ import shutil
 import tempfile
 from typing import Any
 
-from megatron_ais.checkpointing.store import committed_iterations
+from megatron_ais.checkpointing.config import RUN_KIND
+from megatron_ais.checkpointing.store import committed_iterations, read_checkpoint_metadata
 from megatron_ais.errors import CheckpointError
 from megatron_ais.model import ModelShape
 
@@ -50,12 +51,25 @@ def check_room(path: str, nbytes: int, flag: str) -> None:
                               f"{free / 1e9:.2f} GB are free there; free some space or choose another {flag}")
 
 
-def check_save_holds_no_other_run(save: str, load: str | None, replace: bool) -> None:
-    """Refuse a --save that holds committed checkpoints when the run does not resume from it (--load elsewhere or
-    absent): the run would save its own iterations over them and prune the rest, unless `replace` says it may."""
+def check_save_holds_no_other_run(save: str, load: str | None, replace: bool, run_kind: str | None = None,
+                                  resumes: bool = True, finetune: bool = False) -> None:
+    """Refuse a --save that holds committed checkpoints when the run does not resume from it: the run would save its
+    own iterations over them and prune the rest, unless `replace` says it may. It resumes from --load when --load is
+    --save, unless it starts afresh from there all the same: `finetune`, a run that never `resumes` (SFT), or
+    checkpoints that say they are another kind of run's than `run_kind` (None: not known)."""
     committed = committed_iterations(save)
-    if not committed or replace or (load and os.path.realpath(load) == os.path.realpath(save)):
+    if not committed or replace:
         return
+    if load and os.path.realpath(load) == os.path.realpath(save):
+        saved_kind = read_checkpoint_metadata(save, committed[0]).get(RUN_KIND)
+        fresh = ("--finetune" if finetune else f"{run_kind} runs do not resume" if not resumes else
+                 f"they are a {saved_kind} run's, this is a {run_kind} run"
+                 if run_kind and saved_kind and saved_kind != run_kind else None)
+        if fresh is None:
+            return
+        raise CheckpointError(f"--save {save} is --load too, but this run starts afresh from it ({fresh}), so its "
+                              f"saves would replace that run's checkpoints (newest: iteration {committed[0]}); choose "
+                              "another --save, or pass --replace-checkpoints")
     raise CheckpointError(f"--save {save} holds another run's checkpoints (newest: iteration {committed[0]}) and this "
                           f"run does not resume from it ({'--load ' + load if load else 'no --load'}); pass --load "
                           f"{save} to resume that run, or --replace-checkpoints to replace its checkpoints")

@@ -149,7 +149,8 @@ class GRPORun:
         """The task (drawn with the resumed run's data seed), the model's FP8 shapes and the options that depend on the
         model, and the prompts' lengths."""
         trainer = self.trainer
-        self.hf_config, self.build = prepare_trainer(trainer)  # --load's lock and metadata, before they are read
+        # --load's lock and metadata, before they are read
+        self.hf_config, self.build = prepare_trainer(trainer, "grpo")
         self.data_seed = resumed_data_seed(trainer.checkpoint, trainer.training.seed)
         self.task = build_task(trainer.task, self.data_seed)  # bad task flags or prompt files fail here
         if len(self.task.train) < self.loop.prompts_per_step:
