@@ -276,10 +276,11 @@ def commit_checkpoint(root: str, iteration: int) -> str:
 
 
 def prune_checkpoints(root: str, keep: int, protect: tuple[int, ...] = ()) -> None:
-    """Remove all but the newest `keep` committed iterations (the tracker's, and `protect`ed ones such as a run's
-    KL reference, are always kept)."""
+    """Remove all but the newest `keep` committed iterations up to the tracker's (the tracker's, and `protect`ed ones
+    such as a run's KL reference, are always kept). Newer ones are left, uncounted: a run that fell back from a
+    refused checkpoint abandoned them, and counting them would leave it fewer to fall back to."""
     latest = read_tracker(root)
-    for iteration in committed_iterations(root)[keep:]:
+    for iteration in [i for i in committed_iterations(root) if i <= latest][keep:]:
         if iteration != latest and iteration not in protect:
             _remove_directory(iteration_dir(root, iteration))
     for name in os.listdir(root):  # what a crash left mid-removal
@@ -351,11 +352,18 @@ def commit_staged(save: StagedSave) -> str:
     if save.is_committer and problem is None:
         checksums = {name: entry for part, _ in reports for name, entry in part.items()}
         problem = staging_problem(save.stage, checksums)
-        if problem is None:
-            _atomic_write_text(os.path.join(save.stage, CHECKSUMS), json.dumps(checksums, indent=1, sort_keys=True))
-            commit_checkpoint(save.root, save.iteration)
-            if save.keep:
+        try:  # a failure here (a full disk, a refused rename) reaches every rank below, instead of leaving them waiting
+            if problem is None:
+                _atomic_write_text(os.path.join(save.stage, CHECKSUMS),
+                                   json.dumps(checksums, indent=1, sort_keys=True))
+                commit_checkpoint(save.root, save.iteration)
+        except OSError as err:
+            problem = f"committing it failed ({err})"
+        if problem is None and save.keep:
+            try:
                 prune_checkpoints(save.root, save.keep, save.protect)
+            except OSError as err:
+                warn(f"checkpoint iteration {save.iteration} committed, but pruning older ones failed ({err})")
     problem = next((p for p in gather(problem) if p), None)  # every rank learns it, none waits
     if problem is not None:
         raise CheckpointError(f"checkpoint iteration {save.iteration} not committed (the last one stays): {problem}")
@@ -446,7 +454,10 @@ def load_checkpoint(root: str, ranks: CheckpointRanks, distributed_optimizer: bo
         metadata = _read_metadata(root, iteration)
         reader = fmt or directory_format(directory)
         files = reader.files_to_read(directory, ranks, distributed_optimizer)
-        problem = _verify_own_files(root, iteration, files)
+        try:  # a rank's failure here reaches every rank through the gather below
+            problem = _verify_own_files(root, iteration, files)
+        except (OSError, ValueError) as err:
+            problem = f"{directory} cannot be verified ({type(err).__name__}: {err})"
         if problem is None:
             try:
                 state, distrib = reader.read_rank_files(directory, files)

@@ -38,6 +38,16 @@ def test_crash_before_commit_keeps_last_good_checkpoint(tmp_path):
     assert torch.equal(store.load_rank_state(root, 0, 0, 1)["model"]["w"], torch.full((2,), 3.0))
 
 
+def test_pruning_after_a_fallback_keeps_the_run_its_checkpoints(tmp_path):
+    """Iteration 200 was refused at load and the run went on from 100: the iterations it saves count towards
+    --keep-checkpoints, 200 (newer than the tracker) neither counts nor is removed."""
+    root = str(tmp_path)
+    for iteration in (100, 200, 110, 120):
+        _save(root, iteration, float(iteration))
+        store.prune_checkpoints(root, keep=2)
+    assert store.read_tracker(root) == 120 and store.committed_iterations(root) == [200, 120, 110]
+
+
 def test_exchange_paths_swaps_two_directories(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "from_a").write_text("a")
