@@ -27,7 +27,7 @@ class SFTConfig(FlagConfig):
 
     train_iters: int = flag(10, "Optimizer steps to run.", at_least=1)
     global_batch_size: int | None = flag(None, "Sequences per optimizer step over all DP ranks (default: micro batch "
-                                               "x DP).", type=int)
+                                               "x DP).", type=int, at_least=1)
     export_hf_dir: str | None = flag(None, "After training, export the model as a HF checkpoint here (each PP stage "
                                            "writes its file).", type=str)
 

@@ -32,14 +32,15 @@ from megatron_ais.model import (ModelBuildConfig, build_model_chunks, check_mode
 class TrainingConfig(FlagConfig):
     """Seed, micro-batch size, Adam and gradient settings, and the optimizer's sharding."""
 
-    seed: int = flag(1234, "Seed for data, initialisation and dropout.")
+    seed: int = flag(1234, "Seed for data, initialisation and dropout.", at_least=0, below=2 ** 32)
     micro_batch_size: int = flag(2, "Sequences per micro-batch per DP rank.", at_least=1)
-    lr: float = flag(1e-3, "Peak learning rate (Adam).")
-    weight_decay: float = flag(0.0, "Decoupled weight decay.")
-    adam_beta1: float = flag(0.9, "Adam beta1.")
-    adam_beta2: float = flag(0.999, "Adam beta2.")
-    adam_eps: float = flag(1e-8, "Adam epsilon.")
-    clip_grad: float = flag(1.0, "Clip the global gradient norm to this value.")
+    lr: float = flag(1e-3, "Peak learning rate (Adam).", at_least=0)
+    weight_decay: float = flag(0.0, "Decoupled weight decay (not of biases and 1-D parameters, as in Megatron-LM).",
+                               at_least=0)
+    adam_beta1: float = flag(0.9, "Adam beta1.", at_least=0, below=1)
+    adam_beta2: float = flag(0.999, "Adam beta2.", at_least=0, below=1)
+    adam_eps: float = flag(1e-8, "Adam epsilon.", above=0)
+    clip_grad: float = flag(1.0, "Clip the global gradient norm to this value (0: no clipping).", at_least=0)
     use_distributed_optimizer: bool = flag(False, "Shard optimizer state over data-parallel ranks (ZeRO-1).")
     max_tokens_per_microbatch: int | None = flag(
         None, "Batch by tokens: each rank's sequences, longest first, fill micro-batches of at most this many padded "

@@ -44,8 +44,9 @@ BOUNDED = [(cls, field, spec) for cls in _flag_configs() for field, spec in _fla
 def test_the_bounded_flags_include_the_loops_and_the_engines():
     names = {option_name(field, spec) for _, field, spec in BOUNDED}
     assert {"--grpo-steps", "--group-size", "--temperature", "--top-p", "--max-off-policy-steps", "--micro-batch-size",
-            "--rollout-min-engines", "--keep-checkpoints", "--is-cap", "--tensor-model-parallel-size"} <= names
-    assert len(BOUNDED) >= 45
+            "--rollout-min-engines", "--keep-checkpoints", "--is-cap", "--tensor-model-parallel-size", "--lr",
+            "--adam-beta1", "--adam-beta2", "--adam-eps", "--weight-decay", "--seed", "--global-batch-size"} <= names
+    assert len(BOUNDED) >= 52
 
 
 @pytest.mark.parametrize("cls,field,spec", BOUNDED, ids=[option_name(f, s) for _, f, s in BOUNDED])
