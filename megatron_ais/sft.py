@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import torch
@@ -11,14 +12,17 @@ from megatron.core import parallel_state as ps
 from megatron_ais import platform
 from megatron_ais.batch import balanced_partition, row_lengths
 from megatron_ais.checkpointing.checkpointer import Checkpointer
+from megatron_ais.checkpointing.preflight import check_writable
 from megatron_ais.data.tasks import Example, build_task
+from megatron_ais.distributed import from_last_stage
+from megatron_ais.errors import ArgumentValidationError
 from megatron_ais.flags import FlagConfig, flag
 from megatron_ais.forward import micro_batches, token_budget_plan
 from megatron_ais.hf_assets import load_tokenizer
 from megatron_ais.logging import RunLogger
 from megatron_ais.mapping.distributed import save_hf_checkpoint
 from megatron_ais.training import (lm_forward_step, prepare_trainer, reduce_lm_loss, setup_model_and_optimizer,
-                                   start_trainer, train_step)
+                                   start_trainer, tokenizer_dir, train_step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +37,16 @@ class SFTConfig(FlagConfig):
 
 
 
+def check_export_directory(export_hf_dir: str | None, hf_dir: str | None) -> None:
+    """--export-hf-dir can be written, and is not the --hf-dir the run starts from (it would be overwritten)."""
+    if not export_hf_dir:
+        return
+    if hf_dir and os.path.realpath(export_hf_dir) == os.path.realpath(hf_dir):
+        raise ArgumentValidationError(f"--export-hf-dir {export_hf_dir} is the --hf-dir the run starts from: the "
+                                      "export would overwrite it; choose another --export-hf-dir")
+    check_writable(export_hf_dir, "--export-hf-dir")
+
+
 def encode_sft_example(tokenizer, example: Example, seq_length: int) -> dict[str, torch.Tensor]:
     """Return tokens / labels / loss_mask [seq_length] for one example; loss only on the response."""
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": example.prompt}], tokenize=False,
@@ -41,7 +55,8 @@ def encode_sft_example(tokenizer, example: Example, seq_length: int) -> dict[str
     response_ids = tokenizer(example.response(), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     ids = prompt_ids + response_ids
     if len(ids) - 1 > seq_length:
-        raise ValueError(f"example of {len(ids)} tokens does not fit --seq-length {seq_length}")
+        raise ArgumentValidationError(f"--seq-length {seq_length}: an example of the task is {len(ids)} tokens "
+                                      f"long; raise --seq-length to at least {len(ids) - 1}")
     tokens = torch.full((seq_length,), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full((seq_length,), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros(seq_length)
@@ -141,6 +156,9 @@ def run_sft(config) -> dict:
     trainer = config.trainer
     examples = build_task(trainer.task, trainer.training.seed).train  # bad task flags fail before anything heavy
     hf_config, build = prepare_trainer(trainer, "sft", resumes=False)
+    check_export_directory(config.sft.export_hf_dir, trainer.model.hf_dir)
+    tokenizer = load_tokenizer(tokenizer_dir(trainer))
+    encoded = [encode_sft_example(tokenizer, e, build.seq_length) for e in examples]  # each fits, before any write
     # with a token budget the loss is the token mean over the global batch whatever the grouping (Megatron-LM's
     # --calculate-per-token-loss); by default each micro-batch's token mean counts the same
     build = dataclasses.replace(build, per_token_loss=trainer.training.max_tokens_per_microbatch is not None)
@@ -149,15 +167,13 @@ def run_sft(config) -> dict:
         and ps.get_data_parallel_rank() == 0
     log = RunLogger(trainer.logging, is_logger, run_config=trainer.flags)
     setup = setup_model_and_optimizer(build, trainer.weights, trainer.training, trainer.checkpoint.finetune)
-    tokenizer = load_tokenizer(setup.assets_dir)
-    encoded = [encode_sft_example(tokenizer, e, build.seq_length) for e in examples]
     dp_size = ps.get_data_parallel_world_size()
     log.info(f"SFT: {build.shape.model_type} {build.shape.num_layers} layers, TP{trainer.layout.tensor} "
              f"PP{trainer.layout.pipeline} DP{dp_size}, {build.precision}, global batch "
              f"{config.sft.global_batch_size or trainer.training.micro_batch_size * dp_size}, "
              f"{config.sft.train_iters} steps")
     start = time.time()
-    history = _train(setup, encoded, config, log)
+    history = from_last_stage(_train(setup, encoded, config, log), ps.get_pipeline_model_parallel_group())
     _save_and_export(setup, hf_config, config)
     summary = {"loss_first": history[0] if history else None, "loss_last": history[-1] if history else None,
                "losses": history, "steps": config.sft.train_iters, "wall_s": time.time() - start}

@@ -131,6 +131,20 @@ def test_cli_reports_bad_layout_without_traceback(model_root):
     assert proc.returncode == 2 and "--tensor-model-parallel-size 4" in proc.stderr
 
 
+def test_sft_refuses_examples_longer_than_the_sequence_and_an_export_over_its_input_writing_nothing(model_root,
+                                                                                                     tmp_path):
+    hf_dir = make_model_dir(model_root, "qwen3")
+    save, out = tmp_path / "ckpt", tmp_path / "out"
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}  # what torchrun gives a 1-rank run
+    for extra, expected in ((["--seq-length", "8"], "--seq-length 8: an example of the task is "),
+                            (["--export-hf-dir", hf_dir], f"--export-hf-dir {hf_dir} is the --hf-dir the run starts")):
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train_sft.py"), "--hf-dir", hf_dir,
+                               "--save", str(save), "--output-dir", str(out), *extra],
+                              capture_output=True, text=True, env=env)
+        assert proc.returncode == 2 and expected in proc.stderr, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr and not save.exists() and not out.exists()
+
+
 def test_help_documents_every_flag_by_group():
     text = build_parser("test").format_help()
     for group in ("model:", "parallelism:", "training:", "checkpointing:", "logging:"):
