@@ -186,6 +186,11 @@ class GRPORunConfig:
                 f"--top-p {loop.top_p} with --is-correction {self.correction.correction}: the engine's log-probs are "
                 "renormalised over the nucleus and the trainer's are not, so the importance ratios would measure the "
                 "truncation; use --top-p 1 or --is-correction none")
+        if self.trainer.layout.virtual_pipeline is not None:
+            raise ArgumentValidationError(
+                "--virtual-pipeline-model-parallel-size: megatron's interleaved schedule needs every pass's micro-batch "
+                "count to be a multiple of --pipeline-model-parallel-size, and GRPO's are not (the refit probe is one, "
+                "a token budget makes what fits); drop the flag")
         if loop.max_new_tokens >= self.trainer.model.seq_length:
             raise ArgumentValidationError(
                 f"--max-new-tokens {loop.max_new_tokens} leaves no room for the prompt in --seq-length "
@@ -286,4 +291,21 @@ class SFTRunConfig:
             raise ArgumentValidationError(
                 f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x data-parallel size {dp}; "
                 f"use a multiple of {mbs * dp}")
+        check_interleaved_micro_batches(trainer, (gbs or mbs * dp) // (mbs * dp))
         return config
+
+
+def check_interleaved_micro_batches(trainer: TrainerConfig, micro_batches: int) -> None:
+    """With a virtual pipeline, megatron's interleaved schedule needs each step's micro-batches to be a multiple of
+    the pipeline's stages (a token budget makes a varying number)."""
+    pp, layout = trainer.layout.pipeline, trainer.layout
+    if layout.virtual_pipeline is None:
+        return
+    if trainer.training.max_tokens_per_microbatch is not None:
+        raise ArgumentValidationError("--virtual-pipeline-model-parallel-size with --max-tokens-per-microbatch: the "
+                                      "interleaved schedule needs a fixed micro-batch count; drop one of the two")
+    if micro_batches % pp:
+        raise ArgumentValidationError(
+            f"--virtual-pipeline-model-parallel-size: a step's {micro_batches} micro-batch(es) (--global-batch-size "
+            f"over --micro-batch-size x data-parallel size) must be a multiple of --pipeline-model-parallel-size "
+            f"{pp} for megatron's interleaved schedule; raise --global-batch-size")

@@ -81,6 +81,11 @@ def test_valid_layouts_pass_including_fewer_kv_heads_than_tp():
                  "with --pipeline-model-parallel-size 2 gives wrong results over gloo",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="gloo (CPU) only")),
     (["--global-batch-size", "6", "--micro-batch-size", "4"], 2, "--global-batch-size 6 is not divisible"),
+    (["--pipeline-model-parallel-size", "3", "--virtual-pipeline-model-parallel-size", "2", "--global-batch-size",
+      "8", "--micro-batch-size", "2"], 3, "a step's 4 micro-batch\\(es\\) .* must be a multiple of "
+                                         "--pipeline-model-parallel-size 3"),
+    (["--pipeline-model-parallel-size", "3", "--virtual-pipeline-model-parallel-size", "2",
+      "--max-tokens-per-microbatch", "512"], 3, "with --max-tokens-per-microbatch: the interleaved schedule"),
     (["--make-vocab-size-divisible-by", "0"], 1, "--make-vocab-size-divisible-by 0 must be at least 1"),
 ])
 def test_parallel_errors_name_the_flag(argv, world, expected, tmp_path):

@@ -99,3 +99,11 @@ def test_rollouts_align_with_next_token_labels():
     assert batch.mask[1].tolist() == [0, 0, 1, 0, 0, 0] and batch.labels[1, 2].item() == 9
     with pytest.raises(ValueError, match="--seq-length 3"):
         rollouts_to_batch(rollouts, [1.0, 0.0], 2, 3, pad_token_id=0)
+
+
+def test_grpo_refuses_a_virtual_pipeline_naming_why():
+    with pytest.raises(ArgumentValidationError, match="--virtual-pipeline-model-parallel-size: megatron's interleaved "
+                                                      "schedule needs .* \\(the refit probe is one"):
+        GRPORunConfig.from_args(build_grpo_parser().parse_args(
+            ["--hf-dir", "/m", "--pipeline-model-parallel-size", "3", "--virtual-pipeline-model-parallel-size", "2"]),
+            3)
