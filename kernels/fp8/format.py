@@ -69,17 +69,24 @@ def blockwise_fp8_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block_siz
     return (q.float() * _expand_scales(scale_inv.float(), tuple(q.shape), block_size)).to(dtype)
 
 
-# vLLM's dynamic activation quantizer floors a group's scale here, so that an all-zero group divides by a finite one
-ACTIVATION_MIN_SCALE = 1.0 / (FP8_E4M3_MAX * 512.0)
+# what an H100 runs for blockwise-FP8 layers' activations is vLLM's CUDA per-token-group quantizer (vLLM 0.32 turns its
+# quant_fp8 custom op on for such models): it floors each group's amax here (its native path would floor the scale at
+# 1/(448 x 512) instead, and round groups of amax below 1/512 on another grid)
+ACTIVATION_AMAX_EPS = 1e-10
+
+
+def per_token_group_fp8_dequantized(x: torch.Tensor, group: int = BLOCK_SIZE) -> torch.Tensor:
+    """x [.., K] as H100's W8A8 block-FP8 layers see it, in fp32: each row cut into 1 x `group` groups (the last
+    zero-padded), each group's fp32 scale max(amax, `ACTIVATION_AMAX_EPS`) / 448, x / scale saturated to ±448 and
+    rounded to e4m3, times the scale (vLLM 0.32's `per_token_group_fp8_quant`, written out)."""
+    k = x.shape[-1]
+    groups = -(-k // group)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).reshape(*x.shape[:-1], groups, group)
+    scales = padded.abs().amax(dim=-1, keepdim=True).clamp(min=ACTIVATION_AMAX_EPS) / FP8_E4M3_MAX
+    codes = (padded / scales).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return (codes.float() * scales).reshape(*x.shape[:-1], groups * group)[..., :k]
 
 
 def per_token_group_fp8_round_trip(x: torch.Tensor, group: int = BLOCK_SIZE) -> torch.Tensor:
-    """x [.., K] as H100's W8A8 block-FP8 layers see it, in x's dtype: each row cut into 1 x `group` groups (the
-    last zero-padded), each group's amax / 448 its fp32 scale (at least `ACTIVATION_MIN_SCALE`), x / scale saturated
-    to ±448 and rounded to e4m3, times the scale (vLLM 0.32's QuantFP8 with a (1, group) shape, its native path)."""
-    k = x.shape[-1]
-    groups = -(-k // group)
-    padded = torch.nn.functional.pad(x, (0, groups * group - k)).reshape(*x.shape[:-1], groups, group)
-    scales = (padded.abs().amax(dim=-1, keepdim=True).float() / FP8_E4M3_MAX).clamp(min=ACTIVATION_MIN_SCALE)
-    codes = (padded / scales).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return (codes.float() * scales).reshape(*x.shape[:-1], groups * group)[..., :k].to(x.dtype)
+    """`per_token_group_fp8_dequantized` in x's dtype (what the next BF16 operation reads)."""
+    return per_token_group_fp8_dequantized(x, group).to(x.dtype)

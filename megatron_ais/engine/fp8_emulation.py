@@ -11,16 +11,15 @@ H100's blockwise FP8 numerics (W8A8) in fp32 on a CPU, for `--rollout-fp8-activa
 On an H100 vLLM's blockwise FP8 linear layers are W8A8: each activation row is quantized per token in 1x128 groups
 to e4m3 with an fp32 scale (`per_token_group_quant_fp8`) before the block-scaled GEMM, while the CPU kernel is
 W8A16. These functions compute what the GPU computes (up to the tensor cores' accumulation order), at CPU speed:
-the activations go through vLLM's own quantizer and back, and multiply the dequantized weights in fp32. The plugin
+the activations go through that quantizer's arithmetic and back (`kernels.fp8.format.per_token_group_fp8_dequantized`)
+and multiply the dequantized weights in fp32. The plugin
 installs them in the CPU kernels (`vllm_compat.add_w8a8_linear_emulation`, `add_w8a8_expert_emulation`) for the
 layers loaded while the engine's environment asks for it (`FP8_ACTIVATIONS_ENV`)."""
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from kernels.fp8.format import FP8_E4M3_MAX
+from kernels.fp8.format import FP8_E4M3_MAX, per_token_group_fp8_dequantized
 
 FP8_ACTIVATIONS_ENV = "MEGATRON_AIS_FP8_ACTIVATIONS"
 # set by the engine when its FP8 KV cache is emulated (the torch path): vLLM then holds a BF16 cache
@@ -46,30 +45,23 @@ def fp8_kv_round_trip(x, scale: float):
     return (codes.float() * scale).to(x.dtype)
 
 
-def w8a8_linear(quantizer, x, weight, bias=None):
-    """H100's blockwise FP8 linear layer in fp32: x [.., K] quantized by vLLM's dynamic 1x128-group `quantizer`
-    (codes and fp32 scales), dequantized, times the dequantized weight [N, K]; the output in x's dtype, then the
-    bias (as vLLM adds it on the GPU)."""
-    activations = _quantize_dequantize(quantizer, x.reshape(-1, x.shape[-1]))
+def w8a8_linear(x, weight, bias=None):
+    """H100's blockwise FP8 linear layer in fp32: x [.., K] quantized per token in 1x128 groups (codes and fp32
+    scales), dequantized, times the dequantized weight [N, K]; the output in x's dtype, then the bias (as vLLM adds
+    it on the GPU)."""
+    activations = per_token_group_fp8_dequantized(x.reshape(-1, x.shape[-1]))
     out = (activations @ weight.t()).to(x.dtype)
     if bias is not None:
         out = out + bias.to(x.dtype)
     return out.reshape(x.shape[:-1] + (out.shape[-1],))
 
 
-def _quantize_dequantize(quantizer, x):
-    """x [M, K] through `quantizer` (e4m3 codes, one fp32 scale per group) and back to fp32."""
-    codes, scales = quantizer.forward_native(x)
-    return codes.float() * scales.float().repeat_interleave(x.shape[-1] // scales.shape[-1], dim=-1)
-
-
-def w8a8_experts(quantizer, hidden, w13, w2, topk_weights, topk_ids):
+def w8a8_experts(hidden, w13, w2, topk_weights, topk_ids):
     """H100's block-FP8 fused MoE in fp32: hidden [M, H] quantized per token in 1x128 groups; for each routed expert
     e the gate/up GEMM with the dequantized w13[e] [2I, H] (output rounded to hidden's dtype, as the GPU kernel
     writes it), SiLU(gate) * up rounded to hidden's dtype and quantized per token again, the down GEMM with w2[e]
     [H, I] scaled by the token's router weight (rounded to hidden's dtype); the top-k outputs summed. Returns [M, H]."""
-    quantized = functools.partial(_quantize_dequantize, quantizer)
-    return _experts(hidden, w13, w2, topk_weights, topk_ids, quantized, lambda x, w: x @ w.t())
+    return _experts(hidden, w13, w2, topk_weights, topk_ids, per_token_group_fp8_dequantized, lambda x, w: x @ w.t())
 
 
 def w8a16_experts(hidden, w13, w2, topk_weights, topk_ids):

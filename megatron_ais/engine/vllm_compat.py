@@ -508,8 +508,7 @@ def add_w8a8_linear_emulation() -> None:
         weight = getattr(layer, "_megatron_ais_weight", None)
         if weight is None:
             return _original(self, layer, x, bias, **kwargs)
-        # vLLM 0.32.0: the kernel's own dynamic 1x128-group activation quantizer (quant_fp8, a QuantFP8)
-        return w8a8_linear(self.quant_fp8, x, weight, bias)
+        return w8a8_linear(x, weight, bias)
 
     cls.process_weights_after_loading = process_weights_after_loading
     cls.apply_weights = apply_weights
@@ -564,16 +563,6 @@ def lift_fp8_moe_gate(torch_path: bool) -> bool:
     return True
 
 
-def activation_quantizer():
-    """vLLM's dynamic per-token 1x128-group e4m3 quantizer (the one its block-FP8 kernels build)."""
-    # vLLM: imported in vLLM's processes only
-    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
-    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
-
-    # vLLM 0.32.0: QuantFP8(static, group_shape, use_ue8m0) (model_executor/layers/quantization/input_quant_fp8.py)
-    return QuantFP8(static=False, group_shape=GroupShape(1, 128), use_ue8m0=False)
-
-
 def _expert_forward(method, w13, w2, w13_scale, w2_scale, torch_path: bool):
     """(the experts' dequantized weights, their forward (hidden, topk_weights, topk_ids) -> output) that replace
     `fused_experts_cpu` for a block-FP8 MoE layer: W8A8 emulation while the environment asks for it, else W8A16
@@ -587,11 +576,7 @@ def _expert_forward(method, w13, w2, w13_scale, w2_scale, torch_path: bool):
                     for codes, scales in ((w13, w13_scale), (w2, w2_scale)))
     if not emulate:
         return weights, lambda hidden, topk_weights, topk_ids: w8a16_experts(hidden, *weights, topk_weights, topk_ids)
-    if not hasattr(method, "_megatron_ais_quantizer"):  # built at load: in-place reloads run outside vLLM's config
-        method._megatron_ais_quantizer = activation_quantizer()
-    quantizer = method._megatron_ais_quantizer
-    return weights, lambda hidden, topk_weights, topk_ids: w8a8_experts(quantizer, hidden, *weights, topk_weights,
-                                                                         topk_ids)
+    return weights, lambda hidden, topk_weights, topk_ids: w8a8_experts(hidden, *weights, topk_weights, topk_ids)
 
 
 def add_cpu_fp8_expert_paths(torch_path: bool) -> None:

@@ -26,8 +26,8 @@ too.
 W8A8 emulation (`--rollout-fp8-activations emulate`, environment MEGATRON_AIS_FP8_ACTIVATIONS=emulate): on an H100
 vLLM's blockwise FP8 linear layers are W8A8 — each activation row is quantized per token in 1x128 groups to e4m3
 with an fp32 scale (`per_token_group_quant_fp8`) before the block-scaled GEMM — while the CPU kernel is W8A16. With
-emulation the CPU kernel quantizes its input with the layer's own vLLM quantizer (`QuantFP8`, dynamic 1x128
-groups, the scales vLLM's GPU path computes) and multiplies the dequantized activations by the dequantized
+emulation the CPU kernel quantizes its input as vLLM's CUDA quantizer does (dynamic 1x128 groups,
+`kernels.fp8.format.per_token_group_fp8_dequantized`) and multiplies the dequantized activations by the dequantized
 weights in fp32: H100's numerics (up to the tensor cores' accumulation order) at CPU speed, for studying the
 mismatch, not a speed path (it keeps an fp32 copy of every FP8 weight). The FP8 MoE experts (`CPUExpertsFp8`) get
 the same treatment: the experts' input and their SiLU-and-mul output are quantized per token in 1x128 groups before

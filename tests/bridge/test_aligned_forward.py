@@ -1,8 +1,8 @@
 """QaRL's rollout-aligned forward (`bridge.aligned_forward`): the trainer computes with exactly the weights a sync
 sends the engine — checked against the codes and scales `quantize_for_engine` writes, dequantized by vLLM's own
-references — its FP8 activations are vLLM's dynamic quantizer's, the gradient is the one at the quantized weights
-(straight through to masters that come back bit for bit), and TP2 / PP2 score like transformers on the engine's
-weights. (That the trainer–engine k3 drops: tests/bridge/test_bridge_into_vllm.py.)"""
+references — its FP8 activations are the GPU's dynamic quantizer's (vLLM's CUDA kernel, written out), the gradient
+is the one at the quantized weights (straight through to masters that come back bit for bit), and TP2 / PP2 score
+like transformers on the engine's weights. (That the trainer–engine k3 drops: test_bridge_into_vllm.py.)"""
 import pytest
 import torch
 
@@ -44,34 +44,39 @@ def test_engine_weights_are_the_sent_codes_dequantized(precision):
     assert all(t.dtype == torch.float32 for t in fp32.values())
 
 
-def _vllm_activation_quantizer():
-    """vLLM's dynamic per-token 1x128-group e4m3 quantizer, as its block-FP8 linear kernels build it."""
+def _cuda_group_round_trip(x: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """vLLM's CUDA `per_token_group_fp8_quant` (what an H100 runs) and back, written out: per 1 x 128 group (the
+    last zero-padded) the fp32 scale max(amax, 1e-10) / 448, codes x / scale clamped to ±448 and rounded to e4m3."""
+    k = x.shape[-1]
+    grouped = torch.nn.functional.pad(x.float(), (0, -k % group)).reshape(*x.shape[:-1], -1, group)
+    scales = grouped.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / 448.0
+    codes = (grouped / scales).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return (codes.float() * scales).reshape(*x.shape[:-1], -1)[..., :k].to(x.dtype)
+
+
+def test_activation_round_trip_is_the_gpus_dynamic_fp8_quantizer():
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
     from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
 
-    with set_current_vllm_config(VllmConfig()):
-        return QuantFP8(static=False, group_shape=GroupShape(1, 128), use_ue8m0=False)
-
-
-def test_activation_round_trip_is_vllms_dynamic_fp8_quantizer():
     from kernels.fp8.format import per_token_group_fp8_round_trip
 
-    quantizer = _vllm_activation_quantizer()
+    with set_current_vllm_config(VllmConfig()):
+        native = QuantFP8(static=False, group_shape=GroupShape(1, 128), use_ue8m0=False)
     g = torch.Generator().manual_seed(0)
     for k in (256, 200):
         x = (torch.randn(3, 5, k, generator=g) * torch.logspace(-4, 2, 5)[:, None]).to(torch.bfloat16)
         x[1, 2] = 0
-        codes, scales = quantizer.forward_native(x.reshape(-1, k))
-        groups = scales.shape[-1]
+        assert torch.equal(per_token_group_fp8_round_trip(x), _cuda_group_round_trip(x)), k
+        # vLLM's own native path agrees on the rows whose groups' amax is at least 1/512 (its scale floor)
+        codes, scales = native.forward_native(x[:, 2:].reshape(-1, k))
         expanded = scales.float().repeat_interleave(128, dim=-1)[:, :k]
-        reference = (codes.float() * expanded).to(torch.bfloat16).reshape(x.shape)
-        assert groups == -(-k // 128)
-        assert torch.equal(per_token_group_fp8_round_trip(x), reference), k
+        native_rows = (codes.float() * expanded).to(torch.bfloat16).reshape(x[:, 2:].shape)
+        assert torch.equal(per_token_group_fp8_round_trip(x[:, 2:]), native_rows), k
 
 
 def _gradients_worker(hf_dir, precision, activations):
-    """Model A under the aligned forward, model B holding the reference engine weights (and vLLM's quantizer on
+    """Model A under the aligned forward, model B holding the reference engine weights (and the GPU's quantizer on
     the same layers' inputs): the loss and every gradient, and A's weights after the context."""
     from megatron.core import parallel_state as ps
 
@@ -95,13 +100,9 @@ def _gradients_worker(hf_dir, precision, activations):
             param.copy_(megatron_shard_from_hf(name, layer, build.shape.model_type, shard_context(build, 0),
                                                engine.__getitem__, build.shape.tie_word_embeddings))
     if activations:
-        quantizer = _vllm_activation_quantizer()
-
         def round_input(module, inputs):
             x, *rest = inputs
-            codes, scales = quantizer.forward_native(x.reshape(-1, x.shape[-1]))
-            rounded = (codes.float() * scales.float().repeat_interleave(128, dim=-1)).to(x.dtype).reshape(x.shape)
-            return (x + (rounded - x).detach(), *rest)
+            return (x + (_cuda_group_round_trip(x) - x).detach(), *rest)
 
         for name, module in b.named_modules():
             if name.endswith(("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")):

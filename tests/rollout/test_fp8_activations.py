@@ -34,6 +34,7 @@ def test_activation_codes_and_scales_are_the_gpu_kernels_and_the_gemm_is_fp32():
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
     from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
 
+    from kernels.fp8.format import per_token_group_fp8_dequantized
     from megatron_ais.engine.fp8_emulation import dequantize_blockwise, w8a8_linear
 
     generator = torch.Generator().manual_seed(0)
@@ -42,14 +43,24 @@ def test_activation_codes_and_scales_are_the_gpu_kernels_and_the_gemm_is_fp32():
         quantizer = QuantFP8(static=False, group_shape=GroupShape(1, 128), use_ue8m0=False)
     codes, scales = quantizer.forward_native(x)
     expected_codes, expected_scales = group_quantize(x)
-    assert torch.equal(scales, expected_scales)
+    assert torch.equal(scales, expected_scales)  # vLLM's native path agrees where no group's amax is below 1/512
     assert torch.equal(codes.view(torch.uint8), expected_codes.view(torch.uint8))
+    # ... and not below, where its scale floor (1 / (448 x 512)) is not the CUDA kernel's amax floor (1e-10)
+    small = (torch.randn(2, 256, generator=generator) * 1e-4).to(torch.bfloat16)
+    small_codes, small_scales = group_quantize(small)
+    cuda = small_codes.float() * small_scales.repeat_interleave(128, dim=-1)
+    native_codes, native_scales = quantizer.forward_native(small)
+    assert not torch.equal(native_codes.float() * native_scales.repeat_interleave(128, dim=-1), cuda)
+    for rows in (x, small):
+        expected_codes, expected_scales = group_quantize(rows)
+        expected = expected_codes.float() * expected_scales.repeat_interleave(128, dim=-1)
+        assert torch.equal(per_token_group_fp8_dequantized(rows), expected)
 
     weight_codes = (torch.randn(256, 384, generator=generator) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     weight_scales = torch.rand(2, 3, generator=generator) * 1e-3
     weight = dequantize_blockwise(weight_codes, weight_scales)
     assert torch.equal(weight[130, 260], weight_codes[130, 260].float() * weight_scales[1, 2])
-    out = w8a8_linear(quantizer, x, weight)
+    out = w8a8_linear(x, weight)
     reference = w8a8_reference(x, weight)
     assert out.dtype == torch.bfloat16 and out.shape == (6, 256)
     # fp32 accumulation, then the bf16 output rounding (2^-8 relative)
@@ -64,10 +75,6 @@ def test_moe_experts_quantize_their_input_and_their_intermediate_per_token():
     """The W8A8 experts against a per-token float64 reference written out: top-k experts, each quantizing the
     token's input and its SiLU(gate) * up per 1x128 group before its two GEMMs, weighted by the router; the GEMM
     outputs rounded to bf16 where the GPU kernel writes them."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
-    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
-
     from megatron_ais.engine.fp8_emulation import w8a8_experts
 
     generator = torch.Generator().manual_seed(0)
@@ -77,9 +84,7 @@ def test_moe_experts_quantize_their_input_and_their_intermediate_per_token():
     w2 = torch.randn(experts, hidden, intermediate, generator=generator) / 12
     topk_ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
     topk_weights = torch.softmax(torch.randn(tokens, top_k, generator=generator), -1)
-    with set_current_vllm_config(VllmConfig()):
-        quantizer = QuantFP8(static=False, group_shape=GroupShape(1, 128), use_ue8m0=False)
-    out = w8a8_experts(quantizer, x, w13, w2, topk_weights, topk_ids)
+    out = w8a8_experts(x, w13, w2, topk_weights, topk_ids)
 
     def dequantized(row):
         codes, scales = group_quantize(row.unsqueeze(0))
