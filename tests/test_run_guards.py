@@ -113,6 +113,13 @@ def test_a_fresh_run_on_another_runs_checkpoints_is_refused_writing_nothing(grpo
         preflight.check_save_holds_no_other_run(sft, sft, True, kind, resumes, finetune)  # --replace-checkpoints
 
 
+def test_a_missing_kl_reference_is_refused_naming_its_flag_writing_nothing(grpo, model, tmp_path):
+    save, out, ref = tmp_path / "ckpt", tmp_path / "out", tmp_path / "no-reference"
+    _refused(grpo("--hf-dir", model, "--save", save, "--output-dir", out, "--kl-coef", "0.1", "--ref-load", ref),
+             f"--ref-load {ref} has no latest_checkpointed_iteration.txt")
+    assert not save.exists() and not out.exists()
+
+
 def _unwritable(tmp_path):
     """A directory nobody may create files in: sysfs refuses even root, a read-only mode everyone else."""
     if os.geteuid() == 0:

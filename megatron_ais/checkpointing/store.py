@@ -63,11 +63,12 @@ def staging_dir(root: str, iteration: int) -> str:
     return iteration_dir(root, iteration) + ".staging"
 
 
-def read_tracker(root: str) -> int:
-    """Return the latest committed iteration under root; a missing or corrupted tracker file is named."""
+def read_tracker(root: str, flag: str = "--load") -> int:
+    """Return the latest committed iteration under root (`flag` names it); a missing or corrupted tracker file is
+    named."""
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
-        raise CheckpointError(f"--load {root} has no {TRACKER}: it is not a megatron-ais checkpoint directory "
+        raise CheckpointError(f"{flag} {root} has no {TRACKER}: it is not a megatron-ais checkpoint directory "
                               "(convert a HF model with tools/convert_checkpoint.py hf-to-megatron)")
     with open(path, errors="replace") as f:
         text = f.read().strip()
@@ -76,11 +77,11 @@ def read_tracker(root: str) -> int:
     return int(text)
 
 
-def candidate_iterations(root: str) -> list[int]:
+def candidate_iterations(root: str, flag: str = "--load") -> list[int]:
     """The iterations to try, best first: the tracker's, then older committed ones. A corrupted tracker is reported
     by name and every committed iteration is tried, newest first."""
     try:
-        latest = read_tracker(root)
+        latest = read_tracker(root, flag)
     except CheckpointError as err:
         committed = committed_iterations(root)
         if not os.path.isfile(os.path.join(root, TRACKER)) or not committed:
@@ -184,11 +185,13 @@ def checkpoint_problem(root: str, iteration: int, allow_unverified: bool = False
     return None
 
 
-def usable_iterations(root: str, allow_unverified: bool = False, fmt: ModuleType | None = None) -> list[int]:
-    """Return the iterations --load may use, best first (`candidate_iterations`), each passing `checkpoint_problem`.
-    Refused ones are reported; none usable raises a CheckpointError with every reason."""
+def usable_iterations(root: str, allow_unverified: bool = False, fmt: ModuleType | None = None,
+                      flag: str = "--load") -> list[int]:
+    """Return the iterations --load (or the `flag` that names `root`) may use, best first (`candidate_iterations`),
+    each passing `checkpoint_problem`. Refused ones are reported; none usable raises a CheckpointError with every
+    reason."""
     usable, reasons = [], []
-    for iteration in candidate_iterations(root):
+    for iteration in candidate_iterations(root, flag):
         problem = checkpoint_problem(root, iteration, allow_unverified, fmt)
         if problem is None:
             usable.append(iteration)
@@ -196,7 +199,7 @@ def usable_iterations(root: str, allow_unverified: bool = False, fmt: ModuleType
             reasons.append(problem)
             warn(f"refusing checkpoint iteration {iteration}: {problem}")
     if not usable:
-        raise CheckpointError(f"--load {root}: no usable checkpoint: " + "; ".join(reasons))
+        raise CheckpointError(f"{flag} {root}: no usable checkpoint: " + "; ".join(reasons))
     return usable
 
 

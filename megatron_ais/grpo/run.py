@@ -18,6 +18,7 @@ from megatron_ais.bridge.aligned_forward import RolloutAlignedForward
 from megatron_ais.bridge.layout import BridgeLayout
 from megatron_ais.bridge.quantization import check_engine_shapes
 from megatron_ais.checkpointing.checkpointer import Checkpointer
+from megatron_ais.checkpointing.store import usable_iterations
 from megatron_ais.data.tasks import build_task
 from megatron_ais.distributed import from_last_stage
 from megatron_ais.errors import ArgumentValidationError, TaskError
@@ -166,6 +167,8 @@ class GRPORun:
                 "--partial-rollouts with MoE routing replay: the engine routes a sample once it is done, with the "
                 "weights it holds then, not those that sampled a resumed sample's first tokens; use "
                 "--moe-routing-replay none or leave --partial-rollouts out")
+        if self.loop.ref_load and self.config.loss.kl_coef:  # the reference is read after --save is locked
+            usable_iterations(self.loop.ref_load, trainer.checkpoint.allow_unverified_checkpoint, flag="--ref-load")
         self.tokenizer = load_tokenizer(tokenizer_dir(trainer))
         check_prompt_lengths(self.tokenizer, self.task, self.loop.max_new_tokens, trainer.model.seq_length,
                              self.config.engine.max_model_len)

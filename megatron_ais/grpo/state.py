@@ -54,7 +54,7 @@ def reference_source(ref_load: str | None, load: str | None, hf_dir: str | None,
     """Where the frozen KL reference comes from: --ref-load, else what this run started from; a checkpoint with the
     iteration it had then, so that a resumed run (whose --load has newer iterations, perhaps its own) keeps it."""
     if ref_load:
-        return {"load": ref_load, "iteration": usable_iterations(ref_load, allow_unverified)[0]}
+        return {"load": ref_load, "iteration": usable_iterations(ref_load, allow_unverified, flag="--ref-load")[0]}
     return {"load": load, "iteration": loaded_iteration} if load else {"hf_dir": hf_dir}
 
 
