@@ -20,12 +20,19 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from megatron_ais.errors import ArgumentValidationError, RoutingReplayError
 
 
-def routing_replay_enabled(choice: str | None, is_moe: bool) -> bool:
-    """Whether a run replays the engine's routing: --moe-routing-replay, by default on for MoE models."""
+def routing_replay_enabled(choice: str | None, is_moe: bool, partial_rollouts: bool = False) -> bool:
+    """Whether a run replays the engine's routing: --moe-routing-replay, by default on for MoE models (refused with
+    --partial-rollouts)."""
     if choice == "rollout" and not is_moe:
         raise ArgumentValidationError("--moe-routing-replay rollout needs a MoE model and this one has no MoE layers; "
                                       "use --moe-routing-replay none or leave the flag out")
-    return is_moe if choice is None else choice == "rollout"
+    enabled = is_moe if choice is None else choice == "rollout"
+    if enabled and partial_rollouts:
+        raise ArgumentValidationError(
+            "--partial-rollouts with MoE routing replay: the engine routes a sample once it is done, with the "
+            "weights it holds then, not those that sampled a resumed sample's first tokens; use "
+            "--moe-routing-replay none or leave --partial-rollouts out")
+    return enabled
 
 
 def check_routed_experts(ids: torch.Tensor, num_layers: int, num_experts: int, topk: int) -> None:

