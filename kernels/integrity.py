@@ -223,9 +223,8 @@ def checksum_sums_device(t: torch.Tensor, position: Position | None = None) -> t
     if t.numel() == 0:
         return total
     width = t.element_size()
-    rows = 1 if t.dim() <= 1 else t.shape[0]
-    matrix = t.detach().reshape(rows, -1)
-    cols = matrix.shape[1]
+    matrix = t.detach().reshape(-1, t.shape[-1]) if t.dim() >= 2 else t.detach().reshape(1, -1)  # as `rows_view`
+    rows, cols = matrix.shape
     mask = (1 << (8 * width)) - 1 if width < 8 else None
     row_step, col_step = max(1, _TORCH_CHUNK // cols), min(cols, _TORCH_CHUNK)
     for r0 in range(0, rows, row_step):
@@ -246,7 +245,9 @@ def checksum_sums_reference(t: torch.Tensor, position: Position | None = None) -
     position = position or Position.whole(t)
     width = t.element_size()
     flat = t.detach().cpu().contiguous()
-    rows = 1 if flat.dim() <= 1 else flat.shape[0]
+    if flat.numel() == 0:
+        return 0, 0
+    rows = 1 if flat.dim() <= 1 else flat.numel() // flat.shape[-1]  # every leading dimension's, as `rows_view`
     values = flat.view(-1).view(torch.uint8).numpy().view(f"<u{width}").astype(np.uint64).reshape(rows, -1)
     cols = values.shape[1]
     index = ((np.arange(rows, dtype=np.uint64)[:, None] + np.uint64(position.row0)) * np.uint64(position.ncols)

@@ -261,6 +261,11 @@ def test_device_checksum_in_torch_ops_equals_the_definition(dtype, monkeypatch):
                            (data.view(-1)[:1234], integrity.Position(0, 1234, 0))):
         assert integrity.checksum_sums_torch(view, position) == integrity.checksum_sums_reference(view, position)
     assert integrity.checksum_sums_torch(data[:0]) == (0, 0)
+    # a tensor of 3 dimensions is its rows over every leading dimension, as the C kernel takes it
+    cube = data.reshape(-1)[:37 * 300].view(37, 12, 25)
+    expected = integrity.copy_check_finite(cube, torch.empty_like(cube))[1]
+    assert integrity.checksum_sums_reference(cube) == integrity.checksum_sums_torch(cube) == expected
+    assert integrity.checksum_sums_reference(cube.reshape(-1, 25)) == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
