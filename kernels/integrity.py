@@ -51,6 +51,11 @@ class Position:
         return cls(start, full_shape[1], 0) if dim == 0 else cls(0, full_shape[1], start)
 
 
+def nonfinite(t: torch.Tensor) -> torch.Tensor:
+    """Where a float tensor is NaN or Inf (FP8, which torch's isfinite does not take, widened exactly first)."""
+    return ~torch.isfinite(t.float() if t.element_size() == 1 else t)
+
+
 def copy_check_finite(src: torch.Tensor, dst: torch.Tensor, position: Position | None = None
                       ) -> tuple[int, tuple[int, int]]:
     """Copy `src` into `dst` (same shape and dtype, contiguous last dims); return (how many copied elements are
@@ -61,8 +66,10 @@ def copy_check_finite(src: torch.Tensor, dst: torch.Tensor, position: Position |
     lib = library()
     if summed_where_it_lives(src):
         return copy_check_finite_torch(src, dst, position)
-    if lib is None or dst.device.type != "cpu" or src.numel() == 0:
-        bad = int((~torch.isfinite(src)).sum()) if src.is_floating_point() else 0
+    # the C kernel checks the float dtypes it has codes for; another (float64, FP8) is checked by torch
+    if lib is None or dst.device.type != "cpu" or src.numel() == 0 or (src.is_floating_point()
+                                                                       and src.dtype not in DTYPE_CODES):
+        bad = int(nonfinite(src).sum()) if src.is_floating_point() else 0
         sums = checksum_sums(src, position)
         dst.copy_(src)
         return bad, sums
@@ -154,7 +161,7 @@ def copy_check_finite_deferred(src: torch.Tensor, dst: torch.Tensor, position: P
     which should not run every rank's checks), without a host synchronisation: return an int64 [3] tensor on
     `src`'s device, (NaN/Inf count, checksum sums A, B), for the caller to read back with its other figures
     (`read_back`). The caller waits for the copy before it reports the bucket."""
-    bad = (~torch.isfinite(src)).sum().reshape(1) if src.is_floating_point() else \
+    bad = nonfinite(src).sum().reshape(1) if src.is_floating_point() else \
         torch.zeros(1, dtype=torch.int64, device=src.device)
     figures = torch.cat([bad.to(torch.int64), checksum_sums_device(src, position)])
     dst.copy_(src)

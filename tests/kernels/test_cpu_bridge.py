@@ -268,6 +268,17 @@ def test_device_checksum_in_torch_ops_equals_the_definition(dtype, monkeypatch):
     assert integrity.checksum_sums_reference(cube.reshape(-1, 25)) == expected
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float8_e4m3fn])
+def test_a_checked_copy_counts_nan_in_the_float_dtypes_the_c_kernel_has_no_code_for(dtype):
+    src = torch.randn(4, 40, generator=torch.Generator().manual_seed(2)).to(dtype)
+    src.view(torch.uint8 if src.element_size() == 1 else torch.int64)[1, 3] = 0x7F if src.element_size() == 1 \
+        else 0x7FF8000000000000  # e4m3's NaN; float64's
+    dst = torch.zeros_like(src)
+    assert integrity.copy_check_finite(src, dst) == (1, integrity.checksum_sums_reference(src))
+    assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8))
+    assert integrity.copy_check_finite_torch(src, torch.zeros_like(src), integrity.Position.whole(src))[0] == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
 def test_torch_copy_check_equals_the_c_kernel(dtype):
     """The device path of copy_check_finite (torch ops, one read-back per piece: GPU shards) gives the C kernel's
