@@ -130,7 +130,7 @@ def check_supported_hf_config(cfg: dict[str, Any]) -> None:
         raise ArgumentValidationError(f"rope type {rope_type!r} in config.json is not supported yet (only 'default')")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ArgumentValidationError(f"hidden_act {cfg['hidden_act']!r} is not supported (SwiGLU with silu only)")
-    if model_type in ("llama", "qwen3") and cfg.get("attention_bias"):
+    if model_type != "qwen2" and cfg.get("attention_bias"):
         raise ArgumentValidationError(
             "attention_bias=true (bias on q/k/v and o_proj) has no megatron-core equivalent; only Qwen2's q/k/v bias is")
     if cfg.get("mlp_bias"):

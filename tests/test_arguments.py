@@ -109,6 +109,8 @@ def test_missing_model_and_checkpoint(tmp_path):
     ({"model_type": "gpt2"}, "model_type 'gpt2'"),
     ({"rope_scaling": {"rope_type": "yarn"}}, "rope type 'yarn'"),
     ({"attention_bias": True}, "attention_bias=true"),
+    ({"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+      "attention_bias": True}, "attention_bias=true"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
 ])
 def test_unsupported_configs(change, expected):
