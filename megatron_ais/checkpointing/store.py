@@ -216,6 +216,16 @@ def _atomic_write_text(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_directory(os.path.dirname(path))
+
+
+def fsync_directory(path: str) -> None:
+    """Make the renames in a directory durable (a power loss after a rename may otherwise undo it)."""
+    fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def file_digest(path: str) -> dict[str, Any]:
@@ -274,6 +284,7 @@ def commit_checkpoint(root: str, iteration: int) -> str:
             _remove_directory(old)
     else:
         os.replace(stage, final)
+    fsync_directory(root)  # the checkpoint's directory is in place before the tracker names it
     _atomic_write_text(os.path.join(root, TRACKER), str(iteration))
     return final
 
