@@ -1,6 +1,9 @@
 """The engine's HF weights from the tensors a sync sends, by vLLM's own references and the formats' definitions (not
-the project's dequantizers): what tests compare the engine and the aligned trainer against."""
+the project's dequantizers), and the GPU's activation quantizer written out: what tests compare the engine and the
+aligned trainer against."""
 import torch
+
+FP8_MAX = 448.0
 
 
 def reference_dequantized(sent: dict, precision: str) -> dict:
@@ -27,3 +30,20 @@ def reference_dequantized(sent: dict, precision: str) -> dict:
         else:
             out[name] = tensor
     return out
+
+
+def group_quantize(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's CUDA per-token-group quantization (`per_token_group_fp8_quant`, what an H100 runs), written out: per
+    `group` columns of the last dimension (the last group zero-padded) the fp32 scale max(absmax, 1e-10) / 448, codes
+    x / scale clamped to ±448 and rounded to e4m3. Returns codes [.., K] and scales [.., groups]."""
+    k = x.shape[-1]
+    grouped = torch.nn.functional.pad(x.float(), (0, -k % group)).reshape(*x.shape[:-1], -1, group)
+    scales = grouped.abs().amax(dim=-1).clamp(min=1e-10) / FP8_MAX
+    codes = (grouped / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.reshape(*x.shape[:-1], -1)[..., :k], scales
+
+
+def group_round_trip(x: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """x through `group_quantize` and back (codes x scales in fp32), in x's dtype."""
+    codes, scales = group_quantize(x, group)
+    return (codes.float() * scales.repeat_interleave(group, dim=-1)[..., :x.shape[-1]]).to(x.dtype)

@@ -8,7 +8,7 @@ import torch
 
 from conftest import make_model_dir
 from distributed import spawn
-from quantized_references import reference_dequantized
+from quantized_references import group_round_trip, reference_dequantized
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
 PROBE = list(range(5, 45))
@@ -44,16 +44,6 @@ def test_engine_weights_are_the_sent_codes_dequantized(precision):
     assert all(t.dtype == torch.float32 for t in fp32.values())
 
 
-def _cuda_group_round_trip(x: torch.Tensor, group: int = 128) -> torch.Tensor:
-    """vLLM's CUDA `per_token_group_fp8_quant` (what an H100 runs) and back, written out: per 1 x 128 group (the
-    last zero-padded) the fp32 scale max(amax, 1e-10) / 448, codes x / scale clamped to ±448 and rounded to e4m3."""
-    k = x.shape[-1]
-    grouped = torch.nn.functional.pad(x.float(), (0, -k % group)).reshape(*x.shape[:-1], -1, group)
-    scales = grouped.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / 448.0
-    codes = (grouped / scales).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return (codes.float() * scales).reshape(*x.shape[:-1], -1)[..., :k].to(x.dtype)
-
-
 def test_activation_round_trip_is_the_gpus_dynamic_fp8_quantizer():
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
@@ -67,7 +57,7 @@ def test_activation_round_trip_is_the_gpus_dynamic_fp8_quantizer():
     for k in (256, 200):
         x = (torch.randn(3, 5, k, generator=g) * torch.logspace(-4, 2, 5)[:, None]).to(torch.bfloat16)
         x[1, 2] = 0
-        assert torch.equal(per_token_group_fp8_round_trip(x), _cuda_group_round_trip(x)), k
+        assert torch.equal(per_token_group_fp8_round_trip(x), group_round_trip(x)), k
         # vLLM's own native path agrees on the rows whose groups' amax is at least 1/512 (its scale floor)
         codes, scales = native.forward_native(x[:, 2:].reshape(-1, k))
         expanded = scales.float().repeat_interleave(128, dim=-1)[:, :k]
@@ -102,7 +92,7 @@ def _gradients_worker(hf_dir, precision, activations):
     if activations:
         def round_input(module, inputs):
             x, *rest = inputs
-            return (x + (_cuda_group_round_trip(x) - x).detach(), *rest)
+            return (x + (group_round_trip(x) - x).detach(), *rest)
 
         for name, module in b.named_modules():
             if name.endswith(("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")):

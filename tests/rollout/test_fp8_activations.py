@@ -8,18 +8,9 @@ import torch
 
 from conftest import make_model_dir
 from distributed import spawn
+from quantized_references import group_quantize
 
-FP8_MAX = 448.0
 PROBE = [3, 17, 42, 99, 120, 7, 8, 9, 250, 61, 5, 33, 201, 77, 150, 12, 88, 64, 199, 2, 45, 300, 11, 90]
-
-
-def group_quantize(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CUDA kernel's per-token-group quantization, written out: fp32 scale = max(absmax, 1e-10) / 448 per group
-    of `group` columns, codes = x / scale clamped to ±448 and rounded to e4m3."""
-    grouped = x.float().reshape(x.shape[0], -1, group)
-    scales = grouped.abs().amax(dim=-1).clamp(min=1e-10) / FP8_MAX
-    codes = (grouped / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return codes.reshape(x.shape), scales
 
 
 def w8a8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
