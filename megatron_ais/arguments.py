@@ -298,14 +298,14 @@ class SFTRunConfig:
 def check_interleaved_micro_batches(trainer: TrainerConfig, micro_batches: int) -> None:
     """With a virtual pipeline, megatron's interleaved schedule needs each step's micro-batches to be a multiple of
     the pipeline's stages (a token budget makes a varying number)."""
-    pp, layout = trainer.layout.pipeline, trainer.layout
+    layout = trainer.layout
     if layout.virtual_pipeline is None:
         return
     if trainer.training.max_tokens_per_microbatch is not None:
         raise ArgumentValidationError("--virtual-pipeline-model-parallel-size with --max-tokens-per-microbatch: the "
                                       "interleaved schedule needs a fixed micro-batch count; drop one of the two")
-    if micro_batches % pp:
+    if micro_batches % layout.pipeline:
         raise ArgumentValidationError(
             f"--virtual-pipeline-model-parallel-size: a step's {micro_batches} micro-batch(es) (--global-batch-size "
             f"over --micro-batch-size x data-parallel size) must be a multiple of --pipeline-model-parallel-size "
-            f"{pp} for megatron's interleaved schedule; raise --global-batch-size")
+            f"{layout.pipeline} for megatron's interleaved schedule; raise --global-batch-size")
