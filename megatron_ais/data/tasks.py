@@ -19,6 +19,7 @@ import os
 import random
 import re
 import sys
+import threading
 from typing import Callable
 
 from megatron_ais.errors import PromptFileError, TaskError
@@ -96,15 +97,21 @@ def countdown_reward(response: str, answer: str) -> float:
     return 1.0 if value == int(target) and sorted(used) == sorted(int(n) for n in numbers.split(",")) else 0.0
 
 
+MATH_VERIFY_TIMEOUT_S = 5  # math-verify's own default for each parse and comparison
+
+
 def math_verify_reward(response: str, answer: str) -> float:
     """1.0 when math-verify finds the <answer> (or, without one, the response) equal to the gold answer."""
     from math_verify import parse, verify  # only the math task scores with it
 
+    # math-verify times itself out with signal.alarm, which only the main thread may set, and raises on any other:
+    # a batch generated ahead is scored on a background thread, where it runs untimed (--reward-workers bounds it)
+    timeout_s = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     text = answer_text(response)
-    gold = parse(f"${answer}$")
-    guess = parse(f"${text}$" if text is not None else response)
+    gold = parse(f"${answer}$", parsing_timeout=timeout_s)
+    guess = parse(f"${text}$" if text is not None else response, parsing_timeout=timeout_s)
     try:
-        return 1.0 if gold and guess and verify(gold, guess) else 0.0
+        return 1.0 if gold and guess and verify(gold, guess, timeout_seconds=timeout_s) else 0.0
     except Exception:  # math-verify raises on unparsable input; that is a wrong answer, not a crash
         return 0.0
 

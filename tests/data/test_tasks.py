@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -79,6 +80,17 @@ def test_math_verify_reward():
     assert math_verify_reward("<answer>17</answer>", "18") == 0.0
     assert math_verify_reward("the total is 18", "18") == 1.0
     assert math_verify_reward("<answer>}{</answer>", "18") == 0.0
+
+
+def test_math_verify_reward_off_the_main_thread():
+    # a batch generated ahead (--max-off-policy-steps >= 1) is scored inline on a background thread, where
+    # math-verify's signal.alarm timeout raises: every such response used to score 0
+    scores = []
+    worker = threading.Thread(target=lambda: scores.extend([math_verify_reward("<answer>18</answer>", "18"),
+                                                             math_verify_reward("<answer>17</answer>", "18")]))
+    worker.start()
+    worker.join()
+    assert scores == [1.0, 0.0]
 
 
 def _write(path, lines):
