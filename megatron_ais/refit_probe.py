@@ -7,8 +7,9 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from megatron_ais.distributed import from_last_stage
-from megatron_ais.forward import compute_logprobs, split_micro_batches
+from megatron_ais.forward import compute_logprobs, round_up, split_micro_batches
 from megatron_ais.model import unwrap_model
+from megatron_ais.routing_replay import padding_routes
 
 
 def probe_tokens(vocab_size: int, length: int = 48, seed: int = 1234) -> list[int]:
@@ -21,11 +22,21 @@ def trainer_probe_logprobs(ddp_chunks: list, probe: list[int], groups, vocab_siz
     """The trainer's teacher-forced log-probs of probe[1:] through the pipeline schedule (every stage calls it;
     the result is on the last stage, None elsewhere). `routes`: an engine's expert ids of the probe [len(probe), MoE
     layers, k] (`RolloutEngine.route`), which the trainer's routers then replay."""
-    row = {"tokens": torch.tensor([probe[:-1]]), "labels": torch.tensor([probe[1:]])}
+    scored = len(probe) - 1
+    padding = _fed_length(ddp_chunks, scored) - scored  # after the probe: causal attention keeps it out of the probe
+    fed = probe + probe[1:1 + padding]
+    row = {"tokens": torch.tensor([fed[:scored + padding]]), "labels": torch.tensor([fed[1:]])}
     if routes is not None:
-        row["routed_experts"] = routes[:-1].unsqueeze(0)
-    logprobs = compute_logprobs(ddp_chunks, split_micro_batches(row, 1), len(probe) - 1, 1, groups, vocab_size)
-    return None if logprobs is None else logprobs[0].cpu()  # compared with the engine's on the host
+        tail = padding_routes(padding, *routes.shape[1:]).to(routes.dtype)
+        row["routed_experts"] = torch.cat([routes[:-1], tail]).unsqueeze(0)
+    logprobs = compute_logprobs(ddp_chunks, split_micro_batches(row, 1), scored + padding, 1, groups, vocab_size)
+    return None if logprobs is None else logprobs[0, :scored].cpu()  # compared with the engine's on the host
+
+
+def _fed_length(ddp_chunks: list, length: int) -> int:
+    """Sequence parallelism splits the fed positions evenly over TP: a multiple of its size."""
+    config = unwrap_model(ddp_chunks[0]).config
+    return round_up(length, config.tensor_model_parallel_size) if config.sequence_parallel else length
 
 
 def _probe_with_hooks(ddp_chunks: list, probe: list[int], groups, vocab_size: int, pick, capture
@@ -40,7 +51,8 @@ def _probe_with_hooks(ddp_chunks: list, probe: list[int], groups, vocab_size: in
             value = capture(output)
             if layer.config.sequence_parallel:
                 value = gather_from_sequence_parallel_region(value)
-            captured[layer.layer_number - 1] = value.detach().to("cpu", copy=True)  # compared with the engine's
+            # the probe's positions, not the padding after them; compared with the engine's on the host
+            captured[layer.layer_number - 1] = value[:len(probe) - 1].detach().to("cpu", copy=True)
         return record
 
     handles = [pick(layer).register_forward_hook(hook(layer)) for chunk in ddp_chunks
