@@ -18,8 +18,10 @@ class GRPOLoopConfig(FlagConfig):
     group_size: int = flag(4, "Responses sampled per prompt (the GRPO group).",
                            at_least=2, bound_note="GRPO's advantages compare the responses to one prompt")
     max_new_tokens: int = flag(16, "Longest response.", at_least=1)
-    temperature: float = flag(1.0, "Rollout sampling temperature (> 0); the trainer's log-probs use the same.",
-                              above=0, bound_note="the trainer's log-probs are log_softmax(logits / temperature)")
+    temperature: float = flag(1.0, "Rollout sampling temperature (at least 0.01); the trainer's log-probs use the "
+                                   "same.", at_least=0.01,
+                              bound_note="vLLM raises a lower temperature to 0.01, and the trainer's log-probs are "
+                                         "log_softmax(logits / temperature)")
     top_p: float = flag(1.0, "Rollout nucleus sampling. Below 1 only with --is-correction none: the engine's log-probs "
                              "are renormalised over the nucleus and the trainer's are not, so every importance ratio "
                              "would measure the truncation rather than the FP8 mismatch.", above=0, at_most=1)
