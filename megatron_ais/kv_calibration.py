@@ -16,6 +16,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from megatron_ais.errors import NonFiniteInputError
 from megatron_ais.flags import FlagConfig, flag
 from megatron_ais.forward import compute_logprobs, split_micro_batches
 from megatron_ais.model import unwrap_model
@@ -32,10 +33,15 @@ class KVCacheScales:
 
     @classmethod
     def from_amax(cls, amax: torch.Tensor, margin: float) -> "KVCacheScales":
-        """scale = max(amax, tiny) x margin / 448 for amax [layers, 3]; a layer no token reached keeps 1.0."""
+        """scale = max(amax, tiny) x margin / 448 for amax [layers, 3]; a layer no token reached keeps 1.0, and a
+        non-finite amax is refused (NonFiniteInputError)."""
         if margin < 1.0:
             raise ValueError(f"--rollout-kv-cache-scale-margin {margin} must be at least 1 (below 1 the largest "
                              "calibrated values already saturate)")
+        layers = sorted({int(i) for i in (~torch.isfinite(amax)).nonzero()[:, 0]})
+        if layers:
+            raise NonFiniteInputError(f"the FP8 KV-cache calibration's forward gave non-finite Q/K/V in decoder "
+                                      f"layer(s) {layers}: the policy being synced holds NaN/Inf")
         scale = amax.double().clamp(min=1e-12) * margin / FP8_E4M3_MAX
         scale = torch.where(amax > 0, scale, torch.ones_like(scale))
         return cls(tuple(tuple(float(x) for x in row) for row in scale.tolist()))
@@ -130,6 +136,8 @@ def calibrate_kv_cache_scales(ddp_chunks: list, sequences: list[list[int]], seq_
     share = sequences[groups.data_parallel_rank::groups.data_parallel_size]
     rows = -(-len(sequences) // groups.data_parallel_size)
     amax = attention_amax(ddp_chunks, share, seq_length, micro_batch_size, groups, vocab_size, num_layers, rows)
+    # NaN may be lost in a MAX reduction, infinity is not: every rank then refuses the scales
+    amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf")))
     if dist.is_initialized():
         amax = amax.cuda() if torch.cuda.is_available() else amax  # NCCL reduces device tensors
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)

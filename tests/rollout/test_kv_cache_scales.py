@@ -7,6 +7,7 @@ as close to the reference as the un-inflated model's under scale 1.0 (the roundi
 """
 import glob
 import os
+import re
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ K_FACTOR, V_FACTOR = 300.0, 2000.0
 
 
 def test_scales_from_amax_closed_form():
+    from megatron_ais.errors import NonFiniteInputError
     from megatron_ais.kv_calibration import FP8_E4M3_MAX, KVCacheScales
 
     amax = torch.tensor([[1.0, 448.0, 0.0], [2.5, 1e-3, 896.0]])
@@ -27,6 +29,10 @@ def test_scales_from_amax_closed_form():
     assert scales[1] == pytest.approx((5.0 / FP8_E4M3_MAX, 2e-3 / FP8_E4M3_MAX, 4.0))
     with pytest.raises(ValueError, match="--rollout-kv-cache-scale-margin"):
         KVCacheScales.from_amax(amax, margin=0.5)
+    # NaN used to become vLLM's 1.0 (NaN > 0 is false) and Inf an infinite scale, installed in the engine
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(NonFiniteInputError, match=re.escape("decoder layer(s) [1]")):
+            KVCacheScales.from_amax(torch.tensor([[1.0, 2.0, 3.0], [1.0, bad, 3.0]]), margin=2.0)
 
 
 def rescaled_model(root) -> str:
