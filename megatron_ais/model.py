@@ -22,6 +22,20 @@ from megatron_ais.parallel import ParallelLayout
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 MOE_MODEL_TYPES = ("qwen3_moe",)
+# transformers' config-class defaults (5.19) of the keys a config.json may omit that do not follow from the others:
+# vLLM reads a config through those classes, so a missing key must mean here what it means there
+HF_CONFIG_DEFAULTS = {
+    "llama": dict(max_position_embeddings=2048),
+    "qwen2": dict(num_key_value_heads=32, max_position_embeddings=32768),
+    "qwen3": dict(num_key_value_heads=32, head_dim=128, max_position_embeddings=32768),
+    "qwen3_moe": dict(num_key_value_heads=4, max_position_embeddings=32768, norm_topk_prob=False,
+                      router_aux_loss_coef=0.001),
+}
+
+
+def with_hf_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config with transformers' defaults for the keys it omits (an explicit null keeps its own meaning)."""
+    return {**HF_CONFIG_DEFAULTS.get(cfg.get("model_type"), {}), **cfg}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +59,7 @@ class ModelShape:
     num_experts: int = 0  # 0: dense MLP
     moe_topk: int = 0
     moe_ffn_hidden_size: int = 0
-    moe_norm_topk_prob: bool = True
+    moe_norm_topk_prob: bool = False
     moe_aux_loss_coeff: float = 0.0
 
     @property
@@ -56,6 +70,7 @@ class ModelShape:
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelShape":
         """Return the shape of a supported HF config (see `check_supported_hf_config`)."""
         check_supported_hf_config(cfg)
+        cfg = with_hf_defaults(cfg)
         model_type = cfg["model_type"]
         heads = cfg["num_attention_heads"]
         return cls(
@@ -69,7 +84,7 @@ class ModelShape:
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta(cfg),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=cfg["max_position_embeddings"],
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2",
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
@@ -96,8 +111,8 @@ def moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """Return ModelShape's MoE fields of a Qwen3-MoE config (transformers 5 writes num_local_experts)."""
     return dict(num_experts=cfg.get("num_experts") or cfg["num_local_experts"], moe_topk=cfg["num_experts_per_tok"],
                 moe_ffn_hidden_size=cfg["moe_intermediate_size"],
-                moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                moe_aux_loss_coeff=float(cfg.get("router_aux_loss_coef", 0.0)))
+                moe_norm_topk_prob=bool(cfg["norm_topk_prob"]),
+                moe_aux_loss_coeff=float(cfg["router_aux_loss_coef"]))
 
 
 def rope_theta(cfg: dict[str, Any]) -> float:
@@ -123,6 +138,17 @@ def check_supported_hf_config(cfg: dict[str, Any]) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ArgumentValidationError(
             f"model_type {model_type!r} in config.json is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    quantization = cfg.get("quantization_config")
+    if quantization:
+        raise ArgumentValidationError(
+            f"config.json holds quantized weights (quantization_config, quant_method "
+            f"{quantization.get('quant_method')!r}); the trainer starts from unquantized weights: give the BF16 "
+            "(or FP32) checkpoint the quantized one was made from")
+    heads, hidden, head_dim = cfg.get("num_attention_heads"), cfg.get("hidden_size"), cfg.get("head_dim")
+    if model_type == "qwen2" and head_dim and heads and hidden and head_dim != hidden // heads:
+        raise ArgumentValidationError(
+            f"head_dim {head_dim} with model_type qwen2: vLLM's Qwen2 takes hidden_size / num_attention_heads = "
+            f"{hidden // heads}; drop head_dim or use model_type qwen3")
     scaling = cfg.get("rope_scaling") or {}
     params = cfg.get("rope_parameters") or {}
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
@@ -191,6 +217,7 @@ def check_model_layout(hf_config: dict[str, Any], layout: ParallelLayout, seq_le
                        source: str = "config.json") -> None:
     """Check a model's shape (its HF config) against the parallel layout and the sequence length (None: a
     checkpoint's layout, no sequences)."""
+    hf_config = with_hf_defaults(hf_config)
     tp = layout.tensor
     heads = hf_config["num_attention_heads"]
     kv_heads = hf_config.get("num_key_value_heads") or heads

@@ -10,7 +10,8 @@ import torch
 from conftest import ROOT, make_model_dir
 from megatron_ais.arguments import SFT_FLAGS, SFTRunConfig, build_parser
 from megatron_ais.errors import ArgumentValidationError, CheckpointError
-from megatron_ais.model import ModelShape, check_model_layout, check_supported_hf_config
+from megatron_ais.model import MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, ModelShape, check_model_layout, \
+    check_supported_hf_config
 from megatron_ais.training import read_model_config
 
 CONFIG = {"model_type": "llama", "num_attention_heads": 6, "num_key_value_heads": 2, "hidden_size": 96,
@@ -112,10 +113,36 @@ def test_missing_model_and_checkpoint(tmp_path):
     ({"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
       "attention_bias": True}, "attention_bias=true"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     "config.json holds quantized weights"),
+    ({"model_type": "qwen2", "hidden_size": 256, "num_attention_heads": 4, "head_dim": 32},
+     "head_dim 32 with model_type qwen2: vLLM's Qwen2 takes hidden_size / num_attention_heads = 64"),
 ])
 def test_unsupported_configs(change, expected):
     with pytest.raises(ArgumentValidationError, match=expected):
         check_supported_hf_config({**CONFIG, **change})
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+def test_omitted_keys_mean_what_transformers_reads(model_type):
+    """vLLM reads a config through transformers' class, whose defaults differ by model (Qwen3-MoE does not
+    renormalise its top-k weights unless norm_topk_prob says so; Qwen3 defaults to 32 KV heads of 128)."""
+    from transformers import AutoConfig
+
+    cfg = {"model_type": model_type, "hidden_size": 256, "num_attention_heads": 4, "num_hidden_layers": 2,
+           "intermediate_size": 512, "vocab_size": 300}
+    if model_type in MOE_MODEL_TYPES:
+        cfg.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+    shape = ModelShape.from_hf_config(cfg)
+    reference = AutoConfig.for_model(**cfg)
+    assert shape.num_key_value_heads == reference.num_key_value_heads
+    assert shape.head_dim == getattr(reference, "head_dim", None) or 256 // 4
+    assert shape.max_position_embeddings == reference.max_position_embeddings
+    assert shape.rms_norm_eps == reference.rms_norm_eps and shape.rope_theta == reference.rope_parameters["rope_theta"]
+    assert shape.tie_word_embeddings == reference.tie_word_embeddings
+    if model_type in MOE_MODEL_TYPES:
+        assert shape.moe_norm_topk_prob == reference.norm_topk_prob
+        assert shape.moe_aux_loss_coeff == reference.router_aux_loss_coef
 
 
 def test_vocab_padding_matches_megatron_lm():

@@ -145,7 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.arch == "qwen2" and args.head_dim not in (None, args.hidden_size // args.num_attention_heads):
+        parser.error(f"--head-dim {args.head_dim} with --arch qwen2: vLLM's Qwen2 takes hidden size / attention "
+                     "heads; use --arch qwen3")
     out = make_tiny_model(args)
     with open(os.path.join(out, "config.json")) as f:
         cfg = json.load(f)
