@@ -23,7 +23,7 @@ from megatron_ais.data.tasks import TaskConfig
 from megatron_ais.distributed import ranks_on_this_node
 from megatron_ais.engine.config import EngineConfig
 from megatron_ais.errors import ArgumentValidationError
-from megatron_ais.flags import add_flag_group, plain_flag_values
+from megatron_ais.flags import FlagParser, add_flag_group, plain_flag_values
 from megatron_ais.grpo.advantages import AdvantageConfig
 from megatron_ais.grpo.loop_config import GRPOLoopConfig
 from megatron_ais.grpo.loss import SEQUENCE_LOSSES, PolicyLossConfig
@@ -52,13 +52,6 @@ GRPO_FLAGS = GRPO_TRAINER_FLAGS + (
     ("rollout fleet", (ClusterConfig, FleetConfig)), ("rewards", (RewardConfig,)),
     ("bridge", (BridgeConfig, QuantizationPolicy)), ("grpo loop", (GRPOLoopConfig,)))
 SFT_FLAGS = TRAINER_FLAGS + (("sft", (SFTConfig,)),)
-
-
-class FlagParser(argparse.ArgumentParser):
-    """argparse whose errors a person reads: the reason and where to look, not the usage block."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message}\nsee: {self.prog} --help\n")
 
 
 def build_parser(description: str, groups: Iterable[tuple[str, tuple]] = TRAINER_FLAGS, prog: str | None = None

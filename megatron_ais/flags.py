@@ -156,3 +156,10 @@ def add_flag_group(parser: argparse.ArgumentParser, title: str, *configs) -> Non
 def plain_flag_values(args: argparse.Namespace) -> dict[str, Any]:
     """Every plain value of a parsed namespace (unset flags as None): what a checkpoint records of its run."""
     return {k: v for k, v in vars(args).items() if v is None or isinstance(v, (int, float, str, bool))}
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse whose errors a person reads: 'prog: error: the reason' and where to look, not the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\nsee: {self.prog} --help\n")

@@ -34,7 +34,7 @@ def _refused(result, *expected):
     lines = stderr.strip().splitlines()
     assert code == 2, stderr[-3000:]
     assert "usage:" not in stderr and lines[-1] == "see: pretrain_grpo_ais.py --help", lines[-4:]
-    assert lines[-2].startswith("error: "), lines[-4:]
+    assert lines[-2].startswith("pretrain_grpo_ais.py: error: "), lines[-4:]
     for text in expected:
         assert text in lines[-2], lines[-2]
     return lines[-2]

@@ -30,7 +30,7 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 
-from megatron_ais.arguments import FlagParser, TrainerConfig, build_parser as trainer_parser
+from megatron_ais.arguments import TrainerConfig, build_parser as trainer_parser
 from megatron_ais.checkpointing.config import HF_ASSETS, checkpoint_metadata, warn
 from megatron_ais.checkpointing.formats import torch_dist
 from megatron_ais.checkpointing.formats.torch import CHECKPOINT_VERSION, RANK_FILE, rank_dir_name, write_rank_state
@@ -43,6 +43,7 @@ from megatron_ais.checkpointing.store import (FORMATS, TRACKER, commit_checkpoin
                                               save_checkpoint, staging_dir, usable_iterations, write_checksums,
                                               write_metadata)
 from megatron_ais.errors import ArgumentValidationError, CheckpointError
+from megatron_ais.flags import FlagParser
 from megatron_ais.bridge.quantization import (QUANTIZED_PRECISIONS, QuantizationPolicy, check_engine_shapes,
                                               engine_quantization_config, quantize_for_engine)
 from megatron_ais.mapping.distributed import shard_context, write_hf_index_and_config

@@ -20,8 +20,9 @@ if ROOT not in sys.path:
 
 from megatron_ais.errors import ERROR_FILE_ENV  # noqa: E402
 
-# torchrun's report of a failed rank, an argparse usage and its error (printed by every rank)
-FAILURE_STARTS = re.compile(r"(torch\.distributed\.elastic.*failed \(exitcode|ChildFailedError|^usage: )")
+# torchrun's report of a failed rank, an argparse usage or error (printed by every rank; our FlagParser prints
+# 'prog: error: ...' without the usage)
+FAILURE_STARTS = re.compile(r"(torch\.distributed\.elastic.*failed \(exitcode|ChildFailedError|^usage: |^\S+: error: )")
 ARGPARSE_ERROR = re.compile(r"^\S+: error: ")
 
 

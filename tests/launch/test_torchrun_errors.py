@@ -12,7 +12,9 @@ import argparse, os, sys, time
 sys.path.insert(0, {root!r})
 from megatron_ais.errors import ArgumentValidationError, reported_as_one_line
 
-parser = argparse.ArgumentParser(prog="rank.py")
+from megatron_ais.flags import FlagParser
+
+parser = (FlagParser if os.environ.get("FLAG_PARSER") else argparse.ArgumentParser)(prog="rank.py")
 parser.add_argument("--fail", choices=("none", "runtime", "usage"))
 args = parser.parse_args()
 with reported_as_one_line(parser.prog, parser):
@@ -25,13 +27,13 @@ with reported_as_one_line(parser.prog, parser):
 '''
 
 
-def _launch(tmp_path, *flags):
+def _launch(tmp_path, *flags, env=None):
     script = tmp_path / "rank.py"
     script.write_text(SCRIPT.format(root=ROOT))
     log = tmp_path / "logs" / "run.log"
     result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "torchrun.py"), "--log", str(log),
                              "--standalone", "--nproc-per-node", "2", str(script), *flags],
-                            capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
     return result, log.read_text()
 
 
@@ -48,6 +50,16 @@ def test_a_failed_run_is_one_line_with_the_logs_path(tmp_path, fail, line):
     assert console.count("error:") == 1, console
     if fail == "runtime":  # the ranks' tracebacks are in the log, with torchrun's report
         assert log.count("Traceback") >= 2 and "ChildFailedError" in log
+
+
+def test_a_flag_error_of_our_parser_is_one_line(tmp_path):
+    # the entry points' FlagParser prints no usage block: its error alone must end the console's output
+    result, _ = _launch(tmp_path, "--fail", "bogus", env={"FLAG_PARSER": "1"})
+    console = result.stdout + result.stderr
+    assert result.returncode != 0 and console.count("error:") == 1, console
+    assert result.stderr.strip().splitlines()[-1] == (
+        "rank.py: error: argument --fail: invalid choice: 'bogus' (choose from 'none', 'runtime', 'usage') "
+        f"(full log: {tmp_path / 'logs' / 'run.log'})")
 
 
 def test_a_run_that_succeeds_shows_all_its_output(tmp_path):
