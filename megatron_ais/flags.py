@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from typing import Any
 
 from megatron_ais.errors import ArgumentValidationError
@@ -106,11 +107,15 @@ def _argparse_options(field: dataclasses.Field, spec: FlagSpec) -> dict[str, Any
 
 class FlagConfig:
     """Mixin of frozen config dataclasses whose fields are declared with `flag`. A subclass's own `__post_init__`
-    calls this one's first (the flags' bounds are checked before any rule that combines them)."""
+    calls this one's first (the flags' bounds are checked before any rule that combines them). No float flag takes
+    NaN or infinity (argparse's float() reads both)."""
 
     def __post_init__(self):
         for field, spec in _flag_fields(type(self)):
             value = getattr(self, field.name)
+            if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, tuple)
+                                                                           else (value,))):
+                raise ArgumentValidationError(f"{option_name(field, spec)} {value} must be a finite number")
             if spec.bounds is None or value is None:
                 continue
             if not spec.bounds.holds(value):  # NaN holds no bound

@@ -63,6 +63,20 @@ def test_a_value_outside_the_bounds_is_refused_with_its_flag_value_and_range(cls
         dataclasses.replace(default, **{field.name: float("nan")})
 
 
+FLOATS = [(cls, field, spec) for cls in _flag_configs() for field, spec in _flag_fields(cls)
+          if isinstance(field.default, float) or (isinstance(field.default, tuple) and field.default
+                                                  and isinstance(field.default[0], float))]
+
+
+@pytest.mark.parametrize("cls,field,spec", FLOATS, ids=[option_name(f, s) for _, f, s in FLOATS])
+def test_no_float_flag_takes_nan_or_infinity(cls, field, spec):
+    # --adam-eps inf made every update a no-op, --lr inf wrote NaN weights, --kl-coef nan was accepted
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        value = tuple(bad for _ in field.default) if isinstance(field.default, tuple) else bad
+        with pytest.raises(ArgumentValidationError, match=f"^{re.escape(option_name(field, spec))} .* must be "):
+            dataclasses.replace(cls(), **{field.name: value})
+
+
 @pytest.mark.parametrize("bounds,inside,outside,words", [
     (FlagBounds(low=1), [1, 7], [0, -3], "at least 1"),
     (FlagBounds(low=0, low_strict=True), [1e-9, 2.0], [0.0, -1.0], "> 0"),
