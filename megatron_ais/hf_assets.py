@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 
+from megatron_ais.errors import ArgumentValidationError
+
 HF_ASSET_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                   "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
 
@@ -24,4 +26,8 @@ def load_tokenizer(path: str):
     """Return the HF tokenizer stored in a model directory or a checkpoint's hf_assets."""
     from transformers import AutoTokenizer  # heavy (seconds): imported where a tokenizer is loaded, not at --help
 
-    return AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.eos_token_id is None:  # the rollouts' stop token and the SFT responses' last token
+        raise ArgumentValidationError(f"the tokenizer in {path} has no end-of-sequence token (eos_token), so no "
+                                      "response could end: give a model directory whose tokenizer defines one")
+    return tokenizer

@@ -57,8 +57,10 @@ def encode_sft_example(tokenizer, example: Example, seq_length: int) -> dict[str
     if len(ids) - 1 > seq_length:
         raise ArgumentValidationError(f"--seq-length {seq_length}: an example of the task is {len(ids)} tokens "
                                       f"long; raise --seq-length to at least {len(ids) - 1}")
-    tokens = torch.full((seq_length,), tokenizer.pad_token_id, dtype=torch.long)
-    labels = torch.full((seq_length,), tokenizer.pad_token_id, dtype=torch.long)
+    # a tokenizer without a pad token (Llama 3's) pads with its end token: padding is outside the loss mask
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    tokens = torch.full((seq_length,), pad, dtype=torch.long)
+    labels = torch.full((seq_length,), pad, dtype=torch.long)
     mask = torch.zeros(seq_length)
     n = len(ids) - 1
     tokens[:n] = torch.tensor(ids[:-1])
@@ -124,11 +126,11 @@ def _train(setup, encoded: list[dict], config, log) -> list[float]:
         processed = sum(b["tokens"].numel() for b in batches) * dp_size
         if loss is not None:
             history.append(loss)
-        if config.trainer.logging.prints(step, iters):
-            log.step(step, {"sft/loss": loss, "sft/grad_norm": result.grad_norm, "sft/step_seconds": seconds},
-                     f"step {step:5d}/{iters} | loss {loss if loss is None else f'{loss:.4f}'} | "
-                     f"grad norm {result.grad_norm:.3f} | {processed / seconds:6.0f} tok/s processed, "
-                     f"{trained / seconds:5.0f} trained | {seconds:.2f}s")
+        line = (f"step {step:5d}/{iters} | loss {loss if loss is None else f'{loss:.4f}'} | "
+                f"grad norm {result.grad_norm:.3f} | {processed / seconds:6.0f} tok/s processed, "
+                f"{trained / seconds:5.0f} trained | {seconds:.2f}s")
+        log.step(step, {"sft/loss": loss, "sft/grad_norm": result.grad_norm, "sft/step_seconds": seconds},
+                 line if config.trainer.logging.prints(step, iters) else None)
     return history
 
 

@@ -1,5 +1,6 @@
 """tools/train_sft.py's path at TP2: starting from a converted Megatron checkpoint (--load) gives the same losses
 as starting from the HF weights (--hf-dir); its --save checkpoint and HF export hold the trained weights."""
+import json
 import os
 
 import pytest
@@ -24,7 +25,7 @@ def _sft_worker(argv):
 def test_load_converted_checkpoint_then_save_and_export(model_root, tmp_path):
     hf_dir = make_model_dir(model_root, "llama", tie_word_embeddings=True)
     common = ["--tensor-model-parallel-size", "2", "--train-iters", "3", "--fp32", "--seq-length", "48",
-              "--micro-batch-size", "4", "--lr", "3e-3", "--num-examples", "64"]
+              "--micro-batch-size", "4", "--lr", "3e-3", "--num-examples", "64", "--log-interval", "2"]
     from_hf = spawn(2, _sft_worker, common + ["--hf-dir", hf_dir, "--output-dir", str(tmp_path / "a")])
     megatron_dir = str(tmp_path / "megatron")
     convert_checkpoint.hf_to_megatron(hf_dir, megatron_dir, 2, 1)
@@ -46,6 +47,22 @@ def test_load_converted_checkpoint_then_save_and_export(model_root, tmp_path):
     assert not torch.equal(a.get("model.embed_tokens.weight"), start.get("model.embed_tokens.weight"))
     assert os.path.isfile(os.path.join(exported, "tokenizer.json"))
     assert os.path.isfile(os.path.join(str(tmp_path / "a"), "summary.json"))
+    # every step's metrics are written, whichever steps --log-interval prints
+    with open(tmp_path / "a" / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2, 3]
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_its_end_token(model_root):
+    from megatron_ais.data.tasks import Example
+    from megatron_ais.hf_assets import load_tokenizer
+    from megatron_ais.sft import encode_sft_example
+
+    tokenizer = load_tokenizer(make_model_dir(model_root, "llama"))
+    tokenizer.pad_token = None  # as Llama 3's tokenizers ship
+    encoded = encode_sft_example(tokenizer, Example("What is 2 + 3?", "5"), 48)
+    padding = encoded["loss_mask"] == 0
+    padding[:int(encoded["loss_mask"].nonzero().min())] = False  # the prompt
+    assert padding.any() and (encoded["tokens"][padding] == tokenizer.eos_token_id).all()
 
 
 def _sft_budgets_worker(argv, budgets):
