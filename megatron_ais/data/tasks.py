@@ -126,22 +126,29 @@ class Task:
     skipped: int = 0
 
 
-def split_by_problem(examples: list[Example], seed: int, eval_size: int, train_size: int, flag: str) -> tuple:
-    """Deduplicate by prompt, hold out `eval_size` problems, and cycle the rest to `train_size` examples."""
+def split_by_problem(examples: list[Example], seed: int, eval_size: int, train_size: int | None, flag: str
+                     ) -> tuple:
+    """Deduplicate by prompt, hold out `eval_size` problems, and cycle the rest to `train_size` examples (None:
+    each of the rest once)."""
     unique = list({e.prompt: e for e in examples}.values())
     random.Random(seed).shuffle(unique)
     if len(unique) < 2 * eval_size:
         raise TaskError(f"{flag} gives {len(unique)} distinct problems, too few for {eval_size} held-out prompts; "
                          f"make the task larger or lower --eval-prompts")
     held_out, train_problems = unique[:eval_size], unique[eval_size:]
+    train_size = len(train_problems) if train_size is None else train_size
     return [train_problems[i % len(train_problems)] for i in range(train_size)], held_out
+
+
+ARITHMETIC_MAX_DRAWS = 200_000
 
 
 def arithmetic_task(seed: int, max_operand: int, train_size: int = 4096, eval_size: int = 64) -> Task:
     """`a op b` with operands in [0, max_operand]."""
     rng = random.Random(seed)
     pool = []
-    for _ in range(max(train_size, 4 * (max_operand + 1) ** 2)):
+    # about twice the distinct problems, so most of them are drawn; a bounded pool for a large --max-operand
+    for _ in range(max(train_size, min(4 * (max_operand + 1) ** 2, ARITHMETIC_MAX_DRAWS))):
         a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice("+-")
         pool.append(Example(f"What is {a} {op} {b}?", str(a + b if op == "+" else a - b)))
     train, held_out = split_by_problem(pool, seed, eval_size, train_size, f"--max-operand {max_operand}")
@@ -239,8 +246,9 @@ def read_prompt_file(path: str, skip_bad_samples: bool) -> tuple[list[Example], 
     return examples, len(bad)
 
 
-def jsonl_task(path: str, seed: int, skip_bad_samples: bool, eval_size: int, train_size: int = 4096) -> Task:
-    """Prompts from a JSONL file, scored with math-verify (GSM8K-style answers)."""
+def jsonl_task(path: str, seed: int, skip_bad_samples: bool, eval_size: int, train_size: int | None = None) -> Task:
+    """Prompts from a JSONL file, scored with math-verify (GSM8K-style answers); every problem not held out is a
+    training example (cycled to `train_size` when given)."""
     examples, skipped = read_prompt_file(path, skip_bad_samples)
     train, held_out = split_by_problem(examples, seed, eval_size, train_size, f"--prompt-file {path}")
     return Task(train=train, eval=held_out, reward=math_verify_reward, skipped=skipped)
@@ -252,13 +260,14 @@ def _jsonl(config: "TaskConfig", seed: int) -> Task:
     return jsonl_task(config.prompt_file, seed, config.skip_bad_samples, config.eval_prompts, config.num_examples)
 
 
+GENERATED_EXAMPLES = 4096  # a generated task's training examples unless --num-examples says otherwise
 # --task name -> builder from the task flags and a seed
 TASKS: Registry = Registry("--task", {
-    "digit_sort": lambda c, seed: digit_sort_task(seed, c.sort_length, c.num_examples, c.eval_prompts),
-    "arithmetic": lambda c, seed: arithmetic_task(seed, c.max_operand, c.num_examples, c.eval_prompts),
-    "countdown": lambda c, seed: countdown_task(seed, c.countdown_numbers, c.countdown_max, c.num_examples,
+    "digit_sort": lambda c, seed: digit_sort_task(seed, c.sort_length, c.generated_examples(), c.eval_prompts),
+    "arithmetic": lambda c, seed: arithmetic_task(seed, c.max_operand, c.generated_examples(), c.eval_prompts),
+    "countdown": lambda c, seed: countdown_task(seed, c.countdown_numbers, c.countdown_max, c.generated_examples(),
                                                 c.eval_prompts),
-    "running_sum": lambda c, seed: running_sum_task(seed, c.sum_terms, c.num_examples, c.eval_prompts),
+    "running_sum": lambda c, seed: running_sum_task(seed, c.sum_terms, c.generated_examples(), c.eval_prompts),
     "jsonl": _jsonl,
 })
 
@@ -269,10 +278,10 @@ class TaskConfig(FlagConfig):
 
     task: str = flag("digit_sort", "Verifiable task (see megatron_ais/data).",
                      choices=tuple(TASKS))
-    sort_length: int = flag(5, "digit_sort: digits per list.")
-    max_operand: int = flag(20, "arithmetic: largest operand.")
-    countdown_numbers: int = flag(3, "countdown: numbers per problem.")
-    countdown_max: int = flag(9, "countdown: largest number.")
+    sort_length: int = flag(5, "digit_sort: digits per list.", at_least=1)
+    max_operand: int = flag(20, "arithmetic: largest operand.", at_least=0)
+    countdown_numbers: int = flag(3, "countdown: numbers per problem.", at_least=1)
+    countdown_max: int = flag(9, "countdown: largest number.", at_least=1)
     sum_terms: int = flag(32, "running_sum: digits to add; the worked response has one line per term (about 7 "
                               "tokens each with the tiny model's tokenizer).", at_least=2)
     prompt_file: str | None = flag(None, 'jsonl: one JSON object per line, {"prompt": ..., "answer": ...} or '
@@ -280,9 +289,14 @@ class TaskConfig(FlagConfig):
                                    type=str)
     skip_bad_samples: bool = flag(False, "jsonl: skip and count malformed lines instead of stopping with their line "
                                          "numbers.")
-    num_examples: int = flag(4096, "Training examples drawn from the task.", at_least=1)
+    num_examples: int | None = flag(None, f"Training examples drawn from the task (default: {GENERATED_EXAMPLES} "
+                                          "for the generated tasks, every problem of --prompt-file not held out for "
+                                          "jsonl, which this cycles or cuts to its number).", at_least=1, type=int)
     eval_prompts: int = flag(64, "Held-out prompts (never trained on).", at_least=1)
 
+    def generated_examples(self) -> int:
+        """How many training examples a generated task draws."""
+        return self.num_examples or GENERATED_EXAMPLES
 
 
 def build_task(config: TaskConfig, seed: int) -> Task:

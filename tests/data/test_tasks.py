@@ -5,12 +5,13 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
 from megatron_ais.data.tasks import (arithmetic_task, countdown_reward, countdown_task, digit_sort_task,
-                                     exact_answer_reward, extract_answer, math_verify_reward, read_prompt_file,
-                                     running_sum_task)
+                                     exact_answer_reward, extract_answer, jsonl_task, math_verify_reward,
+                                     read_prompt_file, running_sum_task)
 from megatron_ais.errors import PromptFileError, TaskError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,6 +56,22 @@ def test_running_sums_are_worked_out_line_by_line():
             assert line == f"{sum(digits[:n - 1])} + {digits[n - 1]} = {sum(digits[:n])}"
         assert lines[-1] == f"<answer>{sum(digits)}</answer>"
     assert exact_answer_reward("12 + 3 = 15\n<answer>16</answer>", "15") == 0.0
+
+
+def test_a_large_operand_range_draws_a_bounded_pool():
+    # 4 (m + 1)^2 draws: 4e10 at --max-operand 1e5, which every rank built before its first step
+    start = time.perf_counter()
+    task = arithmetic_task(0, 10 ** 5, eval_size=32)
+    assert time.perf_counter() - start < 10 and len(task.train) == 4096
+
+
+def test_a_prompt_file_trains_on_every_problem(tmp_path):
+    # --num-examples defaulted to 4096: a GSM8K-sized file lost 3000 of its problems silently
+    path = _write(tmp_path / "big.jsonl", [json.dumps({"prompt": f"What is {i} + 1?", "answer": i + 1})
+                                           for i in range(5000)])
+    task = jsonl_task(path, seed=0, skip_bad_samples=False, eval_size=64)
+    assert len(task.train) == len({e.prompt for e in task.train}) == 5000 - 64
+    assert len(jsonl_task(path, 0, False, 64, train_size=100).train) == 100
 
 
 def test_small_tasks_are_refused_with_the_flag():
