@@ -21,15 +21,6 @@ def exclude_invalid_sequences(rollout_logprobs: torch.Tensor, mask: torch.Tensor
     return cleaned, int(bad_sequence.sum())
 
 
-def check_trainer_logprobs(trainer_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
-    """Raise when the trainer's own log-probs are non-finite on valid tokens: the weights are corrupt."""
-    bad = ~torch.isfinite(trainer_logprobs) & (mask > 0)
-    if bad.any():
-        rows = bad.any(dim=-1).nonzero().flatten().tolist()
-        raise FloatingPointError(f"trainer log-probs are NaN/Inf on {int(bad.sum())} valid tokens (sequences "
-                                 f"{rows[:8]}); the model weights or activations are corrupt, refusing to train")
-
-
 def check_finite(values: torch.Tensor, mask: torch.Tensor, name: str) -> None:
     """Refuse `values` [b, s] that are NaN/Inf on valid tokens, naming them (`name`); masked positions may hold
     anything. The GRPO step excludes such sequences first (`exclude_invalid_sequences`); a library caller must too."""

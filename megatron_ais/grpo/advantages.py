@@ -8,6 +8,7 @@ import torch
 
 from megatron_ais.ais import invalid_sequences
 from megatron_ais.batch import RolloutBatch
+from megatron_ais.errors import NonFiniteInputError
 from megatron_ais.flags import FlagConfig, flag
 from megatron_ais.registry import Registry, register
 
@@ -59,6 +60,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool
         raise ValueError("leave-one-out advantages need a group size of at least 2")
     r = rewards.double().view(-1, group_size)
     keep = torch.ones_like(r) if valid is None else valid.to(r.device).double().view(-1, group_size)
+    bad = ~torch.isfinite(r) & (keep > 0)
+    if bad.any():
+        raise NonFiniteInputError(f"rewards are NaN/Inf for {int(bad.sum())} valid responses (groups "
+                                  f"{bad.any(dim=1).nonzero().flatten().tolist()[:8]}); refusing to train on them")
     count = keep.sum(dim=1, keepdim=True)
     total = torch.where(keep > 0, r, 0.0).sum(dim=1, keepdim=True)  # an excluded member's reward may be anything
     adv = r - ADVANTAGE_ESTIMATORS[estimator](r, total, count)

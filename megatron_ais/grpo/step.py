@@ -11,11 +11,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_ais import platform
-from megatron_ais.ais import (AISConfig, AISResult, AISState, ais_coefficient, apply_correction, check_trainer_logprobs,
+from megatron_ais.ais import (AISConfig, AISResult, AISState, ais_coefficient, apply_correction,
                               exclude_invalid_sequences, max_abs_logratio, mismatch_statistics, reduce_statistics)
 from megatron_ais.ais.coefficient import EMPTY_RESULT, lag_metrics, lambda_of_tokens, results_per_lag
 from megatron_ais.batch import RolloutBatch, data_parallel_rows, row_lengths
-from megatron_ais.errors import RoutingReplayError
+from megatron_ais.distributed import from_last_stage
+from megatron_ais.errors import NonFiniteInputError, RoutingReplayError
 from megatron_ais.forward import (MicroBatchPlan, ParallelGroups, fixed_plan, micro_batches, score_rows,
                                   token_budget_plan, vocab_parallel_logprobs)
 from megatron_ais.grpo.advantages import AdvantageConfig, with_advantages
@@ -106,11 +107,17 @@ def _local_rows(batch: RolloutBatch, groups: ParallelGroups
     """This DP rank's rows; return (rows, response mask without the sequences excluded for NaN/Inf rollout
     log-probs, rollout log-probs with zeros off the mask, guard metrics, each token's policy version or None)."""
     mask, excluded = exclude_invalid_sequences(batch.rollout_logprobs, batch.mask.float())
-    counts = torch.tensor([float(excluded), float(mask.sum())], dtype=torch.float64)
+    advantages = batch.advantages.unsqueeze(-1).expand_as(mask)
+    bad_advantages = int((~torch.isfinite(advantages) & (mask > 0)).any(dim=-1).sum())
+    counts = torch.tensor([float(excluded), float(mask.sum()), float(bad_advantages)], dtype=torch.float64)
     dist.all_reduce(counts, group=groups.data_parallel_group)
+    if counts[2]:  # every rank of the DP group (and each pipeline stage holds the same rows) refuses the batch
+        raise NonFiniteInputError(f"the batch's advantages are NaN/Inf on {int(counts[2])} sequences with valid "
+                                  "tokens; refusing to train on them")
     metrics = {"guard/excluded_sequences": counts[0].item(), "guard/valid_tokens": counts[1].item()}
     rollout_lp = torch.where(mask > 0, batch.rollout_logprobs, torch.zeros(()))
-    local = {"tokens": batch.tokens, "labels": batch.labels, "advantages": batch.advantages.unsqueeze(-1) * mask}
+    local = {"tokens": batch.tokens, "labels": batch.labels,
+             "advantages": torch.where(mask > 0, advantages, torch.zeros(()))}  # NaN x 0 is NaN
     if batch.routed_experts is not None:
         local["routed_experts"] = batch.routed_experts
     return local, mask, rollout_lp, metrics, batch.policy_versions
@@ -140,8 +147,8 @@ def _correct(ddp_chunks: list, local: dict, mask: torch.Tensor, rollout_lp: torc
     with forward_weights():
         old_logprobs = score_rows(ddp_chunks, local, plan, groups, config.vocab_size, config.temperature)
     result, coefficient, keep = EMPTY_RESULT, torch.ones_like(mask), mask
+    _refuse_corrupt_logprobs(old_logprobs, mask, groups)
     if groups.is_last_stage:
-        check_trainer_logprobs(old_logprobs, mask)
         stats = reduce_statistics(mismatch_statistics(old_logprobs, rollout_lp, local["advantages"], mask,
                                                       config.correction), groups.data_parallel_group)
         result = ais_coefficient(stats, config.correction, state)
@@ -159,6 +166,18 @@ def _correct(ddp_chunks: list, local: dict, mask: torch.Tensor, rollout_lp: torc
         local["old_logprobs"] = torch.zeros_like(mask)
     local.update(coefficient=coefficient, keep=keep)
     return result
+
+
+def _refuse_corrupt_logprobs(old_logprobs: torch.Tensor | None, mask: torch.Tensor, groups: ParallelGroups) -> None:
+    """Raise on every rank of the step when the trainer's log-probs (on the last stage, each DP rank its own) are
+    non-finite on a valid token: a rank that raised alone would leave the others waiting in the next collective."""
+    bad = torch.tensor([0.0 if old_logprobs is None else float((~torch.isfinite(old_logprobs) & (mask > 0)).sum())])
+    if groups.is_last_stage:
+        dist.all_reduce(bad, group=groups.data_parallel_group)
+    bad = from_last_stage(bad, groups.pipeline_group)
+    if bad.item():
+        raise FloatingPointError(f"trainer log-probs are NaN/Inf on {int(bad.item())} valid tokens of the batch; "
+                                 "the model weights or activations are corrupt, refusing to train")
 
 
 def _per_lag(old_logprobs: torch.Tensor, rollout_lp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -237,6 +256,9 @@ def grpo_train_step(ddp_chunks: list, optimizer, batch: RolloutBatch, config: GR
         if config.moe_routing is None:
             raise RoutingReplayError("the rollout batch carries routed expert ids but the model has no MoE layers")
         check_routed_experts(batch.routed_experts, *config.moe_routing)
+        if batch.routed_experts.shape[:2] != batch.tokens.shape:  # a position without routes gets no expert at all
+            raise RoutingReplayError(f"routed expert ids cover {tuple(batch.routed_experts.shape[:2])} (sequences, "
+                                     f"positions), the batch's tokens {tuple(batch.tokens.shape)}")
     local, mask, rollout_lp, metrics, versions = _local_rows(batch.to(platform.device()), groups)
     lags = policy_version - versions if versions is not None and policy_version is not None and config.max_lag \
         else None

@@ -73,8 +73,50 @@ def _worker(hf_dir, tp, log_dir):
                                   groups, reference)
         unchanged = all(torch.equal(a, p) for a, p in zip(before, chunks[0].parameters()))
         guards = (partial_result.skipped, partial_result.metrics["guard/excluded_sequences"], skipped.skipped,
-                  unchanged, result.metrics["train/kl"], partial_result.metrics["train/kl"])
+                  unchanged, result.metrics["train/kl"], partial_result.metrics["train/kl"],
+                  _refusals(ddp, optimizer, hf_dir, config, groups, reference))
     return result.ais.lam.hex(), result.metrics, line, guards, next(chunks[0].parameters()).device.type
+
+
+def _refusals(ddp, optimizer, hf_dir, config, groups, reference):
+    """A library caller's batches: a NaN advantage on a row without valid tokens trains (NaN x 0 reached the loss);
+    one on a valid row, or NaN trainer log-probs on rank 0 alone, is refused by both DP ranks (rank 1 waited in
+    the statistics' all-reduce)."""
+    import contextlib
+    import dataclasses
+
+    from megatron_ais.ais import AISState
+    from megatron_ais.errors import NonFiniteInputError
+    from megatron_ais.grpo.step import grpo_train_step, rows_of_whole_batch
+
+    rows = rows_of_whole_batch(_rollout_batch(hf_dir)[0], config, groups)
+    silent = rows.mask.clone()
+    silent[0] = 0
+    advantages = rows.advantages.clone()
+    advantages[0] = float("nan")
+    trained = grpo_train_step(ddp, optimizer, dataclasses.replace(rows, mask=silent, advantages=advantages), config,
+                              AISState(), groups, reference)
+    out = [math.isfinite(trained.metrics["train/policy_loss"])]
+    with contextlib.suppress(NonFiniteInputError):
+        bad = advantages if groups.data_parallel_rank == 0 else rows.advantages
+        grpo_train_step(ddp, optimizer, dataclasses.replace(rows, advantages=bad), config, AISState(), groups,
+                        reference)
+        out.append("advantages accepted")
+
+    @contextlib.contextmanager
+    def corrupt_on_rank0():
+        hook = ddp[0].register_forward_hook(lambda module, inputs, output: output * float("nan")) \
+            if groups.data_parallel_rank == 0 else None
+        try:
+            yield
+        finally:
+            if hook is not None:
+                hook.remove()
+
+    with contextlib.suppress(FloatingPointError):
+        grpo_train_step(ddp, optimizer, rows, config, AISState(), groups, reference, forward_weights=corrupt_on_rank0)
+        out.append("log-probs accepted")
+    return out
 
 
 def _reference(hf_dir):
@@ -119,7 +161,8 @@ def test_grpo_ais_step_dp2_and_tp2_match_reference(model_root, tmp_path):
     assert dp2[0][1]["train/grad_norm"] == pytest.approx(tp2[0][1]["train/grad_norm"], rel=1e-4)
     assert dp2[0][1]["ais/max_abs_logratio"] == tp2[0][1]["ais/max_abs_logratio"] > 0
     assert dp2[0][3][:4] == (False, 2.0, True, True)
-    kl_first, kl_later = dp2[0][3][4:]
+    kl_first, kl_later = dp2[0][3][4:6]
+    assert dp2[0][3][6] == dp2[1][3][6] == [True]
     assert kl_first == 0.0 and kl_later > 0.0  # the policy moved away from the reference after one update
     events = EventAccumulator(str(tmp_path / "dp2" / "tensorboard"))
     events.Reload()

@@ -1,9 +1,12 @@
 """Vocab-parallel log-probs/entropy at TP2 equal a full-vocabulary log_softmax (values and gradients);
 group advantages against closed forms."""
+import re
+
 import pytest
 import torch
 
 from distributed import spawn
+from megatron_ais.errors import NonFiniteInputError
 from megatron_ais.grpo.advantages import group_advantages
 from megatron_ais.forward import vocab_parallel_logprobs
 
@@ -90,4 +93,8 @@ def test_group_advantages_leave_excluded_responses_out(leave_one_out):
     expected = (kept - baseline) / (kept.std(unbiased=False) + 1e-6)
     assert torch.allclose(adv[[0, 1, 3]], expected.float(), atol=1e-6)
     assert adv[2] == 0 and torch.equal(adv[4:], torch.zeros(4))
-    assert not torch.allclose(group_advantages(rewards, 4, estimator="rloo" if leave_one_out else "grpo")[[0, 1, 3]], adv[[0, 1, 3]])
+    counted = torch.where(valid, rewards, 5.0)  # the same rewards with the excluded ones counted
+    assert not torch.allclose(group_advantages(counted, 4, estimator="rloo" if leave_one_out else "grpo")[[0, 1, 3]],
+                              adv[[0, 1, 3]])
+    with pytest.raises(NonFiniteInputError, match=re.escape("rewards are NaN/Inf for 1 valid responses (groups [0])")):
+        group_advantages(rewards, 4, estimator="rloo" if leave_one_out else "grpo")
