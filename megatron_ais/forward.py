@@ -25,7 +25,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
 from megatron_ais import platform
-from megatron_ais.routing_replay import forward_replaying
+from megatron_ais.routing_replay import forward_replaying, padding_routes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,13 +99,16 @@ def token_budget_plan(lengths: list[int], budget: int, multiple: int = 1) -> Mic
 
 def micro_batches(rows: dict[str, torch.Tensor], plan: MicroBatchPlan) -> list[dict[str, torch.Tensor]]:
     """The plan's micro-batches of `rows` (tensors [rows, S, ...]), each cut to its padded length, with position
-    ids, on the trainer's device; a placeholder is one row of zeros (no response token: no loss, no statistics)."""
+    ids, on the trainer's device; a placeholder is one row of zeros (no response token: no loss, no statistics; no
+    real position) whose routes, if any, are `padding_routes`."""
     out = []
     for members, length in zip(plan.rows, plan.lengths):
         if members:
             mb = {k: v[list(members), :length] for k, v in rows.items()}
         else:
             mb = {k: torch.zeros((1, length) + tuple(v.shape[2:]), dtype=v.dtype) for k, v in rows.items()}
+            if "routed_experts" in rows:  # each token routed to k distinct experts, as a router must
+                mb["routed_experts"] = padding_routes(length, *rows["routed_experts"].shape[2:]).unsqueeze(0)
         count = mb["tokens"].shape[0]
         mb["position_ids"] = torch.arange(length).unsqueeze(0).expand(count, length).contiguous()
         out.append(platform.to_device(mb))

@@ -8,7 +8,8 @@ this tensor-parallel rank's sequence shard under sequence parallelism); after th
 themselves again (the refit probe measures how often they would disagree). Only the choice of experts is
 replayed: the gating weights are still the trainer's own, a softmax over its router logits of the chosen experts
 (Qwen3's renormalised top-k), so the router keeps its gradient; the auxiliary load-balancing loss is megatron's
-own top-k on the trainer's scores. The recipe does not recompute activations, so no backward re-routing happens.
+own top-k on the trainer's scores, over the micro-batch's real tokens (`padding_mask`). The recipe does not
+recompute activations, so no backward re-routing happens.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
+from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_ais.errors import ArgumentValidationError, RoutingReplayError
 
@@ -86,14 +88,32 @@ def set_replayed_routes(model, ids: torch.Tensor | None) -> None:
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
 
+def padding_mask(model, micro_batch: dict) -> torch.Tensor | None:
+    """Megatron's MoE padding mask of a micro-batch with `real_positions` [b, s] (True: a token of a sequence):
+    True where no sequence fills the position, so the routers' load-balancing loss counts real tokens only.
+    megatron-core 0.16.1 splits it over TP under sequence parallelism on the first pipeline stage only; a later
+    stage is given its own share here."""
+    real = micro_batch.get("real_positions")
+    if real is None:
+        return None
+    padding = ~real.bool()
+    if get_attr_wrapped_model(model, "pre_process") or not get_attr_wrapped_model(model, "config").sequence_parallel:
+        return padding
+    shard = padding.shape[1] // ps.get_tensor_model_parallel_world_size()
+    start = ps.get_tensor_model_parallel_rank() * shard
+    return padding[:, start:start + shard].contiguous()
+
+
 def forward_replaying(model, micro_batch: dict):
-    """The chunk's forward of a micro-batch (tokens, position ids), replaying its `routed_experts` if it has them
-    (without them the routers are not touched: every replaying forward hands them back routing themselves)."""
+    """The chunk's forward of a micro-batch (tokens, position ids; its `padding_mask`), replaying its
+    `routed_experts` if it has them (without them the routers are not touched: every replaying forward hands them
+    back routing themselves)."""
     ids = micro_batch.get("routed_experts")
+    padding = padding_mask(model, micro_batch)
     if ids is None:
-        return model(micro_batch["tokens"], micro_batch["position_ids"], attention_mask=None)
+        return model(micro_batch["tokens"], micro_batch["position_ids"], attention_mask=None, padding_mask=padding)
     set_replayed_routes(model, ids)
     try:
-        return model(micro_batch["tokens"], micro_batch["position_ids"], attention_mask=None)
+        return model(micro_batch["tokens"], micro_batch["position_ids"], attention_mask=None, padding_mask=padding)
     finally:
         set_replayed_routes(model, None)

@@ -29,6 +29,18 @@ def test_ids_of_the_wrong_shape_are_refused(ids, message):
     assert message in str(err.value)
 
 
+def test_placeholder_micro_batches_route_to_distinct_experts():
+    # a DP rank that runs fewer micro-batches than its peers runs token-less placeholders; their routes were zeros
+    # (expert 0 chosen k times), which the router's replay must never be given
+    from megatron_ais.forward import MicroBatchPlan, micro_batches
+
+    rows = {"tokens": torch.ones(2, 5, dtype=torch.long), "routed_experts": _ids()}
+    plan = MicroBatchPlan(rows=((0, 1),), lengths=(5,)).with_placeholders(2, 4)
+    placeholder = micro_batches(rows, plan)[1]
+    assert placeholder["routed_experts"].shape == (1, 4, 3, 2)
+    check_routed_experts(placeholder["routed_experts"], num_layers=3, num_experts=8, topk=2)
+
+
 def test_ids_out_of_range_or_repeated_are_refused_naming_the_layer():
     ids = _ids()
     ids[1, 3, 2, 0] = 8

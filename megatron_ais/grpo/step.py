@@ -116,8 +116,10 @@ def _local_rows(batch: RolloutBatch, groups: ParallelGroups
                                   "tokens; refusing to train on them")
     metrics = {"guard/excluded_sequences": counts[0].item(), "guard/valid_tokens": counts[1].item()}
     rollout_lp = torch.where(mask > 0, batch.rollout_logprobs, torch.zeros(()))
+    lengths = torch.tensor(row_lengths(batch.mask), device=mask.device)
     local = {"tokens": batch.tokens, "labels": batch.labels,
-             "advantages": torch.where(mask > 0, advantages, torch.zeros(()))}  # NaN x 0 is NaN
+             "advantages": torch.where(mask > 0, advantages, torch.zeros(())),  # NaN x 0 is NaN
+             "real_positions": torch.arange(mask.shape[1], device=mask.device) < lengths[:, None]}
     if batch.routed_experts is not None:
         local["routed_experts"] = batch.routed_experts
     return local, mask, rollout_lp, metrics, batch.policy_versions

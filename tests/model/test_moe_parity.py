@@ -187,3 +187,64 @@ def _check_replay(results):
     assert torch.equal(replayed_own, own)
     assert (replayed_other - own).abs().max() > 100 * TOLERANCE
     assert (replayed_other - forced).abs().max() <= TOLERANCE
+
+
+def _router_gradients_worker(hf_dir, tp, pp, lengths, with_real_positions):
+    """The routers' gradients of the load-balancing loss alone (Qwen3-MoE's router_aux_loss_coef; the logits enter
+    the backward with weight 0) for a row of 10 real tokens padded to each of `lengths`."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from distributed import start_trainer
+    from megatron_ais.mapping.distributed import load_hf_weights
+    from megatron_ais.model import build_model_chunks
+    from megatron_ais.platform import to_device
+    from megatron_ais.routing_replay import forward_replaying
+
+    _, _, build = start_trainer("--hf-dir", hf_dir, "--fp32", "--tensor-model-parallel-size", tp,
+                                "--pipeline-model-parallel-size", pp, "--seq-length", max(lengths),
+                                "--transformer-impl", "local", *(["--sequence-parallel"] if tp > 1 else []))
+    chunks = build_model_chunks(build)
+    load_hf_weights(chunks, hf_dir, build, ps.get_tensor_model_parallel_rank())
+    tokens = torch.randint(1, build.shape.vocab_size, (1, 10), generator=torch.Generator().manual_seed(3))
+    out = []
+    for length in lengths:
+        mb = {"tokens": torch.cat([tokens, torch.zeros(1, length - 10, dtype=torch.long)], dim=1),
+              "position_ids": torch.arange(length).unsqueeze(0)}
+        if with_real_positions:
+            mb["real_positions"] = torch.arange(length).unsqueeze(0) < 10
+
+        def forward_step(data_iterator, model):
+            output = forward_replaying(model, next(data_iterator))
+            return output, lambda logits: (logits.sum() * 0.0, {})
+
+        for param in chunks[0].parameters():
+            param.grad = None
+        chunks[0].train()
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([to_device(mb)]),
+                                    model=chunks[0], num_microbatches=1, seq_length=length, micro_batch_size=1)
+        stage = ps.get_pipeline_model_parallel_rank()
+        out.append({(stage, n): p.grad.clone() for n, p in chunks[0].named_parameters() if "router" in n})
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)], ids=["one-rank", "tp2-sp-pp2"])
+def test_padding_does_not_reach_the_load_balancing_loss(moe_dir, tp, pp):
+    # the update's micro-batches are padded to a length that depends on how rows are grouped; megatron's aux loss
+    # counted every padded position until the micro-batches carried their real positions (a later pipeline stage
+    # gets its own sequence-parallel share of the padding mask: megatron splits it on the first stage only)
+    def summed(ranks, index):  # a router's gradient is the sum of its sequence-parallel shares' (DDP's all-reduce)
+        total = {}
+        for rank in ranks:
+            for key, grad in rank[index].items():
+                total[key] = total.get(key, 0) + grad
+        return total
+
+    for with_mask in (True, False):
+        ranks = spawn(tp * pp, _router_gradients_worker, moe_dir, tp, pp, (12, 16), with_mask)
+        short, long = summed(ranks, 0), summed(ranks, 1)
+        assert len(short) == 2 and short.keys() == long.keys()  # both layers' routers
+        same = [torch.allclose(short[key], long[key], rtol=1e-5, atol=1e-9) for key in short]
+        assert all(same) if with_mask else not any(same), (with_mask, same)
