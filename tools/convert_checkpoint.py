@@ -47,8 +47,8 @@ from megatron_ais.flags import FlagParser
 from megatron_ais.bridge.quantization import (QUANTIZED_PRECISIONS, QuantizationPolicy, check_engine_shapes,
                                               engine_quantization_config, quantize_for_engine)
 from megatron_ais.mapping.distributed import shard_context, write_hf_index_and_config
-from megatron_ais.mapping.hf_io import (HFCheckpointReader, ShardedSafetensorsWriter, hf_tensors_from_shards,
-                                        megatron_shard_from_hf)
+from megatron_ais.mapping.hf_io import (HFCheckpointReader, ShardedSafetensorsWriter, checked_reader,
+                                        hf_tensors_from_shards, megatron_shard_from_hf)
 from megatron_ais.mapping.rules import canonical_name, expert_index, megatron_param_names, split_layer, with_layer
 from megatron_ais.initialize import initialize_megatron
 from megatron_ais.launch import spawn
@@ -99,31 +99,45 @@ def hf_to_megatron(hf_dir: str, save: str, tp: int, pp: int, divisible_by: int =
                                       f"{tp} (megatron places expert-TP rank k on the TP ranks equal to k modulo it)")
     build = _build_config(hf_config, layout, divisible_by)
     shape = build.shape
-    reader = HFCheckpointReader(hf_dir)
+    read = checked_reader(HFCheckpointReader(hf_dir), shape)
+    created = not os.path.exists(save)
     os.makedirs(save, exist_ok=True)
     stage = prepare_staging(save, iteration)
-    for pp_rank in range(pp):
-        layers = stage_layers(shape.num_layers, pp, pp_rank)
-        num_local = shape.num_experts // ep
-        names = megatron_param_names(shape.model_type, layers, pp_rank == 0, pp_rank == pp - 1,
-                                     shape.tie_word_embeddings, range(num_local))
-        for tp_rank, ep_rank in layout.shard_directories():
-            ctx, expert_ctx = shard_context(build, tp_rank), shard_context(build, tp_rank % etp, expert=True)
-            state = {}
-            for name in names:
-                layer, _ = split_layer(name)
-                local = expert_index(name)
-                # read expert ep_rank * num_local + local, store it under its local index
-                source = name if local is None else _expert_name(name, ep_rank * num_local + local)
-                shard = megatron_shard_from_hf(source, layer, shape.model_type, ctx if local is None else expert_ctx,
-                                               reader.get, shape.tie_word_embeddings)
-                state[_local_name(name, layers.start)] = shard.clone()
-            write_rank_state(stage, tp_rank, pp_rank, pp,
-                             {"model": state, "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION},
-                             ep_rank, ep)
-    write_metadata(stage, checkpoint_metadata(build, hf_config, iteration, source=os.path.abspath(hf_dir)), hf_dir)
-    write_checksums(stage)
+    try:  # a tensor that cannot be read or is refused leaves nothing behind
+        for pp_rank in range(pp):
+            _write_stage_shards(stage, read, build, layout, pp_rank, iteration)
+        write_metadata(stage, checkpoint_metadata(build, hf_config, iteration, source=os.path.abspath(hf_dir)),
+                       hf_dir)
+        write_checksums(stage)
+    except BaseException:
+        shutil.rmtree(save if created else stage, ignore_errors=True)
+        raise
     return commit_checkpoint(save, iteration)
+
+
+def _write_stage_shards(stage: str, read, build: ModelBuildConfig, layout: ParallelLayout, pp_rank: int,
+                        iteration: int) -> None:
+    """Write one pipeline stage's shard directories (each TP x EP position of `layout.shard_directories`)."""
+    shape, pp, ep = build.shape, layout.pipeline, layout.expert
+    layers = stage_layers(shape.num_layers, pp, pp_rank)
+    num_local = shape.num_experts // ep
+    names = megatron_param_names(shape.model_type, layers, pp_rank == 0, pp_rank == pp - 1,
+                                 shape.tie_word_embeddings, range(num_local))
+    for tp_rank, ep_rank in layout.shard_directories():
+        ctx = shard_context(build, tp_rank)
+        expert_ctx = shard_context(build, tp_rank % layout.expert_tensor_size, expert=True)
+        state = {}
+        for name in names:
+            layer, _ = split_layer(name)
+            local = expert_index(name)
+            # read expert ep_rank * num_local + local, store it under its local index
+            source = name if local is None else _expert_name(name, ep_rank * num_local + local)
+            shard = megatron_shard_from_hf(source, layer, shape.model_type, ctx if local is None else expert_ctx,
+                                           read, shape.tie_word_embeddings)
+            state[_local_name(name, layers.start)] = shard.clone()
+        write_rank_state(stage, tp_rank, pp_rank, pp,
+                         {"model": state, "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION},
+                         ep_rank, ep)
 
 
 def _stage_hf_tensors(load: str, iteration: int, build: ModelBuildConfig, pp_rank: int):
@@ -444,6 +458,8 @@ def main(argv=None) -> int:
                                  args.pipeline_model_parallel_size, args.make_vocab_size_divisible_by,
                                  ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
         elif args.direction == "megatron-to-hf":
+            if not (math.isfinite(args.max_shard_size_mb) and args.max_shard_size_mb > 0):
+                raise ArgumentValidationError(f"--max-shard-size-mb {args.max_shard_size_mb} must be a positive number")
             out = megatron_to_hf(args.load, args.save, args.allow_unverified_checkpoint, args.precision,
                                  int(args.max_shard_size_mb * 1e6))
         else:

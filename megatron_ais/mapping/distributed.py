@@ -12,8 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatron_ais.hf_assets import copy_hf_assets
-from megatron_ais.mapping.hf_io import (HFCheckpointReader, global_parameters, hf_tensors_from_shards,
-                                        megatron_shard_from_hf)
+from megatron_ais.mapping.hf_io import (HFCheckpointReader, checked_reader, global_parameters,
+                                        hf_tensors_from_shards, megatron_shard_from_hf)
 from megatron_ais.mapping.layouts import Replicated, ShardContext
 from megatron_ais.mapping.rules import ROUTED_EXPERT_HF, is_expert_parameter, rules_for, split_layer
 from megatron_ais.model import ModelBuildConfig, unwrap_model
@@ -40,7 +40,7 @@ def load_hf_weights(chunks: list, hf_dir: str, build: ModelBuildConfig, tp_rank:
     """Copy HF safetensors into this rank's model chunks, reading only the tensors they hold; return the count.
 
     Routed experts are split by the expert-TP rank (from megatron's parallel state unless given)."""
-    reader = HFCheckpointReader(hf_dir)
+    read = checked_reader(HFCheckpointReader(hf_dir), build.shape)
     if expert_tp_rank is None:
         expert_tp_rank = expert_tensor_parallel_rank(build)
     contexts = {False: shard_context(build, tp_rank), True: shard_context(build, expert_tp_rank, expert=True)}
@@ -48,7 +48,7 @@ def load_hf_weights(chunks: list, hf_dir: str, build: ModelBuildConfig, tp_rank:
     for chunk in chunks:
         for name, layer, param in global_parameters(unwrap_model(chunk)):
             ctx = contexts[is_expert_parameter(name)]
-            shard = megatron_shard_from_hf(name, layer, build.shape.model_type, ctx, reader.get,
+            shard = megatron_shard_from_hf(name, layer, build.shape.model_type, ctx, read,
                                            build.shape.tie_word_embeddings)
             if shard.shape != param.shape:
                 raise ValueError(f"{name}: HF tensors give a shard of shape {tuple(shard.shape)}, the model expects "

@@ -9,11 +9,13 @@ import os
 from typing import Callable, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from megatron_ais.errors import CheckpointError
 from megatron_ais.mapping.layouts import ShardContext
-from megatron_ais.mapping.rules import canonical_name, expert_index, hf_sources, rules_for, split_layer
+from megatron_ais.mapping.rules import (ROUTED_EXPERT_HF, canonical_name, expert_index, hf_sources, rules_for,
+                                       split_layer)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -45,9 +47,43 @@ class HFCheckpointReader:
         if name not in self.weight_map:
             raise KeyError(f"tensor {name!r} is missing from the HF checkpoint {self.hf_dir}")
         file = self.weight_map[name]
-        if file not in self._handles:
-            self._handles[file] = self._safe_open(os.path.join(self.hf_dir, file), framework="pt")
-        return self._handles[file].get_tensor(name)
+        try:
+            if file not in self._handles:
+                self._handles[file] = self._safe_open(os.path.join(self.hf_dir, file), framework="pt")
+            return self._handles[file].get_tensor(name)
+        except (SafetensorError, OSError) as err:  # a truncated or missing file: name it, not a traceback
+            raise CheckpointError(f"the HF checkpoint {self.hf_dir}: cannot read {name} from {file} ({err})") from err
+
+
+def expected_hf_shape(name: str, shape) -> tuple[int, ...]:
+    """The shape a HF tensor of a model of `shape` (model.ModelShape) must have, from its name."""
+    h, hd = shape.hidden_size, shape.head_dim
+    q, kv = shape.num_attention_heads * hd, shape.num_key_value_heads * hd
+    ffn = shape.moe_ffn_hidden_size if ROUTED_EXPERT_HF.search(name) else shape.ffn_hidden_size
+    by_suffix = (("embed_tokens.weight", (shape.vocab_size, h)), ("lm_head.weight", (shape.vocab_size, h)),
+                 ("q_proj.weight", (q, h)), ("k_proj.weight", (kv, h)), ("v_proj.weight", (kv, h)),
+                 ("q_proj.bias", (q,)), ("k_proj.bias", (kv,)), ("v_proj.bias", (kv,)), ("o_proj.weight", (h, q)),
+                 ("gate_proj.weight", (ffn, h)), ("up_proj.weight", (ffn, h)), ("down_proj.weight", (h, ffn)),
+                 ("mlp.gate.weight", (shape.num_experts, h)), ("q_norm.weight", (hd,)), ("k_norm.weight", (hd,)),
+                 ("norm.weight", (h,)))
+    return next(expected for suffix, expected in by_suffix if name.endswith(suffix))
+
+
+def checked_reader(reader: HFCheckpointReader, shape) -> Callable[[str], torch.Tensor]:
+    """`reader.get` that refuses a tensor whose shape is not the config's, that is not a float tensor of
+    unquantized weights (an FP8 code read as a weight is its code), or that holds NaN/Inf: CheckpointError."""
+    def get(name: str) -> torch.Tensor:
+        tensor = reader.get(name)
+        where = f"the HF checkpoint {reader.hf_dir}: {name}"
+        expected = expected_hf_shape(name, shape)
+        if tuple(tensor.shape) != expected:
+            raise CheckpointError(f"{where} has shape {tuple(tensor.shape)}, its config.json gives {expected}")
+        if not tensor.is_floating_point() or tensor.element_size() < 2:
+            raise CheckpointError(f"{where} is {tensor.dtype}, not unquantized (BF16/FP16/FP32) weights")
+        if not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{where} holds NaN/Inf")
+        return tensor
+    return get
 
 
 def megatron_shard_from_hf(name: str, layer: int | None, model_type: str, ctx: ShardContext,

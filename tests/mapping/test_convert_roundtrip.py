@@ -159,10 +159,12 @@ def model_and_layout(draw):
     if kv_heads % tp and tp % kv_heads:
         tp = kv_heads
     ffn = tp * draw(st.integers(1, 12))
-    return dict(arch=draw(st.sampled_from(["llama", "qwen2", "qwen3"])), layers=pp * draw(st.integers(1, 2)),
-                heads=heads, kv_heads=kv_heads, head_dim=draw(st.sampled_from([2, 4, 6])),
-                hidden=draw(st.integers(3, 24)), ffn=ffn, vocab=draw(st.integers(5, 300)),
-                tie=draw(st.booleans()), tp=tp, pp=pp, seed=draw(st.integers(0, 1000)))
+    arch, head_dim = draw(st.sampled_from(["llama", "qwen2", "qwen3"])), draw(st.sampled_from([2, 4, 6]))
+    # vLLM's Qwen2 has no head_dim of its own: hidden / heads
+    hidden = heads * head_dim if arch == "qwen2" else draw(st.integers(3, 24))
+    return dict(arch=arch, layers=pp * draw(st.integers(1, 2)), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                hidden=hidden, ffn=ffn, vocab=draw(st.integers(5, 300)), tie=draw(st.booleans()), tp=tp, pp=pp,
+                seed=draw(st.integers(0, 1000)))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -192,9 +194,35 @@ def test_converting_into_a_run_directory_is_refused(model_root, tmp_path):
         convert_checkpoint.hf_to_megatron(hf_dir, save, 1, 1)
 
 
-def test_an_export_never_overwrites_and_a_failed_one_leaves_nothing(tmp_path):
+@pytest.mark.parametrize("damage, message", [
+    (lambda w: w["model.layers.1.mlp.up_proj.weight"].__setitem__((0, 0), float("nan")),
+     r"model.layers.1.mlp.up_proj.weight holds NaN/Inf"),
+    (lambda w: w.__setitem__("model.layers.1.mlp.up_proj.weight", w["model.layers.1.mlp.up_proj.weight"][:4]),
+     r"model.layers.1.mlp.up_proj.weight has shape \(4, 8\), its config.json gives \(16, 8\)"),
+    (lambda w: w.__setitem__("model.layers.0.mlp.down_proj.weight",
+                             w["model.layers.0.mlp.down_proj.weight"].to(torch.float8_e4m3fn)),
+     r"model.layers.0.mlp.down_proj.weight is torch.float8_e4m3fn, not unquantized"),
+])
+def test_a_broken_hf_source_is_refused_by_tensor_and_leaves_nothing(tmp_path, damage, message):
+    # a short up_proj was converted (megatron's fused gate/up shard was the only check), NaN too
+    from safetensors.torch import load_file
+
+    from megatron_ais.errors import CheckpointError
+
+    src = str(tmp_path / "src")
+    _write_random_hf(src, "llama", 2, 2, 2, 4, 8, 16, 64, False, 0)
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    damage(weights)
+    save_file(weights, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=message):
+        convert_checkpoint.hf_to_megatron(src, str(tmp_path / "megatron"), 1, 1)
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_an_export_never_overwrites_and_a_failed_one_leaves_nothing(tmp_path, monkeypatch):
     """megatron-to-hf refuses a non-empty --save by name; a NaN found after some shards were written (a checkpoint
-    from a broken HF source) is refused by tensor name and leaves no directory behind."""
+    from a broken HF source, converted here past the converter's own check) is refused by tensor name and leaves no
+    directory behind."""
     from safetensors.torch import load_file
 
     from megatron_ais.errors import ArgumentValidationError, CheckpointError
@@ -204,7 +232,9 @@ def test_an_export_never_overwrites_and_a_failed_one_leaves_nothing(tmp_path):
     weights = load_file(os.path.join(src, "model.safetensors"))
     weights["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
     save_file(weights, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
+    monkeypatch.setattr(convert_checkpoint, "checked_reader", lambda reader, shape: reader.get)
     convert_checkpoint.hf_to_megatron(src, str(tmp_path / "megatron"), 1, 1)
+    monkeypatch.undo()
 
     full = tmp_path / "full"
     full.mkdir()
