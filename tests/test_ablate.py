@@ -1,6 +1,9 @@
 """The mismatch study's bookkeeping: which flags each arm runs with in each regime, and its table row over seeds
 (mean ± sample standard deviation) against a hand computation."""
 import itertools
+import os
+
+import pytest
 
 import ablate
 
@@ -103,7 +106,7 @@ def test_report_only_at_a_4bit_low_precision_names_and_pairs_its_arms(tmp_path):
     assert "| MXFP4 (W4A16), uncorrected | 0 | 1 | 0.250 | 0.400 ± 0.000 | – |" in table
     assert "| MXFP4 (W4A16) + TIS | 0 | 1 | 0.250 | 0.500 ± 0.000 | 0.100 ± 0.000 |" in table
     assert "| BF16 rollouts | 0 | 1 | 0.250 | 0.600 ± 0.000 | 0.200 ± 0.000 |" in table
-    assert "2 paired comparisons (arm − uncorrected MXFP4 (W4A16), same seed and η)" in table
+    assert "2 paired comparisons (2 seed pairs; arm − uncorrected MXFP4 (W4A16), same seed and η)" in table
 
 
 def test_report_only_sweeps_eta_with_a_figure_of_accuracy_against_it(tmp_path):
@@ -119,7 +122,8 @@ def test_report_only_sweeps_eta_with_a_figure_of_accuracy_against_it(tmp_path):
                         "--seeds", "1", "2", "--off-policy-steps", "0", "2", "--report-only"]) == 0
     table = (tmp_path / "ablation.md").read_text()
     assert "| FP8 + AIS | 2 | 2 | 0.250 | 0.565 ± 0.007 | 0.250 ± 0.000 |" in table
-    assert "6 paired comparisons (arm − uncorrected FP8, same seed and η)" in table
+    # three cells compared with the uncorrected one at their η, on two seeds each
+    assert "3 paired comparisons (6 seed pairs; arm − uncorrected FP8, same seed and η)" in table
     assert "| arm | η | step 2 |" in table and "| FP8 + AIS | 2 | 0.565 ± 0.007 |" in table  # per evaluation step
     assert "| FP8 + AIS, one λ per lag | 2 |" in table and "| FP8 + AIS, one λ per lag | 0 |" not in table
     assert (tmp_path / "accuracy_by_eta.png").stat().st_size > 10_000
@@ -149,6 +153,29 @@ def test_the_grid_resumes_finished_runs_and_refuses_one_with_other_flags(tmp_pat
         assert "holds a finished run with other flags" in str(exit) and len(launched) == 2
     else:
         raise AssertionError("a finished run with other flags was reused")
+
+
+def test_flags_ablate_sets_are_refused_after_the_separator(tmp_path, capsys):
+    # `-- --seed 7` made every seed the same run; `-- --is-correction tis` every arm TIS
+    for extra in (["--seed", "7"], ["--output-dir", "x"], ["--is-correction=tis"], ["--max-off-policy-steps", "2"]):
+        with pytest.raises(SystemExit) as exit_info:
+            ablate.main(["--load", "ckpt", "--output-dir", str(tmp_path), "--", *extra])
+        assert exit_info.value.code == 2 and f"{extra[0].split('=')[0]} after `--` would override" in \
+            capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
+def test_report_only_names_the_runs_made_with_other_flags(tmp_path):
+    import json
+
+    for arm in ("fp8", "fp8-tis"):
+        (tmp_path / arm / "seed1").mkdir(parents=True)
+        (tmp_path / arm / "seed1" / "summary.json").write_text(json.dumps(_summary(0.5, 1e-3, 0.8, 0.1)))
+    (tmp_path / "fp8-tis" / "seed1" / "flags.json").write_text(json.dumps(["--lr", "1"]))
+    assert ablate.main(["--load", "unused", "--output-dir", str(tmp_path), "--arms", "fp8", "fp8-tis", "--seeds", "1",
+                        "--report-only"]) == 0
+    assert "Run with other flags than this command's (their flags.json): fp8-tis/seed1." in \
+        (tmp_path / "ablation.md").read_text()
 
 
 def test_report_only_tables_the_seeds_each_cell_has(tmp_path):

@@ -100,6 +100,14 @@ def run_flags(name: str, flags: list[str], seed: int, args, extra: list[str], et
             *arm_flags(name, flags, args.regime, eta, args.low_precision)]
 
 
+def owned_flags(args) -> set[str]:
+    """The pretrain_grpo_ais.py flags ablate sets itself for some run of this command (a repeat after `--` would
+    win, argparse keeping the last: every seed the same run, or every arm the same arm)."""
+    return {"--load", "--seed", "--output-dir", "--max-off-policy-steps"} | {
+        flag for name, _, flags in ARMS for eta in args.off_policy_steps
+        for flag in arm_flags(name, flags, args.regime, eta, args.low_precision) if flag.startswith("--")}
+
+
 def run_dir(output_dir: str, name: str, seed: int, eta: int = 0, low_precision: str = "fp8") -> str:
     return os.path.join(output_dir, cell(name, eta, low_precision), f"seed{seed}")
 
@@ -110,25 +118,31 @@ def run_arm(name: str, flags: list[str], seed: int, args, extra: list[str], eta:
     out = run_dir(args.output_dir, name, seed, eta, args.low_precision)
     own = run_flags(name, flags, seed, args, extra, eta)
     if os.path.exists(os.path.join(out, "summary.json")):
-        recorded = os.path.join(out, "flags.json")
-        if not os.path.exists(recorded) or json.load(open(recorded)) != own:
+        if not os.path.exists(os.path.join(out, "flags.json")) or not ran_with(out, own):
             raise SystemExit(f"ablate: {out} holds a finished run with other flags; pass another --output-dir or "
                              "remove that directory")
         return read_summary(out)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(args.nproc_per_node), os.path.join(ROOT, "pretrain_grpo_ais.py"), *own]
     os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "flags.json"), "w") as f:  # before the run: an interrupted one is rerun, not refused
+        json.dump(own, f)
     start = time.time()
     with open(os.path.join(out, "log.txt"), "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     if proc.returncode != 0:
         tail = open(os.path.join(out, "log.txt")).read()[-3000:]
         raise RuntimeError(f"arm {name} seed {seed} failed (exit {proc.returncode}):\n{tail}")
-    with open(os.path.join(out, "flags.json"), "w") as f:
-        json.dump(own, f)
     summary = read_summary(out)
     summary["launcher_wall_s"] = time.time() - start
     return summary
+
+
+def ran_with(out: str, flags: list[str]) -> bool:
+    """Whether the run in `out` was made with `flags` (a run without flags.json, from before it was recorded, is
+    taken as made with them)."""
+    recorded = os.path.join(out, "flags.json")
+    return not os.path.exists(recorded) or json.load(open(recorded)) == flags
 
 
 def read_summary(out: str) -> dict:
@@ -318,8 +332,12 @@ def main(argv=None) -> int:
                         help="Run nothing: table and figure from the summaries already in --output-dir (a cell "
                              "lists the seeds it has; a cell with none is left out).")
     args = parser.parse_args(own)
+    overriding = [f.split("=")[0] for f in extra if f.split("=")[0] in owned_flags(args)]
+    if overriding:
+        parser.error(f"{overriding[0]} after `--` would override what ablate sets for each run (its seed, output "
+                     "directory, or an arm's, regime's or η's flags): use ablate's own options")
     os.makedirs(args.output_dir, exist_ok=True)
-    labels, runs, cells = {}, {}, []
+    labels, runs, cells, other_flags = {}, {}, [], []
     for eta in args.off_policy_steps:
         for name, label, flags in ARMS:
             if name not in args.arms or (name in PER_LAG_ARMS and eta == 0):
@@ -332,6 +350,8 @@ def main(argv=None) -> int:
                     out = run_dir(args.output_dir, shown, seed, eta)
                     if os.path.exists(os.path.join(out, "summary.json")):
                         runs.setdefault(key, {})[seed] = read_summary(out)
+                        if not ran_with(out, run_flags(name, flags, seed, args, extra, eta)):
+                            other_flags.append(os.path.relpath(out, args.output_dir))
                     continue
                 print(f"[ablate] {labels[key]}, seed {seed} ...", flush=True)
                 runs.setdefault(key, {})[seed] = run_arm(name, flags, seed, args, extra, eta)
@@ -348,12 +368,16 @@ def main(argv=None) -> int:
     if len(args.off_policy_steps) > 1:
         by_eta = plot_against_eta(summaries, cells, os.path.join(args.output_dir, "accuracy_by_eta.png"))
     command = " ".join(["tools/ablate.py", *own, "--", *extra])
-    pairs = sum(len(set(runs[cell(name, eta)]) & set(runs.get(cell(uncorrected, eta), {})))
-                for name, _, eta in cells if name != uncorrected)
+    seed_pairs = [len(set(runs[cell(name, eta)]) & set(runs.get(cell(uncorrected, eta), {})))
+                  for name, _, eta in cells if name != uncorrected]
+    compared = sum(1 for pairs in seed_pairs if pairs)
     precision = LOW_PRECISIONS[args.low_precision]
     table = "\n".join([table_header(precision)] + rows)
-    if pairs:
-        table += f"\n\n{pairs} paired comparisons (arm − uncorrected {precision}, same seed and η) over the table."
+    if compared:
+        table += (f"\n\n{compared} paired comparisons ({sum(seed_pairs)} seed pairs; arm − uncorrected {precision}, "
+                  "same seed and η) over the table.")
+    if other_flags:
+        table += (f"\n\nRun with other flags than this command's (their flags.json): {', '.join(other_flags)}.")
     table += "\n\nHeld-out accuracy at each evaluation (mean ± std over seeds):\n\n" + accuracy_by_step(runs, cells)
     diagnostics = diagnostics_table(runs, cells)
     if diagnostics:
