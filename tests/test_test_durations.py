@@ -24,6 +24,21 @@ def test_module_seconds_are_summed_longest_first_and_short_modules_left_out(tmp_
     assert json.loads(out.read_text()) == seconds
 
 
+def test_a_missing_or_broken_report_leaves_the_durations_as_they_were(tmp_path, capsys):
+    # the file was emptied before the report was read, and every pytest run then failed reading it
+    out = tmp_path / "durations.json"
+    out.write_text('{"tests/test_wandb.py": 30.0}\n')
+    (tmp_path / "cut.xml").write_text(REPORT[:80])
+    for report in (tmp_path / "missing.xml", tmp_path / "cut.xml"):
+        try:
+            test_durations.main([str(report), "--out", str(out)])
+        except SystemExit as exit:
+            assert exit.code == 2 and f"cannot read the report {report}" in capsys.readouterr().err
+        else:
+            raise AssertionError("a report that cannot be read was accepted")
+        assert out.read_text() == '{"tests/test_wandb.py": 30.0}\n'
+
+
 def test_the_committed_durations_name_existing_test_modules():
     with open(os.path.join(ROOT, "tests", "durations.json")) as f:
         seconds = json.load(f)

@@ -26,9 +26,15 @@ def main(argv=None) -> int:
     parser.add_argument("report", help="a pytest --junitxml report of the whole suite, run without workers")
     parser.add_argument("--out", default=os.path.join(ROOT, "tests", "durations.json"))
     args = parser.parse_args(argv)
-    with open(args.out, "w") as f:
-        json.dump(module_seconds(args.report), f, indent=1)
+    try:
+        seconds = module_seconds(args.report)
+    except (OSError, ET.ParseError) as err:  # the old durations stay: every pytest run orders the suite by them
+        parser.error(f"cannot read the report {args.report}: {err}")
+    temporary = args.out + ".tmp"
+    with open(temporary, "w") as f:
+        json.dump(seconds, f, indent=1)
         f.write("\n")
+    os.replace(temporary, args.out)
     return 0
 
 
