@@ -150,7 +150,7 @@ def _adam_step(setup, trainer) -> None:
     from megatron_ais.training import lm_forward_step, train_step
 
     seq = trainer.model.seq_length
-    tokens = torch.randint(0, 1000, (1, seq), generator=torch.Generator().manual_seed(0)).to(
+    tokens = torch.randint(0, setup.build.shape.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0)).to(
         next(setup.chunks[0].parameters()).device)
     batch = {"tokens": tokens, "labels": tokens.roll(-1, 1), "loss_mask": torch.ones_like(tokens),
              "position_ids": torch.arange(seq, device=tokens.device).unsqueeze(0)}

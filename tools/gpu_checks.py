@@ -42,6 +42,7 @@ from kernels.fp8.reference import blockwise_fp8_quantize_reference  # noqa: E402
 from kernels.fp8.triton import blockwise_fp8_quantize_triton  # noqa: E402
 
 MIB, GIB = 1 << 20, 1 << 30
+IPC_TIMEOUT_S = 120
 BLOCK = 128
 # Qwen3-8B: hidden 4096, 32 heads / 8 KV heads of 128, MLP 12288, vocabulary 151936, untied embeddings
 QWEN3_8B = {"hidden-size": 4096, "num-attention-heads": 32, "num-key-value-heads": 8, "head-dim": 128,
@@ -95,10 +96,17 @@ def ipc_check(args) -> int:
     consumer = context.Process(target=_ipc_consumer, args=(encode_ref(buffer.ref), buffer.nbytes, args.opens, there))
     before = free()
     consumer.start()
-    here.recv()
+    there.close()  # the consumer's end lives in the consumer only: if it dies, receiving here fails, not waits
+
+    def answer():
+        if not here.poll(IPC_TIMEOUT_S):
+            raise TimeoutError(f"the IPC consumer gave no answer in {IPC_TIMEOUT_S} s")
+        return here.recv()
+
+    answer()
     opened = free()
     here.send("go")
-    seconds_per_open = here.recv()
+    seconds_per_open = answer()
     after_opens = free()
     here.send("exit")
     consumer.join(60)
@@ -361,6 +369,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    at_least_one = {"ipc": ("opens",), "kernels": ("repeats",), "model": ("seq_length", "sequences", "syncs",
+                                                                        "tokens_per_microbatch")}[args.check]
+    for name in at_least_one:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.check == "kernels" and args.experts < 0:
+        parser.error("--experts must be at least 0 (0: no MoE bucket)")
+    if args.check == "ipc" and not args.arena_gib > 0:
+        parser.error("--arena-gib must be positive")
     if args.check == "kernels":
         try:
             for text in [*args.shapes, args.expert_shape]:
