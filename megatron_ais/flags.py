@@ -158,9 +158,15 @@ def add_flag_group(parser: argparse.ArgumentParser, title: str, *configs) -> Non
         config.add_flags(group)
 
 
+def _plain(value) -> bool:
+    return value is None or isinstance(value, (int, float, str, bool))
+
+
 def plain_flag_values(args: argparse.Namespace) -> dict[str, Any]:
-    """Every plain value of a parsed namespace (unset flags as None): what a checkpoint records of its run."""
-    return {k: v for k, v in vars(args).items() if v is None or isinstance(v, (int, float, str, bool))}
+    """Every plain value of a parsed namespace (unset flags as None; a list flag's values as a list): what a
+    checkpoint records of its run."""
+    return {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in vars(args).items()
+            if _plain(v) or (isinstance(v, (list, tuple)) and all(_plain(x) for x in v))}
 
 
 class FlagParser(argparse.ArgumentParser):

@@ -28,8 +28,13 @@ def test_changed_flags_lists_only_what_changes_the_computation():
 
 
 def test_flags_unset_in_the_saved_run_and_kept_values_are_reported():
-    saved = plain_flag_values(argparse.Namespace(rollout_seed=None, lr=1e-3, exclude=["a"], train_iters=10))
-    assert saved == {"rollout_seed": None, "lr": 1e-3, "train_iters": 10}  # lists are not recorded
+    saved = plain_flag_values(argparse.Namespace(rollout_seed=None, lr=1e-3, exclude=("a",), train_iters=10,
+                                                 ais_exponents=[1.0, 1.0, 1.0], parser=argparse.ArgumentParser()))
+    # list flags (--ais-exponents, --bridge-fp8-exclude) are recorded as lists; objects are not
+    assert saved == {"rollout_seed": None, "lr": 1e-3, "exclude": ["a"], "train_iters": 10,
+                     "ais_exponents": [1.0, 1.0, 1.0]}
+    assert changed_flags(saved, dict(ais_exponents=[1.0, 0.5, 1.0])) == ["--ais-exponents [1.0, 1.0, 1.0] -> "
+                                                                       "[1.0, 0.5, 1.0]"]
     now = dict(rollout_seed=7, lr=1e-3)
     # train_iters belongs to another entry point (an SFT checkpoint's flags): not a change
     assert changed_flags(saved, now) == ["--rollout-seed None -> 7 (ignored: the saved run's value is kept)"]
