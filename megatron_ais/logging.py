@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -107,15 +108,19 @@ class RunLogger:
     def __init__(self, config: LoggingConfig, enabled: bool, resume_step: int | None = None,
                  run_config: dict[str, Any] | None = None, total_steps: int | None = None):
         """`resume_step`: a run resumed from that step's checkpoint; what an earlier run logged for later steps
-        (before it died) is dropped from metrics.jsonl and, by tensorboard's purge, from the event files.
+        (before it died) is dropped from metrics.jsonl and, by tensorboard's purge, from the event files. A fresh
+        run moves an earlier run's metrics.jsonl aside (metrics.1.jsonl, ...).
         `total_steps`: show a progress bar for the run (its steps done and ETA)."""
         self.enabled, self.output_dir = enabled, config.output_dir
         self.writer = self.wandb = self.progress = None
         if not enabled:
             return
         os.makedirs(self.output_dir, exist_ok=True)
+        metrics = os.path.join(self.output_dir, "metrics.jsonl")
         if resume_step is not None:
-            drop_logged_steps_after(os.path.join(self.output_dir, "metrics.jsonl"), resume_step)
+            drop_logged_steps_after(metrics, resume_step)
+        elif os.path.isfile(metrics):  # an earlier run's records, kept beside this run's rather than mixed in
+            os.replace(metrics, _unused_name(metrics))
         self.writer = SummaryWriter(config.tensorboard_dir or os.path.join(self.output_dir, "tensorboard"),
                                     purge_step=None if resume_step is None else resume_step + 1)
         if config.wandb_project:
@@ -171,13 +176,27 @@ class RunLogger:
             self.wandb.finish()
 
 
+def _logged_step(line: str) -> int | None:
+    """A metrics.jsonl record's step; None for a line cut short (a run killed while writing it) or blank."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _unused_name(path: str) -> str:
+    """`metrics.jsonl` -> the first of `metrics.1.jsonl`, `metrics.2.jsonl`, ... that does not exist."""
+    stem, extension = os.path.splitext(path)
+    return next(f"{stem}.{n}{extension}" for n in itertools.count(1) if not os.path.exists(f"{stem}.{n}{extension}"))
+
+
 def drop_logged_steps_after(path: str, step: int) -> int:
     """Rewrite a metrics.jsonl without the records of steps after `step` (atomically); return how many went."""
     if not os.path.isfile(path):
         return 0
     with open(path) as f:
         lines = f.readlines()
-    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    kept = [line for line in lines if (logged := _logged_step(line)) is not None and logged <= step]
     if len(kept) < len(lines):
         with open(path + ".tmp", "w") as f:
             f.writelines(kept)

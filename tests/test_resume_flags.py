@@ -85,3 +85,16 @@ def test_resumed_logs_continue_from_the_checkpoint(tmp_path):
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [(r["step"], r["rollout/reward"]) for r in records] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
     assert _scalars(str(tmp_path / "tensorboard"), "rollout/reward") == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+
+
+def test_a_record_cut_short_is_dropped_and_a_fresh_run_keeps_the_earlier_log_aside(tmp_path):
+    # a run killed while writing a record left half a line, on which every resume failed (JSONDecodeError)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "a": 1.0}\n{"step": 2, "a": 2.0}\n{"step": 3, "a"')
+    RunLogger(LoggingConfig(output_dir=str(tmp_path)), True, resume_step=2).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "a": 1.0}\n{"step": 2, "a": 2.0}\n'
+    # a fresh run into the same --output-dir appended to it, repeating step numbers
+    fresh = RunLogger(LoggingConfig(output_dir=str(tmp_path)), True)
+    fresh.step(1, {"a": 5.0}, None)
+    fresh.close()
+    assert [json.loads(line) for line in open(tmp_path / "metrics.jsonl")] == [{"step": 1, "a": 5.0}]
+    assert (tmp_path / "metrics.1.jsonl").read_text() == '{"step": 1, "a": 1.0}\n{"step": 2, "a": 2.0}\n'
