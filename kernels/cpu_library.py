@@ -6,7 +6,8 @@ through ctypes; their bindings live beside their torch / NumPy references:
     bridge_copy_rows_check_finite   copy a 2-D view and count NaN/Inf on the way (`kernels.integrity`)
     bridge_block_sums               position-weighted checksum sums of a tensor's elements (`kernels.integrity`)
 
-Without a compiler the references are used and one warning says so; `MEGATRON_AIS_CPU_KERNELS=0` forces that.
+Without a compiler the references are used and one warning says so; `MEGATRON_AIS_CPU_KERNELS=0` forces that,
+and `=1` (or a `MEGATRON_AIS_CPU_ARCH`) makes a failed build an error rather than a silent fallback.
 Built for this CPU (`-march=native`: the AVX2 / AVX-512 paths where it has them); `MEGATRON_AIS_CPU_ARCH` builds
 for another (`x86-64`: the portable scalar paths; `haswell`: AVX2 without AVX-512, as on AMD Zen 3;
 `skylake-avx512`: AVX-512 without VBMI), which the tests compare with the references too. The shared object is
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "bridge_cpu.c")
 SIMD_PATHS = {1: "AVX2", 2: "AVX-512"}  # bits of bridge_simd()
 DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
+KERNELS_ENV, ARCH_ENV = "MEGATRON_AIS_CPU_KERNELS", "MEGATRON_AIS_CPU_ARCH"
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _load_error: str | None = None
@@ -46,7 +48,17 @@ def _cpu_signature() -> str:
 
 
 def _cflags() -> tuple[str, ...]:
-    return ("-O3", f"-march={os.environ.get('MEGATRON_AIS_CPU_ARCH', 'native')}", "-fPIC", "-shared", "-std=c11")
+    return ("-O3", f"-march={os.environ.get(ARCH_ENV, 'native')}", "-fPIC", "-shared", "-std=c11")
+
+
+def kernels_wanted() -> bool | None:
+    """MEGATRON_AIS_CPU_KERNELS: True (1: the kernels, a failed build is an error), False (0: the references), None
+    (unset: the kernels where they build). Any other value raises ValueError."""
+    value = os.environ.get(KERNELS_ENV)
+    if value not in (None, "0", "1"):
+        raise ValueError(f"{KERNELS_ENV}={value}: expected 1 (the CPU kernels) or 0 (the torch references), or "
+                         "leave it unset")
+    return None if value is None else value == "1"
 
 
 def _build(path: str) -> None:
@@ -75,8 +87,9 @@ def library() -> ctypes.CDLL | None:
     with _lock:
         if _library is not None or _load_error is not None:
             return _library
-        if os.environ.get("MEGATRON_AIS_CPU_KERNELS", "1") == "0":
-            _load_error = "disabled by MEGATRON_AIS_CPU_KERNELS=0"
+        wanted = kernels_wanted()
+        if wanted is False:
+            _load_error = f"disabled by {KERNELS_ENV}=0"
             return None
         with open(SOURCE, "rb") as f:
             key = hashlib.sha256(f.read() + " ".join(_cflags()).encode() + _cpu_signature().encode()).hexdigest()[:16]
@@ -88,6 +101,9 @@ def library() -> ctypes.CDLL | None:
                 _build(path)
             lib = ctypes.CDLL(path)
         except (OSError, RuntimeError) as err:
+            if wanted or ARCH_ENV in os.environ:  # a forced path that silently became the references would hide it
+                raise RuntimeError(f"the bridge's CPU kernels were asked for ({KERNELS_ENV}, {ARCH_ENV}) and did "
+                                   f"not build: {err}") from err
             _load_error = str(err)
             log.warning("bridge CPU kernels unavailable (%s); using the torch references, which are slower", err)
             return None

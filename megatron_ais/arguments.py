@@ -14,6 +14,7 @@ from typing import Any, Iterable
 
 import torch
 
+from megatron_ais import platform
 from megatron_ais.ais import AISConfig
 from megatron_ais.bridge.aligned_forward import AlignedForwardConfig
 from megatron_ais.bridge.config import BridgeConfig
@@ -102,6 +103,7 @@ class TrainerConfig:
                                       LoggingConfig.from_args(args), TaskConfig.from_args(args),
                                       plain_flag_values(args)))
         config.layout.data_parallel(world_size)
+        platform.check_cpu_path_variables()
         tp, seq_length = config.layout.tensor, config.model.seq_length
         if config.layout.sequence_parallel and seq_length % tp:
             raise ArgumentValidationError(f"--sequence-parallel splits sequences over TP: --seq-length {seq_length} "

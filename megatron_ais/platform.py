@@ -62,6 +62,7 @@ import warnings
 
 import torch
 
+from kernels import cpu_library
 from megatron_ais.errors import ArgumentValidationError
 
 CPU_BF16_ENV = "MEGATRON_AIS_CPU_BF16"
@@ -260,6 +261,17 @@ def _forced(name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
+def check_cpu_path_variables() -> None:
+    """Refuse a bad value of any variable that forces a CPU path, in one line, before a run writes anything (on any
+    machine: a recipe's environment travels between them)."""
+    _forced(CPU_BF16_ENV, ("auto", "native", "fp32"))
+    _forced(CPU_FP8_ENV, ("auto", "kernel", "torch"))
+    try:
+        cpu_library.kernels_wanted()
+    except ValueError as err:
+        raise ArgumentValidationError(str(err)) from err
+
+
 def bf16_matmul_path() -> str:
     """'fp32' (BF16 products computed in FP32) or 'native' (torch's BF16 kernels; always on CUDA)."""
     choice = _forced(CPU_BF16_ENV, ("auto", "native", "fp32"))
@@ -332,9 +344,9 @@ def apply_cpu_compat() -> bool:
         return False
     if _applied:
         return True
-    _applied = True
     drop_expected_cpu_warnings()
-    install_bf16_matmul()
+    install_bf16_matmul()  # may refuse MEGATRON_AIS_CPU_BF16: nothing is patched yet, a later call tries again
+    _applied = True
     # P1-P3, P8 are global: on a CPU-only build these calls could only raise.
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None

@@ -1,8 +1,16 @@
 """The CPU compatibility layer patches megatron on CPU and is a strict no-op when CUDA is available (each probe in a
 process of its own: the patches are process-wide)."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
 import torch
 
+from conftest import ROOT
 from distributed import spawn
+from megatron_ais.errors import ArgumentValidationError
 
 
 def _probe(pretend_cuda):
@@ -93,10 +101,8 @@ def test_native_bf16_products_are_torchs_own_kernels():
 
 
 def _paths_chosen(bf16_env, fp8_env, kernel_built):
-    import os
 
     from megatron_ais import platform
-    from megatron_ais.errors import ArgumentValidationError
 
     for name, value in ((platform.CPU_BF16_ENV, bf16_env), (platform.CPU_FP8_ENV, fp8_env)):
         os.environ.pop(name, None)
@@ -119,3 +125,27 @@ def test_paths_follow_the_cpu_unless_forced_and_a_bad_value_is_one_clear_line():
     assert forced[:2] == ("fp32", "torch")
     assert "MEGATRON_AIS_CPU_FP8=kernel" in kernel_not_built and "set it to torch" in kernel_not_built
     assert bad == "MEGATRON_AIS_CPU_BF16=fast: expected one of auto, native, fp32 (or leave it unset)"
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    ("MEGATRON_AIS_CPU_KERNELS", "off", "MEGATRON_AIS_CPU_KERNELS=off: expected 1 (the CPU kernels) or 0"),
+    ("MEGATRON_AIS_CPU_BF16", "FP32", "MEGATRON_AIS_CPU_BF16=FP32: expected one of auto, native, fp32"),
+    ("MEGATRON_AIS_CPU_FP8", "yes", "MEGATRON_AIS_CPU_FP8=yes: expected one of auto, kernel, torch"),
+])
+def test_a_bad_path_variable_is_refused_with_the_flags(monkeypatch, name, value, expected):
+    # 'off' used the kernels (only '0' disabled them); a bad BF16 value was refused only once megatron started,
+    # after --save was locked
+    from megatron_ais.arguments import TrainerConfig, build_parser
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ArgumentValidationError, match=re.escape(expected)):
+        TrainerConfig.from_args(build_parser("test").parse_args(["--hf-dir", "unused"]), 1)
+
+
+def test_a_forced_kernel_build_that_fails_is_an_error(tmp_path):
+    code = ("from kernels import cpu_library\ntry:\n    cpu_library.library()\nexcept RuntimeError as err:\n"
+            "    assert 'were asked for' in str(err), err\n    print('ok')\n")
+    env = {**os.environ, "MEGATRON_AIS_CPU_ARCH": "no-such-cpu", "MEGATRON_AIS_KERNEL_CACHE": str(tmp_path),
+           "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == "ok", out.stderr
