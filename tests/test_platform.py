@@ -101,7 +101,6 @@ def test_native_bf16_products_are_torchs_own_kernels():
 
 
 def _paths_chosen(bf16_env, fp8_env, kernel_built):
-
     from megatron_ais import platform
 
     for name, value in ((platform.CPU_BF16_ENV, bf16_env), (platform.CPU_FP8_ENV, fp8_env)):
