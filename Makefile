@@ -12,11 +12,12 @@ NPROC ?= 2
 
 venv: $(STAMP)
 
-# The stamp depends on the pins, so changing a pin reinstalls.
+# The stamp depends on the pins, so changing a pin reinstalls. torch's CPU build by its local version: where pip
+# cannot find it, the install stops at once rather than downloading the CUDA wheel (docs/install.md).
 $(STAMP): requirements/train.txt requirements/stubs.txt pyproject.toml tools/make_stub_wheels.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	rm -rf $(VENV)/stubs && $(PYTHON) tools/make_stub_wheels.py $(VENV)/stubs requirements/stubs.txt >/dev/null
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0 $(VENV)/stubs/*.whl
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0+cpu $(VENV)/stubs/*.whl
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements/train.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	$(PY) -m pip check
