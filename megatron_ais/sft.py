@@ -102,15 +102,16 @@ def step_micro_batches(encoded: list[dict], window: list[int], config) -> list[d
     return micro_batches(rows, plan.with_placeholders(int(count), multiple))
 
 
-def _train(setup, encoded: list[dict], config, log) -> list[float]:
-    """Run --train-iters optimizer steps over the encoded examples (each DP rank its share of every global batch);
-    return the loss history (last stage)."""
+def _train(setup, encoded: list[dict], config, log, checkpointer: Checkpointer, first_step: int) -> list[float]:
+    """Run optimizer steps `first_step`..--train-iters over the encoded examples (each DP rank its share of every
+    global batch; the data order depends on the step only, so a resumed run continues it), saving at --save-interval
+    and after the last; return the loss history (last stage)."""
     training, iters = config.trainer.training, config.sft.train_iters
     dp_size = ps.get_data_parallel_world_size()
     global_batch = config.sft.global_batch_size or training.micro_batch_size * dp_size
     order = torch.randperm(len(encoded), generator=torch.Generator().manual_seed(training.seed)).tolist()
     history = []
-    for step in range(1, iters + 1):
+    for step in range(first_step, iters + 1):
         t0 = time.time()
         first = ((step - 1) * global_batch) % len(order)
         window = [order[(first + i) % len(order)] for i in range(global_batch)]
@@ -121,35 +122,33 @@ def _train(setup, encoded: list[dict], config, log) -> list[float]:
             raise RuntimeError(f"step {step}: optimizer skipped the update (non-finite gradients)")
         loss = reduce_lm_loss(result.losses, ps.get_data_parallel_group()) if ps.is_pipeline_last_stage() else None
         seconds = time.time() - t0
-        # processed: every position of the step's micro-batches (prompt, response, padding); trained: the loss's
-        trained = sum(int(b["loss_mask"].sum()) for b in batches) * dp_size
-        processed = sum(b["tokens"].numel() for b in batches) * dp_size
         if loss is not None:
             history.append(loss)
-        line = (f"step {step:5d}/{iters} | loss {loss if loss is None else f'{loss:.4f}'} | "
-                f"grad norm {result.grad_norm:.3f} | {processed / seconds:6.0f} tok/s processed, "
-                f"{trained / seconds:5.0f} trained | {seconds:.2f}s")
         log.step(step, {"sft/loss": loss, "sft/grad_norm": result.grad_norm, "sft/step_seconds": seconds},
-                 line if config.trainer.logging.prints(step, iters) else None)
+                 _console_line(step, iters, loss, result.grad_norm, batches, dp_size, seconds)
+                 if config.trainer.logging.prints(step, iters) else None)
+        if checkpointer.saves_at(step, iters):
+            checkpointer.save(step, {"kind": "sft", "step": step}, training_goes_on=step < iters)
+        checkpointer.poll()
     return history
 
 
-def _save_and_export(setup, hf_config: dict, config) -> None:
-    """The trained model as a checkpoint (--save) and as a HF directory (--export-hf-dir); with --async-save the
-    checkpoint's files are written while the export runs, and committed after it."""
-    iters = config.sft.train_iters
-    checkpointer = Checkpointer(config.trainer.checkpoint, setup.build, hf_config, setup.chunks, setup.optimizer,
-                                setup.assets_dir, (ps.get_data_parallel_group(), ps.get_data_parallel_world_size()),
-                                config.trainer.training.use_distributed_optimizer)
-    if config.trainer.checkpoint.save:
-        checkpointer.save(iters, {"kind": "sft", "step": iters}, training_goes_on=False)
-    if config.sft.export_hf_dir:
-        writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-        save_hf_checkpoint(setup.chunks, setup.build, hf_config, config.sft.export_hf_dir,
-                           ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
-                           is_stage_writer=writer, assets_from=setup.assets_dir,
-                           dtype=torch.bfloat16 if hf_config.get("dtype") == "bfloat16" else None)
-    checkpointer.wait()
+def _console_line(step: int, iters: int, loss: float | None, grad_norm: float, batches: list[dict], dp_size: int,
+                  seconds: float) -> str:
+    # processed: every position of the step's micro-batches (prompt, response, padding); trained: the loss's
+    trained = sum(int(b["loss_mask"].sum()) for b in batches) * dp_size
+    processed = sum(b["tokens"].numel() for b in batches) * dp_size
+    return (f"step {step:5d}/{iters} | loss {loss if loss is None else f'{loss:.4f}'} | grad norm {grad_norm:.3f} | "
+            f"{processed / seconds:6.0f} tok/s processed, {trained / seconds:5.0f} trained | {seconds:.2f}s")
+
+
+def _export(setup, hf_config: dict, config) -> None:
+    """The trained model as a HF directory (--export-hf-dir)."""
+    writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    save_hf_checkpoint(setup.chunks, setup.build, hf_config, config.sft.export_hf_dir,
+                       ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
+                       is_stage_writer=writer, assets_from=setup.assets_dir,
+                       dtype=torch.bfloat16 if hf_config.get("dtype") == "bfloat16" else None)
 
 
 def run_sft(config) -> dict:
@@ -157,7 +156,7 @@ def run_sft(config) -> dict:
     the summary (also written on the logging rank)."""
     trainer = config.trainer
     examples = build_task(trainer.task, trainer.training.seed).train  # bad task flags fail before anything heavy
-    hf_config, build = prepare_trainer(trainer, "sft", resumes=False)
+    hf_config, build = prepare_trainer(trainer, "sft")
     check_export_directory(config.sft.export_hf_dir, trainer.model.hf_dir)
     tokenizer = load_tokenizer(tokenizer_dir(trainer))
     encoded = [encode_sft_example(tokenizer, e, build.seq_length) for e in examples]  # each fits, before any write
@@ -165,20 +164,30 @@ def run_sft(config) -> dict:
     # --calculate-per-token-loss); by default each micro-batch's token mean counts the same
     build = dataclasses.replace(build, per_token_loss=trainer.training.max_tokens_per_microbatch is not None)
     lock = start_trainer(trainer)
+    # a --load of an SFT run's checkpoint resumes it (its optimizer, RNG and step), unless --finetune
+    setup = setup_model_and_optimizer(build, trainer.weights, trainer.training, trainer.checkpoint.finetune, "sft")
+    done = setup.run_state["step"] if setup.run_state else 0
     is_logger = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 \
         and ps.get_data_parallel_rank() == 0
-    log = RunLogger(trainer.logging, is_logger, run_config=trainer.flags)
-    setup = setup_model_and_optimizer(build, trainer.weights, trainer.training, trainer.checkpoint.finetune)
+    log = RunLogger(trainer.logging, is_logger, resume_step=done if setup.run_state else None,
+                    run_config=trainer.flags)
     dp_size = ps.get_data_parallel_world_size()
     log.info(f"SFT: {build.shape.model_type} {build.shape.num_layers} layers, TP{trainer.layout.tensor} "
              f"PP{trainer.layout.pipeline} DP{dp_size}, {build.precision}, global batch "
              f"{config.sft.global_batch_size or trainer.training.micro_batch_size * dp_size}, "
              f"{config.sft.train_iters} steps")
     start = time.time()
-    history = from_last_stage(_train(setup, encoded, config, log), ps.get_pipeline_model_parallel_group())
-    _save_and_export(setup, hf_config, config)
+    checkpointer = Checkpointer(trainer.checkpoint, setup.build, hf_config, setup.chunks, setup.optimizer,
+                                setup.assets_dir, (ps.get_data_parallel_group(), dp_size),
+                                trainer.training.use_distributed_optimizer)
+    history = from_last_stage(_train(setup, encoded, config, log, checkpointer, done + 1),
+                              ps.get_pipeline_model_parallel_group())
+    if config.sft.export_hf_dir:  # while a background save is written
+        _export(setup, hf_config, config)
+    checkpointer.wait()
     summary = {"loss_first": history[0] if history else None, "loss_last": history[-1] if history else None,
-               "losses": history, "steps": config.sft.train_iters, "wall_s": time.time() - start}
+               "losses": history, "steps": config.sft.train_iters, "first_step": done + 1,
+               "wall_s": time.time() - start}
     log.summary(summary)
     log.close()
     if lock is not None:

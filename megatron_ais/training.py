@@ -201,10 +201,10 @@ def check_output_directories(trainer) -> None:
             check_writable(path, option)
 
 
-def prepare_trainer(trainer, run_kind: str | None = None, resumes: bool = True) -> tuple[dict, object]:
+def prepare_trainer(trainer, run_kind: str | None = None) -> tuple[dict, object]:
     """Everything a trainer checks before it starts (`trainer`: an arguments.TrainerConfig), in an order that writes
     nothing: its output directories can be written, no live run holds --save or --load, --save holds no other run's
-    checkpoints (a run of `run_kind` that `resumes` from a --load of its kind), the model's config is read and
+    checkpoints (a run of `run_kind` resumes from a --load of its kind), the model's config is read and
     checked once, --save has room for a checkpoint. Return (the HF config, the ModelBuildConfig)."""
     check_output_directories(trainer)
     checkpoint = trainer.checkpoint
@@ -212,7 +212,7 @@ def prepare_trainer(trainer, run_kind: str | None = None, resumes: bool = True) 
         refuse_directories_in_use(checkpoint)
     if checkpoint.save:
         check_save_holds_no_other_run(checkpoint.save, checkpoint.load, checkpoint.replace_checkpoints, run_kind,
-                                      resumes, checkpoint.finetune)
+                                      checkpoint.finetune)
     hf_config = read_model_config(trainer.model, trainer.layout, checkpoint.load,
                                   checkpoint.allow_unverified_checkpoint)
     build = ModelBuildConfig.create(trainer.model, trainer.layout, hf_config,

@@ -103,14 +103,13 @@ def test_a_fresh_run_on_another_runs_checkpoints_is_refused_writing_nothing(grpo
     store.write_metadata(stage, {"hf_config": {}, "run_kind": "sft"}, None)
     store.commit_checkpoint(sft, 100)
     preflight.check_save_holds_no_other_run(sft, sft, replace=False, run_kind="sft")
-    for kind, resumes, finetune, why in (("grpo", True, False, "they are a sft run's, this is a grpo run"),
-                                         ("sft", False, False, "sft runs do not resume"),
-                                         ("sft", True, True, "--finetune")):
+    for kind, finetune, why in (("grpo", False, "they are a sft run's, this is a grpo run"),
+                                ("sft", True, "--finetune")):
         with pytest.raises(CheckpointError, match=rf"^--save {sft} is --load too, but this run starts afresh from it "
                                                   rf"\({why}\), so its saves would replace that run's checkpoints "
                                                   r"\(newest: iteration 100\); choose another --save"):
-            preflight.check_save_holds_no_other_run(sft, sft, False, kind, resumes, finetune)
-        preflight.check_save_holds_no_other_run(sft, sft, True, kind, resumes, finetune)  # --replace-checkpoints
+            preflight.check_save_holds_no_other_run(sft, sft, False, kind, finetune)
+        preflight.check_save_holds_no_other_run(sft, sft, True, kind, finetune)  # --replace-checkpoints
 
 
 def test_a_missing_kl_reference_is_refused_naming_its_flag_writing_nothing(grpo, model, tmp_path):

@@ -52,18 +52,17 @@ def check_room(path: str, nbytes: int, flag: str) -> None:
 
 
 def check_save_holds_no_other_run(save: str, load: str | None, replace: bool, run_kind: str | None = None,
-                                  resumes: bool = True, finetune: bool = False) -> None:
+                                  finetune: bool = False) -> None:
     """Refuse a --save that holds committed checkpoints when the run does not resume from it: the run would save its
     own iterations over them and prune the rest, unless `replace` says it may. It resumes from --load when --load is
-    --save, unless it starts afresh from there all the same: `finetune`, a run that never `resumes` (SFT), or
-    checkpoints that say they are another kind of run's than `run_kind` (None: not known)."""
+    --save, unless it starts afresh from there all the same: `finetune`, or checkpoints that say they are another
+    kind of run's than `run_kind` (None: not known)."""
     committed = committed_iterations(save)
     if not committed or replace:
         return
     if load and os.path.realpath(load) == os.path.realpath(save):
         saved_kind = read_checkpoint_metadata(save, committed[0]).get(RUN_KIND)
-        fresh = ("--finetune" if finetune else f"{run_kind} runs do not resume" if not resumes else
-                 f"they are a {saved_kind} run's, this is a {run_kind} run"
+        fresh = ("--finetune" if finetune else f"they are a {saved_kind} run's, this is a {run_kind} run"
                  if run_kind and saved_kind and saved_kind != run_kind else None)
         if fresh is None:
             return

@@ -94,3 +94,38 @@ def test_sft_by_token_budget_does_not_depend_on_the_grouping(model_root, tmp_pat
     small, large = ranks[0]
     assert len(small) == 3 and small[-1] < small[0]
     assert large == pytest.approx(small, rel=1e-5)
+
+
+def _sft_runs_worker(runs):
+    """run_sft for each argv in one process world; each run's (first step, losses)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ais.arguments import SFT_FLAGS, SFTRunConfig, build_parser
+    from megatron_ais.sft import run_sft
+
+    out = []
+    for argv in runs:
+        summary = run_sft(SFTRunConfig.from_args(build_parser("test", SFT_FLAGS).parse_args(argv), 2))
+        out.append((summary["first_step"], summary["losses"]))
+        ps.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.slow
+def test_sft_saves_at_its_interval_and_a_resumed_run_continues_bit_for_bit(model_root, tmp_path):
+    # SFT saved once, after its last step, whatever --save-interval said, and a --load of its checkpoint started over
+    from megatron_ais.checkpointing.store import committed_iterations
+
+    hf_dir = make_model_dir(model_root, "llama")
+    common = ["--train-iters", "3", "--fp32", "--seq-length", "48", "--micro-batch-size", "4", "--lr", "3e-3",
+              "--num-examples", "64", "--save-interval", "1"]
+    whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
+    runs = [["--hf-dir", hf_dir, "--save", whole, "--output-dir", whole, *common],
+            ["--hf-dir", hf_dir, "--save", cut, "--output-dir", cut, *common[:1], "2", *common[2:]],
+            ["--load", cut, "--save", cut, "--output-dir", cut, *common]]
+    (first, uninterrupted), (_, before), (resumed_at, after) = spawn(2, _sft_runs_worker, runs)[0]
+    assert committed_iterations(whole) == [3, 2] and committed_iterations(cut) == [3, 2]
+    assert first == 1 and resumed_at == 3
+    assert before == uninterrupted[:2] and after == uninterrupted[2:]
+    with open(os.path.join(cut, "metrics.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2, 3]
