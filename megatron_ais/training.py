@@ -194,9 +194,11 @@ def tokenizer_dir(trainer) -> str:
 
 
 def check_output_directories(trainer) -> None:
-    """--save, --output-dir and --tensorboard-dir can be written (or created), checked before anything is."""
+    """--save, --output-dir, --tensorboard-dir and --wandb-save-dir can be written (or created), checked before
+    anything is (wandb itself would fall back to the system's temporary directory)."""
     for option, path in (("--save", trainer.checkpoint.save), ("--output-dir", trainer.logging.output_dir),
-                         ("--tensorboard-dir", trainer.logging.tensorboard_dir)):
+                         ("--tensorboard-dir", trainer.logging.tensorboard_dir),
+                         ("--wandb-save-dir", trainer.logging.wandb_save_dir)):
         if path:
             check_writable(path, option)
 

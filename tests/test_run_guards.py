@@ -135,6 +135,8 @@ def test_unwritable_output_directories_are_refused_up_front(grpo, model, tmp_pat
     _refused(grpo("--hf-dir", model, "--output-dir", f"{unwritable}/out"), f"--output-dir {unwritable}/out cannot")
     _refused(grpo("--hf-dir", model, "--output-dir", tmp_path / "out", "--tensorboard-dir", f"{unwritable}/tb"),
              f"--tensorboard-dir {unwritable}/tb cannot be written")
+    _refused(grpo("--hf-dir", model, "--output-dir", tmp_path / "out", "--wandb-save-dir", f"{unwritable}/wandb"),
+             f"--wandb-save-dir {unwritable}/wandb cannot be written")
     assert not (tmp_path / "out").exists()
 
 
