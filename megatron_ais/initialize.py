@@ -17,7 +17,7 @@ from megatron_ais.parallel import ParallelLayout
 def initialize_model_parallel(layout: ParallelLayout) -> None:
     """Create megatron's TP / PP / VPP / CP / EP / DP groups for the current world."""
     ps.initialize_model_parallel(
-        **layout.megatron_sizes(),
+        **layout.megatron_sizes(), distributed_timeout_minutes=layout.distributed_timeout_minutes,
         # megatron's optimizer setup asks for the gloo copies of the DP groups (Megatron-LM's default as well)
         create_gloo_process_groups=True,
     )
@@ -35,7 +35,7 @@ def set_random_seed(seed: int) -> None:
 def initialize_megatron(layout: ParallelLayout, seed: int) -> None:
     """Apply the CPU compatibility layer, start torch.distributed, build parallel state for `layout` and seed."""
     platform.apply_cpu_compat()
-    initialize_distributed()
+    initialize_distributed(layout.distributed_timeout_minutes)
     layout.data_parallel(dist.get_world_size())  # refuses a world the layout does not fit
     initialize_model_parallel(layout)
     set_random_seed(seed)

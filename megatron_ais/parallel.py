@@ -29,6 +29,9 @@ class ParallelLayout(FlagConfig):
     expert_tensor: int | None = flag(None, "TP size inside each expert (default: --tensor-model-parallel-size).",
                                      name="--expert-tensor-parallel-size", type=int, at_least=1)
     sequence_parallel: bool = flag(False, "Megatron sequence parallelism for norms and dropout (needs TP > 1).")
+    distributed_timeout_minutes: int = flag(
+        30, "How long a rank waits in one collective before the run stops (Megatron-LM's flag): longer than any phase "
+            "a rank waits through for others, e.g. a separate engine's --rollout-generation-timeout-s.", at_least=1)
 
     def __post_init__(self):
         super().__post_init__()

@@ -67,6 +67,8 @@ def test_configs_take_the_flags_and_keep_one_default():
     (["--rollout-weight-feed", "broadcast", "--rollout-placement", "colocated"], 1,
      "--rollout-weight-feed broadcast feeds a separate engine's workers"),
     (["--verify-refit-engines", "-1"], 1, "--verify-refit-engines -1 must be at least 0 (0 checks every engine)"),
+    (["--rollout-placement", "separate", "--rollout-generation-timeout-s", "1800"], 1,
+     "--rollout-generation-timeout-s 1800 is not below --distributed-timeout-minutes 30 (1800 s)"),
     (["--temperature", "0"], 1, "--temperature 0.0 must be at least 0.01"),
     (["--temperature", "0.005"], 1, "--temperature 0.005 must be at least 0.01 (vLLM raises a lower temperature"),
     (["--top-p", "0.9"], 1, "--top-p 0.9 with --is-correction ais: the engine's log-probs are renormalised"),
