@@ -37,7 +37,9 @@ class AdvantageConfig(FlagConfig):
                                "and TRL use the sample std, which scales advantages by sqrt((G-1)/G)).",
                         name="--advantage-no-std")
     leave_one_out: bool = flag(False, "Baseline each response with the mean reward of the other responses of its "
-                                      "group (RLOO).", name="--advantage-leave-one-out")
+                                      "group (RLOO). Still divided by the group's std unless --advantage-no-std: "
+                                      "RLOO as published (and verl's rloo) is that baseline alone, i.e. both flags.",
+                               name="--advantage-leave-one-out")
 
     @property
     def estimator(self) -> str:
