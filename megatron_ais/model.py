@@ -236,7 +236,8 @@ def check_model_layout(hf_config: dict[str, Any], layout: ParallelLayout, seq_le
         raise ArgumentValidationError(
             f"the fused QKV projection has {qkv_rows} rows (head_dim {head_dim} x (heads {heads} + 2 x KV heads "
             f"{kv_heads})), not divisible by --tensor-model-parallel-size {tp}; choose a smaller TP size")
-    if hf_config["intermediate_size"] % tp:
+    # a Qwen3-MoE config's intermediate_size is its (unused) dense MLP's: every layer is sparse
+    if hf_config.get("model_type") not in MOE_MODEL_TYPES and hf_config["intermediate_size"] % tp:
         raise ArgumentValidationError(f"--intermediate-size {hf_config['intermediate_size']} ({source}) is not "
                                       f"divisible by --tensor-model-parallel-size {tp}")
     check_moe_layout(hf_config, layout, source)

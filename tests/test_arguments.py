@@ -69,6 +69,8 @@ def test_moe_errors_name_the_flag(argv, config, expected):
 def test_valid_layouts_pass_including_fewer_kv_heads_than_tp():
     _check_model(["--tensor-model-parallel-size", "2"], {**CONFIG, "num_key_value_heads": 1})
     _check_model(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], CONFIG)
+    # every Qwen3-MoE layer is sparse: its dense intermediate_size is never split over TP
+    _check_model(["--tensor-model-parallel-size", "2", "--sequence-parallel"], {**MOE, "intermediate_size": 191})
 
 
 @pytest.mark.parametrize("argv,world,expected", [
