@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import math
 import os
 import random
 import re
@@ -218,11 +219,15 @@ def parse_prompt_line(line: str) -> Example:
         raise ValueError('missing "prompt" (or "question") string')
     if answer is None or isinstance(answer, (dict, list, bool)):
         raise ValueError('missing "answer" (a string or a number)')
-    answer, solution = str(answer), record.get("solution")
+    if isinstance(answer, float) and not math.isfinite(answer):  # json reads NaN and Infinity
+        raise ValueError(f'"answer" {answer} is not a finite number')
+    answer, solution = str(answer).strip(), record.get("solution")
     if "####" in answer:  # GSM8K: reasoning, then the final answer after ####
         answer = answer.rsplit("####", 1)[1].strip().replace(",", "")
     if not answer:
         raise ValueError('"answer" is empty')
+    if solution is not None and (not isinstance(solution, str) or not solution.strip()):
+        raise ValueError('"solution" must be a non-empty string (the SFT target inside <answer>)')
     return Example(prompt, answer, solution)
 
 

@@ -2,6 +2,7 @@
 the prompt JSONL format with line-numbered errors, and math-verify scoring of GSM8K-style answers."""
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -135,6 +136,13 @@ def test_malformed_lines_are_reported_with_numbers_or_skipped(tmp_path):
     message = str(err.value)
     assert f"{path}:2:" in message and f"{path}:3:" in message and f"{path}:5:" in message
     assert f"{path}:1:" not in message and "--skip-bad-samples" in message and 'missing "answer"' in message
+    # a blank or non-finite answer scored every response 0; a solution that is no string became the SFT target
+    for record, why in (({"prompt": "p", "answer": "   "}, '"answer" is empty'),
+                        ({"prompt": "p", "answer": float("nan")}, '"answer" nan is not a finite number'),
+                        ({"prompt": "p", "answer": 1, "solution": {"a": 1}}, '"solution" must be a non-empty string'),
+                        ({"prompt": "p", "answer": 1, "solution": ""}, '"solution" must be a non-empty string')):
+        with pytest.raises(PromptFileError, match=re.escape(why)):
+            read_prompt_file(_write(tmp_path / "one.jsonl", [json.dumps(record)]), skip_bad_samples=False)
     examples, skipped = read_prompt_file(path, skip_bad_samples=True)
     assert len(examples) == 2 and skipped == 3
 
