@@ -41,10 +41,10 @@ def test_lambda_bit_identical_and_equal_to_single_process(world):
         whole = [torch.cat([p[i] for p in parts]) for i in range(4)]
         cfg = AISConfig(level=level, lambda_rule=lambda_rule)
         single = ais_coefficient(mismatch_statistics(*whole, cfg), cfg)
-        distributed = results[0][1]
-        assert distributed.lam == pytest.approx(single.lam, rel=1e-13, abs=1e-15)
-        assert distributed.num_units == single.num_units
-        assert (distributed.bias, distributed.bias_z) == pytest.approx((single.bias, single.bias_z), rel=1e-12)
+        for _, distributed in results:  # every rank's
+            assert distributed.lam == pytest.approx(single.lam, rel=1e-13, abs=1e-15)
+            assert distributed.num_units == single.num_units
+            assert (distributed.bias, distributed.bias_z) == pytest.approx((single.bias, single.bias_z), rel=1e-12)
         if lambda_rule == "diagnostics":
             assert 0 < single.lam < 1
         else:  # noise only: z is small, λ clipped to 0 (or the mean is negative)

@@ -164,7 +164,8 @@ def test_tp2_and_pp2_score_like_transformers_on_the_engines_weights(model_root):
     engine = reference_dequantized(dict(quantize_for_engine(weights, policy)), "mxfp4")
     assert all(torch.equal(engine[n].float(), t) for n, t in engine_weights(weights, policy) if policy.quantizes(n))
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    model.load_state_dict({n: t.float() for n, t in engine.items()}, strict=False)
+    missing, unexpected = model.load_state_dict({n: t.float() for n, t in engine.items()}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # the engine's weights, all
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([PROBE])).logits[0].double(), -1)
     reference = logp[:-1].gather(-1, torch.tensor(PROBE[1:])[:, None])[:, 0].float()

@@ -69,9 +69,9 @@ def test_token_batches_update_like_padded_ones_at_dp2_tp2_pp2(model_root):
     layouts = [("dp2", []), ("tp2", ["--tensor-model-parallel-size", "2"]),
                ("pp2", ["--pipeline-model-parallel-size", "2"])]
     results = {}
-    for rank_result in spawn(2, _worker, hf_dir, layouts):
-        results.update(rank_result)
-    assert sorted(results) == ["dp2", "pp2", "tp2"]
+    for rank, rank_result in enumerate(spawn(2, _worker, hf_dir, layouts)):  # every rank's comparisons
+        results.update({(name, rank): result for name, result in rank_result.items()})
+    assert sorted(results) == [("dp2", 0), ("dp2", 1), ("pp2", 1), ("tp2", 0), ("tp2", 1)]
     # measured: log-probs within 3e-6, λ equal, losses within 5e-7 relative, parameters within 1.2e-7
     for name, (logprob_diff, metrics, param_diff) in results.items():
         assert logprob_diff < 1e-5, (name, logprob_diff)

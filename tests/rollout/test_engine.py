@@ -97,7 +97,8 @@ def test_fp32_engine_matches_transformers_and_trainer_across_updates(model_root,
     for prompt, got in zip(PROMPTS, greedy):
         ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12,
                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert got == ref[:len(got)] and len(got) > 0
+        # all 12 tokens, unless the engine stopped at the end token
+        assert got == ref[:len(got)] and (len(got) == 12 or got[-1] == model.config.eos_token_id), (got, ref)
     assert [d[:2] for d in diffs] == [(u, t) for u in (1, 2, 3) for t in (1.0, 0.7)]
     for update, temperature, diff, tokens, version in diffs:
         assert tokens > 20 and version == update
