@@ -10,7 +10,8 @@
 #   plan only:    PRINT_PLACEMENT=1 NNODES=4 bash examples/qwen3_30b_a3b_grpo_ais.sh   (GPUs, memory and sync bytes
 #                 per node and link, from examples/models/qwen3-30b-a3b unless HF_MODEL exists; starts nothing)
 #
-# Inputs (environment): HF_MODEL (Qwen3-30B-A3B HF directory), PROMPT_FILE (GSM8K-style JSONL, docs/data.md),
+# Inputs (environment): PYTHON (the interpreter; default python, e.g. .venv/bin/python for a plan on the CPU
+# machine), HF_MODEL (Qwen3-30B-A3B HF directory), PROMPT_FILE (GSM8K-style JSONL, docs/data.md),
 # CHECKPOINT_PATH (resumes automatically when it holds a checkpoint; one shard directory per TP x EP rank),
 # OUTPUT_DIR.
 set -euo pipefail
@@ -167,12 +168,12 @@ cd "$(dirname "$0")/.."
 if [[ "${PRINT_PLACEMENT:-0}" == 1 ]]; then
     [[ -d "$HF_MODEL" ]] || HF_MODEL=examples/models/qwen3-30b-a3b
     ALL_ARGS+=(--hf-dir "$HF_MODEL" --print-placement --cluster-nodes "$NNODES" --cluster-gpus-per-node "$GPUS_PER_NODE")
-    exec python pretrain_grpo_ais.py "${ALL_ARGS[@]}"
+    exec "${PYTHON:-python}" pretrain_grpo_ais.py "${ALL_ARGS[@]}"
 fi
 
 echo "Qwen3-30B-A3B GRPO+AIS: ${NNODES} node(s) x ${GPUS_PER_NODE} GPUs, TP${TP} PP${PP} EP${EP} ETP${ETP}" \
      "DP$((WORLD_SIZE / (TP * PP))) on ${TRAINER_GPUS_PER_NODE} GPUs per node, ${ENGINES_PER_NODE} engine(s) of" \
      "TP${ROLLOUT_TP} per node, node rank ${NODE_RANK}, master ${MASTER_ADDR}:${MASTER_PORT}"
 # torchrun through tools/torchrun.py: a rank's error is one line on the console, every rank's output in the log
-exec python tools/torchrun.py --log "$OUTPUT_DIR/logs/node${NODE_RANK}.log" "${DISTRIBUTED_ARGS[@]}" \
+exec "${PYTHON:-python}" tools/torchrun.py --log "$OUTPUT_DIR/logs/node${NODE_RANK}.log" "${DISTRIBUTED_ARGS[@]}" \
     pretrain_grpo_ais.py "${ALL_ARGS[@]}"

@@ -9,7 +9,8 @@
 #   plan only:    PRINT_PLACEMENT=1 NNODES=4 bash examples/qwen3_8b_grpo_ais.sh   (GPUs, memory and sync bytes per
 #                 node and link for these flags, from examples/models/qwen3-8b unless HF_MODEL exists; starts nothing)
 #
-# Inputs (environment): HF_MODEL (Qwen3-8B HF directory), PROMPT_FILE (GSM8K-style JSONL, docs/data.md),
+# Inputs (environment): PYTHON (the interpreter; default python, e.g. .venv/bin/python for a plan on the CPU
+# machine), HF_MODEL (Qwen3-8B HF directory), PROMPT_FILE (GSM8K-style JSONL, docs/data.md),
 # CHECKPOINT_PATH (resumes automatically when it holds a checkpoint), OUTPUT_DIR.
 set -euo pipefail
 
@@ -179,12 +180,12 @@ cd "$(dirname "$0")/.."
 if [[ "${PRINT_PLACEMENT:-0}" == 1 ]]; then
     [[ -d "$HF_MODEL" ]] || HF_MODEL=examples/models/qwen3-8b
     ALL_ARGS+=(--hf-dir "$HF_MODEL" --print-placement --cluster-nodes "$NNODES" --cluster-gpus-per-node "$GPUS_PER_NODE")
-    exec python pretrain_grpo_ais.py "${ALL_ARGS[@]}"
+    exec "${PYTHON:-python}" pretrain_grpo_ais.py "${ALL_ARGS[@]}"
 fi
 
 echo "Qwen3-8B GRPO+AIS: ${NNODES} node(s) x ${GPUS_PER_NODE} GPUs, trainer TP${TP} PP${PP}" \
      "DP$((WORLD_SIZE / (TP * PP))) on ${TRAINER_GPUS_PER_NODE} GPUs per node, ${ENGINES_PER_NODE} engine(s) of TP${ROLLOUT_TP}" \
      "per node, node rank ${NODE_RANK}, master ${MASTER_ADDR}:${MASTER_PORT}"
 # torchrun through tools/torchrun.py: a rank's error is one line on the console, every rank's output in the log
-exec python tools/torchrun.py --log "$OUTPUT_DIR/logs/node${NODE_RANK}.log" "${DISTRIBUTED_ARGS[@]}" \
+exec "${PYTHON:-python}" tools/torchrun.py --log "$OUTPUT_DIR/logs/node${NODE_RANK}.log" "${DISTRIBUTED_ARGS[@]}" \
     pretrain_grpo_ais.py "${ALL_ARGS[@]}"
