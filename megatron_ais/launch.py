@@ -3,6 +3,7 @@ that imported torch and megatron-core once (5-6 s of imports a rank otherwise, o
 else its caller asked to preload (`preload_in_ranks`)."""
 from __future__ import annotations
 
+import math
 import os
 import queue as queue_module
 import signal
@@ -88,11 +89,11 @@ def _exit_reason(code: int) -> str:
         return f"signal {-code}"
 
 
-def spawn(world_size: int, target, *args, timeout: float = 600.0) -> list:
+def spawn(world_size: int, target, *args, timeout: float | None = 600.0) -> list:
     """Run `target(*args)` on `world_size` local ranks (env set as torchrun does); return results in rank order.
 
     Raises with the failing rank's traceback if any rank fails, naming the signal if one died without a word (a
-    segfault in a kernel, the OOM killer), and after `timeout` seconds without every result.
+    segfault in a kernel, the OOM killer), and after `timeout` seconds without every result (None: no limit).
     """
     ctx = _rank_context()
     queue, received = ctx.Queue(), ctx.Event()
@@ -103,7 +104,7 @@ def spawn(world_size: int, target, *args, timeout: float = 600.0) -> list:
         p.start()
     results: dict[int, object] = {}
     errors = []
-    deadline, timed_out = time.monotonic() + timeout, False
+    deadline, timed_out = time.monotonic() + (math.inf if timeout is None else timeout), False
     try:
         while len(results) < world_size and not errors:
             try:

@@ -27,7 +27,6 @@ import sys
 import time
 
 import torch
-from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 
 from megatron_ais.arguments import TrainerConfig, build_parser as trainer_parser
@@ -235,14 +234,23 @@ def _whole_model_hf_tensors(chunks: list, build: ModelBuildConfig):
                                           shape.tie_word_embeddings)
 
 
+def hide_gpus() -> None:
+    """The converter's ranks are gloo CPU processes, as many as the saved layout has, whatever GPUs the host has
+    (before CUDA starts in this process: megatron would put rank r on GPU r, and load a whole model onto GPU 0)."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def _export_torch_dist(directory: str, build: ModelBuildConfig, staging: str, hf_config: dict,
                        policy: QuantizationPolicy | None, max_shard_bytes: int) -> None:
     """The one rank of a one-process world: load a torch_dist checkpoint into a model held whole (megatron-core
     reshards it from the saved layout; built in the saved tensors' dtype, so they stay bit for bit) and write it as
     a HF model into `staging`."""
+    hide_gpus()
     initialize_megatron(build.layout, seed=0)
-    tensors = dist_checkpointing.load_tensors_metadata(os.path.join(directory, torch_dist.MODEL_DIR))
-    build = dataclasses.replace(build, precision=precision_of(tensors["embedding.word_embeddings.weight"].dtype))
+    model_dir = os.path.join(directory, torch_dist.MODEL_DIR)
+    torch_dist.check_is_data(model_dir)  # before anything unpickles it
+    saved = torch_dist.read_dcp_metadata(model_dir).state_dict_metadata["embedding.word_embeddings.weight"]
+    build = dataclasses.replace(build, precision=precision_of(saved.properties.dtype))
     chunks = build_model_chunks(build)
     torch_dist.load_model_state(chunks, directory)
     _write_hf_model(staging, _whole_model_hf_tensors(chunks, build), hf_config, policy, max_shard_bytes,
@@ -262,8 +270,11 @@ def megatron_to_hf(load: str, save: str, allow_unverified: bool = False, precisi
         raise ArgumentValidationError(f"--precision {precision!r} must be one of {', '.join(EXPORT_PRECISIONS)}")
     if max_shard_bytes <= 0:
         raise ArgumentValidationError("--max-shard-size-mb must be positive")
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise ArgumentValidationError(f"--save {save} is a file: name a new directory")
     if os.path.isdir(save) and os.listdir(save):
         raise ArgumentValidationError(f"--save {save} is not empty: name a new directory (an export never overwrites)")
+    check_writable(os.path.dirname(os.path.abspath(save)), "--save's parent directory")
     iteration = newest_verified_iteration(load, allow_unverified)
     directory = iteration_dir(load, iteration)
     meta = read_checkpoint_metadata(load, iteration, allow_unverified)
@@ -283,7 +294,8 @@ def megatron_to_hf(load: str, save: str, allow_unverified: bool = False, precisi
     try:
         if directory_format(directory) is torch_dist:
             whole = _build_config(hf_config, ParallelLayout(), meta["make_vocab_size_divisible_by"])
-            spawn(1, _export_torch_dist, directory, whole, staging, hf_config, policy, max_shard_bytes)
+            # no time limit: a large model is read whole
+            spawn(1, _export_torch_dist, directory, whole, staging, hf_config, policy, max_shard_bytes, timeout=None)
         else:
             tensors = (t for pp_rank in range(pp) for t in _stage_hf_tensors(load, iteration, build, pp_rank))
             _write_hf_model(staging, tensors, hf_config, policy, max_shard_bytes, os.path.join(directory, HF_ASSETS),
@@ -365,6 +377,7 @@ def _rewrite_rank(trainer: TrainerConfig, iteration: int, save: str) -> None:
     """One rank of the saved layout: resume from --load as a run does (model; optimizer, with the distributed
     optimizer's shards; this DP rank's RNG state), then save the same iteration, metadata and run state as
     torch_dist through the store."""
+    hide_gpus()
     _, build = initialize_trainer(trainer)
     distributed = trainer.training.use_distributed_optimizer
     source = dataclasses.replace(trainer.weights, iteration=iteration)  # the iteration checked, not a fallback
@@ -394,7 +407,7 @@ def torch_to_torch_dist(load: str, save: str) -> str:
     if message:
         warn(message)
     try:
-        spawn(world, _rewrite_rank, trainer, iteration, save)
+        spawn(world, _rewrite_rank, trainer, iteration, save, timeout=None)  # a large run's optimizer takes long
     except BaseException:
         shutil.rmtree(staging_dir(save, iteration), ignore_errors=True)
         raise

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
+import convert_checkpoint
 from conftest import make_model_dir
 from distributed import spawn
 from megatron_ais.checkpointing import optimizer_state, store
@@ -85,10 +86,13 @@ def _save_torch_dist(hf_dir, root):
     from distributed import start_trainer
     from megatron_ais.training import setup_model_and_optimizer
 
-    trainer, _, build = start_trainer("--hf-dir", hf_dir, "--seq-length", "16", "--fp32")
+    from megatron_ais.checkpointing.config import checkpoint_metadata
+
+    trainer, hf_config, build = start_trainer("--hf-dir", hf_dir, "--seq-length", "16", "--fp32")
     setup = setup_model_and_optimizer(build, trainer.weights, trainer.training, run_kind="test")
-    for iteration in (1, 2):
-        store.save_checkpoint(root, iteration, setup.chunks, META, None, CheckpointRanks(), optimizer=setup.optimizer,
+    for iteration in (1, 2):  # a run's metadata: the HF export reads its layout and vocabulary padding
+        store.save_checkpoint(root, iteration, setup.chunks, checkpoint_metadata(build, hf_config, iteration), hf_dir,
+                              CheckpointRanks(), optimizer=setup.optimizer,
                               run_state={"kind": "test", "step": iteration}, fmt=torch_dist)
 
 
@@ -152,7 +156,10 @@ def test_a_torch_dist_pickle_that_would_run_code_is_refused_unrun(torch_dist_che
     assert refused in capfd.readouterr().err
     with pytest.raises(CheckpointError, match=f"is refused: its pickle calls {named} "):
         torch_dist.check_is_data(model_dir)  # the library entry point the loads go through
-    assert not os.path.exists(marker)
+    # the HF export of that iteration too (it read `.metadata` with megatron-core, i.e. pickle.load, first)
+    with pytest.raises(RuntimeError, match=f"is refused: its pickle calls {named} "):
+        convert_checkpoint.megatron_to_hf(root, str(tmp_path / "hf"))
+    assert not os.path.exists(marker) and not os.path.exists(tmp_path / "hf")
     _read_as_torch_does(model_dir, name)  # the control: the crafted file as megatron-core and torch would read it
     assert os.path.exists(marker)
 
