@@ -157,8 +157,8 @@ class GRPORunConfig:
             loop = GRPOLoopConfig.from_args(args)
             return cls(trainer, loop, PolicyLossConfig.from_args(args, max_response_tokens=loop.max_new_tokens),
                        AdvantageConfig.from_args(args), AISConfig.from_args(args),
-                       dataclasses.replace(engine, staging_arena_gpu_copies=loop.staging_slots
-                                           if bridge.arena_on_gpu else 0),
+                       dataclasses.replace(engine, quantization_exclude=bridge.policy.exclude,
+                                           staging_arena_gpu_copies=loop.staging_slots if bridge.arena_on_gpu else 0),
                        KVCacheCalibrationConfig.from_args(args), bridge, ClusterConfig.from_args(args),
                        RewardConfig.from_args(args), FleetConfig.from_args(args), OverlongConfig.from_args(args),
                        DynamicSamplingConfig.from_args(args), AlignedForwardConfig.from_args(args))

@@ -235,6 +235,9 @@ def engine_quantization_config(policy: QuantizationPolicy, hf_names: Iterable[st
     if policy.precision == "mxfp4":
         weights = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": MXFP4_BLOCK, "symmetric": True,
                    "dynamic": False}
+        # compressed-tensors matches a fused MoE layer's ignore entry against its experts' own names
+        # (`...experts.0.gate_proj`), exactly or as a `re:` pattern
+        kept = [f"re:^{re.escape(m)}\\." if m.endswith(".mlp.experts") else m for m in kept]
         return {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized", "ignore": ["lm_head", *kept],
                 "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": weights}}}
     config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",

@@ -74,6 +74,8 @@ class EngineConfig(FlagConfig):
                                    "lines.", name="--rollout-log-level", choices=LOG_LEVELS)
     seed: int = 0
     block_size: int = 128
+    quantization_exclude: tuple[str, ...] = ()  # the bridge policy's --bridge-fp8-exclude: what the engine's model
+    # directory keeps in BF16 (its weights and quantization_config), as every sync then sends it
     cpu_core: str | None = flag(None, "CPU, one engine on a node: the cores its processes are bound to (vLLM's "
                                       "VLLM_CPU_OMP_THREADS_BIND syntax: 1, 2-3, 0,2), away from the trainer's; "
                                       "a node running several binds each to one core of its own. Default: vLLM's "

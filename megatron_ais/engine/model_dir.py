@@ -20,7 +20,8 @@ def prepare_engine_dir(config: EngineConfig, out_dir: str) -> str:
         raise FileNotFoundError(f"rollout model directory {config.model_dir} has no config.json")
     os.makedirs(out_dir, exist_ok=True)
     reader = HFCheckpointReader(config.model_dir)
-    policy = QuantizationPolicy(precision=config.precision, block_size=config.block_size)
+    policy = QuantizationPolicy(precision=config.precision, block_size=config.block_size,
+                                exclude=config.quantization_exclude)
     tensors = dict(quantize_for_engine(((n, reader.get(n)) for n in reader.names()), policy))
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out_dir, "model.safetensors"),
               metadata={"format": "pt"})

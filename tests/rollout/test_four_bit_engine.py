@@ -109,6 +109,16 @@ def test_engine_configs_name_what_vllm_loads_them_by():
     assert mxfp4["format"] == "mxfp4-pack-quantized" and mxfp4["ignore"] == ["lm_head"]
     assert mxfp4["config_groups"]["group_0"]["weights"]["group_size"] == 32
     assert mxfp4["config_groups"]["group_0"]["input_activations"] is None
+    # a layer's experts kept in BF16: compressed-tensors looks them up by their own names (`...experts.0.gate_proj`)
+    from vllm.model_executor.layers.quantization.compressed_tensors.utils import should_ignore_layer
+
+    experts = [f"model.layers.{layer}.mlp.experts.0.{p}_proj.weight" for layer in (0, 1)
+               for p in ("gate", "up", "down")]
+    kept = engine_quantization_config(QuantizationPolicy(precision="mxfp4", exclude=("layers\\.1\\.mlp\\.experts",)),
+                                      experts)["ignore"]
+    assert should_ignore_layer("model.layers.1.mlp.experts.0.gate_proj", kept)
+    assert not should_ignore_layer("model.layers.0.mlp.experts.0.gate_proj", kept)
+    assert not should_ignore_layer("model.layers.10.mlp.experts.0.gate_proj", kept)
 
 
 def test_nvfp4_fused_projections_share_one_global_scale_and_other_layers_their_own():

@@ -1,4 +1,5 @@
 """Rollout and bridge flags build their configs; the engine's model directory follows the FP8 policy."""
+import dataclasses
 import json
 import os
 
@@ -87,6 +88,17 @@ def test_engine_dir_layout(model_root, tmp_path):
         assert f.get_tensor("model.layers.0.mlp.up_proj.weight_scale_inv").dtype == torch.float32
         assert f.get_tensor("model.norm.weight").dtype == torch.bfloat16
     assert os.path.isfile(os.path.join(out, "tokenizer.json"))
+    # --bridge-fp8-exclude reaches the engine's directory as it reaches every sync (its layers were FP8 there and
+    # then sent BF16 without scales)
+    kept = _config("--rollout-precision", "fp8", "--bridge-fp8-exclude", "layers\\.1\\.mlp").engine
+    out = prepare_engine_dir(dataclasses.replace(kept, model_dir=hf_dir), str(tmp_path / "kept"))
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["quantization_config"]["ignored_layers"] == ["model.layers.1.mlp.down_proj",
+                                                               "model.layers.1.mlp.gate_proj",
+                                                               "model.layers.1.mlp.up_proj"]
+    with safe_open(os.path.join(out, "model.safetensors"), framework="pt") as f:
+        assert f.get_tensor("model.layers.1.mlp.up_proj.weight").dtype == torch.bfloat16
+        assert "model.layers.1.mlp.up_proj.weight_scale_inv" not in f.keys()
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         prepare_engine_dir(EngineConfig(model_dir=str(tmp_path), precision="fp8"), str(tmp_path / "x"))
 
