@@ -45,6 +45,11 @@ def check_export_directory(export_hf_dir: str | None, hf_dir: str | None) -> Non
         raise ArgumentValidationError(f"--export-hf-dir {export_hf_dir} is the --hf-dir the run starts from: the "
                                       "export would overwrite it; choose another --export-hf-dir")
     check_writable(export_hf_dir, "--export-hf-dir")
+    weights = [n for n in (os.listdir(export_hf_dir) if os.path.isdir(export_hf_dir) else ())
+               if n.endswith(".safetensors") or n.endswith(".safetensors.index.json")]
+    if weights:  # a loader would read an old model.safetensors before the new index
+        raise ArgumentValidationError(f"--export-hf-dir {export_hf_dir} already holds weights ({sorted(weights)[0]}): "
+                                      "choose a new directory (an export never overwrites)")
 
 
 def encode_sft_example(tokenizer, example: Example, seq_length: int) -> dict[str, torch.Tensor]:

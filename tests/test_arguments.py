@@ -172,8 +172,12 @@ def test_sft_refuses_examples_longer_than_the_sequence_and_an_export_over_its_in
     hf_dir = make_model_dir(model_root, "qwen3")
     save, out = tmp_path / "ckpt", tmp_path / "out"
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}  # what torchrun gives a 1-rank run
+    used = tmp_path / "used"  # an earlier export's weights: a loader would read them before the new index
+    used.mkdir()
+    (used / "model.safetensors").write_bytes(b"")
     for extra, expected in ((["--seq-length", "8"], "--seq-length 8: an example of the task is "),
-                            (["--export-hf-dir", hf_dir], f"--export-hf-dir {hf_dir} is the --hf-dir the run starts")):
+                            (["--export-hf-dir", hf_dir], f"--export-hf-dir {hf_dir} is the --hf-dir the run starts"),
+                            (["--export-hf-dir", str(used)], f"--export-hf-dir {used} already holds weights")):
         proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train_sft.py"), "--hf-dir", hf_dir,
                                "--save", str(save), "--output-dir", str(out), *extra],
                               capture_output=True, text=True, env=env)
