@@ -288,7 +288,7 @@ def megatron_to_hf(load: str, save: str, allow_unverified: bool = False, precisi
                           meta["make_vocab_size_divisible_by"])
     policy = QuantizationPolicy(precision=precision) if precision != "bf16" else None
     if policy is not None:
-        check_engine_shapes(build.shape, policy, 1)
+        check_engine_shapes(build.shape, policy, 1, export=True)
     # written beside `save` and renamed at the end: a failed export (a non-finite tensor, a full disk) leaves nothing
     staging = f"{os.path.normpath(save)}.partial-{os.getpid()}"
     try:

@@ -93,11 +93,12 @@ def _four_bit_requirements(shape, engine_tp: int) -> list[tuple[str, str, int, s
                         ("mlp.down_proj", r"mlp\.down_proj", ffn, "input columns")]
 
 
-def check_engine_shapes(shape, policy: QuantizationPolicy, engine_tp: int) -> None:
+def check_engine_shapes(shape, policy: QuantizationPolicy, engine_tp: int, export: bool = False) -> None:
     """Refuse up front, naming the tensor, its size and the flags to change, a quantized tensor that vLLM could not
     load as whole blocks at this engine TP size (`shape`: the model's ModelShape): 128x128 for FP8, 1x16 (NVFP4) or
     1x32 (MXFP4) groups of input columns for 4-bit. Refusing beats keeping it in BF16 behind the user's back: an FP8
-    run would then not be the FP8 run asked for."""
+    run would then not be the FP8 run asked for. `export`: the HF export's check (its flag is --precision, whole
+    tensors)."""
     if policy.precision not in QUANTIZED_PRECISIONS:
         return
     block = FOUR_BIT_BLOCKS.get(policy.precision, policy.block_size)
@@ -106,6 +107,9 @@ def check_engine_shapes(shape, policy: QuantizationPolicy, engine_tp: int) -> No
     for layer in range(shape.num_layers):
         for module, group, size, what in needs(shape, engine_tp):
             name = f"model.layers.{layer}.{module}.weight"
+            if policy.quantizes(name) and size % block and export:
+                raise ValueError(f"--precision {policy.precision}: {name} has {size} {what}, not whole {blocks} as "
+                                 f"vLLM's {policy.precision.upper()} layers need; export it with --precision bf16")
             if policy.quantizes(name) and size % block:
                 raise ValueError(
                     f"--rollout-precision {policy.precision}: {name} has {size} {what} per engine rank "

@@ -159,6 +159,10 @@ def test_4bit_refusals_name_the_flag():
     check_engine_shapes(moe, QuantizationPolicy(precision="nvfp4"), 1)  # 48 = 3 x 16
     with pytest.raises(ValueError, match="mlp.experts.0.down_proj.weight has 48 input columns .* not whole 1x32"):
         check_engine_shapes(moe, QuantizationPolicy(precision="mxfp4"), 1)
+    # the HF export names its own flag, not the run's rollout flags it does not have
+    with pytest.raises(ValueError, match=r"^--precision mxfp4: .*down_proj.weight has 688 input columns, not whole "
+                                         r"1x32 groups .*; export it with --precision bf16$"):
+        check_engine_shapes(dense, QuantizationPolicy(precision="mxfp4"), 1, export=True)
 
 
 @pytest.mark.parametrize("precision", ["nvfp4", "mxfp4", "fp8"])
