@@ -107,15 +107,16 @@ def check_engine_shapes(shape, policy: QuantizationPolicy, engine_tp: int, expor
     for layer in range(shape.num_layers):
         for module, group, size, what in needs(shape, engine_tp):
             name = f"model.layers.{layer}.{module}.weight"
-            if policy.quantizes(name) and size % block and export:
+            if not policy.quantizes(name) or size % block == 0:
+                continue
+            if export:
                 raise ValueError(f"--precision {policy.precision}: {name} has {size} {what}, not whole {blocks} as "
                                  f"vLLM's {policy.precision.upper()} layers need; export it with --precision bf16")
-            if policy.quantizes(name) and size % block:
-                raise ValueError(
-                    f"--rollout-precision {policy.precision}: {name} has {size} {what} per engine rank "
-                    f"(--rollout-tensor-parallel-size {engine_tp}), not whole {blocks} as vLLM's "
-                    f"{policy.precision.upper()} layers need; keep it in BF16 with --bridge-fp8-exclude '{group}', "
-                    "use --rollout-precision bf16, or an engine TP size that splits it into whole blocks")
+            raise ValueError(
+                f"--rollout-precision {policy.precision}: {name} has {size} {what} per engine rank "
+                f"(--rollout-tensor-parallel-size {engine_tp}), not whole {blocks} as vLLM's "
+                f"{policy.precision.upper()} layers need; keep it in BF16 with --bridge-fp8-exclude '{group}', "
+                "use --rollout-precision bf16, or an engine TP size that splits it into whole blocks")
 
 
 def fused_group(name: str) -> tuple[str, ...]:
