@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_ais.distributed import free_port
+from megatron_ais.errors import SHARED_ERRORS
 from megatron_ais.lifetime import take_environment
 
 RESULT_WAIT_S = 120.0
@@ -43,8 +44,10 @@ def _worker(rank: int, world_size: int, port: int, environ: dict, target, target
     torch.set_num_threads(1)
     try:
         queue.put((rank, "ok", target(*target_args)))
-    except BaseException:  # report every failure to the parent with its traceback
-        queue.put((rank, "error", traceback.format_exc()))
+    except SHARED_ERRORS as err:  # a refusal the caller re-raises by type (rebuilt: only its message travels)
+        queue.put((rank, "error", (traceback.format_exc(), type(err)(str(err)))))
+    except BaseException:  # report every other failure to the parent with its traceback
+        queue.put((rank, "error", (traceback.format_exc(), None)))
     finally:
         _teardown_distributed()
         # tensors in a result travel as file descriptors this process must still hold when the parent unpickles
@@ -66,10 +69,23 @@ def _teardown_distributed() -> None:
 
 
 def _record(rank: int, status: str, value, results: dict, errors: list) -> None:
+    """Keep a rank's result, or its failure as (rank, traceback, the shared error it raised or None)."""
     if status == "ok":
         results[rank] = value
     else:
-        errors.append(f"rank {rank}:\n{value}")
+        errors.append((rank, *value))
+
+
+def _failure(errors: list) -> BaseException:
+    """Every failed rank's traceback as one RuntimeError, or, where a rank raised one of `SHARED_ERRORS`, the first
+    such error, by type, caused by that RuntimeError: a caller reports it as the refusal it is."""
+    report = RuntimeError("distributed worker failed:\n" + "\n".join(
+        f"rank {rank}: {text}" for rank, text, _ in errors))
+    shared = next((err for _, _, err in sorted(errors, key=lambda e: e[0]) if err is not None), None)
+    if shared is None:
+        return report
+    shared.__cause__ = report
+    return shared
 
 
 def _drain(queue, results: dict, errors: list) -> None:
@@ -93,7 +109,8 @@ def spawn(world_size: int, target, *args, timeout: float | None = 600.0) -> list
     """Run `target(*args)` on `world_size` local ranks (env set as torchrun does); return results in rank order.
 
     Raises with the failing rank's traceback if any rank fails, naming the signal if one died without a word (a
-    segfault in a kernel, the OOM killer), and after `timeout` seconds without every result (None: no limit).
+    segfault in a kernel, the OOM killer), and after `timeout` seconds without every result (None: no limit). A
+    rank's `SHARED_ERRORS` (a refused checkpoint, a usage error) is raised as itself, its traceback as the cause.
     """
     ctx = _rank_context()
     queue, received = ctx.Queue(), ctx.Event()
@@ -114,7 +131,7 @@ def spawn(world_size: int, target, *args, timeout: float | None = 600.0) -> list
                 if dead:
                     # a rank may have reported just before it died (e.g. in its teardown): take what arrived first
                     _drain(queue, results, errors)
-                    errors += [f"rank {r}: died ({_exit_reason(procs[r].exitcode)}) before reporting"
+                    errors += [(r, f"died ({_exit_reason(procs[r].exitcode)}) before reporting", None)
                                for r in dead if r not in results]
                 if not errors and time.monotonic() > deadline:
                     timed_out = True
@@ -129,5 +146,6 @@ def spawn(world_size: int, target, *args, timeout: float | None = 600.0) -> list
             if p.is_alive():
                 p.terminate()
     if errors:
-        raise RuntimeError("distributed worker failed:\n" + "\n".join(errors))
+        _drain(queue, results, errors)  # what the other ranks reported while they stopped
+        raise _failure(errors)
     return [results[r] for r in range(world_size)]

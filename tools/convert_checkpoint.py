@@ -41,7 +41,7 @@ from megatron_ais.checkpointing.store import (FORMATS, TRACKER, commit_checkpoin
                                               newest_verified_iteration, prepare_staging, read_checkpoint_metadata,
                                               save_checkpoint, staging_dir, usable_iterations, write_checksums,
                                               write_metadata)
-from megatron_ais.errors import ArgumentValidationError, CheckpointError
+from megatron_ais.errors import ArgumentValidationError, CheckpointError, one_line
 from megatron_ais.flags import FlagParser
 from megatron_ais.bridge.quantization import (QUANTIZED_PRECISIONS, QuantizationPolicy, check_engine_shapes,
                                               engine_quantization_config, quantize_for_engine)
@@ -459,7 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     start = time.time()
     try:
         if args.direction == "hf-to-megatron":
@@ -478,7 +479,7 @@ def main(argv=None) -> int:
         else:
             out = torch_to_torch_dist(args.load, args.save)
     except (ValueError, FileNotFoundError, KeyError, RuntimeError) as err:  # ArgumentValidationError is a ValueError
-        print(f"error: {err}", file=sys.stderr)
+        print(one_line(parser.prog, err), file=sys.stderr)
         return 2
     print(f"{args.direction}: wrote {out} in {time.time() - start:.1f}s")
     return 0

@@ -157,8 +157,14 @@ def test_a_torch_dist_pickle_that_would_run_code_is_refused_unrun(torch_dist_che
     with pytest.raises(CheckpointError, match=f"is refused: its pickle calls {named} "):
         torch_dist.check_is_data(model_dir)  # the library entry point the loads go through
     # the HF export of that iteration too (it read `.metadata` with megatron-core, i.e. pickle.load, first)
-    with pytest.raises(RuntimeError, match=f"is refused: its pickle calls {named} "):
+    with pytest.raises(CheckpointError, match=f"is refused: its pickle calls {named} "):
         convert_checkpoint.megatron_to_hf(root, str(tmp_path / "hf"))
+    # and the command says so in one line (it had a spawned rank's traceback before)
+    capfd.readouterr()
+    assert convert_checkpoint.main(["megatron-to-hf", "--load", root, "--save", str(tmp_path / "hf")]) == 2
+    err = capfd.readouterr().err.strip()
+    assert "\n" not in err and f"is refused: its pickle calls {named}" in err, err
+    assert err.startswith(f"{convert_checkpoint.build_parser().prog}: error: "), err
     assert not os.path.exists(marker) and not os.path.exists(tmp_path / "hf")
     _read_as_torch_does(model_dir, name)  # the control: the crafted file as megatron-core and torch would read it
     assert os.path.exists(marker)
