@@ -119,19 +119,20 @@ def _refusals(ddp, optimizer, hf_dir, config, groups, reference):
     return out
 
 
-def _reference(hf_dir):
-    """λ and the first policy loss in plain tensor arithmetic (docs/ais-method.md §2.4, no module of the package):
-    group advantages (r − mean) / (population std + 1e-6); per token δ = log π_old − log π_rollout, w = e^δ; s_D =
-    1 − e^(−mean|δ| / τ); ρ = (Σw̃)² / (N Σw̃²) with w̃ = w held in [1/C, C]; Γ = max(1, Σ min(w, C)² A² / Σ A²);
-    λ = clip(s_D ρ / Γ, 0, 1); coefficient c = (1 − λ) + λ min(w, C). At the first update the policy is the old
-    one (ratio 1, inside the clip band), so the token-mean loss is −Σ c A / tokens."""
-    batch, old = _rollout_batch(hf_dir)
-    cap, tau = 2.0, 0.05
+def _group_advantages(batch) -> torch.Tensor:
     rewards = batch.rewards.double().view(-1, GROUP)
     centred = rewards - rewards.mean(dim=1, keepdim=True)
-    advantages = (centred / (centred.pow(2).mean(dim=1, keepdim=True).sqrt() + 1e-6)).flatten()
+    return (centred / (centred.pow(2).mean(dim=1, keepdim=True).sqrt() + 1e-6)).flatten()
+
+
+def _ais_coefficients(batch, old) -> tuple[float, torch.Tensor]:
+    """λ and each token's coefficient [B, S] in plain tensor arithmetic (docs/ais-method.md §2.4, no module of the
+    package): group advantages (r − mean) / (population std + 1e-6); per token δ = log π_old − log π_rollout,
+    w = e^δ; s_D = 1 − e^(−mean|δ| / τ); ρ = (Σw̃)² / (N Σw̃²) with w̃ = w held in [1/C, C];
+    Γ = max(1, Σ min(w, C)² A² / Σ A²); λ = clip(s_D ρ / Γ, 0, 1); coefficient c = (1 − λ) + λ min(w, C)."""
+    cap, tau = 2.0, 0.05
     valid = batch.mask.flatten() > 0
-    adv = advantages.unsqueeze(-1).expand(B, S).flatten()[valid]
+    adv = _group_advantages(batch).unsqueeze(-1).expand(B, S).flatten()[valid]
     delta = (old.double() - batch.rollout_logprobs.double()).flatten()[valid]
     w = delta.exp()
     band = w.clamp(1 / cap, cap)
@@ -139,8 +140,17 @@ def _reference(hf_dir):
     reliability = (band.sum() ** 2 / (len(w) * band.pow(2).sum())).item()
     variance = max(1.0, ((w.clamp(max=cap) * adv).pow(2).sum() / adv.pow(2).sum()).item())
     lam = min(max(severity * reliability / variance, 0.0), 1.0)
-    coefficient = (1 - lam) + lam * w.clamp(max=cap)
-    return lam, (-(coefficient * adv).sum() / len(w)).item()
+    weights = (old.double() - batch.rollout_logprobs.double()).exp().clamp(max=cap)
+    return lam, ((1 - lam) + lam * weights) * batch.mask
+
+
+def _reference(hf_dir):
+    """λ and the first policy loss (`_ais_coefficients`). At the first update the policy is the old one (ratio 1,
+    inside the clip band), so the token-mean loss is −Σ c A / tokens."""
+    batch, old = _rollout_batch(hf_dir)
+    lam, coefficient = _ais_coefficients(batch, old)
+    adv = _group_advantages(batch).unsqueeze(-1).expand(B, S)
+    return lam, (-(coefficient * adv).sum() / batch.mask.sum()).item()
 
 
 @pytest.mark.slow
@@ -228,6 +238,77 @@ def test_dr_grpo_and_gspo_steps_do_not_depend_on_the_split(model_root):
     for step in range(2):
         assert dp2[0][step][1] == pytest.approx(tp2[0][step][1], rel=1e-4)
     assert dp2[0][1][1] > 0
+
+
+MINIBATCHES, EPOCHS, LR = 2, 2, 1e-3
+
+
+def _minibatch_worker(hf_dir):
+    """--num-minibatches 2 --ppo-epochs 2 at DP2, micro-batches of one row: four Adam updates of one rollout batch."""
+    from megatron_ais.ais import AISConfig, AISState
+    from distributed import start_trainer
+    from megatron_ais.forward import ParallelGroups
+    from megatron_ais.grpo.loss import PolicyLossConfig
+    from megatron_ais.grpo.step import GRPOConfig, grpo_train_step, rows_of_whole_batch
+    from megatron_ais.training import setup_model_and_optimizer
+
+    trainer, _, build = start_trainer("--hf-dir", hf_dir, "--fp32", "--seq-length", S, "--lr", LR)
+    setup = setup_model_and_optimizer(build, trainer.weights, trainer.training)
+    config = GRPOConfig(loss=PolicyLossConfig(), correction=AISConfig(), vocab_size=build.shape.vocab_size,
+                        micro_batch_size=1, num_minibatches=MINIBATCHES, ppo_epochs=EPOCHS)
+    groups = ParallelGroups.from_parallel_state()
+    result = grpo_train_step(setup.ddp_chunks, setup.optimizer, rows_of_whole_batch(_rollout_batch(hf_dir)[0], config,
+                                                                                    groups), config, AISState(), groups)
+    return result.ais.lam, result.metrics
+
+
+def _minibatch_reference(hf_dir, ranks: int) -> tuple[float, list[float], list[float], float]:
+    """The same updates on transformers' model with torch's Adam: λ and c from the batch before the first update,
+    held; each mini-batch is every DP rank's next share of its rows; PPO-clip (0.8, 1.28) token-mean over the
+    mini-batch; the gradient's norm clipped to 1. Return λ, each update's loss and pre-clip grad norm, and the
+    clipped fraction of all updates' tokens."""
+    from transformers import AutoModelForCausalLM
+
+    batch, old = _rollout_batch(hf_dir)
+    lam, coefficient = _ais_coefficients(batch, old)
+    advantages = _group_advantages(batch).float().unsqueeze(-1).expand(B, S)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    adam = torch.optim.Adam(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8)
+    per_rank = B // ranks
+    share = per_rank // MINIBATCHES
+    losses, norms, clipped, tokens = [], [], 0.0, 0.0
+    for _ in range(EPOCHS):
+        for k in range(MINIBATCHES):
+            rows = [r * per_rank + k * share + i for r in range(ranks) for i in range(share)]
+            logits = model(batch.tokens[rows]).logits
+            logp = torch.log_softmax(logits, -1).gather(-1, batch.labels[rows].unsqueeze(-1)).squeeze(-1)
+            ratio = (logp - old[rows]).exp()
+            a, mask = advantages[rows], batch.mask[rows]
+            unclipped, held = -a * ratio, -a * ratio.clamp(0.8, 1.28)
+            loss = (coefficient[rows].float() * torch.maximum(unclipped, held) * mask).sum() / mask.sum()
+            clipped += ((held > unclipped).float() * mask).sum().item()
+            tokens += mask.sum().item()
+            adam.zero_grad()
+            loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
+            adam.step()
+            losses.append(loss.item())
+    return lam, losses, norms, clipped / tokens
+
+
+@pytest.mark.slow
+def test_minibatches_and_epochs_are_adam_updates_with_the_old_policy_held(model_root):
+    """Four updates of one batch (two mini-batches, two epochs, DP2) reach the losses and grad norm of the same
+    updates on transformers' model with torch's Adam: the old log-probs and λ are the batch's before the first
+    update, each mini-batch is normalised by its own tokens over DP, and the clip bites in the later updates."""
+    hf_dir = make_model_dir(model_root, "qwen3")
+    lam, losses, norms, clip_fraction = _minibatch_reference(hf_dir, ranks=2)
+    (rank0_lam, metrics), (rank1_lam, _) = spawn(2, _minibatch_worker, hf_dir)
+    assert rank0_lam == rank1_lam == pytest.approx(lam, rel=1e-4)
+    assert metrics["train/policy_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-3)
+    assert metrics["train/grad_norm"] == pytest.approx(norms[-1], rel=1e-3)
+    assert metrics["train/clip_fraction"] == pytest.approx(clip_fraction, abs=1e-3)
+    assert clip_fraction > 0 and len(set(round(x, 4) for x in losses)) == len(losses)
 
 
 def test_a_batch_without_advantages_is_refused_before_any_forward():
