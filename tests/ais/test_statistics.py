@@ -23,19 +23,26 @@ def _batch(seed=0, b=4, s=6, scale=0.1):
     return trainer, rollout, adv, mask
 
 
-def reference_lambda(trainer, rollout, adv, mask, c=2.0, tau=0.05):
-    """λ of docs/ais-method.md §2.4 computed token by token in plain python (independent of the module)."""
+def reference_lambda(trainer, rollout, adv, mask, c=2.0, tau=0.05, reliability="band_ess",
+                     variance="advantage_weighted", exponents=(1.0, 1.0, 1.0), low=0.0, high=1.0):
+    """λ of docs/ais-method.md §2.4 computed token by token in plain python (independent of the module), with the
+    ablations' diagnostics: reliability raw_ess (ESS of the raw weights) or none (1), variance cv (1 + CV² of the
+    truncated weights, at least 1) or none (1), exponents (a_s, a_r, a_v) and the clip [low, high]."""
     d = [max(min(float(t - r), 20.0), -20.0) for t, r, m in zip(trainer.flatten(), rollout.flatten(), mask.flatten()) if m > 0]
     a = [float(x) for x, m in zip(adv.flatten(), mask.flatten()) if m > 0]
     n = len(d)
     w = [math.exp(x) for x in d]
     band = [min(max(x, 1 / c), c) for x in w]
-    rho = sum(band) ** 2 / (n * sum(x * x for x in band))
+    truncated = [min(x, c) for x in w]
+    rho = {"band_ess": sum(band) ** 2 / (n * sum(x * x for x in band)),
+           "raw_ess": sum(w) ** 2 / (n * sum(x * x for x in w)), "none": 1.0}[reliability]
     s_d = 1 - math.exp(-(sum(abs(x) for x in d) / n) / tau)
     qa = sum(x * x for x in a)
-    qw = sum(min(x, c) ** 2 * y * y for x, y in zip(w, a))
-    gamma = max(1.0, qw / qa) if qa > 0 else 1.0
-    return min(max(s_d * rho / gamma, 0.0), 1.0)
+    qw = sum(x ** 2 * y * y for x, y in zip(truncated, a))
+    gamma = {"advantage_weighted": max(1.0, qw / qa) if qa > 0 else 1.0,
+             "cv": max(1.0, n * sum(x * x for x in truncated) / sum(truncated) ** 2), "none": 1.0}[variance]
+    a_s, a_r, a_v = exponents
+    return min(max(s_d ** a_s * rho ** a_r / gamma ** a_v, low), high)
 
 
 def test_lambda_matches_closed_form():
@@ -44,6 +51,37 @@ def test_lambda_matches_closed_form():
     result = ais_coefficient(mismatch_statistics(trainer, rollout, adv, mask, cfg), cfg)
     assert result.lam == pytest.approx(reference_lambda(trainer, rollout, adv, mask), rel=1e-12)
     assert 0 < result.lam < 1
+
+
+@pytest.mark.parametrize("reliability,variance,exponents,low,high", [
+    ("raw_ess", "cv", (1.0, 1.0, 1.0), 0.0, 1.0),
+    ("none", "none", (1.0, 1.0, 1.0), 0.0, 1.0),
+    ("band_ess", "cv", (0.5, 2.0, 0.0), 0.0, 1.0),
+    ("raw_ess", "advantage_weighted", (1.0, 0.0, 3.0), 0.3, 0.9),
+    ("band_ess", "advantage_weighted", (2.0, 1.0, 1.0), 0.5, 1.0),
+])
+def test_lambda_of_the_ablations_matches_closed_form(reliability, variance, exponents, low, high):
+    trainer, rollout, adv, mask = _batch(scale=0.3)  # heavy enough that raw and band ESS differ, Γ > 1
+    cfg = AISConfig(reliability=reliability, variance=variance, exponents=exponents, lambda_min=low, lambda_max=high)
+    result = ais_coefficient(mismatch_statistics(trainer, rollout, adv, mask, cfg), cfg)
+    expected = reference_lambda(trainer, rollout, adv, mask, reliability=reliability, variance=variance,
+                                exponents=exponents, low=low, high=high)
+    assert result.lam == pytest.approx(expected, rel=1e-12)
+    default = reference_lambda(trainer, rollout, adv, mask)
+    assert expected != pytest.approx(default, rel=1e-3)  # each ablation changes λ on this batch
+
+
+def test_ema_lambda_is_beta_times_the_previous_plus_the_rest_times_the_new():
+    cfg = AISConfig(ema=0.75)
+    state, lambdas, expected = AISState(), [], None
+    for seed, scale in ((0, 0.05), (1, 0.3), (2, 0.1)):
+        trainer, rollout, adv, mask = _batch(seed=seed, scale=scale)
+        new = reference_lambda(trainer, rollout, adv, mask)
+        expected = new if expected is None else 0.75 * expected + 0.25 * new
+        result = ais_coefficient(mismatch_statistics(trainer, rollout, adv, mask, cfg), cfg, state)
+        assert result.lam == pytest.approx(expected, rel=1e-12) and result.lam_raw == pytest.approx(new, rel=1e-12)
+        lambdas.append(result.lam)
+    assert len(set(lambdas)) == 3 and state.lam_ema == lambdas[-1]
 
 
 def test_zero_mismatch_gives_lambda_zero_and_uncorrected_loss():
