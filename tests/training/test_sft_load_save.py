@@ -67,6 +67,8 @@ def test_a_tokenizer_without_a_pad_token_pads_with_its_end_token(model_root):
 
 def _sft_budgets_worker(argv, budgets):
     """run_sft once per token budget in one process world; each run's loss history."""
+    import os
+
     from megatron.core import parallel_state as ps
 
     from megatron_ais.arguments import SFT_FLAGS, SFTRunConfig, build_parser
@@ -75,7 +77,7 @@ def _sft_budgets_worker(argv, budgets):
     histories = []
     for budget in budgets:
         args = build_parser("test", SFT_FLAGS).parse_args(argv + ["--max-tokens-per-microbatch", budget])
-        histories.append(run_sft(SFTRunConfig.from_args(args, 2))["losses"])
+        histories.append(run_sft(SFTRunConfig.from_args(args, int(os.environ["WORLD_SIZE"])))["losses"])
         ps.destroy_model_parallel()
     return histories
 
@@ -83,8 +85,9 @@ def _sft_budgets_worker(argv, budgets):
 @pytest.mark.slow
 def test_sft_by_token_budget_does_not_depend_on_the_grouping(model_root, tmp_path):
     """tools/train_sft.py's path at DP2 with --max-tokens-per-microbatch: two budgets that group the examples into
-    different micro-batches (and share them out among the ranks by tokens) train to the same losses, since the loss
-    is the token mean over the global batch."""
+    different micro-batches (and share them out among the ranks by tokens) train to the same losses as one rank
+    does, since the loss is the token mean over the global batch (a per-rank token mean would weigh the ranks'
+    tokens differently: both budgets share the rows out alike, so only the one-rank run tells)."""
     hf_dir = make_model_dir(model_root, "llama")
     argv = ["--hf-dir", hf_dir, "--train-iters", "3", "--fp32", "--seq-length", "48", "--global-batch-size", "16",
             "--lr", "3e-3", "--num-examples", "64", "--task", "arithmetic", "--max-operand", "99",
@@ -94,6 +97,8 @@ def test_sft_by_token_budget_does_not_depend_on_the_grouping(model_root, tmp_pat
     small, large = ranks[0]
     assert len(small) == 3 and small[-1] < small[0]
     assert large == pytest.approx(small, rel=1e-5)
+    (one_rank,) = spawn(1, _sft_budgets_worker, argv, ["200"])[0]
+    assert one_rank == pytest.approx(small, rel=1e-5)
 
 
 def _sft_runs_worker(runs):
