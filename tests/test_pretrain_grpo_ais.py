@@ -323,9 +323,13 @@ def test_launcher_sigkilled_mid_step_takes_the_run_with_it_then_resume_equals_un
     # a step long enough to be killed inside; an FP8 KV cache, whose scales the uninterrupted run measured on step
     # 2's rollouts, which the resumed run no longer has (the checkpoint carries them)
     # two engines (one per rank)
-    # (--bridge-delta on, on one node: every stage writes the arena in place, nothing is shipped or forwarded)
+    # (--bridge-delta on, on one node: every stage writes the arena in place, nothing is shipped or forwarded); the
+    # random model earns no reward, so an entropy bonus moves the policy (and what the checkpoint must restore), and a
+    # KL penalty to the initial policy, which the resumed run must read from --load's iteration 0, not its own
+    # iteration 2
     bigger = ("--prompts-per-step", "16", "--max-new-tokens", "24", "--rollout-kv-cache-dtype", "fp8",
-              "--bridge-delta", "on", "--rollout-engines-per-node", "2")
+              "--bridge-delta", "on", "--entropy-coef", "0.1", "--lr", "1e-3", "--kl-coef", "0.05",
+              "--rollout-engines-per-node", "2")
     # the uninterrupted run is also the DP2 end-to-end run, logging to W&B (offline); its second engine is killed
     # after step 1: it alone restarts (same weights, same seeds: the run goes on as if nothing happened)
     wandb = ("--wandb-project", "megatron-ais-test", "--wandb-save-dir", str(tmp_path / "wb"))
@@ -375,6 +379,8 @@ def test_launcher_sigkilled_mid_step_takes_the_run_with_it_then_resume_equals_un
     expected = _comparable(json.load(open(full_out / "summary.json"))["history"])
     got = _comparable(json.load(open(cut_out / "summary.json"))["history"])
     assert sorted(got) == [1, 2, 3, 4]
+    assert all(h["train/grad_norm"] > 0 for h in got.values())
+    assert got[3]["train/kl"] > 0  # 0 with the resumed policy as the reference (its first forward is that policy)
     for step in (3, 4):
         # equal up to float noise of the vLLM CPU engines' log-probs (seen up to 5e-5 relative in λ with the
         # uninterrupted run's second engine restarted mid-run); the trainer state itself is restored bit for bit
