@@ -70,18 +70,34 @@ def _calibrate(hf_dir, tp, sequences, micro_batch_size):
     return scales, attention_amax(chunks, sequences, *shape)
 
 
-def _hf_value_amax(hf_dir, sequences) -> list[float]:
-    """Independent reference: transformers' v_proj output (V as cached: no norm, no RoPE) over the real tokens."""
+def _hf_qkv_amax(hf_dir, sequences) -> torch.Tensor:
+    """Independent reference [layers, 3]: transformers' Q and K as its attention takes them (after q_norm / k_norm
+    and RoPE: what its rotary function returns) and its v_proj output (V as cached), over the real tokens."""
+    import transformers.models.qwen3.modeling_qwen3 as qwen3
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    amax = [0.0] * len(model.model.layers)
-    for index, layer in enumerate(model.model.layers):
-        layer.self_attn.v_proj.register_forward_hook(
-            lambda m, i, o, index=index: amax.__setitem__(index, max(amax[index], o.abs().max().item())))
-    with torch.no_grad():
-        for ids in sequences:
-            model(torch.tensor([ids]))
+    amax, layer = torch.zeros(len(model.model.layers), 3, dtype=torch.float64), [0]
+
+    def record(index, column, value):
+        amax[index, column] = max(float(amax[index, column]), value.abs().max().item())
+
+    def rotary(q, k, cos, sin, *args, **kwargs):
+        q, k = original(q, k, cos, sin, *args, **kwargs)
+        record(layer[0], 0, q)
+        record(layer[0], 1, k)
+        return q, k
+
+    for index, decoder_layer in enumerate(model.model.layers):
+        decoder_layer.self_attn.register_forward_pre_hook(lambda m, i, index=index: layer.__setitem__(0, index))
+        decoder_layer.self_attn.v_proj.register_forward_hook(lambda m, i, o, index=index: record(index, 2, o))
+    original, qwen3.apply_rotary_pos_emb = qwen3.apply_rotary_pos_emb, rotary
+    try:
+        with torch.no_grad():
+            for ids in sequences:
+                model(torch.tensor([ids]))
+    finally:
+        qwen3.apply_rotary_pos_emb = original
     return amax
 
 
@@ -112,8 +128,8 @@ def test_calibration_equals_references_across_tp_dp_and_padding(model_root):
     # each TP rank saw only its own heads; the reduced maximum is the maximum over both
     assert torch.allclose(torch.maximum(two[0][1], two[1][1]), amax_one, rtol=1e-5)
     assert not torch.allclose(two[0][1], two[1][1])
-    v_reference = _hf_value_amax(hf_dir, SEQUENCES)
-    assert torch.allclose(amax_one[:, 2].double(), torch.tensor(v_reference, dtype=torch.float64), rtol=1e-5)
+    reference = _hf_qkv_amax(hf_dir, SEQUENCES)
+    assert torch.allclose(amax_one.double(), reference, rtol=1e-5), (amax_one, reference)
     assert float(amax_one[:, 1].min()) > 448 and float(amax_one[:, 2].min()) > 448  # scale 1.0 would saturate
 
 
