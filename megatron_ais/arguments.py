@@ -229,12 +229,13 @@ class GRPORunConfig:
                 f"--rollout-placement {self.engine.placement} and --rollout-engines-per-node {engines} the engines "
                 "are bound (or not) by the run: drop the flag")
         waited = 60 * self.trainer.layout.distributed_timeout_minutes
-        if self.engine.placement == "separate" and self.fleet.generation_timeout_s >= waited:
-            raise ArgumentValidationError(
-                f"--rollout-generation-timeout-s {self.fleet.generation_timeout_s:g} is not below "
-                f"--distributed-timeout-minutes {self.trainer.layout.distributed_timeout_minutes} ({waited} s): the "
-                "ranks waiting for the rollouts would time out first, without saying why; lower the one or raise "
-                "the other")
+        for flag, seconds in (("--rollout-generation-timeout-s", self.fleet.generation_timeout_s),
+                              ("--rollout-engine-call-timeout-s", self.engine.call_timeout_s)):
+            if self.engine.placement == "separate" and seconds >= waited:
+                raise ArgumentValidationError(
+                    f"{flag} {seconds:g} is not below --distributed-timeout-minutes "
+                    f"{self.trainer.layout.distributed_timeout_minutes} ({waited} s): the ranks waiting for the "
+                    "engine would time out first, without saying why; lower the one or raise the other")
         if loop.max_off_policy_steps and self.engine.placement == "colocated":
             raise ArgumentValidationError(
                 f"--max-off-policy-steps {loop.max_off_policy_steps} with --rollout-placement colocated: a colocated "

@@ -36,8 +36,18 @@ class RolloutError(RuntimeError):
     """The engine could not produce a step's rollouts (it failed, or died again after a restart)."""
 
 
-class GenerationTimeoutError(RolloutError):
-    """An engine's generate call ran past --rollout-generation-timeout-s (the engine is then restarted)."""
+class EngineTimeoutError(RolloutError):
+    """A separate engine did not answer in time (the engine is then restarted)."""
+
+
+class GenerationTimeoutError(EngineTimeoutError):
+    """An engine's generate call ran past --rollout-generation-timeout-s, or another call past
+    --rollout-engine-call-timeout-s."""
+
+
+class EngineCallTimeoutError(EngineTimeoutError):
+    """A separate engine left a call (a weight sync, KV-cache scales, a probe) unanswered past
+    --rollout-engine-call-timeout-s: it is wedged, and was killed."""
 
 
 class EngineRetiredError(RolloutError):

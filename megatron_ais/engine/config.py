@@ -67,6 +67,11 @@ class EngineConfig(FlagConfig):
               "(faster decoding on GPU; vLLM's layer-wise reload copies updates into the captured storage). The refit "
               "check's per-layer diagnosis uses forward hooks, which graph replays skip, and the MoE routing probe has "
               "not been tried under graphs.", name="--rollout-enforce-eager", action=argparse.BooleanOptionalAction)
+    call_timeout_s: float = flag(
+        600.0, "Longest a separate engine may leave a call unanswered (a weight sync, KV-cache scales, a refit probe, "
+               "a routing pass); past it the engine is wedged: its processes are killed and it is restarted like one "
+               "that died. Generation has --rollout-generation-timeout-s.", name="--rollout-engine-call-timeout-s",
+        above=0)
     max_num_seqs: int = flag(64, "Sequences the engine batches at once.", name="--rollout-max-num-seqs")
     max_model_len: int = flag(512, "Longest prompt + response the engine serves.", name="--rollout-max-model-len")
     log_level: str = flag("error", "What vLLM prints (its processes too): error keeps the console to our lines; "

@@ -19,7 +19,9 @@ import concurrent.futures
 import contextlib
 import multiprocessing
 import os
+import signal
 import threading
+import time
 from multiprocessing import forkserver
 
 import torch
@@ -27,7 +29,7 @@ import torch
 from kernels.fp4.quantize import mxfp4_dequantize, nvfp4_dequantize
 from megatron_ais.engine.fp8_emulation import FP8_ACTIVATIONS_ENV, FP8_KV_CACHE_ENV, dequantize_blockwise, \
     dequantize_blockwise_bf16, fp8_kv_round_trip, w8a8_experts, w8a8_linear, w8a16_experts
-from megatron_ais.errors import GenerationTimeoutError
+from megatron_ais.errors import EngineCallTimeoutError, GenerationTimeoutError
 from megatron_ais.lifetime import exit_with_parent_if_asked, take_environment
 
 
@@ -42,16 +44,19 @@ class EngineCoreWatch:
     """Wakes whatever waits on a separate engine core once vLLM marks it dead. vLLM's sync client then stops its
     output thread without waking a generate call blocked on its output queue, or a utility call (collective_rpc,
     reset_prefix_cache: a weight sync, KV-cache scales, a probe) blocked on its future: both would wait forever.
-    Later calls raise at once (vLLM checks the flag before sending)."""
+    Later calls raise at once (vLLM checks the flag before sending). A utility call left unanswered past
+    `call_timeout_s` (a wedged engine: alive, answering nothing) fails with EngineCallTimeoutError and the engine's
+    processes are killed, so that it is then restarted as a dead one is."""
 
     POLL_S = 0.2
 
-    def __init__(self, llm):
+    def __init__(self, llm, call_timeout_s: float | None = None):
         client = engine_core_client(llm)
         # vLLM 0.32.0: v1/engine/core_client.py MPClient.resources (BackgroundResources.engine_dead),
         # SyncMPClient.outputs_queue, MPClient.utility_results (call id -> future); InprocClient has none of them
         self.resources, self.outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
         self.pending = getattr(client, "utility_results", None)
+        self.call_timeout_s, self.pids = call_timeout_s, engine_core_pids(llm)
         self.stopped = threading.Event()
         if self.resources is not None and self.outputs is not None and self.pending is not None:
             threading.Thread(target=self._watch, daemon=True, name="megatron-ais-engine-watch").start()
@@ -59,19 +64,34 @@ class EngineCoreWatch:
     def _watch(self) -> None:
         from vllm.v1.engine.exceptions import EngineDeadError  # vLLM: trainer-only paths import this module
 
+        waiting_since: dict[int, float] = {}  # each pending call's first sighting
         while not self.stopped.wait(self.POLL_S):
             # vLLM 0.32.0: v1/engine/core_client.py, set by the client's engine monitor thread
             if self.resources.engine_dead:
                 error = EngineDeadError()
                 # vLLM 0.32.0: SyncMPClient.get_output raises an exception it takes from outputs_queue
                 self.outputs.put_nowait(error)
-                while self.pending:
-                    try:
-                        _, waiting = self.pending.popitem()
-                        waiting.set_exception(error)
-                    except (KeyError, concurrent.futures.InvalidStateError):  # answered or taken meanwhile
-                        pass
+                self._fail_pending(error)
                 return
+            if self.call_timeout_s is not None and waiting_since is not None:
+                now = time.monotonic()
+                waiting_since = {call: waiting_since.get(call, now) for call in tuple(self.pending)}
+                if any(now - since > self.call_timeout_s for since in waiting_since.values()):
+                    self._fail_pending(EngineCallTimeoutError(
+                        f"the engine left a call unanswered past --rollout-engine-call-timeout-s "
+                        f"{self.call_timeout_s:g} (wedged): its processes were killed"))
+                    for pid in self.pids:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)  # its workers exit with it; vLLM then marks it dead
+                    waiting_since = None  # once: the watch goes on to wake what waits when vLLM sees it dead
+
+    def _fail_pending(self, error: Exception) -> None:
+        while self.pending:
+            try:
+                _, waiting = self.pending.popitem()
+                waiting.set_exception(error)
+            except (KeyError, concurrent.futures.InvalidStateError):  # answered or taken meanwhile
+                pass
 
     def stop(self) -> None:
         """Before a deliberate shutdown (which marks the engine dead too)."""
@@ -79,16 +99,16 @@ class EngineCoreWatch:
 
 
 @contextlib.contextmanager
-def generation_deadline(llm, timeout_s: float | None):
+def generation_deadline(llm, timeout_s: float | None, flag: str = "--rollout-generation-timeout-s"):
     """A separate engine's generation in this block raises GenerationTimeoutError once the block has run `timeout_s`
-    seconds (the engine's requests are then still in flight: the caller restarts it)."""
+    seconds, the `flag` that set them (the engine's requests are then still in flight: the caller restarts it)."""
     # vLLM 0.32.0: v1/engine/core_client.py SyncMPClient.outputs_queue; get_output raises an exception put there
     outputs = getattr(engine_core_client(llm), "outputs_queue", None)
     if timeout_s is None or outputs is None:
         yield
         return
     timer = threading.Timer(timeout_s, lambda: outputs.put_nowait(
-        GenerationTimeoutError(f"generation ran past --rollout-generation-timeout-s {timeout_s:g}")))
+        GenerationTimeoutError(f"generation ran past {flag} {timeout_s:g}")))
     timer.daemon = True
     timer.start()
     try:
@@ -97,9 +117,10 @@ def generation_deadline(llm, timeout_s: float | None):
         timer.cancel()
 
 
-def generate_within(llm, *args, timeout_s: float | None = None, **kwargs):
+def generate_within(llm, *args, timeout_s: float | None = None, flag: str = "--rollout-generation-timeout-s",
+                    **kwargs):
     """llm.generate of a separate engine within `timeout_s` seconds (`generation_deadline`)."""
-    with generation_deadline(llm, timeout_s):
+    with generation_deadline(llm, timeout_s, flag):
         return llm.generate(*args, **kwargs)
 
 

@@ -241,7 +241,7 @@ class RolloutEngine:
                        kv_cache_memory_bytes=int(config.kv_cache_gb * (1 << 30)),
                        logprobs_mode="processed_logprobs", use_tqdm_on_load=config.log_level in ("info", "debug"),
                        worker_extension_cls="megatron_ais.engine.worker_extension.WeightSyncExtension", **kwargs)
-        self.watch = EngineCoreWatch(self.llm)
+        self.watch = EngineCoreWatch(self.llm, config.call_timeout_s)
         if config.cpu_core is not None and not torch.cuda.is_available():
             # vLLM binds only its workers' OpenMP threads: its core's scheduling and socket threads would take the
             # trainer's cores
@@ -277,8 +277,13 @@ class RolloutEngine:
         return True
 
     def _generate(self, *args, timeout_s: float | None = None, **kwargs):
+        """llm.generate; a separate engine's within `timeout_s` (a step's generation), else within
+        --rollout-engine-call-timeout-s (a probe, a health check, a routing pass)."""
         if self.placement == "colocated":
             return self.llm.generate(*args, **kwargs)
+        if timeout_s is None:
+            return generate_within(self.llm, *args, timeout_s=self.config.call_timeout_s,
+                                   flag="--rollout-engine-call-timeout-s", **kwargs)
         return generate_within(self.llm, *args, timeout_s=timeout_s, **kwargs)
 
     def restart(self, weights: EngineWeights | None = None) -> int:

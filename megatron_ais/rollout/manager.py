@@ -10,7 +10,7 @@ from typing import Any, Callable
 from megatron_ais.batch import RolloutBatch
 from megatron_ais.engine.turns import EngineTurns
 from megatron_ais.engine.vllm_engine import RolloutEngine, SamplingConfig
-from megatron_ais.errors import ArgumentValidationError, EngineRetiredError, GenerationTimeoutError, RolloutError
+from megatron_ais.errors import ArgumentValidationError, EngineRetiredError, EngineTimeoutError, RolloutError
 from megatron_ais.rollout.batching import rollouts_to_batch
 from megatron_ais.rollout.dynamic_sampling import stream_seed
 from megatron_ais.rollout.overlong import OverlongConfig, shape_overlong
@@ -149,12 +149,12 @@ class RolloutManager:
 
     def _serving(self, action: Callable[[], Any], what: str, weights=None) -> Any:
         """`action()`, restarting the engine (with `weights`, default its last ones) and asking again each time it
-        died or ran past the generation timeout (`_restart`); an error of a live engine is a RolloutError."""
+        died or did not answer in time (`_restart`); an error of a live engine is a RolloutError."""
         while True:
             try:
                 return action()
             except Exception as err:  # vLLM raises many kinds of errors when its engine core dies
-                if not isinstance(err, GenerationTimeoutError) and self.engine.health_check():
+                if not isinstance(err, EngineTimeoutError) and self.engine.health_check():
                     raise RolloutError(f"{what} failed: {type(err).__name__}: {err}") from err
                 self._restart(what, f"the rollout engine died ({type(err).__name__}: {err})", err, weights)
 

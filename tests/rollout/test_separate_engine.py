@@ -3,11 +3,14 @@ log-probs equal to the trainer's, a killed engine detected by the next sync and 
 sync's weights (the staging arena holds them now, not the engine's last ones; re-fed over the broadcast feed group it
 is restarted with; its refit check against the sync's reference passes before it serves), then re-synced over that
 group (every worker verifies what it receives; a corrupted feed is refused and the weights
-stay), the refit diagnosis's per-layer outputs read back over its RPC, a generate call past its timeout raised
+stay), a wedged engine (stopped: alive, answering nothing) killed once a call waited past its timeout and
+restarted, the refit diagnosis's per-layer outputs read back over its RPC, a generate call past its timeout raised
 (the engine is then killed: an RPC sent as it dies raises instead of waiting for ever; it is restarted), an engine
 whose worker alone is killed next and that keeps failing its refit check after restarts retired when its restart
 budget is spent, and no orphan processes after shutdown."""
 import dataclasses
+import os
+import signal
 import threading
 import time
 
@@ -156,6 +159,21 @@ def _worker(old_dir, new_dir, work):
     except Exception as err:  # the worker's error comes back through collective_rpc
         refused = str(err)
     after_refused = _max_diff(engine, chunks, build, groups)
+    # a wedged engine (its core stopped: alive, answering nothing): a call waits --rollout-engine-call-timeout-s
+    # (3 s here), then fails and the engine's processes are killed; a restart brings it back
+    from megatron_ais.errors import EngineCallTimeoutError
+    from megatron_ais.engine.vllm_compat import engine_core_pids
+
+    engine.watch.call_timeout_s = 3.0
+    for pid in engine_core_pids(engine.llm):
+        os.kill(pid, signal.SIGSTOP)
+    asked = time.monotonic()
+    try:
+        engine.get_kv_cache_scales()
+        wedged = None
+    except EngineCallTimeoutError as err:
+        wedged = (str(err), time.monotonic() - asked, engine.health_check())
+    engine.restart()
     # the refit diagnosis reads every decoder layer's output back through the separate engine's RPC
     from megatron_ais.refit_probe import trainer_layer_states
     from megatron_ais.rollout.verify import layer_errors
@@ -183,7 +201,8 @@ def _worker(old_dir, new_dir, work):
     orphans = [p.name() for p in engine_processes()]
     assert started, "the separate engine must run in its own processes"
     return (before_sync, after_sync, alive_after_kill, alive_after_restart, after_restart, after_resync, refused,
-            after_refused, orphans, layer_diffs, timed_out, call_to_dying, refit_checks, len(workers), restarts)
+            after_refused, orphans, layer_diffs, timed_out, call_to_dying, refit_checks, len(workers), restarts,
+            wedged)
 
 
 @pytest.mark.slow
@@ -192,7 +211,8 @@ def test_separate_engine_sync_kill_restart_resync(model_root, tmp_path):
     old_dir = make_model_dir(model_root, "qwen3", seed=1, **shape)
     new_dir = make_model_dir(model_root, "qwen3", seed=2, **shape)
     ((before, after, alive_killed, alive_restarted, restarted, resynced, refused, after_refused, orphans,
-      layer_diffs, timed_out, call_to_dying, refit_checks, workers_killed, restarts),) = spawn(1, _worker, old_dir, new_dir, str(tmp_path))
+      layer_diffs, timed_out, call_to_dying, refit_checks, workers_killed, restarts, wedged),) = \
+        spawn(1, _worker, old_dir, new_dir, str(tmp_path))
     assert len(layer_diffs) == 2 and max(layer_diffs) <= 1e-3  # fp32 engine: every layer's output as the trainer's
     assert before > 0.1 and after <= 1e-4
     assert not alive_killed and alive_restarted
@@ -204,6 +224,8 @@ def test_separate_engine_sync_kill_restart_resync(model_root, tmp_path):
     assert timed_out is not None and "ran past --rollout-generation-timeout-s 0.01" in timed_out[0]
     assert timed_out[1] > 0  # it raised while its generation went on, not once it was done
     assert call_to_dying == "EngineDeadError"
+    assert wedged is not None and "unanswered past --rollout-engine-call-timeout-s 3" in wedged[0], wedged
+    assert 3 <= wedged[1] < 15 and wedged[2] is False, wedged  # killed: a health check finds it dead
     assert refit_checks == [None, None]  # the dead engine left out; the restarted one passes
     assert workers_killed == 1
     # a restarted engine serves again only once its refit check passes; one that keeps failing it is retired
