@@ -13,6 +13,8 @@ recompute activations, so no backward re-routing happens.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe.router import TopKRouter
@@ -104,16 +106,37 @@ def padding_mask(model, micro_batch: dict) -> torch.Tensor | None:
     return padding[:, start:start + shard].contiguous()
 
 
+@contextlib.contextmanager
+def load_balancing_off(model, off: bool):
+    """In this block (when `off`) the chunk's routers add no load-balancing loss: megatron-core 0.16.1 divides it by
+    the micro-batch's real tokens (moe_utils.switch_load_balancing_loss_func), so a micro-batch without one (a
+    token-budget placeholder) would give the routers NaN gradients. Its coefficient is read at each forward."""
+    configs = {id(router.config): router.config for router in _routers(model)}.values() if off else ()
+    saved = [(config, config.moe_aux_loss_coeff) for config in configs]
+    for config, _ in saved:
+        config.moe_aux_loss_coeff = 0.0
+    try:
+        yield
+    finally:
+        for config, coefficient in saved:
+            config.moe_aux_loss_coeff = coefficient
+
+
 def forward_replaying(model, micro_batch: dict):
     """The chunk's forward of a micro-batch (tokens, position ids; its `padding_mask`), replaying its
     `routed_experts` if it has them (without them the routers are not touched: every replaying forward hands them
-    back routing themselves)."""
+    back routing themselves); a micro-batch of padding alone adds no load-balancing loss."""
     ids = micro_batch.get("routed_experts")
     padding = padding_mask(model, micro_batch)
-    if ids is None:
-        return model(micro_batch["tokens"], micro_batch["position_ids"], attention_mask=None, padding_mask=padding)
-    set_replayed_routes(model, ids)
-    try:
-        return model(micro_batch["tokens"], micro_batch["position_ids"], attention_mask=None, padding_mask=padding)
-    finally:
-        set_replayed_routes(model, None)
+    # of the whole micro-batch, not this rank's sequence-parallel share: the loss's token count is reduced over TP
+    real = micro_batch.get("real_positions")
+    with load_balancing_off(model, real is not None and not bool(real.any())):
+        if ids is None:
+            return model(micro_batch["tokens"], micro_batch["position_ids"], attention_mask=None,
+                         padding_mask=padding)
+        set_replayed_routes(model, ids)
+        try:
+            return model(micro_batch["tokens"], micro_batch["position_ids"], attention_mask=None,
+                         padding_mask=padding)
+        finally:
+            set_replayed_routes(model, None)

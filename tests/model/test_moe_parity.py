@@ -211,11 +211,13 @@ def _router_gradients_worker(hf_dir, tp, pp, lengths, with_real_positions):
     load_hf_weights(chunks, hf_dir, build, ps.get_tensor_model_parallel_rank())
     tokens = torch.randint(1, build.shape.vocab_size, (1, 10), generator=torch.Generator().manual_seed(3))
     out = []
-    for length in lengths:
-        mb = {"tokens": torch.cat([tokens, torch.zeros(1, length - 10, dtype=torch.long)], dim=1),
+    # the last: a token-budget placeholder (no real position; `forward.micro_batches`), which DP ranks with fewer
+    # micro-batches than the others run
+    for length, real in [(length, 10) for length in lengths] + [(lengths[0], 0)] * with_real_positions:
+        mb = {"tokens": torch.cat([tokens[:, :real], torch.zeros(1, length - real, dtype=torch.long)], dim=1),
               "position_ids": torch.arange(length).unsqueeze(0)}
         if with_real_positions:
-            mb["real_positions"] = torch.arange(length).unsqueeze(0) < 10
+            mb["real_positions"] = torch.arange(length).unsqueeze(0) < real
 
         def forward_step(data_iterator, model):
             output = forward_replaying(model, next(data_iterator))
@@ -251,3 +253,7 @@ def test_padding_does_not_reach_the_load_balancing_loss(moe_dir, tp, pp):
         assert len(short) == 2 and short.keys() == long.keys()  # both layers' routers
         same = [torch.allclose(short[key], long[key], rtol=1e-5, atol=1e-9) for key in short]
         assert all(same) if with_mask else not any(same), (with_mask, same)
+        if with_mask:  # a placeholder adds no load-balancing gradient (it was NaN: megatron's loss over 0 tokens)
+            placeholder = summed(ranks, 2)
+            assert placeholder.keys() == short.keys() and all(torch.equal(g, torch.zeros_like(g))
+                                                                for g in placeholder.values()), placeholder
