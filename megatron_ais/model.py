@@ -269,6 +269,11 @@ def check_moe_layout(hf_config: dict[str, Any], layout: ParallelLayout, source: 
         raise ArgumentValidationError(
             f"moe_intermediate_size {hf_config['moe_intermediate_size']} ({source}) is not divisible by the expert "
             f"tensor-parallel size {layout.expert_tensor_size}")
+    if layout.tensor % layout.expert_tensor_size:
+        # a torch checkpoint names a rank's shard by its TP rank, and the converter places expert shards within TP
+        raise ArgumentValidationError(
+            f"--expert-tensor-parallel-size {layout.expert_tensor_size} does not divide --tensor-model-parallel-size "
+            f"{layout.tensor}: its ranks would save and load each other's expert shards; use 1 or a divisor of TP")
     if layout.tensor > 1 and not layout.sequence_parallel:
         raise ArgumentValidationError(
             "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (megatron-core refuses to train "

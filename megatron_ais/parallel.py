@@ -26,7 +26,8 @@ class ParallelLayout(FlagConfig):
                         name="--context-parallel-size", at_least=1)
     expert: int = flag(1, "EP: distribute MoE experts over this many ranks.", name="--expert-model-parallel-size",
                        at_least=1)
-    expert_tensor: int | None = flag(None, "TP size inside each expert (default: --tensor-model-parallel-size).",
+    expert_tensor: int | None = flag(None, "TP size inside each expert, a divisor of TP (default: "
+                                           "--tensor-model-parallel-size).",
                                      name="--expert-tensor-parallel-size", type=int, at_least=1)
     sequence_parallel: bool = flag(False, "Megatron sequence parallelism for norms and dropout (needs TP > 1).")
     distributed_timeout_minutes: int = flag(

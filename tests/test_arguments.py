@@ -59,6 +59,10 @@ MOE = {**CONFIG, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_t
     (["--expert-model-parallel-size", "3"], MOE, "num_experts 8 (config.json) is not divisible by "
                                                  "--expert-model-parallel-size 3"),
     (["--expert-tensor-parallel-size", "3"], MOE, "moe_intermediate_size 64"),
+    # expert-TP rank 1 would have written nothing and loaded rank 0's expert shards (a torch checkpoint's shard is
+    # named by the TP rank)
+    (["--expert-tensor-parallel-size", "2"], MOE, "--expert-tensor-parallel-size 2 does not divide "
+                                                  "--tensor-model-parallel-size 1"),
     (["--tensor-model-parallel-size", "2"], MOE, "needs --sequence-parallel"),
 ])
 def test_moe_errors_name_the_flag(argv, config, expected):
