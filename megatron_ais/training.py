@@ -77,7 +77,7 @@ def build_optimizer(ddp_chunks: list, settings: TrainingConfig):
                         bf16=config.bf16, params_dtype=config.params_dtype, clip_grad=settings.clip_grad,
                         use_distributed_optimizer=settings.use_distributed_optimizer),
         ddp_chunks)
-    set_weight_decay(optimizer, settings.weight_decay)
+    set_hyperparameters(optimizer, settings)
     # what megatron/training wires up: DP grad reduction, embedding-grad sync across PP, loss scaling
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
@@ -85,12 +85,16 @@ def build_optimizer(ddp_chunks: list, settings: TrainingConfig):
     return optimizer
 
 
-def set_weight_decay(optimizer, weight_decay: float) -> None:
-    """Each parameter group's weight decay: `weight_decay` times its `wd_mult` (megatron-core groups biases and 1-D
-    parameters, the norms', with 0), as Megatron-LM's scheduler sets it; torch's optimizer would apply
-    `weight_decay` to every group."""
+def set_hyperparameters(optimizer, settings: TrainingConfig) -> None:
+    """Each parameter group's learning rate, Adam betas and epsilon from the flags, and its weight decay --weight-decay
+    times its `wd_mult` (megatron-core groups biases and 1-D parameters, the norms', with 0), as Megatron-LM's
+    scheduler sets them every step (torch's optimizer would apply --weight-decay to every group). Set again after a
+    resume: loading the optimizer's state brings back the saved run's values, which this run's flags replace."""
     for group in optimizer.param_groups:
-        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
+        group["lr"] = settings.lr * group.get("lr_mult", 1.0)
+        group["betas"] = (settings.adam_beta1, settings.adam_beta2)
+        group["eps"] = settings.adam_eps
+        group["weight_decay"] = settings.weight_decay * group.get("wd_mult", 1.0)
 
 
 @dataclasses.dataclass
@@ -297,6 +301,6 @@ def setup_model_and_optimizer(build, source: WeightSource, training: TrainingCon
     if saved_kind is not None and saved_kind == run_kind and not finetune:
         FORMATS[loaded.format].restore_training_state(loaded, chunks, optimizer, ps.get_data_parallel_rank(),
                                                       ps.get_data_parallel_world_size())
-        set_weight_decay(optimizer, training.weight_decay)  # the groups' saved values come back with the state
+        set_hyperparameters(optimizer, training)
         run_state = loaded.run_state
     return TrainingSetup(build, chunks, ddp_chunks, optimizer, assets, loaded, run_state)

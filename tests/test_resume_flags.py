@@ -21,7 +21,7 @@ def test_changed_flags_lists_only_what_changes_the_computation():
     saved = {"lr": 3e-4, "grpo_steps": 50, "load": "sft", "task": "digit_sort", "group_size": 8}
     now = dict(lr=1e-3, grpo_steps=80, load="runs/default/checkpoint", task="digit_sort", group_size=8)
     # the optimizer's hyper-parameters come back with its state
-    assert changed_flags(saved, now) == ["--lr 0.0003 -> 0.001 (ignored: the saved run's value is kept)"]
+    assert changed_flags(saved, now) == ["--lr 0.0003 -> 0.001"]  # the optimizer takes it (test_weight_decay_groups)
     now["group_size"] = 4
     assert changed_flags(saved, now)[0] == "--group-size 8 -> 4"
     assert changed_flags({}, now) == []

@@ -16,7 +16,7 @@ RESUME_FREE_FLAGS = ("load", "save", "grpo_steps", "output_dir", "tensorboard_di
                      "keep_checkpoints", "eval_interval")
 # flags whose saved values a resumed run keeps: its data order, sampling seeds and KL reference, and the optimizer's
 # hyper-parameters (restored with its state, as there is no learning-rate schedule to override them)
-RESUME_KEPT_FLAGS = ("seed", "rollout_seed", "ref_load", "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
+RESUME_KEPT_FLAGS = ("seed", "rollout_seed", "ref_load")
 
 
 def changed_flags(saved: dict, current: dict) -> list[str]:
