@@ -173,9 +173,12 @@ def apply_on_every_engine(weights, copies, layout: FleetLayout, node_of: list[st
     copy, error = copies.forward(weights)
     if error is not None:
         error = f"node {node_name()} (rank {layout.rank}): {error}"
-    verdicts = from_every_engine(lambda: (copy, error), layout)
+    # from every rank, not the serving hosts only: a node's copy stays with the host it was given to, whose own
+    # engine may have been retired since
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, (copy, error), group=layout.group)
     errors = [error for _, error in verdicts if error is not None]
     if errors:
         raise SyncError(f"sync {sync_id} refused, every engine keeps its weights: " + "; ".join(errors))
-    node_weights = {node_of[host]: copy for host, (copy, _) in zip(layout.hosts, verdicts) if copy is not None}
+    node_weights = {node_of[rank]: copy for rank, (copy, _) in enumerate(verdicts) if copy is not None}
     return from_every_engine(lambda: apply(node_weights.get(node_of[layout.rank], weights)), layout)

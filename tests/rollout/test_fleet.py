@@ -6,6 +6,7 @@ share ahead in a thread (`RowsAhead`, returning at once) and the exchange meets 
 retired between the two (its share made again by the others); below --rollout-min-engines every rank stops,
 naming every engine retired in the step; an error on one engine's host is raised on every rank naming that engine;
 a process the background worker starts outlives the task that started it."""
+import os
 import threading
 
 import pytest
@@ -274,3 +275,41 @@ def test_rollout_collectives_do_not_wait_behind_a_training_one():
     collective in flight on another group that one rank joins only after the rollouts, the rollouts still go
     through (on a shared group the ranks would issue their collectives in different orders and hang)."""
     assert spawn(2, _beside_a_training_collective_worker, timeout=90) == [(8, 2.0), (8, 2.0)]
+
+
+def _retired_leader_worker():
+    """Three ranks on two simulated nodes: rank 0 holds the arena (node0), ranks 1 and 2 each host an engine on
+    node1, where rank 1, the first, holds the node's copy. With rank 1's engine retired, what does rank 2 apply?"""
+    os.environ["MEGATRON_AIS_NODE_NAME"] = "node0" if os.environ["RANK"] == "0" else "node1"
+    import torch.distributed as dist
+
+    from megatron_ais.bridge.arena import ArenaWeights, SharedBuffer
+    from megatron_ais.bridge.buckets import manifest_entry
+    from megatron_ais.bridge.node_copies import NodeCopies, node_leaders
+    from megatron_ais.distributed import initialize_distributed, node_name
+    from megatron_ais.rollout.fleet_layout import FleetLayout, apply_on_every_engine
+
+    initialize_distributed()
+    rank = dist.get_rank()
+    node_of = [None] * dist.get_world_size()
+    dist.all_gather_object(node_of, node_name())
+    fleet = FleetLayout.per_node(2, rank, node_of)
+    copies = NodeCopies(0, node_leaders(fleet.hosts, node_of, 0), rank)
+    tensor = torch.arange(16, dtype=torch.float32)
+    arena = SharedBuffer.create(f"test-retired-leader-{os.getpid()}", 64) if rank == 0 else None
+    if arena is not None:
+        arena.data.copy_(tensor.view(torch.uint8))
+    weights = ArenaWeights(arena.ref if arena is not None else None, (manifest_entry("w", tensor, 0),))
+    applied = apply_on_every_engine(weights, copies, fleet.without([1]), node_of, lambda w: w is weights, 1)
+    copies.close()
+    if arena is not None:
+        arena.close()
+    return fleet.hosts, copies.leaders, applied
+
+
+def test_the_engines_of_a_node_whose_copy_holder_retired_apply_that_copy():
+    # they applied the arena rank's own weights: on a real cluster a /dev/shm file or CUDA handle of another node,
+    # so the first sync after the retirement stopped the run
+    (hosts, leaders, applied), *_ = spawn(3, _retired_leader_worker, timeout=120)
+    assert hosts == (0, 1, 2) and leaders == (1,)
+    assert applied == [True, False]  # rank 0 applies the arena; rank 2 the copy its node's retired engine host holds
