@@ -147,3 +147,12 @@ def test_the_dapo_gspo_and_dr_grpo_options_land_and_bad_combinations_name_their_
         with pytest.raises(ArgumentValidationError, match=message):
             _config(*argv)
     assert _config("--policy-loss", "gspo", "--loss-agg", "seq-mean-token-mean", "--is-correction", "none")
+
+
+def test_a_resumed_run_evaluates_with_the_saved_runs_seed():
+    # --seed is kept from the saved run (the log says so): its evaluations sampled with the new one, so they were
+    # not comparable with the evaluations before the resume
+    from megatron_ais.rollout.fleet import rollout_plan
+
+    plan = rollout_plan(_config("--seed", "5", "--eval-samples", "3"), 2, 11, None, False)
+    assert plan.eval_seed == 11 and plan.eval_samples == 3 and plan.sampling.stop_token_ids == (2,)

@@ -236,11 +236,7 @@ def build_fleet(config, tokenizer, task, seeds: tuple[int, int], model_dir: str,
     loop, trainer, index = config.loop, config.trainer, layout.engine_here
     manager = None
     if index is not None:
-        sampling = SamplingConfig(n=loop.group_size, temperature=loop.temperature, top_p=loop.top_p,
-                                  max_new_tokens=loop.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
-        plan = RolloutPlan(loop.prompts_per_step, sampling, loop.eval_samples, trainer.training.seed,
-                           trainer.model.seq_length, with_advantages, routing_replay, config.overlong,
-                           policy_versions=loop.max_off_policy_steps > 0, partial_rollouts=loop.partial_rollouts)
+        plan = rollout_plan(config, tokenizer.eos_token_id, seeds[0], with_advantages, routing_replay)
         several, out = layout.size > 1, trainer.logging.output_dir
         engine = RolloutEngine(engine_config(config.engine, model_dir, index, several, arena_rank),
                                os.path.join(out, f"engine-{index}" if several else "engine"))
@@ -253,6 +249,18 @@ def build_fleet(config, tokenizer, task, seeds: tuple[int, int], model_dir: str,
     return RolloutFleet(layout, node_of, [dp for _, dp in places], data_parallel_rank, manager, copies, config.fleet,
                         loop.prompts_per_step, len(task.eval), trainer.training.max_tokens_per_microbatch is not None,
                         log.info, config.dynamic_sampling)
+
+
+def rollout_plan(config, eos_token_id: int, data_seed: int, with_advantages, routing_replay: bool) -> RolloutPlan:
+    """What every engine's manager makes of a step (`config`: the run's `arguments.GRPORunConfig`). Evaluations
+    sample with the run's data seed: a resumed run's is the saved run's, whatever --seed it was given, so that its
+    evaluations stay comparable with the ones before."""
+    loop = config.loop
+    sampling = SamplingConfig(n=loop.group_size, temperature=loop.temperature, top_p=loop.top_p,
+                              max_new_tokens=loop.max_new_tokens, stop_token_ids=(eos_token_id,))
+    return RolloutPlan(loop.prompts_per_step, sampling, loop.eval_samples, data_seed, config.trainer.model.seq_length,
+                       with_advantages, routing_replay, config.overlong, policy_versions=loop.max_off_policy_steps > 0,
+                       partial_rollouts=loop.partial_rollouts)
 
 
 def engine_config(engine: EngineConfig, model_dir: str, index: int, several: bool, arena_rank: int) -> EngineConfig:
