@@ -72,7 +72,9 @@ class WeightSync:
             self.calibrate_kv_cache(sequences)
         else:
             self.fleet.set_kv_cache_scales(self.state.kv_cache_scales)
-        self.hold(reference)
+        reference = self.hold(reference)
+        if self.fleet.restarted_unchecked():
+            self.verify_refit(reference, 0, 0)
 
     def stage(self, step: int, calibration_sequences: Callable[[int], list[list[int]]]) -> None:
         """Write the weights step `step` trained into the staging arena, verified once, before any engine holds them
@@ -99,12 +101,11 @@ class WeightSync:
             if self.fp8_kv_cache:
                 self.fleet.set_kv_cache_scales(scales)
             reference = self.hold(staged.reference)
+            unchecked = self.fleet.restarted_unchecked()
             metrics = {f"rollout/engine{host}_weight_version": v for host, v in self.fleet.engine_versions.items()}
-            if self.loop.verifies_at(step):
-                metrics.update(self.fleet.verify_refit(
-                    self.model.ddp_chunks, self.probe, self.groups, self.build.shape.vocab_size, reference,
-                    self.loop.verify_refit_engines, step // self.loop.verify_refit_interval - 1,
-                    self.build.shape.is_moe))
+            if unchecked or self.loop.verifies_at(step):  # an engine restarted unchecked: every engine is checked
+                metrics.update(self.verify_refit(reference, 0 if unchecked else self.loop.verify_refit_engines,
+                                                 step // self.loop.verify_refit_interval - 1))
         if staged.shipped_bytes is not None:
             metrics.update({"bridge/shipped_bytes": staged.shipped_bytes,
                             "bridge/node_copy_bytes": self.fleet.node_copies.sent_bytes})
@@ -119,7 +120,12 @@ class WeightSync:
         return RefitReference(
             self.probe, trainer_probe_reference(self.model.ddp_chunks, self.probe, self.groups,
                                                 self.build.shape.vocab_size),
-            refit_precision(self.config.engine, self.build.precision))
+            refit_precision(self.config.engine, self.build.precision), awaits_replay=self.build.shape.is_moe)
+
+    def verify_refit(self, reference: RefitReference, engines: int, turn: int) -> dict:
+        """The refit check of `engines` serving engines (0: every one), the `turn`-th run of them (collective)."""
+        return self.fleet.verify_refit(self.model.ddp_chunks, self.probe, self.groups, self.build.shape.vocab_size,
+                                       reference, engines, turn, self.build.shape.is_moe)
 
     def hold(self, reference: RefitReference) -> RefitReference:
         """What the engines' refit is checked against until the next sync (`RolloutFleet.hold_refit_reference`: a

@@ -198,6 +198,11 @@ class RolloutFleet:
         return mean_rewards(from_every_engine(lambda: evaluate_share(self.layout.share(prompts, self.layout.rank)),
                                               self.layout))
 
+    def restarted_unchecked(self) -> bool:
+        """Collective: whether any engine was restarted without its refit check since the last call (inside a MoE
+        model's sync, `RolloutManager._restart`): the sync's check must then cover every engine."""
+        return any(from_every_engine(lambda: self.manager.take_restarted_unchecked(), self.layout))
+
     def verify_refit(self, ddp_chunks: list, probe: list[int], groups, vocab_size: int, reference: RefitReference,
                      engines: int, turn: int, moe: bool) -> dict[str, float]:
         """The refit check of `engines` serving engines (0: every one), the `turn`-th run of them over the fleet,

@@ -108,6 +108,7 @@ class RolloutManager:
         self.data_seed, self.rollout_seed, self.log, self.scorer = data_seed, rollout_seed, log, scorer
         self.policy, self.restarts = policy, 0
         self.refit_reference: RefitReference | None = None  # of the weights the engine holds, set at each sync
+        self.restarted_unchecked = False  # restarted while its reference awaited the MoE routes' replay
         self.turns = EngineTurns()  # generations (the background worker's, the main thread's) and syncs take turns
 
     def _score(self, examples: list, rollouts: list, what: str) -> Scores:
@@ -161,7 +162,8 @@ class RolloutManager:
     def _restart(self, what: str, reason: str, cause: Exception, weights=None) -> None:
         """Restart the engine with `weights` (default: its last ones) and its KV-cache scales until it passes its
         refit check against `refit_reference` (when set), while the restart budget lasts; past it, shut the engine
-        down and raise EngineRetiredError."""
+        down and raise EngineRetiredError. A MoE reference awaiting its routes' replay (a restart inside a sync)
+        cannot judge it: the sync's own refit check, of every engine, does (`take_restarted_unchecked`)."""
         while True:
             if self.restarts >= self.policy.max_restarts:
                 self.engine.shutdown()
@@ -173,6 +175,10 @@ class RolloutManager:
             self.engine.restart(weights)
             if self.refit_reference is None:
                 return
+            if self.refit_reference.awaits_replay:
+                self.restarted_unchecked = True
+                self.log(f"{what}: the restarted engine's refit is checked once the sync is applied")
+                return
             try:
                 failure = self.refit_reference.failure(self.engine)
             except Exception as err:  # it died again while scoring the probe
@@ -181,6 +187,11 @@ class RolloutManager:
                 self.log(f"{what}: the restarted engine passed its refit check; it serves again")
                 return
             reason = f"the restarted engine failed its refit check ({failure})"
+
+    def take_restarted_unchecked(self) -> bool:
+        """Whether the engine restarted unchecked since the last call (`_restart`)."""
+        restarted, self.restarted_unchecked = self.restarted_unchecked, False
+        return restarted
 
     def rollout_rows(self, step: int, prompts: range, round_index: int = 0, policy_version: int = 0):
         """Generate the group of responses to each of the step's prompts (of its `round_index`-th sampling round) at

@@ -74,6 +74,9 @@ class RefitReference:
     probe: list[int]
     trainer_logprobs: torch.Tensor
     precision: str  # the tolerance row (`refit_precision`)
+    # a MoE model's, before `replayed_reference` replays the engines' probe routes: the trainer's own routing, which
+    # a healthy engine's rounding flips on near-tie routes, so an engine restarted meanwhile is checked later
+    awaits_replay: bool = False
 
     def check(self, engine) -> tuple[str | None, torch.Tensor]:
         """`engine`'s probe log-probs, and why it fails the refit check against this reference (None: it passes)."""
@@ -178,7 +181,8 @@ def replayed_reference(engine, ddp_chunks: list, probe: list[int], groups, vocab
     if routes is None:
         return reference
     return dataclasses.replace(reference, trainer_logprobs=trainer_probe_reference(ddp_chunks, probe, groups,
-                                                                                   vocab_size, routes))
+                                                                                   vocab_size, routes),
+                               awaits_replay=False)
 
 
 def verify_refit_on_all_ranks(engine, ddp_chunks: list, probe: list[int], groups, vocab_size: int, precision: str,

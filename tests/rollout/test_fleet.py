@@ -313,3 +313,50 @@ def test_the_engines_of_a_node_whose_copy_holder_retired_apply_that_copy():
     (hosts, leaders, applied), *_ = spawn(3, _retired_leader_worker, timeout=120)
     assert hosts == (0, 1, 2) and leaders == (1,)
     assert applied == [True, False]  # rank 0 applies the arena; rank 2 the copy its node's retired engine host holds
+
+
+class _DyingOnceEngine:
+    """An engine that dies in its first weight sync; its probe log-probs are 0.35 off the trainer's own routing
+    (a healthy BF16 MoE engine's near-tie routes, measured in rollout/verify.py), within tolerance once replayed."""
+
+    def __init__(self):
+        self.updates, self.restarts = 0, 0
+
+    def update_weights(self, weights):
+        self.updates += 1
+        if self.updates == 1:
+            raise RuntimeError("EngineCore died")
+        return self.updates
+
+    def health_check(self):
+        return self.updates > 1 or self.restarts > 0
+
+    def restart(self, weights=None):
+        self.restarts += 1
+        return 0
+
+    def prompt_logprobs(self, probe):
+        return torch.full((len(probe) - 1,), -1.35)
+
+    def shutdown(self):
+        pass
+
+
+@pytest.mark.parametrize("moe", [True, False])
+def test_an_engine_restarted_inside_a_moe_sync_waits_for_the_replayed_check(moe):
+    # its own-routing reference failed a healthy MoE engine every restart until it was retired
+    from megatron_ais.errors import EngineRetiredError
+    from megatron_ais.rollout.manager import RolloutManager, ServingPolicy
+    from megatron_ais.rollout.verify import RefitReference
+
+    messages, engine = [], _DyingOnceEngine()
+    manager = RolloutManager(engine, None, None, None, 0, 0, messages.append, None, ServingPolicy(max_restarts=3))
+    own_routing = RefitReference([1, 2, 3, 4, 5], torch.full((4,), -1.0), "bf16", awaits_replay=moe)
+    if not moe:  # a dense model's reference is the trainer's: the same engine fails it, restart after restart
+        with pytest.raises(EngineRetiredError, match="failed its refit check"):
+            manager.apply_weights("weights", own_routing, 1)
+        return
+    assert manager.apply_weights("weights", own_routing, 1) == 1
+    assert engine.restarts == 1 and engine.updates == 2
+    assert manager.take_restarted_unchecked() and not manager.take_restarted_unchecked()
+    assert messages[-1] == "weight sync: the restarted engine's refit is checked once the sync is applied"
