@@ -15,6 +15,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ais.checkpointing.config import HF_ASSETS
 from megatron_ais.checkpointing.lock import hold_save_directory, refuse_directories_in_use
+from megatron_ais.checkpointing.optimizer_state import sub_optimizers
 from megatron_ais.checkpointing.preflight import (check_layout, check_room, check_save_holds_no_other_run,
                                                   check_vocab_padding, check_writable, checkpoint_bytes)
 from megatron_ais.checkpointing.ranks import CheckpointRanks
@@ -78,11 +79,27 @@ def build_optimizer(ddp_chunks: list, settings: TrainingConfig):
                         use_distributed_optimizer=settings.use_distributed_optimizer),
         ddp_chunks)
     set_hyperparameters(optimizer, settings)
+    initialize_adam_state(optimizer)
     # what megatron/training wires up: DP grad reduction, embedding-grad sync across PP, loss scaling
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = [c.no_sync for c in ddp_chunks] if len(ddp_chunks) > 1 else ddp_chunks[0].no_sync
     return optimizer
+
+
+def initialize_adam_state(optimizer) -> None:
+    """Give every parameter the Adam state its first step would (zero moments, torch Adam's step 0): a checkpoint
+    saved before any update (a GRPO run whose first steps were all skipped) holds the optimizer state that megatron's
+    loaders expect — without it the torch_dist format could not resume it and the distributed optimizer could not
+    save it."""
+    for sub in sub_optimizers(optimizer):
+        if getattr(sub, "init_state_fn", None) is None:
+            continue
+        sub.init_state_fn(sub.optimizer, sub.config)
+        if isinstance(sub.optimizer, torch.optim.Adam | torch.optim.AdamW):  # its step lives in the state
+            for group in sub.optimizer.param_groups:
+                for param in group["params"]:
+                    sub.optimizer.state[param].setdefault("step", torch.tensor(0.0))
 
 
 def set_hyperparameters(optimizer, settings: TrainingConfig) -> None:

@@ -506,7 +506,11 @@ def restore_training_state(loaded: LoadedCheckpoint, chunks: list, optimizer, dp
                               "saved --expert-model-parallel-size (1, or above 1) can restore them")
     for i, sub in enumerate(subs):
         if not is_distributed(sub):
-            sub.load_state_dict(_by_optimizer(state["optimizer"], len(subs))[i])
+            part = _by_optimizer(state["optimizer"], len(subs))[i]
+            # megatron-core 0.16.1 saves Adam's shared step only when it is not 0 (`if step:`): a checkpoint saved
+            # before the first update has none, which torch's Adam cannot load
+            part["state"].setdefault("common_step", torch.tensor(0.0))
+            sub.load_state_dict(part)
             continue
         common = saved[i] if saved_count == len(subs) else _common_part_at_step(sub, saved)
         _load_distributed_sub(sub, common, _by_optimizer(state["optimizer"], len(subs), "param_state")[i])
