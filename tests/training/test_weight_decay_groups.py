@@ -79,6 +79,7 @@ def test_a_resumed_run_trains_with_its_own_optimizer_flags(model_root, tmp_path,
 
 
 @pytest.mark.parametrize("fmt,flags", [("torch", ["--bf16", "--use-distributed-optimizer"]), ("torch_dist", ["--fp32"]),
+                                       ("torch_dist", ["--bf16"]),
                                        ("torch_dist", ["--bf16", "--use-distributed-optimizer"])])
 def test_a_checkpoint_saved_before_the_first_update_resumes(model_root, tmp_path, fmt, flags):
     # a GRPO run whose first steps were all skipped saves an optimizer that never stepped: the distributed optimizer

@@ -509,7 +509,8 @@ def restore_training_state(loaded: LoadedCheckpoint, chunks: list, optimizer, dp
             part = _by_optimizer(state["optimizer"], len(subs))[i]
             # megatron-core 0.16.1 saves Adam's shared step only when it is not 0 (`if step:`): a checkpoint saved
             # before the first update has none, which torch's Adam cannot load
-            part["state"].setdefault("common_step", torch.tensor(0.0))
+            torch_state = part["optimizer"] if "optimizer" in part else part  # under BF16: beside the fp32 params
+            torch_state["state"].setdefault("common_step", torch.tensor(0.0))
             sub.load_state_dict(part)
             continue
         common = saved[i] if saved_count == len(subs) else _common_part_at_step(sub, saved)
