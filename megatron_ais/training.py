@@ -96,7 +96,7 @@ def initialize_adam_state(optimizer) -> None:
         if getattr(sub, "init_state_fn", None) is None:
             continue
         sub.init_state_fn(sub.optimizer, sub.config)
-        if isinstance(sub.optimizer, torch.optim.Adam | torch.optim.AdamW):  # its step lives in the state
+        if isinstance(sub.optimizer, torch.optim.Adam):  # AdamW too: its step lives in the state
             for group in sub.optimizer.param_groups:
                 for param in group["params"]:
                     sub.optimizer.state[param].setdefault("step", torch.tensor(0.0))

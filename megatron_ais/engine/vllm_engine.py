@@ -281,10 +281,10 @@ class RolloutEngine:
         --rollout-engine-call-timeout-s (a probe, a health check, a routing pass)."""
         if self.placement == "colocated":
             return self.llm.generate(*args, **kwargs)
+        flag = "--rollout-generation-timeout-s"
         if timeout_s is None:
-            return generate_within(self.llm, *args, timeout_s=self.config.call_timeout_s,
-                                   flag="--rollout-engine-call-timeout-s", **kwargs)
-        return generate_within(self.llm, *args, timeout_s=timeout_s, **kwargs)
+            timeout_s, flag = self.config.call_timeout_s, "--rollout-engine-call-timeout-s"
+        return generate_within(self.llm, *args, timeout_s=timeout_s, flag=flag, **kwargs)
 
     def restart(self, weights: EngineWeights | None = None) -> int:
         """Replace a crashed engine by a fresh one (a feed of its own) with the last KV-cache scales and `weights`

@@ -14,8 +14,8 @@ from megatron_ais.kv_calibration import KVCacheScales
 # flags that may change between a run and its resumption without changing what it computes
 RESUME_FREE_FLAGS = ("load", "save", "grpo_steps", "output_dir", "tensorboard_dir", "save_interval", "log_interval",
                      "keep_checkpoints", "eval_interval")
-# flags whose saved values a resumed run keeps: its data order, sampling seeds and KL reference, and the optimizer's
-# hyper-parameters (restored with its state, as there is no learning-rate schedule to override them)
+# flags whose saved values a resumed run keeps: its data order, sampling seeds and KL reference (the optimizer's
+# hyper-parameters are this run's flags: `training.set_hyperparameters`)
 RESUME_KEPT_FLAGS = ("seed", "rollout_seed", "ref_load")
 
 
