@@ -239,18 +239,20 @@ def build_fleet(config, tokenizer, task, seeds: tuple[int, int], model_dir: str,
     layout = FleetLayout.per_node(dist.get_world_size() if colocated else config.cluster.engines_per_node,
                                   dist.get_rank(), node_of, dist.new_group())
     loop, trainer, index = config.loop, config.trainer, layout.engine_here
+    leaders = node_leaders(layout.hosts, node_of, arena_rank)
     manager = None
     if index is not None:
         plan = rollout_plan(config, tokenizer.eos_token_id, seeds[0], with_advantages, routing_replay)
         several, out = layout.size > 1, trainer.logging.output_dir
-        engine = RolloutEngine(engine_config(config.engine, model_dir, index, several, arena_rank),
+        engine = RolloutEngine(engine_config(config.engine, model_dir, index, several, (arena_rank, *leaders)),
                                os.path.join(out, f"engine-{index}" if several else "engine"))
         manager = RolloutManager(engine, tokenizer, task, plan, *seeds, engine_log(log, index, several),
                                  RewardScorer(task.reward, config.rewards),
                                  serving_policy(config.fleet, separate=not colocated))
     dist.barrier()
-    copies = NodeCopies(arena_rank, node_leaders(layout.hosts, node_of, arena_rank), dist.get_rank(),
-                        config.bridge.delta, config.bridge.full_sync_interval, config.bridge.arena_on_gpu)
+    copies = NodeCopies(arena_rank, leaders, dist.get_rank(),
+                        config.bridge.delta, config.bridge.full_sync_interval, config.bridge.arena_on_gpu,
+                        loop.staging_slots)
     return RolloutFleet(layout, node_of, [dp for _, dp in places], data_parallel_rank, manager, copies, config.fleet,
                         loop.prompts_per_step, len(task.eval), trainer.training.max_tokens_per_microbatch is not None,
                         log.info, config.dynamic_sampling)
@@ -268,11 +270,13 @@ def rollout_plan(config, eos_token_id: int, data_seed: int, with_advantages, rou
                        partial_rollouts=loop.partial_rollouts)
 
 
-def engine_config(engine: EngineConfig, model_dir: str, index: int, several: bool, arena_rank: int) -> EngineConfig:
+def engine_config(engine: EngineConfig, model_dir: str, index: int, several: bool,
+                  arena_holders: tuple[int, ...]) -> EngineConfig:
     """This host's engine: a node's engines are driven by its first ranks, the k-th on its k-th CPU core when
     there are several; on GPUs a separate one takes GPUs of its own beyond the trainer's (else from its host
-    rank's GPU on: `fleet_layout.engine_gpus`), a colocated one its rank's GPU. The staging arena counts against the
-    engine's memory when it is on the engine's first GPU."""
+    rank's GPU on: `fleet_layout.engine_gpus`), a colocated one its rank's GPU. The staging arena (on the arena
+    rank) or a node's copy of it (on that node's leader; `arena_holders`: those ranks) counts against the engine's
+    memory when it is on the engine's first GPU."""
     local_rank = int(os.environ.get("LOCAL_RANK", index))
     if not torch.cuda.is_available():
         return dataclasses.replace(engine, model_dir=model_dir,
@@ -281,7 +285,7 @@ def engine_config(engine: EngineConfig, model_dir: str, index: int, several: boo
     if engine.placement == "separate":
         gpus = engine_gpus(local_rank, engine.tensor_parallel_size, ranks_on_this_node(dist.get_world_size()),
                            torch.cuda.device_count())
-    arena_here = dist.get_rank() == arena_rank and (gpus or (local_rank,))[0] == torch.cuda.current_device()
+    arena_here = dist.get_rank() in arena_holders and (gpus or (local_rank,))[0] == torch.cuda.current_device()
     return dataclasses.replace(engine, model_dir=model_dir, gpus=gpus,
                                staging_arena_gpu_copies=engine.staging_arena_gpu_copies if arena_here else 0)
 

@@ -168,8 +168,9 @@ def apply_on_every_engine(weights, copies, layout: FleetLayout, node_of: list[st
                           sync_id: int) -> list:
     """Collective on every rank, after the bridge committed a sync (`weights`: the verified arena, on every rank):
     forward it to the other nodes' copies (`bridge.node_copies.NodeCopies`); if any copy differs, SyncError on every
-    rank before any engine applies anything; else every serving engine applies its node's copy (the arena itself on
-    the arena's node) with `apply`. Return `from_every_engine`'s results (what `apply` returned, or Retired)."""
+    rank before any engine applies anything; else the copies are committed and every serving engine applies its
+    node's copy (the arena itself on the arena's node) with `apply`. Return `from_every_engine`'s results (what
+    `apply` returned, or Retired)."""
     copy, error = copies.forward(weights)
     if error is not None:
         error = f"node {node_name()} (rank {layout.rank}): {error}"
@@ -180,5 +181,6 @@ def apply_on_every_engine(weights, copies, layout: FleetLayout, node_of: list[st
     errors = [error for _, error in verdicts if error is not None]
     if errors:
         raise SyncError(f"sync {sync_id} refused, every engine keeps its weights: " + "; ".join(errors))
+    copies.commit()
     node_weights = {node_of[rank]: copy for rank, (copy, _) in enumerate(verdicts) if copy is not None}
     return from_every_engine(lambda: apply(node_weights.get(node_of[layout.rank], weights)), layout)

@@ -21,8 +21,8 @@ workspace (the budget `--rollout-gpu-memory-utilization` defaults to); a trainer
 gradients and fp32 Adam state (main weights and two moments; over DP with the distributed optimizer). Activations
 are not counted: the trainer's figure is a floor. A staging arena in GPU memory (`--bridge-arena auto` on GPUs) sits
 on GPU 0 of its node, beside trainer rank 0: one sync per slot (two with `--max-off-policy-steps` >= 1) on the arena
-rank's node, one copy on every other node with engines, and every engine process on another GPU that maps it by CUDA
-IPC opens a CUDA context there (`CUDA_CONTEXT_GIB` each).
+rank's node, as many copies on every other node with engines, and every engine process on another GPU that maps it
+by CUDA IPC opens a CUDA context there (`CUDA_CONTEXT_GIB` each).
 """
 from __future__ import annotations
 
@@ -144,15 +144,14 @@ class Placement:
     arena_slots: int = 0  # the staging arena's buffers in GPU memory on the arena rank's node (0: in host memory)
 
     def arena_gpu_gib(self, node: int) -> float:
-        """GPU 0 of `node`, beyond its trainer rank's share: the staging arena's buffers (its slots on node 0, one
-        copy on every other node with engines) and the CUDA context of each engine process on another GPU of the
-        node that maps them."""
+        """GPU 0 of `node`, beyond its trainer rank's share: the staging arena's buffers (its slots on node 0, as
+        many copies on every other node with engines) and the CUDA context of each engine process on another GPU of
+        the node that maps them."""
         engines = [e for e in self.engines if e.node == node]
         if not self.arena_slots or not engines:
             return 0.0
-        buffers = self.arena_slots if node == 0 else 1
         mapping = sum(1 for e in engines for gpu in e.gpus if gpu != 0)
-        return buffers * self.model.sync / GIB + mapping * CUDA_CONTEXT_GIB
+        return self.arena_slots * self.model.sync / GIB + mapping * CUDA_CONTEXT_GIB
 
     @property
     def cross_node_bytes(self) -> int:
@@ -342,7 +341,7 @@ def format_placement(plan: Placement, layout, model_name: str, delta: str = "off
         others = [n.node for n in plan.nodes[1:] if n.engines]
         lines.append(f"staging arena on GPU 0 of node 0: {plan.arena_slots} buffer(s) of one sync and the CUDA "
                      f"contexts of the engine processes that map it, {plan.arena_gpu_gib(0):.1f} GiB beside trainer "
-                     f"rank 0" + (f"; one copy on GPU 0 of every other node with engines, "
+                     f"rank 0" + (f"; as many copies on GPU 0 of every other node with engines, "
                                   f"{plan.arena_gpu_gib(others[0]):.1f} GiB there" if others else ""))
     else:
         lines.append("staging arena in host memory (--bridge-arena host)")

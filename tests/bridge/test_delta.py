@@ -148,7 +148,7 @@ def test_a_tensor_goes_in_full_once_its_delta_would_be_as_large(dtype, size, thr
         assert torch.equal(copy, new)
 
 
-def _nodes_worker(work: str):
+def _nodes_worker(work: str, slots: int, dropped: int):
     import os
 
     os.environ["MEGATRON_AIS_NODE_NAME"] = f"node{os.environ['RANK']}"
@@ -162,7 +162,7 @@ def _nodes_worker(work: str):
 
     initialize_distributed()
     rank = dist.get_rank()
-    copies = NodeCopies(0, (1,), rank, "on", full_sync_interval=2, on_gpu=False)
+    copies = NodeCopies(0, (1,), rank, "on", full_sync_interval=2, on_gpu=False, slots=slots)
     devices, broadcast = set(), distributed._broadcast
 
     def recording(group, tensor):  # the device of every chunk that crosses: it picks the group's backend
@@ -170,7 +170,7 @@ def _nodes_worker(work: str):
         broadcast(group, tensor)
 
     distributed._broadcast = recording
-    layer, arena = Layer(seed=1, lr=1e-6), None
+    layer, arena, applied = Layer(seed=1, lr=1e-6), None, None
     encode, log = delta.encode, []
 
     def dropping(data, plan, base):  # the arena rank's delta loses one changed code on the way
@@ -185,35 +185,58 @@ def _nodes_worker(work: str):
             if arena is None:
                 arena = SharedBuffer.create("test-delta-arena", data.numel())
             arena.data.copy_(data)
-        delta.encode = dropping if forward == 4 else encode
+        delta.encode = dropping if forward == dropped else encode
         copy, error = copies.forward(ArenaWeights(arena.ref if rank == 0 else None, tuple(entries)))
         errors = [None, None]
         dist.all_gather_object(errors, error)
         same = None if copy is None else buffer_data(copy.ref)[: data.numel()].equal(data)
-        log.append((copies.sent_bytes, data.numel(), errors[1], same))
-    kind = type(copies.copy).__name__
+        # what the node's engines applied last (and a restarted one reloads) is still intact
+        kept = None if applied is None else buffer_data(applied[0].ref)[: applied[1].numel()].equal(applied[1])
+        if errors == [None, None]:  # as apply_on_every_engine: every node verified it, its engines apply it
+            copies.commit()
+            applied = (copy, data.clone()) if copy is not None else None
+        log.append((copies.sent_bytes, data.numel(), errors[1], same, kept))
+    kind = type(copies.copies[0]).__name__
     copies.close()
     if arena is not None:
         arena.close()
     return log, devices, kind
 
 
-@pytest.mark.parametrize("world", [2])
-def test_a_second_node_follows_the_arena_through_deltas(world, tmp_path):
-    (sent, sent_on, _), (leader, received_on, copy_kind) = spawn(world, _nodes_worker, str(tmp_path))
+def test_a_second_node_follows_the_arena_through_deltas(tmp_path):
+    (sent, sent_on, _), (leader, received_on, copy_kind) = spawn(2, _nodes_worker, str(tmp_path), 1, 4)
     # a host arena crosses from host memory into a shared-memory copy (gloo); a GPU arena's copies are GPU buffers
     # and its bytes cross from GPU memory (NCCL), which a CPU cannot run
     assert sent_on == received_on == {"cpu"} and copy_kind == "SharedBuffer"
     # forwards: full, delta, delta, full (the interval of 2), delta with one code lost, full (the copy was refused),
     # delta, full (the tensors laid out anew)
-    full = [n for _, n, _, _ in sent]
-    sizes = [s for s, _, _, _ in sent]
+    full = [n for _, n, _, _, _ in sent]
+    sizes = [s for s, _, _, _, _ in sent]
     assert all(sizes[i] == full[i] for i in (0, 3, 5, 7)), sizes
     assert all(sizes[i] < full[i] // 10 for i in (1, 2, 4, 6)), sizes
-    errors = [e for _, _, e, _ in sent]
+    errors = [e for _, _, e, _, _ in sent]
     assert errors[:4] == [None] * 4 and errors[5:] == [None] * 3
     assert "differs" in errors[4] and "checksum" in errors[4]
-    assert [same for _, _, _, same in leader] == [True, True, True, True, None, True, True, True]
+    assert [same for _, _, _, same, _ in leader] == [True, True, True, True, None, True, True, True]
+    # one copy: each forward writes the weights the node's engines hold (the negative control of the test below)
+    assert [kept for _, _, _, _, kept in leader][1:] == [False] * 7
+
+
+def test_a_double_buffered_arenas_node_copies_keep_the_applied_weights_intact(tmp_path):
+    """η ≥ 1: each forward writes the copy the last applied one is not in, and a delta is against what that copy
+    holds (two syncs back), so a restarted engine reloads intact weights even during a forward, or after a refused
+    one."""
+    (sent, _, _), (leader, _, _) = spawn(2, _nodes_worker, str(tmp_path), 2, 5)
+    # forwards (copy 0, 1, 0, 1, ...): full, full (each copy's first), delta, delta, full (the interval of 2), delta
+    # with one code lost into copy 1, full into copy 1 again (refused there), full (the tensors laid out anew)
+    full = [n for _, n, _, _, _ in sent]
+    sizes = [s for s, _, _, _, _ in sent]
+    assert all(sizes[i] == full[i] for i in (0, 1, 4, 6, 7)), sizes
+    assert all(sizes[i] < full[i] // 10 for i in (2, 3, 5)), sizes
+    errors = [e for _, _, e, _, _ in sent]
+    assert errors[:5] == [None] * 5 and errors[6:] == [None] * 2 and "checksum" in errors[5]
+    assert [same for _, _, _, same, _ in leader] == [True, True, True, True, True, None, True, True]
+    assert [kept for _, _, _, _, kept in leader][1:] == [True] * 7
 
 
 def _shipping_worker(hf_dir):

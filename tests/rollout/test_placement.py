@@ -1,6 +1,7 @@
 """The placement planner (`--print-placement`): which GPUs each engine takes, which rank drives it, what one
 weight sync moves into each node and across nodes, and the layouts it refuses naming the flag; checked against
 closed forms on the Qwen3-8B and Qwen3-30B-A3B configs shipped with the examples."""
+import dataclasses
 import functools
 import json
 import os
@@ -115,6 +116,10 @@ def test_a_gpu_arena_counts_its_buffers_and_the_contexts_of_the_processes_that_m
     assert one.arena_gpu_gib(0) == one.arena_gpu_gib(1) == pytest.approx(sync + 2 * CUDA_CONTEXT_GIB)
     with pytest.raises(ArgumentValidationError, match="--bridge-arena host"):
         plan_of(arena_slots=2)  # double-buffered (η >= 1): 34 + 2 x 8.8 + 1 > 48 GiB
+    # double-buffered, node 1's copies are too (`NodeCopies`): two there as on node 0
+    two = plan_placement(dataclasses.replace(cluster, gpu_memory_gb=80), ParallelLayout(tensor=4), QWEN3_8B,
+                         mode="separate", rollout_tp=1, precision="fp8", kv_cache_gb=8, arena_slots=2)
+    assert two.arena_gpu_gib(0) == two.arena_gpu_gib(1) == pytest.approx(2 * sync + 2 * CUDA_CONTEXT_GIB)
 
 
 def test_a_world_the_trainer_layout_does_not_fit_names_the_parallel_flags():
