@@ -148,6 +148,16 @@ def correction_weights(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.T
     return ((1.0 - lam) + lam * truncated).detach()
 
 
+def lags_of_units(lags: torch.Tensor, mask: torch.Tensor, config: AISConfig) -> torch.Tensor:
+    """Each token's policy-version lag as the correction counts it: its own at --is-level token; at geometric or
+    sequence level one coefficient weighs a whole sequence, so every token takes its sequence's largest lag (over
+    the tokens in `mask`): a response sampled partly by a stale version (--partial-rollouts) is as stale as its
+    oldest token, for its λ and for the lag whose statistics it enters."""
+    if config.level == "token":
+        return lags
+    return torch.where(mask > 0, lags, 0).amax(dim=-1, keepdim=True).expand_as(lags)
+
+
 def statistics_per_lag(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
                        mask: torch.Tensor, lags: torch.Tensor, max_lag: int, config: AISConfig, group=None
                        ) -> dict[int, tuple[torch.Tensor, float]]:

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from megatron_ais import platform
 from megatron_ais.ais import (AISConfig, AISResult, AISState, ais_coefficient, apply_correction,
                               exclude_invalid_sequences, max_abs_logratio, mismatch_statistics, reduce_statistics)
-from megatron_ais.ais.coefficient import EMPTY_RESULT, lag_metrics, lambda_of_tokens, results_per_lag
+from megatron_ais.ais.coefficient import EMPTY_RESULT, lag_metrics, lags_of_units, lambda_of_tokens, \
+    results_per_lag
 from megatron_ais.batch import RolloutBatch, data_parallel_rows, row_lengths
 from megatron_ais.distributed import from_last_stage
 from megatron_ais.errors import NonFiniteInputError, RoutingReplayError
@@ -185,10 +186,12 @@ def _refuse_corrupt_logprobs(old_logprobs: torch.Tensor | None, mask: torch.Tens
 def _per_lag(old_logprobs: torch.Tensor, rollout_lp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
              lags: torch.Tensor, config: GRPOConfig, state: AISState, groups: ParallelGroups, metrics: dict,
              result: AISResult) -> AISResult:
-    """Log the mismatch of each policy-version lag's tokens alone (DP-global); with --ais-lambda-per-lag each lag's
-    λ from them (and its own state) becomes its tokens' λ in `result`, and with --ais-stale-lambda-floor stale
-    tokens' λ is at least the floor."""
+    """Log the mismatch of each policy-version lag's tokens alone (DP-global; at a sequence level, each sequence's
+    tokens at its largest lag: `lags_of_units`); with --ais-lambda-per-lag each lag's λ from them (and its own
+    state) becomes its tokens' λ in `result`, and with --ais-stale-lambda-floor stale tokens' λ is at least the
+    floor."""
     correction = config.correction
+    lags = lags_of_units(lags, mask, correction)
     results, largest = results_per_lag(old_logprobs, rollout_lp, advantages, mask, lags, config.max_lag, correction,
                                        groups.data_parallel_group, state if correction.lambda_per_lag else None)
     metrics.update(lag_metrics(results, largest, with_lambda=correction.lambda_per_lag))

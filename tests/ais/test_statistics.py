@@ -415,3 +415,36 @@ def test_per_lag_state_round_trips_through_json():
     restored = AISState()
     restored.load_state_dict(json.loads(json.dumps(state.state_dict())))
     assert restored == state and restored.of_lag(2).anchor_count == 3 and restored.of_lag(2).lam_ema is not None
+
+
+@pytest.mark.parametrize("per_lag", [False, True])
+def test_at_a_sequence_level_a_response_of_two_versions_is_as_stale_as_its_oldest_token(per_lag):
+    """--partial-rollouts: a response's tokens may come from two policy versions. At --is-level geometric one
+    coefficient weighs the sequence (GSPO's premise, docs/ais-method.md §2.6a): with --ais-stale-lambda-floor 1 a
+    row with a stale token is corrected as TIS over the whole row, min(W_i, C), and the others with the current
+    version's λ (its lag's, with --ais-lambda-per-lag: from the current rows alone), W_i the geometric mean of the
+    row's ratios (by hand). A masked token's lag does not count. Before, the λ changed inside row 0."""
+    from types import SimpleNamespace
+
+    from megatron_ais.ais.coefficient import lags_of_units
+    from megatron_ais.grpo.step import _per_lag
+
+    trainer, rollout, adv, _ = _batch(seed=13, b=4, s=6, scale=0.05)
+    mask = torch.ones(4, 6)
+    mask[3, 5] = 0.0
+    lags = torch.tensor([[0, 0, 0, 1, 1, 1], [0] * 6, [1] * 6, [0, 0, 0, 0, 0, 2]])
+    config = AISConfig(level="geometric", lambda_per_lag=per_lag, stale_lambda_floor=1.0)
+    batch = ais_coefficient(mismatch_statistics(trainer, rollout, adv, mask, config), config)
+    result = _per_lag(trainer, rollout, adv, mask, lags, SimpleNamespace(correction=config, max_lag=2), AISState(),
+                      SimpleNamespace(data_parallel_group=None), {}, batch)
+    coefficient = apply_correction(trainer, rollout, mask, config, result).coefficient
+    current_rows = torch.tensor([1, 3])
+    current = ais_coefficient(mismatch_statistics(trainer[current_rows], rollout[current_rows], adv[current_rows],
+                                                  mask[current_rows], config), config).lam if per_lag else batch.lam
+    assert 0.0 < current < 0.9
+    for row, stale in enumerate((True, False, True, False)):
+        valid = mask[row] > 0
+        w = min(math.exp(float(((trainer[row] - rollout[row])[valid]).double().mean())), config.cap)
+        expected = w if stale else (1 - current) + current * w
+        assert torch.allclose(coefficient[row][valid], torch.tensor(expected, dtype=torch.float32), atol=1e-6), row
+    assert torch.equal(lags_of_units(lags, mask, dataclasses.replace(config, level="token")), lags)
