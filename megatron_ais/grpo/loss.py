@@ -132,6 +132,13 @@ def token_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages:
     terms); `mask` (default: every token) bounds GSPO's sequences: the tokens in the loss."""
     if mask is None:
         mask = torch.ones_like(logprobs)
+    # off the loss's tokens the other policies' log-probs are placeholders (a row scored in a micro-batch of another
+    # length holds 0 there, or a padding token's log-prob): taken as the policy's own, every term is finite there
+    # (e^(0 − log π) overflows, and 0 · inf would make the loss and its gradient NaN)
+    own = logprobs.detach()
+    old_logprobs = torch.where(mask > 0, old_logprobs, own)
+    if ref_logprobs is not None:
+        ref_logprobs = torch.where(mask > 0, ref_logprobs, own)
     pg, clipped = POLICY_LOSSES[config.policy_loss](logprobs, old_logprobs, advantages, mask, config)
     loss = coefficient.detach() * pg
     parts = {"pg": pg.detach(), "clipped": clipped}

@@ -67,3 +67,31 @@ def test_each_aggregation_against_its_closed_form():
     assert aggregate(per_token, mask, "seq-mean-token-sum", 4.0).item() == pytest.approx((6 + 9) / 4)
     assert aggregate(per_token, mask, "seq-mean-token-mean", 4.0).item() == pytest.approx((6 / 3 + 9 / 2) / 4)
     assert aggregate(per_token, mask * 0, "token-mean", 0.0).item() == 0.0  # nothing valid anywhere: a zero loss
+
+
+@pytest.mark.parametrize("policy_loss", ["ppo", "gspo"])
+@pytest.mark.parametrize("kl_type", ["k1", "k3"])
+def test_placeholders_off_the_mask_change_neither_the_loss_nor_its_gradient(policy_loss, kl_type):
+    """A row scored (old, reference) in a shorter micro-batch than the one it trains in holds 0 beyond its length,
+    and its padding's own log-prob may be -95 there: e^(0 + 95) overflowed to inf in k3 (and in the ratio the other
+    way round), and 0 · inf made the loss and the gradient NaN. Off the mask nothing may count: the same loss and
+    gradient as with the policy's own log-probs there."""
+    agg = "seq-mean-token-mean" if policy_loss == "gspo" else "token-mean"
+    config = PolicyLossConfig(policy_loss=policy_loss, loss_agg=agg, kl_coef=0.01, kl_type=kl_type)
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    advantages = torch.tensor([[0.5, 0.5, 0.5, 0.5]])
+
+    def loss_and_grad(pad_logprob, old_pad, ref_pad):
+        logprobs = torch.tensor([[-1.0, -2.0, pad_logprob, 0.0]], requires_grad=True)
+        old = torch.tensor([[-1.1, -1.9, old_pad, -120.0]])
+        ref = torch.tensor([[-0.9, -2.2, ref_pad, ref_pad]])
+        per_token, _ = token_losses(logprobs, old, advantages, torch.ones_like(mask), config, ref, mask=mask)
+        loss = aggregate(per_token, mask, agg, local_normalizer(mask, agg))
+        loss.backward()
+        return loss.detach(), logprobs.grad
+
+    placeholder = loss_and_grad(-95.0, 0.0, 0.0)
+    assert torch.isfinite(placeholder[0]) and torch.isfinite(placeholder[1]).all(), placeholder
+    benign = loss_and_grad(-1.0, -1.0, -1.0)
+    assert torch.equal(placeholder[0], benign[0]) and torch.equal(placeholder[1][:, :2], benign[1][:, :2])
+    assert torch.equal(placeholder[1][:, 2:], torch.zeros(1, 2))
