@@ -328,7 +328,11 @@ def begin_save(root: str, iteration: int, chunks: list, metadata: dict[str, Any]
                snapshot: bool = False) -> StagedSave:
     """Prepare the staging directory (the committer; metadata and HF assets in it) and the format's part of the save
     of model, optimizer, every DP rank's RNG state and the run state; collective over all ranks. `snapshot`: the
-    format copies what training changes, so that the files may be written while it goes on."""
+    format copies what training changes, so that the files may be written while it goes on. A `protect`ed
+    iteration (a run's KL reference) is never saved over."""
+    if iteration in protect:
+        raise CheckpointError(f"refusing to save iteration {iteration} into {root}: it is protected (a run's KL "
+                              "reference lives there), and a resumed run would take the new weights as its reference")
     if ranks.is_committer:
         prepare_staging(root, iteration)
         write_metadata(staging_dir(root, iteration), metadata, hf_assets_from)

@@ -25,8 +25,8 @@ from megatron_ais.errors import ArgumentValidationError, TaskError
 from megatron_ais.forward import ParallelGroups
 from megatron_ais.grpo.advantages import with_advantages
 from megatron_ais.grpo.schedule import RolloutSchedule
-from megatron_ais.grpo.state import (DATA_SEED_KEY, GRPOState, changed_flags, check_data_seed, protected_iterations,
-                                     reference_source, resumed_data_seed)
+from megatron_ais.grpo.state import (DATA_SEED_KEY, GRPOState, changed_flags, check_data_seed, check_reference_kept,
+                                     protected_iterations, reference_source, resumed_data_seed)
 from megatron_ais.grpo.step import GRPOConfig, grpo_train_step
 from megatron_ais.grpo.weight_sync import ARENA_RANK, WeightSync
 from megatron_ais.hf_assets import load_tokenizer
@@ -180,6 +180,10 @@ class GRPORun:
             unverified)
         self.state = GRPOState.begin(saved, trainer.training.seed, self.loop.rollout_seed, reference)
         check_data_seed(self.state, self.data_seed, trainer.checkpoint.load)
+        if config.loss.kl_coef:
+            check_reference_kept(self.state.reference, trainer.checkpoint.save,
+                                 lambda step: trainer.checkpoint.saves_at(step, self.loop.grpo_steps),
+                                 self.state.step + 1, self.loop.grpo_steps)
         self.groups = ParallelGroups.from_parallel_state()
         self.reference = None
         if config.loss.kl_coef:

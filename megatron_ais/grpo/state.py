@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Callable
 
 from megatron_ais.ais import AISState
 from megatron_ais.checkpointing.store import read_checkpoint_metadata, usable_iterations
-from megatron_ais.errors import CheckpointError
+from megatron_ais.errors import ArgumentValidationError, CheckpointError
 from megatron_ais.kv_calibration import KVCacheScales
 
 # flags that may change between a run and its resumption without changing what it computes
@@ -64,6 +65,18 @@ def protected_iterations(reference: dict, save: str | None) -> tuple[int, ...]:
     if save and load and iteration is not None and os.path.realpath(load) == os.path.realpath(save):
         return (iteration,)
     return ()
+
+
+def check_reference_kept(reference: dict, save: str | None, saves_at: Callable[[int], bool], first_step: int,
+                         last_step: int) -> None:
+    """Refuse, before training, a run whose --save holds its KL reference at an iteration one of its steps
+    `first_step` .. `last_step` would save over (`saves_at`): every later resume would take that step's policy as
+    the reference."""
+    for iteration in protected_iterations(reference, save):
+        if first_step <= iteration <= last_step and saves_at(iteration):
+            raise ArgumentValidationError(
+                f"--save {save} holds this run's KL reference (its iteration {iteration}), which step {iteration} "
+                f"would save over; give --save another directory, or --ref-load a copy of that checkpoint")
 
 
 @dataclasses.dataclass

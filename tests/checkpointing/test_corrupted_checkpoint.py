@@ -116,6 +116,30 @@ def test_a_kl_reference_iteration_is_kept_and_loaded_by_number(tmp_path):
     assert protected_iterations({"hf_dir": "/m"}, root) == ()
 
 
+def test_a_kl_reference_iteration_is_never_saved_over(tmp_path):
+    """GRPO from an SFT run's iteration 4 into the same directory (--replace-checkpoints) would save its step 4 over
+    its KL reference, and every resume would take that policy as the reference: refused before training (naming
+    --save and the fix), and the store refuses to save a protected iteration whatever its caller."""
+    from megatron_ais.errors import ArgumentValidationError
+    from megatron_ais.grpo.state import check_reference_kept
+
+    root = str(tmp_path)
+    reference = _save(root, 4, 1.0)
+    source = {"load": root, "iteration": 4}
+    with pytest.raises(CheckpointError, match="refusing to save iteration 4 into .*: it is protected"):
+        _save(root, 4, 2.0, protect=(4,))
+    loaded = store.load_checkpoint(root, CheckpointRanks(), iteration=4)
+    assert torch.equal(loaded.state["model"]["weight"], reference) and not os.path.exists(store.staging_dir(root, 4))
+    every_second = lambda step: step % 2 == 0  # noqa: E731  (--save-interval 2)
+    with pytest.raises(ArgumentValidationError, match=f"^--save {root} holds this run's KL reference \\(its "
+                                                      "iteration 4\\), which step 4 would save over; give --save"):
+        check_reference_kept(source, root, every_second, 1, 10)
+    check_reference_kept(source, root, every_second, 5, 10)  # resumed past it
+    check_reference_kept(source, root, lambda step: step % 3 == 0, 1, 10)  # never saved at step 4
+    check_reference_kept(source, str(tmp_path / "elsewhere"), every_second, 1, 10)
+    check_reference_kept(source, root, every_second, 1, 3)  # the run ends before
+
+
 def test_restore_refuses_weights_only_checkpoint(tmp_path):
     root = str(tmp_path)
     stage = store.prepare_staging(root, 1)
