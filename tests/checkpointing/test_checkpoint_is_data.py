@@ -128,14 +128,21 @@ def _plant_in_byte_item(model_dir, payload):
     return f"{info.relative_path} (item {index.fqn})", "posix.system"
 
 
+def _plant_in_extra_state_bytes(model_dir, payload):
+    """A layer's _extra_state item that is itself data, a uint8 tensor, holding a pickle as its bytes: TE's format,
+    which TE unpickles with pickle.loads when the model loads."""
+    return _plant_in_byte_item(model_dir, torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8))
+
+
 def _plant_in_common_state(model_dir, payload):
     torch.save({"payload": payload}, os.path.join(model_dir, "common.pt"))
     return "common.pt", "posix.system"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plant", [_plant_in_metadata, _plant_in_byte_item, _plant_in_common_state],
-                         ids=["metadata", "byte-item", "common-state"])
+@pytest.mark.parametrize("plant", [_plant_in_metadata, _plant_in_byte_item, _plant_in_extra_state_bytes,
+                                   _plant_in_common_state],
+                         ids=["metadata", "byte-item", "extra-state-bytes", "common-state"])
 def test_a_torch_dist_pickle_that_would_run_code_is_refused_unrun(torch_dist_checkpoint, tmp_path, capfd, plant):
     """torch.distributed.checkpoint reads `.metadata` with pickle.load and byte items with torch.load(weights_only=
     False): each is read as data first, so a crafted one (checksums rewritten to match) is refused unrun and the
@@ -196,4 +203,7 @@ def _read_as_torch_does(model_dir, name):
     info = next(s for i, s in torch_dist.read_dcp_metadata(model_dir).storage_data.items() if i.fqn == fqn)
     with open(os.path.join(model_dir, info.relative_path), "rb") as f:
         f.seek(info.offset)
-        return torch.load(io.BytesIO(f.read(info.length)), weights_only=False)
+        item = torch.load(io.BytesIO(f.read(info.length)), weights_only=False)
+    if isinstance(item, torch.Tensor):  # a TE layer's extra state (megatron-core's _decode_extra_state)
+        return pickle.loads(item.numpy().tobytes())
+    return item

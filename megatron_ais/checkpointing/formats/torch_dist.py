@@ -393,6 +393,14 @@ class _Refused(Exception):
     """A global outside what a data pickle may name."""
 
 
+class _PlainDataUnpickler(pickle.Unpickler):
+    """Unpickles plain data only (containers, numbers, strings, None): any global is refused before it is imported,
+    and without one nothing can be called."""
+
+    def find_class(self, module: str, name: str):
+        raise _Refused(f"{module}.{name}")
+
+
 def read_dcp_metadata(model_dir: str) -> Metadata:
     """torch.distributed.checkpoint's `.metadata`, read as data (torch itself reads it with pickle.load)."""
     path = os.path.join(model_dir, DCP_METADATA)
@@ -424,7 +432,25 @@ def check_is_data(model_dir: str) -> None:
                                   "format writes, so it cannot be read as data")
         with open(path, "rb") as file:
             file.seek(info.offset)
-            load_data(io.BytesIO(file.read(info.length)), name=f"{path} (item {index.fqn})")
+            item = load_data(io.BytesIO(file.read(info.length)), name=f"{path} (item {index.fqn})")
+        if index.fqn.split("/")[0].endswith("_extra_state"):  # megatron-core's ShardedObject key: name/shard_..
+            check_extra_state_is_data(item, f"{path} (item {index.fqn})")
+
+
+def check_extra_state_is_data(state, name: str) -> None:
+    """Transformer Engine (and megatron-core's grouped TE layers, `_decode_extra_state`) unpickle a layer's non-empty
+    `_extra_state` byte tensor with pickle.loads when the model loads: its bytes must be plain data (a BF16 run's
+    are empty; an FP8 run's hold TE's scaling recipe and tensors, whose pickle names code: refused)."""
+    if not isinstance(state, torch.Tensor) or state.numel() == 0:
+        return
+    try:
+        _PlainDataUnpickler(io.BytesIO(state.cpu().numpy().tobytes())).load()
+    except _Refused as refused:
+        raise CheckpointError(f"{name} is refused: its pickle calls {refused} outside the checkpoint allowlist "
+                              "(Transformer Engine unpickles a layer's _extra_state bytes when the model loads; a "
+                              "checkpoint is data, never code); nothing of it was run") from None
+    except Exception as err:  # a damaged pickle: pickle.loads would fail on it too
+        raise CheckpointError(f"{name}: its _extra_state bytes are not a readable pickle ({err})") from None
 
 
 def read_rank_state(directory: str, tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1,
