@@ -8,6 +8,7 @@ from typing import Callable
 
 from megatron_ais.checkpointing.background import BackgroundSaver
 from megatron_ais.checkpointing.config import HF_ASSETS, RUN_KIND, CheckpointConfig, checkpoint_metadata
+from megatron_ais.checkpointing.formats import torch_dist
 from megatron_ais.checkpointing.ranks import CheckpointRanks
 from megatron_ais.checkpointing.store import FORMATS, begin_save, commit_staged, iteration_dir, write_staged
 
@@ -26,6 +27,8 @@ class Checkpointer:
         self.ranks = CheckpointRanks.from_parallel_state()
         self.on_commit = on_commit
         self.saver = BackgroundSaver() if config.async_save else None
+        if config.save and config.ckpt_format == torch_dist.NAME and use_distributed_optimizer:
+            torch_dist.check_optimizer_saveable(optimizer)
 
     def saves_at(self, step: int, last_step: int) -> bool:
         return self.config.saves_at(step, last_step)

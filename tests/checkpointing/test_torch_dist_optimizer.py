@@ -169,3 +169,38 @@ def _check_resharded(hf_dir, root, save, load, same_padding):
         assert {entry["step"] for entry in resumed.values()} == {3.0}
         for name in MOMENTS:  # within a thousandth of what the update changed (measured: 1e-5 to 1e-6 of it)
             assert _worst(uninterrupted, resumed, name) <= 1e-3 * _worst(saved, uninterrupted, name), name
+
+
+def _saveable(hf_dir):
+    from distributed import start_trainer
+    from megatron_ais.checkpointing.formats import torch_dist
+    from megatron_ais.errors import ArgumentValidationError
+    from megatron_ais.training import setup_model_and_optimizer
+
+    trainer, _, build = start_trainer("--hf-dir", hf_dir, "--seq-length", str(SEQ), "--fp32", "--micro-batch-size",
+                                      "2", "--use-distributed-optimizer", "--pipeline-model-parallel-size", "2")
+    setup = setup_model_and_optimizer(build, trainer.weights, trainer.training, run_kind="test")
+    buckets = [(b.numel_unpadded, b.grad_data.numel()) for chunk in setup.ddp_chunks for buffer in chunk.buffers
+               for b in buffer.buckets]
+    try:
+        torch_dist.check_optimizer_saveable(setup.optimizer)
+    except ArgumentValidationError as err:
+        return str(err), buckets
+    return None, buckets
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_layout_megatron_core_would_save_shifted_is_refused_before_training(model_root, tied):
+    """PP2 with tied embeddings (a bucket of their own on the first stage, padded to 65 024 before the embedding's):
+    megatron-core 0.16.1 cuts each parameter's moments at its padded place out of state laid out unpadded, 64 elements
+    off, and the save failed on every rank (a gloo peer gone on the other). Refused when the run starts, naming the
+    format flag; the same model untied has no padded bucket before another and is accepted."""
+    hf_dir = make_model_dir(model_root, "qwen2", hidden_size=96, tie_word_embeddings=tied)
+    (first, first_buckets), (second, _) = spawn(2, _saveable, hf_dir)
+    if tied:
+        assert first_buckets[0][0] < first_buckets[0][1], first_buckets  # the padded bucket before the embedding's
+        assert first == second and first.startswith("--ckpt-format torch_dist with --use-distributed-optimizer: "
+                                                     "megatron-core 0.16.1 would save this layout's optimizer state "
+                                                     "shifted") and "use --ckpt-format torch" in first
+    else:
+        assert first is None and second is None

@@ -50,7 +50,7 @@ from megatron_ais.checkpointing.config import LoadedCheckpoint, RankFileWrite
 from megatron_ais.checkpointing.optimizer_state import (check_optimizer_layout, is_distributed, rng_state,
                                                         set_rng_state, sub_optimizers, unshare_adam_steps)
 from megatron_ais.checkpointing.ranks import CheckpointRanks, gather
-from megatron_ais.errors import CheckpointError
+from megatron_ais.errors import ArgumentValidationError, CheckpointError
 from megatron_ais.model import unwrap_model
 
 # megatron-core 0.16.1's dist_checkpointing calls torch.distributed.checkpoint's `load_state_dict` and builds
@@ -144,6 +144,26 @@ def _empty_world_state(sub) -> dict:
                                "numel_unpadded": sub.buffers[gbuf_idx].numel_unpadded}
                        for dtype in range_maps}
             for gbuf_idx, range_maps in enumerate(sub.gbuf_ranges)}
+
+
+def check_optimizer_saveable(optimizer) -> None:
+    """Refuse, before training, a distributed optimizer whose state megatron-core 0.16.1 would save shifted: its
+    gathered state lies bucket after bucket, each cut to its unpadded size, while `sharded_param_state_dp_zero` cuts
+    each parameter out of it at its place in the padded buffer (its "issue #504" warning), so a bucket padded before
+    another (tied embeddings in a bucket of their own under pipeline parallelism, at some data-parallel sizes)
+    shifts every later parameter's moments, and the last runs off the end (here: no checkpoint could be written).
+    Collective on every rank: all refuse when one would."""
+    subs = [sub for sub in sub_optimizers(optimizer) if is_distributed(sub)] if optimizer is not None else []
+    shifted = any(bucket.numel_unpadded != bucket.grad_data.numel()
+                  for sub in subs for buffer in sub.buffers for bucket in buffer.buckets[:-1])
+    everywhere = [None] * dist.get_world_size()
+    dist.all_gather_object(everywhere, shifted)
+    if any(everywhere):
+        raise ArgumentValidationError(
+            "--ckpt-format torch_dist with --use-distributed-optimizer: megatron-core 0.16.1 would save this "
+            "layout's optimizer state shifted (a gradient bucket padded before another: tied embeddings under "
+            "pipeline parallelism at this data-parallel size); use --ckpt-format torch, or another "
+            "--data-parallel layout")
 
 
 @contextlib.contextmanager
