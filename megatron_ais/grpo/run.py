@@ -176,17 +176,13 @@ class GRPORun:
         saved, loaded = self.model.run_state, self.model.loaded
         unverified = trainer.checkpoint.allow_unverified_checkpoint
         reference = (saved or {}).get("reference_source") or reference_source(
-            self.loop.ref_load, trainer.checkpoint.load, trainer.model.hf_dir, loaded.iteration if loaded else None,
-            unverified)
+            self.loop.ref_load, trainer.checkpoint.load, trainer.model.hf_dir, loaded and loaded.iteration, unverified)
         self.state = GRPOState.begin(saved, trainer.training.seed, self.loop.rollout_seed, reference)
         check_data_seed(self.state, self.data_seed, trainer.checkpoint.load)
-        if config.loss.kl_coef:
-            check_reference_kept(self.state.reference, trainer.checkpoint.save,
-                                 lambda step: trainer.checkpoint.saves_at(step, self.loop.grpo_steps),
-                                 self.state.step + 1, self.loop.grpo_steps)
         self.groups = ParallelGroups.from_parallel_state()
         self.reference = None
         if config.loss.kl_coef:
+            check_reference_kept(self.state.reference, trainer.checkpoint, self.state.step + 1, self.loop.grpo_steps)
             self.reference = build_reference_chunks(self.build,
                                                     WeightSource(**self.state.reference, allow_unverified=unverified))
         self.grpo = GRPOConfig.for_run(config, self.build.shape, self.routing_replay)

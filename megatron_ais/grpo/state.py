@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable
 
 from megatron_ais.ais import AISState
 from megatron_ais.checkpointing.store import read_checkpoint_metadata, usable_iterations
@@ -67,13 +66,13 @@ def protected_iterations(reference: dict, save: str | None) -> tuple[int, ...]:
     return ()
 
 
-def check_reference_kept(reference: dict, save: str | None, saves_at: Callable[[int], bool], first_step: int,
-                         last_step: int) -> None:
+def check_reference_kept(reference: dict, checkpoint, first_step: int, last_step: int) -> None:
     """Refuse, before training, a run whose --save holds its KL reference at an iteration one of its steps
-    `first_step` .. `last_step` would save over (`saves_at`): every later resume would take that step's policy as
-    the reference."""
+    `first_step` .. `last_step` would save over (`checkpoint`: its CheckpointConfig): every later resume would take
+    that step's policy as the reference."""
+    save = checkpoint.save
     for iteration in protected_iterations(reference, save):
-        if first_step <= iteration <= last_step and saves_at(iteration):
+        if first_step <= iteration <= last_step and checkpoint.saves_at(iteration, last_step):
             raise ArgumentValidationError(
                 f"--save {save} holds this run's KL reference (its iteration {iteration}), which step {iteration} "
                 f"would save over; give --save another directory, or --ref-load a copy of that checkpoint")

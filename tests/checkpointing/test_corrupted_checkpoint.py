@@ -120,6 +120,7 @@ def test_a_kl_reference_iteration_is_never_saved_over(tmp_path):
     """GRPO from an SFT run's iteration 4 into the same directory (--replace-checkpoints) would save its step 4 over
     its KL reference, and every resume would take that policy as the reference: refused before training (naming
     --save and the fix), and the store refuses to save a protected iteration whatever its caller."""
+    from megatron_ais.checkpointing.config import CheckpointConfig
     from megatron_ais.errors import ArgumentValidationError
     from megatron_ais.grpo.state import check_reference_kept
 
@@ -130,14 +131,14 @@ def test_a_kl_reference_iteration_is_never_saved_over(tmp_path):
         _save(root, 4, 2.0, protect=(4,))
     loaded = store.load_checkpoint(root, CheckpointRanks(), iteration=4)
     assert torch.equal(loaded.state["model"]["weight"], reference) and not os.path.exists(store.staging_dir(root, 4))
-    every_second = lambda step: step % 2 == 0  # noqa: E731  (--save-interval 2)
+    every_second = CheckpointConfig(save=root, save_interval=2)
     with pytest.raises(ArgumentValidationError, match=f"^--save {root} holds this run's KL reference \\(its "
                                                       "iteration 4\\), which step 4 would save over; give --save"):
-        check_reference_kept(source, root, every_second, 1, 10)
-    check_reference_kept(source, root, every_second, 5, 10)  # resumed past it
-    check_reference_kept(source, root, lambda step: step % 3 == 0, 1, 10)  # never saved at step 4
-    check_reference_kept(source, str(tmp_path / "elsewhere"), every_second, 1, 10)
-    check_reference_kept(source, root, every_second, 1, 3)  # the run ends before
+        check_reference_kept(source, every_second, 1, 10)
+    check_reference_kept(source, every_second, 5, 10)  # resumed past it
+    check_reference_kept(source, CheckpointConfig(save=root, save_interval=3), 1, 10)  # never saved at step 4
+    check_reference_kept(source, CheckpointConfig(save=str(tmp_path / "elsewhere"), save_interval=2), 1, 10)
+    check_reference_kept(source, every_second, 1, 3)  # the run ends before it
 
 
 def test_restore_refuses_weights_only_checkpoint(tmp_path):
