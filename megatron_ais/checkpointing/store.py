@@ -240,10 +240,10 @@ def file_digest(path: str) -> dict[str, Any]:
 
 
 def write_checksums(stage: str, names: list[str] | None = None, fmt: ModuleType = torch_format) -> None:
-    """Record the size and sha256 of rank files (default: all of them, as the format `fmt` lists them) in a staging
-    directory's checksums.json, for checkpoints one process writes (the converter); a run's ranks report theirs to the
-    committer."""
-    names = fmt.rank_files(stage) if names is None else names
+    """Record the size and sha256 of rank files (default: all of them, as the format `fmt` lists them, and the HF
+    assets) in a staging directory's checksums.json, for checkpoints one process writes (the converter); a run's ranks
+    report theirs to the committer."""
+    names = fmt.rank_files(stage) + _asset_files(stage) if names is None else names
     _atomic_write_text(os.path.join(stage, CHECKSUMS),
                        json.dumps({n: file_digest(os.path.join(stage, n)) for n in names}, indent=1, sort_keys=True))
 
@@ -342,6 +342,12 @@ def begin_save(root: str, iteration: int, chunks: list, metadata: dict[str, Any]
     return StagedSave(root, iteration, files, ranks.is_committer, keep, protect)
 
 
+def _asset_files(stage: str) -> list[str]:
+    """The HF assets (tokenizer, generation config) a staging directory holds, as checksums.json names them."""
+    assets = os.path.join(stage, HF_ASSETS)
+    return [os.path.join(HF_ASSETS, name) for name in sorted(os.listdir(assets))] if os.path.isdir(assets) else []
+
+
 def _digests(stage: str, names: list[str]) -> dict[str, dict[str, Any]]:
     return {name: file_digest(os.path.join(stage, name)) for name in names}
 
@@ -370,6 +376,8 @@ def commit_staged(save: StagedSave) -> str:
     if save.is_committer and problem is None:
         checksums = {name: entry for part, _ in reports for name, entry in part.items()}
         problem = staging_problem(save.stage, checksums)
+        # the tokenizer a resume reads from the newest usable checkpoint: listed, a truncated one refuses it
+        checksums.update(_digests(save.stage, _asset_files(save.stage)))
         try:  # a failure here (a full disk, a refused rename) reaches every rank below, instead of leaving them waiting
             if problem is None:
                 _atomic_write_text(os.path.join(save.stage, CHECKSUMS),

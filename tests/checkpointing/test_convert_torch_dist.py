@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 import convert_checkpoint
 from conftest import make_model_dir
 from distributed import spawn
+from megatron_ais.checkpointing.config import HF_ASSETS
 from megatron_ais.checkpointing.formats import torch_dist
 from megatron_ais.checkpointing.store import (CHECKSUMS, METADATA, TRACKER, checkpoint_problem, committed_iterations,
                                               directory_format, iteration_dir, newest_verified_iteration)
@@ -29,7 +30,8 @@ def _assert_verified_torch_dist(root: str, iteration: int) -> None:
     assert checkpoint_problem(root, iteration) is None and newest_verified_iteration(root) == iteration
     with open(os.path.join(directory, CHECKSUMS)) as f:
         listed = set(json.load(f))
-    assert listed == set(torch_dist.rank_files(directory)) and torch_dist.RUN_STATE in listed
+    assets = {f"{HF_ASSETS}/{name}" for name in os.listdir(os.path.join(directory, HF_ASSETS))}  # the tokenizer too
+    assert assets and listed == set(torch_dist.rank_files(directory)) | assets and torch_dist.RUN_STATE in listed
     assert any(name.endswith(".distcp") for name in listed)
 
 
