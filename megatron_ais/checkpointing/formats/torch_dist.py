@@ -146,6 +146,11 @@ def _empty_world_state(sub) -> dict:
             for gbuf_idx, range_maps in enumerate(sub.gbuf_ranges)}
 
 
+def _distributed_subs(optimizer) -> list:
+    """The distributed optimizers among `optimizer`'s parts (none without an optimizer)."""
+    return [sub for sub in sub_optimizers(optimizer) if is_distributed(sub)] if optimizer is not None else []
+
+
 def check_optimizer_saveable(optimizer) -> None:
     """Refuse, before training, a distributed optimizer whose state megatron-core 0.16.1 would save shifted: its
     gathered state lies bucket after bucket, each cut to its unpadded size, while `sharded_param_state_dp_zero` cuts
@@ -153,7 +158,7 @@ def check_optimizer_saveable(optimizer) -> None:
     another (tied embeddings in a bucket of their own under pipeline parallelism, at some data-parallel sizes)
     shifts every later parameter's moments, and the last runs off the end (here: no checkpoint could be written).
     Collective on every rank: all refuse when one would."""
-    subs = [sub for sub in sub_optimizers(optimizer) if is_distributed(sub)] if optimizer is not None else []
+    subs = _distributed_subs(optimizer)
     shifted = any(bucket.numel_unpadded != bucket.grad_data.numel()
                   for sub in subs for buffer in sub.buffers for bucket in buffer.buckets[:-1])
     everywhere = [None] * dist.get_world_size()
@@ -171,7 +176,7 @@ def optimizer_state_deferred(optimizer):
     """While megatron-core builds the optimizer's sharded state dict for a save, let every distributed optimizer hand
     it empty world tensors instead of gathering its shards (an instance attribute shadowing the method, removed on
     exit). Yields the DeferredOptimizerState to fill at the write; None without a distributed optimizer."""
-    subs = [sub for sub in sub_optimizers(optimizer) if is_distributed(sub)] if optimizer is not None else []
+    subs = _distributed_subs(optimizer)
     if not subs:
         yield None
         return
